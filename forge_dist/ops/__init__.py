@@ -1,0 +1,6 @@
+"""Public ops (FLA conventions; see DESIGN.md section 1) and the named model wrappers."""
+from .attention import gated_delta_rule, gla, hgrn, linear_attn, simple_gla
+from .models import deltanet, hgrn2, lightning_attn, mamba2_ssd, retnet, retnet_decays
+
+__all__ = ["linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn", "retnet",
+           "retnet_decays", "lightning_attn", "mamba2_ssd", "hgrn2", "deltanet"]

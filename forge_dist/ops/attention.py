@@ -1,0 +1,227 @@
+"""The public ops: FLA's argument conventions, any device, optional sequence parallelism.
+
+Every op returns ``(o, final_state)``; ``final_state`` is ``None`` unless
+``output_final_state=True``.  With ``group`` (a ``torch.distributed`` process group) each
+rank passes its contiguous shard of the sequence: rank r holds tokens
+``[r * T, (r + 1) * T)`` of the global sequence, gets its shard's outputs and the state after
+its shard (the last rank: the global final state).  ``initial_state`` is the state before the
+first token and is read on rank 0.  With ``cu_seqlens`` (the *global* offsets of packed
+sequences, ``B == 1``) sequences may straddle ranks; then ``initial_state`` is ``[N, ...]``
+(pass the same tensor on every rank: rank r reads the rows of the sequences that begin on
+it) and ``final_state`` is ``[N, ...]`` holding the rows of the sequences that end on this
+rank (zeros elsewhere; a sum over ranks gives every final state).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import sp
+from ..sp import p2p
+from ..variants import decay_attention, delta_rule, vector_state
+from ..variants.base import ChunkFormWork, VariantSpec
+from ..variants.transitions import Kind
+from . import checks
+from .runner import needs_grad, run
+
+LINEAR_ATTN = VariantSpec("linear_attn", Kind.IDENTITY)
+SIMPLE_GLA = VariantSpec("simple_gla", Kind.SCALAR)
+GLA = VariantSpec("gla", Kind.DIAGONAL)
+GATED_DELTA_RULE = VariantSpec("gated_delta_rule", Kind.DENSE)
+HGRN = VariantSpec("hgrn", Kind.DIAGONAL, vector_state=True)
+
+_STRATEGY_CODE: Dict[str, int] = {}
+
+
+def _strategy_code(name) -> int:
+    return _STRATEGY_CODE.setdefault(str(name), len(_STRATEGY_CODE) + 1)
+
+
+def _cu_checksum(cu) -> int:
+    return 0 if cu is None else sum((i + 1) * x for i, x in enumerate(cu)) % (2 ** 61)
+
+
+def _prepare(spec: VariantSpec, *, B, T, dims, device, dtype, initial_state, state_rows_dims,
+             cu_seqlens, group, strategy, gate_flags: int, grad: bool):
+    """Checks shared by every op; returns ``(cu list, strategy object)``."""
+    checks.group(group)
+    rank, size = p2p.rank_and_size(group)
+    cu = checks.cu_seqlens(cu_seqlens, B, T * size, device)
+    if cu_seqlens is not None and cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
+        raise ValueError(f"cu_seqlens: expected a tensor on {device} or the CPU, got "
+                         f"{cu_seqlens.device}")
+    rows = B if cu is None else len(cu) - 1
+    checks.initial_state(initial_state, (rows,) + tuple(state_rows_dims), device)
+    strat = sp.resolve(strategy, device) if size > 1 else None
+    fields = {"B": B, "T (tokens per rank)": T}
+    fields.update(dims)
+    fields.update({"dtype": checks.dtype_code(dtype), "strategy": _strategy_code(strategy),
+                   "gates (g / g_gamma / beta given)": gate_flags,
+                   "cu_seqlens (number of offsets)": 0 if cu is None else len(cu),
+                   "cu_seqlens (values)": _cu_checksum(cu),
+                   "requires_grad (of any input, with grad mode on)": int(grad)})
+    checks.across_ranks(group, device, fields)
+    return cu, strat
+
+
+def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
+               summarize: Callable, *, scale, initial_state, output_final_state, cu_seqlens,
+               group, strategy, gate_flags: int) -> Tuple[Tensor, Optional[Tensor]]:
+    checks.tensor("q", q, [None, None, None, None])
+    B, T, H, K = q.shape
+    checks.tensor("k", k, [B, T, H, K])
+    checks.tensor("v", v, [B, T, H, None])
+    V = v.shape[-1]
+    dtype = checks.same_dtype({"q": q, "k": k, "v": v})
+    device = checks.same_device({"q": q, "k": k, "v": v, **gates,
+                                 "initial_state": initial_state})
+    scale = checks.scale(scale, K)
+    cu, strat = _prepare(spec, B=B, T=T, dims={"H": H, "K": K, "V": V}, device=device,
+                         dtype=dtype, initial_state=initial_state, state_rows_dims=(H, K, V),
+                         cu_seqlens=cu_seqlens, group=group, strategy=strategy,
+                         gate_flags=gate_flags,
+                         grad=needs_grad({"q": q, "k": k, "v": v, **gates}, initial_state))
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    inputs = {"q": q, "k": k, "v": v, **gates}
+    def make_work(part, need_M):
+        return ChunkFormWork(lambda need: summarize(part, scale, need), need_M)
+    return run(spec, inputs, make_work, (H, K, V),
+               B=B, T_local=T, initial_state=initial_state,
+               output_final_state=output_final_state, cu=cu, group=group, strategy=strat,
+               out_dtype=dtype, compute_dtype=compute, device=device)
+
+
+def linear_attn(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
+                initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+                cu_seqlens: Optional[Tensor] = None, group=None, strategy: str = "auto"):
+    """Linear attention, ``S_t = S_{t-1} + k_t v_t^T``, ``o_t = (scale q_t)^T S_t``.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+        initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``), fp32.
+    Returns:
+        ``o [B, T, H, V]`` (dtype of q) and the fp32 final state or ``None``.
+    """
+    def summarize(p, s, need_M):
+        return decay_attention.summarize(p["q"], p["k"], p["v"], None, s, need_transition=need_M)
+    return _matrix_op(LINEAR_ATTN, q, k, v, {}, summarize, scale=scale,
+                      initial_state=initial_state, output_final_state=output_final_state,
+                      cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=0)
+
+
+def simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
+               g_gamma: Optional[Tensor] = None, *, scale: Optional[float] = None,
+               initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+               cu_seqlens: Optional[Tensor] = None, group=None, strategy: str = "auto"):
+    """Scalar-decay linear attention, ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``.
+
+    Args:
+        g: ``[B, T, H]`` data-dependent log decays, and/or
+        g_gamma: ``[H]`` constant per-head log decays (RetNet, Lightning); both add.
+    """
+    if g is None and g_gamma is None:
+        return linear_attn(q, k, v, scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                           group=group, strategy=strategy)
+    checks.tensor("q", q, [None, None, None, None])
+    B, T, H, _ = q.shape
+    if g is not None:
+        checks.tensor("g", g, [B, T, H])
+    if g_gamma is not None:
+        checks.tensor("g_gamma", g_gamma, [H])
+        checks.same_device({"q": q, "g_gamma": g_gamma})
+        expanded = g_gamma.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        expanded = expanded.expand(B, T, H)
+        g = expanded if g is None else g + expanded
+
+    def summarize(p, s, need_M):
+        return decay_attention.summarize(p["q"], p["k"], p["v"], p["g"], s,
+                                         need_transition=need_M)
+    return _matrix_op(SIMPLE_GLA, q, k, v, {"g": g}, summarize, scale=scale,
+                      initial_state=initial_state, output_final_state=output_final_state,
+                      cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=1)
+
+
+def gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[float] = None,
+        initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+        cu_seqlens: Optional[Tensor] = None, group=None, strategy: str = "auto"):
+    """Vector-decay (GLA) attention, ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``.
+
+    Args:
+        g: ``[B, T, H, K]`` log decays.
+    """
+    checks.tensor("q", q, [None, None, None, None])
+    checks.tensor("g", g, list(q.shape))
+
+    def summarize(p, s, need_M):
+        return decay_attention.summarize(p["q"], p["k"], p["v"], p["g"], s,
+                                         need_transition=need_M)
+    return _matrix_op(GLA, q, k, v, {"g": g}, summarize, scale=scale,
+                      initial_state=initial_state, output_final_state=output_final_state,
+                      cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=2)
+
+
+def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Tensor, *,
+                     scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
+                     output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None,
+                     use_qk_l2norm_in_kernel: bool = False, group=None,
+                     strategy: str = "auto"):
+    """Gated delta rule, ``S_t = exp(g_t)(I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T``.
+
+    Args:
+        g: ``[B, T, H]`` log decays, or ``None`` for DeltaNet.
+        beta: ``[B, T, H]`` write strengths.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over the head dimension first (FLA's
+            flag of the same name).
+    """
+    checks.tensor("q", q, [None, None, None, None])
+    B, T, H, K = q.shape
+    if g is not None:
+        checks.tensor("g", g, [B, T, H])
+    checks.tensor("beta", beta, [B, T, H])
+    if use_qk_l2norm_in_kernel:
+        q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        k = checks.tensor("k", k, [B, T, H, K])
+        k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+
+    def summarize(p, s, need_M):
+        return delta_rule.summarize(p["q"], p["k"], p["v"], p["g"], p["beta"], s,
+                                    need_transition=need_M)
+    return _matrix_op(GATED_DELTA_RULE, q, k, v, {"g": g, "beta": beta}, summarize,
+                      scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                      group=group, strategy=strategy, gate_flags=3 if g is not None else 4)
+
+
+def hgrn(x: Tensor, g: Tensor, *, initial_state: Optional[Tensor] = None,
+         output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None, group=None,
+         strategy: str = "auto"):
+    """HGRN's vector recurrence, ``h_t = exp(g_t) * h_{t-1} + x_t``, ``o_t = h_t``.
+
+    Args:
+        x, g: ``[B, T, D]``.
+        initial_state: ``[B, D]`` (``[N, D]`` with ``cu_seqlens``).
+    Returns:
+        ``o [B, T, D]`` and the fp32 final state ``[B, D]`` or ``None``.
+    """
+    checks.tensor("x", x, [None, None, None])
+    B, T, D = x.shape
+    checks.tensor("g", g, [B, T, D])
+    device = checks.same_device({"x": x, "g": g, "initial_state": initial_state})
+    cu, strat = _prepare(HGRN, B=B, T=T, dims={"D": D}, device=device, dtype=x.dtype,
+                         initial_state=initial_state, state_rows_dims=(D,),
+                         cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=5,
+                         grad=needs_grad({"x": x, "g": g}, initial_state))
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    init = None if initial_state is None else initial_state.reshape(-1, 1, D, 1)
+
+    def make_work(p, need_M):
+        return ChunkFormWork(
+            lambda need: vector_state.summarize(p["x"], p["g"], need_transition=need), need_M)
+    o, final = run(HGRN, {"x": x, "g": g}, make_work, (1, D, 1), B=B, T_local=T,
+                   initial_state=init, output_final_state=output_final_state, cu=cu,
+                   group=group, strategy=strat, out_dtype=x.dtype, compute_dtype=compute,
+                   device=device)
+    return o, (None if final is None else final.reshape(-1, D))

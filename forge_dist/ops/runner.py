@@ -1,0 +1,157 @@
+"""The rank-aware driver shared by every op: segments, local summaries, state pass, merge.
+
+For one rank's shard ``[a, b)`` of the global sequence:
+
+1. cut the shard into segments at packed-sequence boundaries (``cu_seqlens``);
+2. summarise each segment locally (no communication): zero-state outputs, ``(M, dS)``;
+3. pass states between ranks (:func:`forge_dist.sp.state_pass`) for the segment at the shard
+   start, which continues a sequence begun on an earlier rank (on rank 0: from
+   ``initial_state``);
+4. merge each segment's incoming state into its outputs and final state.
+
+Every rank calls the state pass exactly once per op call, whatever its segments look like,
+so the communication pattern never depends on the data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import sp
+from ..sp import p2p
+from ..variants import transitions as tr
+from ..variants.base import SegmentWork, VariantSpec
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens ``[lo, hi)`` of the local shard, all of packed sequence ``seq``."""
+
+    seq: int
+    lo: int
+    hi: int
+    continues: bool  # its incoming state comes through the state pass
+    ends_here: bool  # the sequence's last token is in this shard
+
+
+def plan_segments(cu: Optional[List[int]], rank: int, T_local: int) -> List[Segment]:
+    """Segments of rank ``rank``'s shard ``[rank*T_local, (rank+1)*T_local)``."""
+    a, b = rank * T_local, (rank + 1) * T_local
+    if cu is None:
+        return [Segment(0, 0, T_local, True, True)]
+    segs = []
+    for n in range(len(cu) - 1):
+        start, end = cu[n], cu[n + 1]
+        if end <= a or start >= b:
+            continue
+        segs.append(Segment(n, max(start, a) - a, min(end, b) - a,
+                            continues=(start < a) or (rank == 0 and start == 0),
+                            ends_here=end <= b))
+    return segs
+
+
+def needs_grad(inputs: Dict[str, Optional[Tensor]], initial_state: Optional[Tensor]) -> bool:
+    """Whether autograd will differentiate this call (checked to agree across ranks)."""
+    tensors = [t for t in list(inputs.values()) + [initial_state] if t is not None]
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class _Attach(torch.autograd.Function):
+    """Return ``x`` unchanged but make ``anchor`` part of its graph (zero gradient).
+
+    Keeps the state pass in every rank's backward graph even where no output reads the
+    incoming state (a sequence that starts exactly at the shard start), so the reverse chain
+    never waits on a rank that skipped it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, anchor):
+        ctx.anchor_meta = (anchor.shape, anchor.dtype, anchor.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.anchor_meta
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
+        make_work: Callable[[Dict[str, Optional[Tensor]], bool], SegmentWork],
+        state_dims: Tuple[int, int, int], *, B: int, T_local: int,
+        initial_state: Optional[Tensor], output_final_state: bool,
+        cu: Optional[List[int]], group, strategy: sp.Strategy,
+        out_dtype: torch.dtype, compute_dtype: torch.dtype,
+        device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    """Run one op on this rank's shard.
+
+    Args:
+        inputs: tensors with the token axis at dim 1 (sliced per segment); ``None`` allowed.
+        make_work: ``(segment inputs, need_transition) -> SegmentWork``; the flag tells
+            whether this segment's transition ``M`` will be asked for.
+        state_dims: ``(H, K, V)`` of the internal state ``[rows, H, K, V]``.
+        initial_state: internal layout, ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu``).
+    Returns:
+        ``(o [B, T_local, ...], final_state or None)`` in the internal state layout.
+    """
+    rank, size = p2p.rank_and_size(group)
+    H, K, V = state_dims
+    segments = plan_segments(cu, rank, T_local)
+    kind = spec.kind if cu is None else tr.with_boundaries(spec.kind)
+    rows = B if cu is None else 1
+    opts = dict(dtype=compute_dtype, device=device)
+
+    def init_for(seg: Segment) -> Optional[Tensor]:
+        if initial_state is None:
+            return None
+        s = initial_state if cu is None else initial_state[seg.seq:seg.seq + 1]
+        return s.to(compute_dtype)
+
+    # Phase 1: local work; only a non-last rank's carry needs a summary and its M.
+    need_carry = size > 1 and rank < size - 1
+    tail = segments[-1]
+    works = []
+    for seg in segments:
+        part = {k: (None if t is None else t[:, seg.lo:seg.hi]) for k, t in inputs.items()}
+        works.append(make_work(part, need_carry and seg is tail and seg.continues))
+    done = {}  # segment index -> (o, final) for work finished before the state pass
+
+    # Phase 2: the state pass carries the sequence open at the shard end to the next rank.
+    M_rank = None
+    if not need_carry:
+        carry = torch.zeros(rows, H, K, V, **opts)  # nobody reads the last rank's carry
+    elif tail.continues:
+        carry, M_tail = works[-1].summary(True)
+        M_rank = tr.promote(spec.kind, kind, M_tail, rows, H, K, **opts)
+    else:  # a sequence starts inside the shard: the carry does not depend on S_in
+        done[len(segments) - 1] = works[-1].finish(init_for(tail))
+        carry = done[len(segments) - 1][1]
+        M_rank = tr.zero(kind, rows, H, K, **opts)
+    S0 = init_for(segments[0]) if rank == 0 else None
+    if S0 is None:
+        S0 = torch.zeros(rows, H, K, V, **opts)
+    S_in = sp.state_pass(kind, M_rank, carry, S0, group, strategy,
+                         needs_grad=needs_grad(inputs, initial_state))
+
+    # Phase 3: merge incoming states into outputs and final states.
+    outputs, finals = [], {}
+    for i, (seg, work) in enumerate(zip(segments, works)):
+        o, final = done[i] if i in done else work.finish(S_in if seg.continues else init_for(seg))
+        outputs.append(o)
+        if seg.ends_here or cu is None:
+            finals[seg.seq] = final
+    o = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    if size > 1 and not segments[0].continues:
+        o = _Attach.apply(o, S_in)
+    o = o.to(out_dtype)
+
+    final_state = None
+    if output_final_state:
+        if cu is None:
+            final_state = finals[0]
+        else:
+            zero = torch.zeros(1, H, K, V, **opts)
+            final_state = torch.cat([finals.get(n, zero) for n in range(len(cu) - 1)], dim=0)
+    return o, final_state

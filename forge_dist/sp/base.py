@@ -1,0 +1,122 @@
+"""The inter-rank phase: strategies and the differentiable state pass that uses them.
+
+Rank ``r`` holds the summary ``(M_r, dS_r)`` of its shard.  The forward chain is
+
+    S_in(0) = S0,        S_in(r+1) = M_r S_in(r) + dS_r
+
+and the backward chain runs the other way with the transposed transition: given ``g_r``, the
+gradient of the loss with respect to ``S_in(r)`` through rank r's own outputs,
+
+    lam(P-1) = g_{P-1},  lam(r) = g_r + M_r^T lam(r+1)
+
+so that ``dL/d dS_r = lam(r+1)``, ``dL/dM_r = lam(r+1) S_in(r)^T`` (reduced by kind) and
+``dL/dS0 = lam(0)``.  A strategy only decides how these chains travel between ranks.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..variants import transitions as tr
+from ..variants.transitions import Kind
+from . import p2p
+
+
+class Strategy:
+    """How the forward and backward chains cross ranks.  Subclasses do no autograd."""
+
+    name: str = ""
+
+    def available(self, device: torch.device) -> Optional[str]:
+        """``None`` when usable with tensors on ``device``, else the reason it is not."""
+        return None
+
+    def forward_chain(self, kind: Kind, M: Optional[Tensor], delta: Tensor, S0: Tensor,
+                      group) -> Tuple[Tensor, Any]:
+        """Return ``(S_in(r), saved)``; rank 0's ``S_in`` is ``S0``.
+
+        ``M`` is ``None`` for the identity kind and may be ``None`` on the last rank, whose
+        transition no other rank reads.  ``saved`` is handed back to :meth:`backward_chain`.
+        """
+        raise NotImplementedError
+
+    def backward_chain(self, kind: Kind, M: Optional[Tensor], grad_in: Tensor, group,
+                       saved: Any) -> Tuple[Tensor, Tensor]:
+        """Given ``g_r`` return ``(lam(r+1), lam(r))`` (``lam(P) = 0``)."""
+        raise NotImplementedError
+
+
+_REGISTRY: Dict[str, Strategy] = {}
+
+
+def register(strategy: Strategy) -> Strategy:
+    """Make ``strategy`` selectable by its name in every op's ``strategy=`` argument."""
+    _REGISTRY[strategy.name] = strategy
+    return strategy
+
+
+def names() -> list[str]:
+    """Registered strategy names plus ``"auto"``."""
+    return sorted(_REGISTRY) + ["auto"]
+
+
+def resolve(name: str, device: torch.device) -> Strategy:
+    """The strategy called ``name``; ``"auto"`` prefers ``forge``, then ``lasp2``."""
+    if not isinstance(name, str) or (name != "auto" and name not in _REGISTRY):
+        raise ValueError(f"strategy: expected one of {names()}, got {name!r}")
+    if name == "auto":
+        for candidate in ("forge", "lasp2", "serial"):
+            strat = _REGISTRY.get(candidate)
+            if strat is not None and strat.available(device) is None:
+                return strat
+        raise RuntimeError("strategy='auto': no registered strategy can run here")
+    strat = _REGISTRY[name]
+    reason = strat.available(device)
+    if reason is not None:
+        raise ValueError(f"strategy={name!r} cannot run on {device}: {reason}")
+    return strat
+
+
+class _StatePass(torch.autograd.Function):
+    """``S_in(r) = chain(M_0..M_{r-1}, dS_0..dS_{r-1}, S0)`` with the reverse chain as backward."""
+
+    @staticmethod
+    def forward(ctx, M, delta, S0, anchor, kind, strategy, group):
+        S_in, saved = strategy.forward_chain(kind, M, delta, S0, group)
+        if S_in is S0:  # rank 0: a Function must not hand an input back as its output
+            S_in = S0.clone()
+        ctx.kind, ctx.strategy, ctx.group, ctx.saved = kind, strategy, group, saved
+        ctx.has_M = M is not None
+        ctx.save_for_backward(M if M is not None else delta.new_empty(0), S_in)
+        return S_in
+
+    @staticmethod
+    def backward(ctx, grad_in):
+        M, S_in = ctx.saved_tensors
+        M = M if ctx.has_M else None
+        lam_next, lam_here = ctx.strategy.backward_chain(ctx.kind, M, grad_in.contiguous(),
+                                                         ctx.group, ctx.saved)
+        grad_M = tr.transition_grad(ctx.kind, lam_next, S_in) if ctx.has_M else None
+        return grad_M, lam_next, lam_here, None, None, None, None
+
+
+def state_pass(kind: Kind, M: Optional[Tensor], delta: Tensor, S0: Tensor, group,
+               strategy: Strategy, *, needs_grad: bool = False) -> Tensor:
+    """Differentiable inter-rank phase: this rank's incoming state ``S_in(r)``.
+
+    Args:
+        kind: transition kind of ``M``.
+        M: this rank's shard transition (``None`` for identity, or on the last rank).
+        delta: this rank's shard state from a zero start ``[B, H, K, V]``.
+        S0: the state before the whole sequence (used on rank 0; zeros elsewhere).
+        needs_grad: this op call will be differentiated.  Then the pass joins the backward
+            graph on every rank, even one whose ``M``, ``delta`` and ``S0`` need no gradient
+            (the last rank), because the reverse chain runs through all of them.
+    """
+    _, size = p2p.rank_and_size(group)
+    if size == 1:
+        return S0
+    anchor = torch.zeros((), device=delta.device, requires_grad=True) if needs_grad else None
+    return _StatePass.apply(M, delta, S0, anchor, kind, strategy, group)
