@@ -1,0 +1,1 @@
+"""Benchmarks that write results files (DESIGN.md section 10)."""
