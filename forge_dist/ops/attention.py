@@ -32,11 +32,9 @@ GLA = VariantSpec("gla", Kind.DIAGONAL)
 GATED_DELTA_RULE = VariantSpec("gated_delta_rule", Kind.DENSE)
 HGRN = VariantSpec("hgrn", Kind.DIAGONAL, vector_state=True)
 
-_STRATEGY_CODE: Dict[str, int] = {}
-
-
-def _strategy_code(name) -> int:
-    return _STRATEGY_CODE.setdefault(str(name), len(_STRATEGY_CODE) + 1)
+def _strategy_code(name: str) -> int:
+    """Stable across processes: the position among the registered names."""
+    return sp.names().index(name) + 1
 
 
 def _cu_checksum(cu) -> int:
@@ -54,6 +52,8 @@ def _prepare(spec: VariantSpec, *, B, T, dims, device, dtype, initial_state, sta
                          f"{cu_seqlens.device}")
     rows = B if cu is None else len(cu) - 1
     checks.initial_state(initial_state, (rows,) + tuple(state_rows_dims), device)
+    if not isinstance(strategy, str) or strategy not in sp.names():
+        raise ValueError(f"strategy: expected one of {sp.names()}, got {strategy!r}")
     strat = sp.resolve(strategy, device) if size > 1 else None
     fields = {"B": B, "T (tokens per rank)": T}
     fields.update(dims)

@@ -85,7 +85,8 @@ def hgrn2(q: Tensor, g: Tensor, v: Tensor, **kwargs):
         q, g: ``[B, T, H, K]`` (g: log forget gates); v: ``[B, T, H, V]``.
     """
     checks.tensor("g", g, [None, None, None, None])
-    k = (-torch.expm1(g.float())).to(q.dtype)
+    wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+    k = (-torch.expm1(g.to(wide))).to(q.dtype)
     return gla(q, k, v, g, **kwargs)
 
 

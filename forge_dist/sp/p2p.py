@@ -54,14 +54,15 @@ def _wait(work, group, peer: int, what: str) -> None:
         else:  # NCCL waits are enqueued on the stream; its watchdog bounds them.
             ok = work.wait()
     except RuntimeError as err:  # gloo reports its timeout as a RuntimeError
-        me = dist.get_rank(group)
-        raise StatePassTimeout(
-            f"rank {me} gave up after {bound:g}s waiting for {what} from rank {peer} "
-            f"(set FORGE_DIST_TIMEOUT to change the bound): {err}") from err
+        raise StatePassTimeout(f"{_waiting(group, peer, what, bound)} (set FORGE_DIST_TIMEOUT "
+                               f"to change the bound): {err}") from err
     if ok is False:
-        me = dist.get_rank(group)
-        raise StatePassTimeout(f"rank {me} gave up after {bound:g}s waiting for {what} "
-                               f"from rank {peer}")
+        raise StatePassTimeout(_waiting(group, peer, what, bound))
+
+
+def _waiting(group, peer: int, what: str, bound: float) -> str:
+    source = "the other ranks" if peer < 0 else f"rank {peer}"
+    return f"rank {dist.get_rank(group)} gave up after {bound:g}s waiting for {what} from {source}"
 
 
 def recv(shape, dtype, device, peer: int, group, what: str) -> Tensor:

@@ -1,0 +1,176 @@
+"""One-directional rank-to-rank tile channels over NVSHMEM or the simulated transport.
+
+A channel carries one state per call from each rank to its neighbour in one direction
+(forward: r -> r+1, backward: r -> r-1), cut into ``n_tiles`` tiles of ``tile_elems``
+elements stored tile-major, so each tile is one contiguous put.  Per rank it holds:
+
+* ``recv [n_tiles, tile_elems]`` (symmetric): where the upstream neighbour puts tiles;
+* ``send [n_tiles, tile_elems]`` (symmetric): staging of outgoing tiles;
+* ``sig [n_tiles]`` int64 (symmetric): data signals, ``2 * epoch (+1 if poisoned)``;
+* ``ack [n_tiles]`` int64 (symmetric): credits from the downstream neighbour, ``epoch`` of
+  the last call whose tile it has copied out of its ``recv`` (a producer may not overwrite
+  a slot its consumer has not read: it waits ``ack >= epoch - 1`` before putting);
+* ``err [4]`` int64 (local): ``[code, peer, tile, epoch]`` of the first failed wait.
+
+``epoch`` counts calls on this channel; it only grows.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import NVSHMEM, SIM
+
+ERR_RECV_TIMEOUT, ERR_CREDIT_TIMEOUT, ERR_UPSTREAM = 1, 2, 3
+
+
+def check_mode() -> str:
+    """When the host reads the error flag: ``sync`` (after every kernel: a stream sync) or
+    ``lazy`` (default: a non-blocking copy, read at the next call or at :func:`flush`)."""
+    mode = os.environ.get("FORGE_DIST_FORGE_CHECK", "lazy")
+    if mode not in ("sync", "lazy"):
+        raise ValueError(f"FORGE_DIST_FORGE_CHECK must be 'sync' or 'lazy', got {mode!r}")
+    return mode
+
+
+def describe_error(err, rank: int, what: str, bound_s: float) -> str:
+    """The message for an error record ``[code, peer, tile, epoch]`` seen on ``rank``."""
+    code, peer, tile, epoch = (int(x) for x in err)
+    hint = "(set FORGE_DIST_TIMEOUT to change the bound)"
+    if code == ERR_RECV_TIMEOUT:
+        return (f"rank {rank} gave up after {bound_s:g}s waiting for {what} tile {tile} from "
+                f"rank {peer} (call {epoch}) {hint}")
+    if code == ERR_CREDIT_TIMEOUT:
+        return (f"rank {rank} gave up after {bound_s:g}s waiting for rank {peer} to free its "
+                f"receive slot for {what} tile {tile} (call {epoch}) {hint}")
+    if code == ERR_UPSTREAM:
+        return (f"rank {rank}: rank {peer} forwarded tile {tile} of {what} poisoned, because "
+                f"a rank before it timed out (call {epoch})")
+    return f"rank {rank}: unknown forge error code {code} (peer {peer}, tile {tile})"
+
+
+@dataclass
+class Channel:
+    """This rank's view of a channel (see module docstring)."""
+
+    transport: int
+    recv: Tensor
+    send: Tensor
+    sig: Tensor
+    ack: Tensor
+    err: Tensor
+    rank_stride: int = 0      # elements between ranks' copies of recv/send (SIM only)
+    sig_rank_stride: int = 0  # elements between ranks' copies of sig/ack (SIM only)
+    epoch: int = 0
+    _err_host: Optional[Tensor] = None
+    _err_event: Optional[object] = None
+    _pending: list = field(default_factory=list)
+
+    def next_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
+    # -- error flag ----------------------------------------------------------------------
+    def after_launch(self, rank: int, what: str, bound_s: float, exc_type) -> None:
+        """Check (sync mode, or always on the CPU) or schedule a check of the error flag."""
+        if self.err.device.type != "cuda" or check_mode() == "sync":
+            if self.err.device.type == "cuda":
+                torch.cuda.current_stream(self.err.device).synchronize()
+            self._raise_if_set(self.err.cpu(), rank, what, bound_s, exc_type)
+            return
+        if self._err_host is None:
+            self._err_host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+        self.poll(rank, what, bound_s, exc_type)  # the previous call's flag, if ready
+        self._err_host.copy_(self.err, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._err_event = event
+
+    def poll(self, rank: int, what: str, bound_s: float, exc_type, wait: bool = False) -> None:
+        """Raise if a finished call left an error; ``wait`` blocks for the last call."""
+        event = self._err_event
+        if event is None:
+            return
+        if wait:
+            event.synchronize()
+        elif not event.query():
+            return
+        self._err_event = None
+        self._raise_if_set(self._err_host, rank, what, bound_s, exc_type)
+
+    def _raise_if_set(self, err_host: Tensor, rank, what, bound_s, exc_type) -> None:
+        if int(err_host[0]) == 0:
+            return
+        msg = describe_error(err_host.tolist(), rank, what, bound_s)
+        self.err.zero_()  # the next call starts clean (its kernel may still time out again)
+        raise exc_type(msg)
+
+
+def make_nvshmem_channel(n_tiles: int, tile_elems: int, dtype: torch.dtype,
+                         device: torch.device, group) -> Channel:
+    """Allocate a channel's symmetric buffers (collective over every rank, same order)."""
+    import torch.distributed as dist
+
+    from . import nvshmem
+
+    recv = nvshmem.symmetric_empty((n_tiles, tile_elems), dtype, device, group)
+    send = nvshmem.symmetric_empty((n_tiles, tile_elems), dtype, device, group)
+    sigs = nvshmem.symmetric_empty((2, n_tiles), torch.int64, device, group)
+    sigs.zero_()
+    err = torch.zeros(4, dtype=torch.int64, device=device)
+    # No peer may signal into sigs before every rank has zeroed its copy.
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    torch.cuda.synchronize(device)
+    return Channel(NVSHMEM, recv, send, sigs[0], sigs[1], err)
+
+
+class SimWorld:
+    """All ranks' channel buffers in one process (the simulated transport).
+
+    Buffers carry a leading rank axis; rank ``r`` of a channel sees slice ``r`` and reaches
+    a peer's copy at ``+ (pe - r) * stride``, as NVSHMEM's symmetric addressing would.
+    Ranks' kernels are launched by the caller in chain order.
+    """
+
+    def __init__(self, size: int, device="cpu"):
+        if size < 1:
+            raise ValueError(f"SimWorld: size must be >= 1, got {size}")
+        self.size = size
+        self.device = torch.device(device)
+        self._channels: dict = {}
+        self.rank_views = [SimRank(self, r) for r in range(size)]
+
+    def channels(self, key, n_tiles: int, tile_elems: int, dtype: torch.dtype):
+        """One :class:`Channel` per rank for ``key`` (allocated on first use)."""
+        if key not in self._channels:
+            P = self.size
+            recv = torch.zeros(P, n_tiles, tile_elems, dtype=dtype, device=self.device)
+            send = torch.zeros(P, n_tiles, tile_elems, dtype=dtype, device=self.device)
+            sigs = torch.zeros(P, 2, n_tiles, dtype=torch.int64, device=self.device)
+            self._channels[key] = [
+                Channel(SIM, recv[r], send[r], sigs[r, 0], sigs[r, 1],
+                        torch.zeros(4, dtype=torch.int64, device=self.device),
+                        rank_stride=n_tiles * tile_elems, sig_rank_stride=2 * n_tiles)
+                for r in range(P)]
+        return self._channels[key]
+
+    def __getitem__(self, rank: int) -> "SimRank":
+        return self.rank_views[rank]
+
+
+class SimRank:
+    """Stands in for a process group in the simulated transport: ``(world, rank)``."""
+
+    def __init__(self, world: SimWorld, rank: int):
+        self.world, self.rank = world, rank
+
+    def size(self) -> int:
+        return self.world.size
+
+    def __repr__(self) -> str:
+        return f"SimRank({self.rank} of {self.world.size})"

@@ -1,0 +1,190 @@
+"""Triton device primitives for rank-to-rank tiles, over NVSHMEM or the simulated transport.
+
+Every function takes ``TRANSPORT: tl.constexpr``:
+
+* ``SIM`` (0): all ranks' buffers live in one allocation with a leading rank axis.  A rank
+  addresses a peer's copy of a "symmetric" buffer as ``local_ptr + (pe - me) * rank_stride``
+  (elements), exactly as NVSHMEM translates a symmetric address.  Puts are plain stores and
+  signals atomic exchanges, so the kernel runs under ``TRITON_INTERPRET=1`` or on one GPU.
+* ``NVSHMEM`` (1): PyTorch's NVSHMEM device bitcode (``nvshmemx_putmem_signal_block``,
+  ``nvshmemx_signal_op``, ``nvshmem_quiet`` ...).  ``rank_stride`` is ignored.
+
+Signals are int64 epochs that only grow: a producer writes ``2 * epoch + poison`` (SET) and a
+consumer waits for ``>= 2 * epoch``; the low bit tells a consumer that its producer gave up
+(timeout) so the error travels down the chain instead of every rank waiting out the bound.
+Nothing is ever reset, so back-to-back calls and CUDA-graph replays stay correct.
+
+Waits are bounded.  With ``USE_CLOCK`` the bound is ``limit`` nanoseconds of
+``%globaltimer``; without it (the interpreter, which cannot read the clock) it is ``limit``
+polls -- in the simulated transport ranks run in chain order, so a signal that is not there
+yet never arrives and one poll decides.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+
+class _NoNvshmem:
+    """Stands in for the bridge where it is missing (CPU builds): the NVSHMEM branches are
+    then never taken, but Triton's dependency scan still resolves their names."""
+
+    @staticmethod
+    @triton.jit
+    def _missing():
+        tl.static_assert(False, "NVSHMEM device functions are not available in this torch")
+
+    my_pe = n_pes = fence = quiet = signal_op = putmem_signal_block = _missing
+
+
+try:  # the only place (with comm.nvshmem) that touches PyTorch's private NVSHMEM bridge
+    from torch.distributed._symmetric_memory import _nvshmem_triton as _nv  # noqa: F401
+    if not hasattr(_nv, "putmem_signal_block"):  # defined only when torch sees CUDA Triton
+        _nv = _NoNvshmem
+except Exception:  # noqa: BLE001 - old torch
+    _nv = _NoNvshmem
+
+try:
+    from triton.language.extra.cuda import globaltimer as _globaltimer
+except Exception:  # noqa: BLE001
+    _globaltimer = None
+
+# NVSHMEM 3.4 header values (nvshmem_constants.h); PyTorch's docstrings give other numbers.
+SIGNAL_SET = tl.constexpr(9)
+SIGNAL_ADD = tl.constexpr(10)
+CMP_EQ = tl.constexpr(0)
+CMP_NE = tl.constexpr(1)
+CMP_GT = tl.constexpr(2)
+CMP_LE = tl.constexpr(3)
+CMP_LT = tl.constexpr(4)
+CMP_GE = tl.constexpr(5)
+
+# How a consumer hands a receive slot back (FORGE_DIST_CREDIT): "put" (default) a zero-byte
+# putmem_signal_block, or "signal_op" (nvshmemx_signal_op issued by every thread).
+CREDIT_BY_PUT = tl.constexpr(os.environ.get("FORGE_DIST_CREDIT", "put") != "signal_op")
+
+# Error codes written by record_error (host side: forge_dist.comm.channel.describe_error).
+ERR_NONE = tl.constexpr(0)
+ERR_RECV_TIMEOUT = tl.constexpr(1)    # no data signal from the upstream peer
+ERR_CREDIT_TIMEOUT = tl.constexpr(2)  # downstream peer never freed its receive slot
+ERR_UPSTREAM = tl.constexpr(3)        # upstream peer forwarded a poisoned tile
+
+
+@triton.jit
+def my_pe(me, TRANSPORT: tl.constexpr):
+    """This rank's PE number (``me`` in the simulated transport)."""
+    if TRANSPORT == 1:
+        return _nv.my_pe()
+    else:
+        return me
+
+
+@triton.jit
+def n_pes(n, TRANSPORT: tl.constexpr):
+    """Number of PEs (``n`` in the simulated transport)."""
+    if TRANSPORT == 1:
+        return _nv.n_pes()
+    else:
+        return n
+
+
+@triton.jit
+def fence(TRANSPORT: tl.constexpr):
+    """Order this thread's earlier puts before its later ones, per destination PE."""
+    if TRANSPORT == 1:
+        _nv.fence()
+    else:
+        tl.debug_barrier()
+
+
+@triton.jit
+def quiet(TRANSPORT: tl.constexpr):
+    """Complete every put this thread issued (delivered at the destination)."""
+    if TRANSPORT == 1:
+        _nv.quiet()
+    else:
+        tl.debug_barrier()
+
+
+@triton.jit
+def read_signal(sig_ptr):
+    """Acquire-load of a local int64 signal word (system scope: peers write it over NVLink)."""
+    return tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _now(USE_CLOCK: tl.constexpr):
+    if USE_CLOCK:
+        return _globaltimer().to(tl.int64)
+    else:
+        return tl.full((), 0, tl.int64)
+
+
+@triton.jit
+def wait_ge(sig_ptr, target, limit, USE_CLOCK: tl.constexpr):
+    """Poll the local signal ``sig_ptr`` until it is ``>= target`` or the bound ``limit``
+    (ns with ``USE_CLOCK``, else polls) runs out.  Returns the last value read (the caller
+    compares it with ``target`` to tell success from a timeout)."""
+    val = read_signal(sig_ptr)
+    start = _now(USE_CLOCK)
+    spent = tl.full((), 0, tl.int64)
+    while (val < target) & (spent < limit):
+        val = read_signal(sig_ptr)
+        if USE_CLOCK:
+            spent = _now(USE_CLOCK) - start
+        else:
+            spent = spent + 1
+    return val
+
+
+@triton.jit
+def set_remote_signal(sig_ptr, value, pe, me, sig_rank_stride, TRANSPORT: tl.constexpr):
+    """Atomically set the signal word ``sig_ptr`` (a symmetric address) on PE ``pe``."""
+    if TRANSPORT == 1:
+        if CREDIT_BY_PUT:
+            # A zero-byte put-with-signal: NVSHMEM's block routine lets one thread write the
+            # signal, where a bare signal_op would run in every thread of the program.
+            _nv.putmem_signal_block(sig_ptr, sig_ptr, tl.full((), 0, tl.int64), sig_ptr,
+                                    value.to(tl.int64), tl.full((), SIGNAL_SET, tl.int32),
+                                    pe.to(tl.int32))
+        else:
+            _nv.signal_op(sig_ptr.to(tl.int64), value.to(tl.int64),
+                          tl.full((), SIGNAL_SET, tl.int32), pe.to(tl.int32))
+    else:
+        tl.atomic_xchg(sig_ptr + (pe - me) * sig_rank_stride, value.to(tl.int64),
+                       sem="release", scope="sys")
+
+
+@triton.jit
+def put_tile_signal(dst_ptr, src_ptr, offs, values, mask, nbytes, sig_ptr, sig_value, pe, me,
+                    rank_stride, sig_rank_stride, TRANSPORT: tl.constexpr):
+    """Send one contiguous tile to PE ``pe`` and then set its signal word.
+
+    ``dst_ptr``/``sig_ptr`` are symmetric addresses (this rank's copy), ``src_ptr`` a local
+    staging tile (a symmetric buffer, so the proxy transport can read it across nodes),
+    ``offs`` the in-tile offsets of ``values``.  The signal is written only after the whole
+    tile is visible at the destination, so a consumer that sees it may read the tile.
+    """
+    if TRANSPORT == 1:
+        tl.store(src_ptr + offs, values, mask=mask)
+        tl.debug_barrier()  # every thread's part of the tile is staged before the block put
+        _nv.putmem_signal_block(dst_ptr, src_ptr, nbytes, sig_ptr, sig_value.to(tl.int64),
+                                tl.full((), SIGNAL_SET, tl.int32), pe.to(tl.int32))
+    else:
+        tl.store(dst_ptr + (pe - me) * rank_stride + offs, values, mask=mask)
+        tl.debug_barrier()
+        tl.atomic_xchg(sig_ptr + (pe - me) * sig_rank_stride, sig_value.to(tl.int64),
+                       sem="release", scope="sys")
+
+
+@triton.jit
+def record_error(err_ptr, code, peer, tile, epoch):
+    """First error wins: ``err = [code, peer, tile, epoch]`` (int64), read by the host."""
+    old = tl.atomic_cas(err_ptr, tl.full((), 0, tl.int64), tl.full((), code, tl.int64))
+    if old == 0:
+        tl.store(err_ptr + 1, peer.to(tl.int64))
+        tl.store(err_ptr + 2, tile.to(tl.int64))
+        tl.store(err_ptr + 3, epoch.to(tl.int64))

@@ -1,0 +1,341 @@
+"""Pieces every matrix-state pattern shares: the fused chunk walker, tiling, autograd glue.
+
+The walker is one Triton kernel for the three matrix-state patterns (scalar decay, vector
+decay, delta rule).  One program owns one ``(batch, head, V tile)``: it keeps the fp32 state
+tile ``S [BK, BV]`` on chip and walks the chunks of ``BT`` tokens in order, per chunk::
+
+    v'   = v - W S                         (delta rule only: WY correction, W from delta.py)
+    o    = scale * ((q * exp(G)) S + A v')  A_ij = q_i.(k_j * exp(G_i - G_j)), j <= i
+    S    = exp(G_C) * S + (k * exp(G_C - G))^T v'
+
+with ``G`` the in-chunk cumulative log decay (a scalar per token, or a K-vector per token).
+Every exponent is a non-positive difference: the ``i < j`` entries are masked *before* the
+exponential, so gates of -20 per token cannot overflow.  With ``STORE_O=False`` the same
+kernel is the summary kernel (final state from a zero or given start, no outputs).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..variants.base import SegmentWork
+
+try:  # Triton is optional: callers fall back to PyTorch when it is missing
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (kernels then run on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _interpreter_numpy_shim() -> None:
+    """Triton 3.6's interpreter turns loop bounds into 1-element arrays and calls ``int()`` on
+    them, which numpy >= 2.4 refuses ("only 0-dimensional arrays ...").  Read the element
+    instead.  Only touches the interpreter, only when it is in use."""
+    try:
+        from triton.runtime import interpreter as _it
+    except ImportError:  # pragma: no cover
+        return
+    orig = getattr(_it, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_forge_dist_shim", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._forge_dist_shim = True
+    _it._patch_lang_tensor = patched
+
+
+if HAVE_TRITON and interpreting():
+    _interpreter_numpy_shim()
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def dot_precision(dtype: torch.dtype, exact: bool = False) -> str:
+    """``input_precision`` for fp32 operands: 3xTF32 (~fp32 accuracy on tensor cores).
+
+    ``exact`` asks for IEEE fp32 FMA dots (used for the dense transition chain on request).
+    bf16/fp16 operands ignore the setting.
+    """
+    if interpreting():
+        return "ieee"
+    return "ieee" if exact else "tf32x3"
+
+
+def ensure(t: Optional[Tensor]) -> Optional[Tensor]:
+    """Contiguous tensor (gates may arrive as expanded views, e.g. ``g_gamma``)."""
+    return None if t is None else t.contiguous()
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _walk_kernel(q, k, v, g, w, h0, o, ht, T, scale,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     GATE: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
+                     HAS_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_HT: tl.constexpr,
+                     PREC: tl.constexpr):
+        """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H)``.
+
+        q, k [B, T, H, K]; v [B, T, H, V]; g: none (GATE=0), [B, T, H] (GATE=1) or
+        [B, T, H, K] (GATE=2); w [B, T, H, K] (HAS_W); h0, ht [B, H, K, V] fp32;
+        o [B, T, H, V].  ``HAS_V=False`` means v = 0 (transition-only walks).
+        """
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        bos = i_b * T
+        DT = k.dtype.element_ty
+
+        rows = tl.arange(0, BT)
+        causal = rows[:, None] >= rows[None, :]
+
+        p_h = tl.make_block_ptr(h0 + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        if HAS_H0:
+            b_S = tl.load(p_h, boundary_check=(0, 1)).to(tl.float32)
+        else:
+            b_S = tl.zeros([BK, BV], dtype=tl.float32)
+
+        for t0 in range(0, T, BT):
+            p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
+            b_k = tl.load(p_k, boundary_check=(0, 1))
+            if HAS_V:
+                p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+                b_v = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32)
+            else:
+                b_v = tl.zeros([BT, BV], dtype=tl.float32)
+            if HAS_W:
+                p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
+                b_w = tl.load(p_w, boundary_check=(0, 1))
+                b_v = b_v - tl.dot(b_w, b_S.to(b_w.dtype), input_precision=PREC)
+
+            # gates: in-chunk cumulative log decay G, the chunk total G_C (padding: g = 0)
+            if GATE == 1:
+                p_g = tl.make_block_ptr(g + bos * H + i_h, (T,), (H,), (t0,), (BT,), (0,))
+                b_g = tl.load(p_g, boundary_check=(0,)).to(tl.float32)
+                b_G = tl.cumsum(b_g, axis=0)
+                b_GC = tl.sum(b_g, axis=0)
+                b_kd = (b_k.to(tl.float32) * tl.exp(b_GC - b_G)[:, None]).to(DT)
+            elif GATE == 2:
+                p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
+                b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)
+                b_G = tl.cumsum(b_g, axis=0)
+                b_GC = tl.sum(b_g, axis=0)
+                b_kd = (b_k.to(tl.float32) * tl.exp(b_GC[None, :] - b_G)).to(DT)
+            else:
+                b_kd = b_k
+            b_vd = b_v.to(DT)
+
+            if STORE_O:
+                p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
+                b_q = tl.load(p_q, boundary_check=(0, 1))
+                if GATE == 1:
+                    b_qg = (b_q.to(tl.float32) * tl.exp(b_G)[:, None]).to(DT)
+                    b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+                    b_A = b_A * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
+                elif GATE == 2:
+                    b_qf = b_q.to(tl.float32)
+                    b_kf = b_k.to(tl.float32)
+                    b_qg = (b_qf * tl.exp(b_G)).to(DT)
+                    # column-by-column vector-decay attention: exp(G_i - G_j) per key dim,
+                    # masked before exp, so no reference point can overflow
+                    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+                    for j in tl.static_range(BT):
+                        sel = (rows == j)[:, None]
+                        k_j = tl.sum(tl.where(sel, b_kf, 0.0), axis=0)
+                        G_j = tl.sum(tl.where(sel, b_G, 0.0), axis=0)
+                        e = tl.exp(tl.where(rows[:, None] >= j, b_G - G_j[None, :], float("-inf")))
+                        a_j = tl.sum(b_qf * k_j[None, :] * e, axis=1)
+                        b_A = tl.where(rows[None, :] == j, a_j[:, None], b_A)
+                else:
+                    b_qg = b_q
+                    b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+                    b_A = tl.where(causal, b_A, 0.0)
+                # inter-chunk (chunk-start state) + intra-chunk
+                b_o = tl.dot(b_qg, b_S.to(DT), input_precision=PREC)
+                b_o += tl.dot(b_A.to(DT), b_vd, input_precision=PREC)
+                p_o = tl.make_block_ptr(o + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+                tl.store(p_o, (b_o * scale).to(p_o.dtype.element_ty), boundary_check=(0, 1))
+
+            if GATE == 1:
+                b_S = b_S * tl.exp(b_GC)
+            elif GATE == 2:
+                b_S = b_S * tl.exp(b_GC)[:, None]
+            b_S += tl.dot(tl.trans(b_kd), b_vd, input_precision=PREC)
+
+        if STORE_HT:
+            p_ht = tl.make_block_ptr(ht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+            tl.store(p_ht, b_S, boundary_check=(0, 1))
+
+
+def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optional[Tensor] = None,
+         gate: int = 0, w: Optional[Tensor] = None, h0: Optional[Tensor] = None,
+         scale: float = 1.0, V: Optional[int] = None, out_dtype=torch.float32,
+         cfg: dict, prec: str):
+    """Launch the fused walker.
+
+    Args:
+        k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` or ``None`` (zeros; then pass ``V``).
+        q: ``[B, T, H, K]`` or ``None`` (summary: no outputs).
+        g: gate per ``gate`` (0 none, 1 ``[B, T, H]``, 2 ``[B, T, H, K]``).
+        w: WY correction ``[B, T, H, K]`` (delta rule) or ``None``.
+        h0: incoming state ``[B, H, K, V]`` fp32 or ``None`` (zeros).
+        cfg: tile config with ``BT, BV, num_warps, num_stages``.
+    Returns:
+        ``(o [B, T, H, V] in out_dtype or None, final state [B, H, K, V] fp32)``.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1] if v is not None else V
+    BK = next_pow2(K)
+    BV = min(cfg["BV"], next_pow2(V))
+    ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
+    o = torch.empty(B, T, H, V, dtype=out_dtype, device=k.device) if q is not None else None
+    if h0 is not None:
+        h0 = h0.to(torch.float32).contiguous()
+    grid = (triton.cdiv(V, BV), B * H)
+    _walk_kernel[grid](
+        q if q is not None else k, k, v if v is not None else k, g if g is not None else k,
+        w if w is not None else k, h0 if h0 is not None else ht, o if o is not None else ht,
+        ht, T, scale, H=H, K=K, V=V, BT=cfg["BT"], BK=BK, BV=BV, GATE=gate,
+        HAS_V=v is not None, HAS_W=w is not None, HAS_H0=h0 is not None,
+        STORE_O=q is not None, STORE_HT=True, PREC=prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return o, ht
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd glue.  Forward runs Triton; backward recomputes through the PyTorch chunk form of
+# forge_dist.variants (correct first; Triton backward kernels are future work).
+# --------------------------------------------------------------------------------------------
+
+def _leaves(tensors, needs):
+    out = []
+    for t, n in zip(tensors, needs):
+        if t is None:
+            out.append(None)
+        else:
+            out.append(t.detach().requires_grad_(bool(n)))
+    return out
+
+
+def _grads(outputs, grad_outputs, inputs):
+    pairs = [(o, go) for o, go in zip(outputs, grad_outputs) if o is not None and o.requires_grad]
+    wanted = [x for x in inputs if x is not None and x.requires_grad]
+    result = {}
+    if pairs and wanted:
+        gs = torch.autograd.grad([p[0] for p in pairs],
+                                 wanted, [p[1].to(p[0].dtype) for p in pairs], allow_unused=True)
+        result = {id(x): gx for x, gx in zip(wanted, gs)}
+    return [None if x is None else result.get(id(x)) for x in inputs]
+
+
+class _FinishFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, work, S_in, *tensors):
+        ctx.work = work
+        ctx.save_for_backward(S_in, *tensors)
+        with torch.no_grad():
+            return work._finish_fwd(S_in, list(tensors))
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        S_in, *tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:]
+        leaves = _leaves([S_in] + tensors, needs)
+        with torch.enable_grad():
+            o, ht = ctx.work._finish_torch(leaves[0], leaves[1:])
+            grads = _grads([o, ht], [do, dht], leaves)
+        return (None, *grads)
+
+
+class _SummaryFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, work, need_M, *tensors):
+        ctx.work = work
+        ctx.need_M = need_M
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad():
+            delta, M = work._summary_fwd(list(tensors), need_M)
+        ctx.has_M = M is not None
+        return (delta, M) if M is not None else (delta,)
+
+    @staticmethod
+    def backward(ctx, ddelta, dM=None):
+        tensors = list(ctx.saved_tensors)
+        leaves = _leaves(tensors, ctx.needs_input_grad[2:])
+        with torch.enable_grad():
+            summ = ctx.work._summary_torch(leaves, ctx.need_M)
+            outs = [summ.delta] + ([summ.transition] if ctx.has_M else [])
+            gouts = [ddelta] + ([dM] if ctx.has_M else [])
+            grads = _grads(outs, gouts, leaves)
+        return (None, None, *grads)
+
+
+class TritonWork(SegmentWork):
+    """Base of the Triton-backed :class:`~forge_dist.variants.base.SegmentWork` objects.
+
+    Subclasses set ``names`` (input tensor names in order) and implement ``_finish_fwd``
+    (Triton, no grad), ``_summary_fwd`` (Triton, no grad) and ``_summary_torch`` (the
+    PyTorch chunk form, used to recompute gradients).
+    """
+
+    names: tuple = ()
+    vector_state = False
+
+    def __init__(self, variant: str, inputs: dict, scale: Optional[float], need_transition: bool,
+                 out_dtype: Optional[torch.dtype] = None, execution: Optional[str] = None):
+        self.variant = variant
+        self.tensors = [inputs.get(n) for n in self.names]
+        first = self.tensors[0]
+        self.scale = first.shape[-1] ** -0.5 if scale is None else float(scale)
+        self.in_dtype = first.dtype
+        self.out_dtype = out_dtype or torch.float32
+        self.execution_request = execution
+        self.execution = None  # what the last finish() ran ("fused" / "decoupled")
+        self._summ = None
+
+    # SegmentWork API ---------------------------------------------------------------------
+    def summary(self, need_transition: bool):
+        """``(delta [B, H, K, V] fp32, M or None)``; M by kind (see transitions.py)."""
+        out = _SummaryFn.apply(self, bool(need_transition), *self.tensors)
+        delta = out[0]
+        M = out[1] if len(out) > 1 else None
+        return delta, M
+
+    def finish(self, S_in: Optional[Tensor]):
+        """``(o, final state fp32)`` given the incoming state (``None``: zeros)."""
+        return _FinishFn.apply(self, S_in, *self.tensors)
+
+    # PyTorch recompute used by backward ----------------------------------------------------
+    def _finish_torch(self, S_in, tensors):
+        summ = self._summary_torch(tensors, False)
+        if S_in is None:
+            return summ.o_zero, summ.delta
+        o_part, s_part = summ.readout(S_in)
+        return summ.o_zero + o_part, summ.delta + s_part
+
+    def _summary_torch(self, tensors, need_M):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _finish_fwd(self, S_in, tensors):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _summary_fwd(self, tensors, need_M):  # pragma: no cover - abstract
+        raise NotImplementedError

@@ -1,0 +1,92 @@
+"""Vector state (HGRN): ``h_t = exp(g_t) * h_{t-1} + x_t``, ``o_t = h_t``; x, g ``[B, T, D]``.
+
+FUSED: one program per ``(batch, D tile)`` walks chunks of ``BT`` tokens with ``h`` on chip;
+inside a chunk the affine maps ``(g, x)`` are combined by a parallel associative scan
+(``(G1, X1) then (G2, X2) = (G1 + G2, exp(G2) X1 + X2)``, exponents are sums of log decays,
+never positive), then ``o = exp(G) h + X`` and ``h`` moves to the chunk's last row.
+The runtime stores the state as ``[B, 1, D, 1]``; M is ``[B, 1, D]``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._common import HAVE_TRITON, TritonWork, ensure, triton, tl
+from ..variants import vector_state
+
+FUSED_CONFIG = {"BT": 64, "BD": 32, "num_warps": 4, "num_stages": 2}
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _affine(g1, x1, g2, x2):
+        return g1 + g2, x1 * tl.exp(g2) + x2
+
+    @triton.jit
+    def _hgrn_kernel(x, g, h0, o, ht, T, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                     HAS_H0: tl.constexpr, STORE_O: tl.constexpr):
+        """grid ``(cdiv(D, BD), B)``; x, g, o [B, T, D]; h0, ht [B, D] fp32."""
+        i_d, i_b = tl.program_id(0), tl.program_id(1)
+        cols = i_d * BD + tl.arange(0, BD)
+        rows = tl.arange(0, BT)
+        cmask = cols < D
+        if HAS_H0:
+            b_h = tl.load(h0 + i_b * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            b_h = tl.zeros([BD], dtype=tl.float32)
+        for t0 in range(0, T, BT):
+            p_x = tl.make_block_ptr(x + i_b * T * D, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
+            p_g = tl.make_block_ptr(g + i_b * T * D, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
+            b_x = tl.load(p_x, boundary_check=(0, 1)).to(tl.float32)
+            b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)
+            b_G, b_X = tl.associative_scan((b_g, b_x), axis=0, combine_fn=_affine)
+            b_o = tl.exp(b_G) * b_h[None, :] + b_X
+            if STORE_O:
+                p_o = tl.make_block_ptr(o + i_b * T * D, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
+                tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
+            # padded rows carry g = 0, x = 0: the last row holds the last real token's state
+            b_h = tl.sum(tl.where((rows == BT - 1)[:, None], b_o, 0.0), axis=0)
+        tl.store(ht + i_b * D + cols, b_h, mask=cmask)
+
+
+def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True):
+    """``(o [B, T, D] or None, final [B, D] fp32)``; ``h0 [B, D]`` or ``None``."""
+    B, T, D = x.shape
+    cfg = FUSED_CONFIG
+    o = torch.empty(B, T, D, dtype=out_dtype, device=x.device) if store_o else None
+    ht = torch.empty(B, D, dtype=torch.float32, device=x.device)
+    if h0 is not None:
+        h0 = h0.reshape(B, D).to(torch.float32).contiguous()
+    _hgrn_kernel[(triton.cdiv(D, cfg["BD"]), B)](
+        x, g, h0 if h0 is not None else ht, o if o is not None else ht, ht, T, D=D,
+        BT=cfg["BT"], BD=cfg["BD"], HAS_H0=h0 is not None, STORE_O=store_o,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return o, ht
+
+
+class VectorStateWork(TritonWork):
+    """hgrn segment: ``x, g [B, T, D]``; states in the runtime layout ``[B, 1, D, 1]``."""
+
+    names = ("x", "g")
+    vector_state = True
+
+    def __init__(self, variant, inputs, scale, need_transition, out_dtype=None, execution=None):
+        super().__init__(variant, inputs, 1.0, need_transition, out_dtype, execution)
+
+    def _finish_fwd(self, S_in, tensors):
+        x, g = (ensure(t) for t in tensors)
+        B, T, D = x.shape
+        self.execution, self.execution_reason = "fused", "decoupled not built for this pattern"
+        o, ht = hgrn_forward(x, g, S_in, out_dtype=self.out_dtype)
+        return o, ht.reshape(B, 1, D, 1)
+
+    def _summary_fwd(self, tensors, need_M):
+        x, g = (ensure(t) for t in tensors)
+        B, T, D = x.shape
+        _, ht = hgrn_forward(x, g, None, out_dtype=self.out_dtype, store_o=False)
+        M = g.to(torch.float32).sum(dim=1).exp()[:, None] if need_M else None  # [B, 1, D]
+        return ht.reshape(B, 1, D, 1), M
+
+    def _summary_torch(self, tensors, need_M):
+        x, g = tensors
+        return vector_state.summarize(x, g, need_transition=need_M)

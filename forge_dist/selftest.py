@@ -1,0 +1,224 @@
+"""Cross-checks of every op and strategy against the fp64 references, on any world size.
+
+Used by ``forge-dist demo`` and by the distributed tests: :func:`run_case` runs one op on this
+rank's shard of a seeded global problem, forward and backward, gathers outputs, final states
+and gradients, and compares them with the single-process fp64 recurrence.  Errors are relative
+RMSE, ``||a - b|| / ||b||`` (DESIGN.md section 9).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import ops
+from .variants import reference as ref
+
+OPS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn")
+STRATEGIES = ("serial", "pipelined", "lasp2")
+
+
+@dataclass
+class CaseResult:
+    """One op x strategy x world size x dtype x layout check (errors: relative RMSE)."""
+
+    op: str
+    strategy: str
+    world_size: int
+    dtype: str
+    varlen: bool
+    errors: Dict[str, float]
+    seconds: float
+
+    @property
+    def max_error(self) -> float:
+        return max(self.errors.values())
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """DESIGN.md section 9: 1e-10 with fp64 inputs, 1e-4 with fp32 inputs."""
+    return 1e-10 if dtype == torch.float64 else 1e-4
+
+
+def _problem(op: str, T: int, T_local: int, dtype: torch.dtype, device, seed: int,
+             varlen: bool):
+    """Seeded global inputs (fp64 masters) and the op's keyword arguments."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    B = 1 if varlen else 2
+    H, K, V, D = 2, 6, 5, 12
+    if op == "hgrn":
+        x = randn(B, T, D)
+        g = torch.nn.functional.logsigmoid(randn(B, T, D) + 2.0)
+        tensors = {"x": x, "g": g}
+        state_shape = (D,)
+    else:
+        q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
+        tensors = {"q": q, "k": k, "v": v}
+        if op in ("simple_gla", "gated_delta_rule"):
+            tensors["g"] = torch.nn.functional.logsigmoid(randn(B, T, H) + 2.0)
+        if op == "gla":
+            tensors["g"] = torch.nn.functional.logsigmoid(randn(B, T, H, K) + 2.0)
+        if op == "gated_delta_rule":
+            tensors["k"] = k / k.norm(dim=-1, keepdim=True)
+            tensors["beta"] = torch.sigmoid(randn(B, T, H))
+        state_shape = (H, K, V)
+    cu = None
+    rows = B
+    if varlen:
+        # Boundaries that straddle shards, land on one, and leave one-token sequences.
+        cuts = {0, T, max(1, T // 3 - 1), T // 2 + 1, T // 2 + 2, (3 * T) // 4 + 1}
+        if T > T_local:
+            cuts.add(T - T_local)
+        cuts = sorted(cuts)
+        cu = torch.tensor(cuts, dtype=torch.int64)
+        rows = len(cuts) - 1
+    tensors["initial_state"] = randn(rows, *state_shape)
+    tensors = {k: v.to(dtype).to(device) for k, v in tensors.items()}
+    return tensors, cu
+
+
+def _call_op(op: str, t: Dict[str, Tensor], **kw):
+    init = t.get("initial_state")
+    if op == "linear_attn":
+        return ops.linear_attn(t["q"], t["k"], t["v"], initial_state=init, **kw)
+    if op == "simple_gla":
+        return ops.simple_gla(t["q"], t["k"], t["v"], t["g"], initial_state=init, **kw)
+    if op == "gla":
+        return ops.gla(t["q"], t["k"], t["v"], t["g"], initial_state=init, **kw)
+    if op == "gated_delta_rule":
+        return ops.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
+                                    initial_state=init, **kw)
+    return ops.hgrn(t["x"], t["g"], initial_state=init, **kw)
+
+
+def _call_ref(op: str, t: Dict[str, Tensor], cu):
+    kw = dict(initial_state=t["initial_state"], output_final_state=True, cu_seqlens=cu)
+    if op == "linear_attn":
+        return ref.linear_attn_ref(t["q"], t["k"], t["v"], **kw)
+    if op == "simple_gla":
+        return ref.simple_gla_ref(t["q"], t["k"], t["v"], g=t["g"], **kw)
+    if op == "gla":
+        return ref.gla_ref(t["q"], t["k"], t["v"], t["g"], **kw)
+    if op == "gated_delta_rule":
+        return ref.gated_delta_rule_ref(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
+    return ref.hgrn_ref(t["x"], t["g"], **kw)
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    """``||a - b|| / ||b||`` in fp64 (``||a - b||`` when ``b`` is zero)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    denom = b.norm().item()
+    diff = (a - b).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def _gather_tokens(x: Tensor, group, world: int) -> Tensor:
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _sum_ranks(x: Tensor, group, world: int) -> Tensor:
+    if world == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def run_case(op: str, strategy: str, dtype: torch.dtype, varlen: bool, *, group=None,
+             T_local: int = 24, seed: int = 0, device="cpu") -> CaseResult:
+    """Run one check on every rank of ``group`` (collective); all ranks get the result."""
+    rank = dist.get_rank(group) if group is not None else 0
+    world = dist.get_world_size(group) if group is not None else 1
+    T = T_local * world
+    t0 = time.perf_counter()
+    full, cu = _problem(op, T, T_local, dtype, device, seed, varlen)
+    shard = slice(rank * T_local, (rank + 1) * T_local)
+    mine = {k: (v[:, shard] if k != "initial_state" else v).clone().requires_grad_()
+            for k, v in full.items()}
+    o, final = _call_op(op, mine, output_final_state=True, cu_seqlens=cu,
+                        group=group if world > 1 else None, strategy=strategy)
+    # Random linear functionals make every output element and every state entry matter.
+    gen = torch.Generator().manual_seed(seed + 1)
+    w_o = torch.randn(o.shape[:1] + (T,) + o.shape[2:], generator=gen,
+                      dtype=torch.float64).to(device=device, dtype=o.dtype)
+    w_s = torch.randn(final.shape, generator=gen, dtype=torch.float64).to(device, final.dtype)
+    owns_final = varlen or rank == world - 1
+    loss = (o * w_o[:, shard]).sum() + ((final * w_s).sum() if owns_final else 0.0)
+    loss.backward()
+
+    master = {k: v.detach().double().cpu().requires_grad_() for k, v in full.items()}
+    o_ref, final_ref = _call_ref(op, master, cu)
+    ((o_ref * w_o.double().cpu()).sum() + (final_ref * w_s.double().cpu()).sum()).backward()
+
+    errors = {"o": rel_err(_gather_tokens(o.detach(), group, world), o_ref)}
+    final_all = final.detach() if not varlen else _sum_ranks(final.detach(), group, world)
+    if varlen or world == 1:
+        errors["final_state"] = rel_err(final_all, final_ref)
+    else:  # the last rank holds the global final state
+        last = final.detach().clone()
+        if world > 1:
+            dist.broadcast(last, src=dist.get_global_rank(group, world - 1), group=group)
+        errors["final_state"] = rel_err(last, final_ref)
+    for name, t in mine.items():
+        if name == "initial_state":
+            grad = t.grad if t.grad is not None else torch.zeros_like(t)
+            errors["d_initial_state"] = rel_err(_sum_ranks(grad, group, world),
+                                                master[name].grad)
+        else:
+            errors["d" + name] = rel_err(_gather_tokens(t.grad, group, world), master[name].grad)
+    return CaseResult(op, strategy, world, str(dtype).replace("torch.", ""), varlen, errors,
+                      time.perf_counter() - t0)
+
+
+def run_matrix(group=None, *, ops_: Optional[List[str]] = None,
+               strategies: Optional[List[str]] = None,
+               dtypes=(torch.float64, torch.float32), varlen=(False, True),
+               progress: Optional[Callable[[CaseResult], None]] = None,
+               device="cpu") -> List[CaseResult]:
+    """Every op x strategy x dtype x layout on ``group`` (collective; same order on all ranks)."""
+    results = []
+    for op in ops_ or OPS:
+        for strategy in strategies or STRATEGIES:
+            for dtype in dtypes:
+                for vl in varlen:
+                    res = run_case(op, strategy, dtype, vl, group=group, device=device)
+                    results.append(res)
+                    if progress is not None:
+                        progress(res)
+    return results
+
+
+def free_port() -> int:
+    """An unused TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_local_gloo(rank: int, world: int, port: int) -> None:
+    """Join a gloo world on loopback (used by spawned workers)."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def matrix_rows(group, **kwargs) -> List[dict]:
+    """:func:`run_matrix` as plain dicts (what spawned workers hand back)."""
+    return [r.as_dict() for r in run_matrix(group, **kwargs)]

@@ -1,0 +1,291 @@
+"""The ``forge`` strategy: the inter-rank chain as one GPU-initiated Triton kernel per rank.
+
+Each program of the kernel owns one tile ``(b, h, k-tile, v-tile)`` of the state
+``[B, H, K, V]`` (dense transitions: a whole-K tile of V columns, because ``M`` mixes rows).
+On rank r, forward:
+
+1. wait until the tile's signal from rank r-1 reaches ``2 * epoch`` (bounded; a timeout
+   records ``[code, peer, tile, epoch]`` for the host and poisons what it forwards);
+2. load the received tile, write it into ``S_in`` (for the local merge) and give rank r-1
+   its credit (the receive slot may be reused);
+3. ``S_out = M S_in + dS`` for the tile (dense: a ``K x K`` by ``K x BV`` fp32 matmul,
+   IEEE precision);
+4. wait for rank r+1's credit of the previous call, then ``putmem_signal_block`` the tile
+   into rank r+1's receive buffer with signal ``2 * epoch``.
+
+Rank 0 starts from ``S0``; the last rank only receives.  Backward runs the same kernel from
+rank P-1 down to 0 with ``M^T``, writing ``lam(r+1)`` (received) and ``lam(r)`` (combined).
+No host synchronisation: the host launches one kernel and returns; the error flag is read
+lazily (``FORGE_DIST_FORGE_CHECK=lazy``, default) or right after the kernel (``sync``).
+
+Passing a :class:`forge_dist.comm.sim.SimRank` as ``group`` runs the same kernel over the
+simulated transport (all ranks in one process, launched in chain order by the caller).
+
+Collective rules (as for NCCL): every rank of the group makes the same state-pass calls in
+the same order; the first call with a new ``(shape, dtype, direction)`` allocates symmetric
+buffers, which is a collective over NVSHMEM's world.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import comm
+from ..comm import channel as chan
+from ..comm import device as dev
+from ..variants.transitions import Kind
+from . import p2p
+from .base import Strategy, register
+
+_KIND_CODE = {Kind.IDENTITY: 0, Kind.SCALAR: 1, Kind.DIAGONAL: 2, Kind.DENSE: 3}
+_SRC_FIRST, _SRC_ZERO, _SRC_RECV = 0, 1, 2
+
+
+@triton.jit(do_not_specialize=["me", "prev_pe", "next_pe", "epoch", "limit", "nbytes",
+                               "rank_stride", "sig_rank_stride"])
+def _forge_chain_kernel(
+    first_ptr, d_ptr, m_ptr, x_out_ptr, y_out_ptr,
+    recv_ptr, send_ptr, sig_ptr, ack_ptr, err_ptr,
+    me, prev_pe, next_pe, epoch, limit, nbytes, rank_stride, sig_rank_stride,
+    K, V, stride_mi, stride_mj,
+    KIND: tl.constexpr, SRC: tl.constexpr, SEND: tl.constexpr, WRITE_Y: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, TRANSPORT: tl.constexpr, USE_CLOCK: tl.constexpr,
+):
+    """One (b*h, k-tile, v-tile) per program; see the module docstring for the steps.
+
+    first/d/x_out/y_out: ``[B, H, K, V]`` contiguous; m: ``[B, H]``, ``[B, H, K]`` or
+    ``[B, H, K, K]`` (strides ``stride_mi``/``stride_mj`` over the last two, swapped for
+    ``M^T``); recv/send: ``[n_tiles, BK * BV]``; sig/ack: ``[n_tiles]`` int64; err: ``[4]``.
+    """
+    pid = tl.program_id(0)
+    n_k = tl.cdiv(K, BK)
+    n_v = tl.cdiv(V, BV)
+    iv = pid % n_v
+    ik = (pid // n_v) % n_k
+    bh = (pid // (n_v * n_k)).to(tl.int64)
+    rk = ik * BK + tl.arange(0, BK)
+    rv = iv * BV + tl.arange(0, BV)
+    mask = (rk[:, None] < K) & (rv[None, :] < V)
+    offs = bh * K * V + rk[:, None] * V + rv[None, :]
+    tile_offs = tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
+    tile_base = pid.to(tl.int64) * (BK * BV)
+    poison = tl.full((), 0, tl.int64)
+
+    if SRC == 0:
+        x = tl.load(first_ptr + offs, mask=mask, other=0.0)
+    elif SRC == 1:
+        x = tl.zeros((BK, BV), dtype=d_ptr.dtype.element_ty)
+        tl.store(x_out_ptr + offs, x, mask=mask)
+    else:
+        target = 2 * epoch
+        got = dev.wait_ge(sig_ptr + pid, target, limit, USE_CLOCK)
+        timed_out = got < target
+        poisoned = got == target + 1
+        if timed_out:
+            dev.record_error(err_ptr, dev.ERR_RECV_TIMEOUT, prev_pe, pid, epoch)
+        if poisoned:
+            dev.record_error(err_ptr, dev.ERR_UPSTREAM, prev_pe, pid, epoch)
+        poison = (timed_out | poisoned).to(tl.int64)
+        # .cg: the tile arrived over NVLink into L2; never serve it from a stale L1 line.
+        x = tl.load(recv_ptr + tile_base + tile_offs, mask=mask, other=0.0,
+                    cache_modifier=".cg")
+        tl.store(x_out_ptr + offs, x, mask=mask)
+        tl.debug_barrier()  # the whole tile is read before the slot is handed back
+        dev.set_remote_signal(ack_ptr + pid, epoch, prev_pe, me, sig_rank_stride, TRANSPORT)
+
+    if SEND or WRITE_Y:
+        d = tl.load(d_ptr + offs, mask=mask, other=0.0)
+        if KIND == 0:
+            y = x + d
+        elif KIND == 1:
+            m = tl.load(m_ptr + bh)
+            y = m * x + d
+        elif KIND == 2:
+            m = tl.load(m_ptr + bh * K + rk, mask=rk < K, other=0.0)
+            y = m[:, None] * x + d
+        else:
+            # dense: BK covers all of K (one k-tile), so this is the full row block of M.
+            rj = tl.arange(0, BK)
+            mm = tl.load(m_ptr + bh * K * K + rk[:, None] * stride_mi + rj[None, :] * stride_mj,
+                         mask=(rk[:, None] < K) & (rj[None, :] < K), other=0.0)
+            y = tl.dot(mm, x, input_precision="ieee") + d
+        if WRITE_Y:
+            tl.store(y_out_ptr + offs, y, mask=mask)
+        if SEND:
+            credit = dev.wait_ge(ack_ptr + pid, epoch - 1, limit, USE_CLOCK)
+            if credit < epoch - 1:
+                dev.record_error(err_ptr, dev.ERR_CREDIT_TIMEOUT, next_pe, pid, epoch)
+                poison = tl.full((), 1, tl.int64)
+            dev.put_tile_signal(recv_ptr + tile_base, send_ptr + tile_base, tile_offs, y,
+                                mask, nbytes, sig_ptr + pid, 2 * epoch + poison, next_pe, me,
+                                rank_stride, sig_rank_stride, TRANSPORT)
+            dev.quiet(TRANSPORT)
+
+
+_NVSHMEM_KERNEL = None
+
+
+def _kernel(transport: int):
+    global _NVSHMEM_KERNEL
+    if transport == comm.SIM:
+        return _forge_chain_kernel
+    if _NVSHMEM_KERNEL is None:
+        from ..comm import nvshmem
+
+        _NVSHMEM_KERNEL = nvshmem.wrap(_forge_chain_kernel)
+    return _NVSHMEM_KERNEL
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def tile_shape(kind: Kind, K: int, V: int) -> tuple[int, int]:
+    """``(BK, BV)`` of one program's tile.
+
+    Dense: all of K (``M`` mixes rows) by ``BV`` columns, at least 16 each for ``tl.dot``.
+    Other kinds: up to 8192 elements (32 KiB fp32), cut along V first and then K (so a
+    vector state ``[B, 1, D, 1]`` is cut along D).  ``FORGE_DIST_FORGE_BV`` overrides BV.
+    """
+    env_bv = os.environ.get("FORGE_DIST_FORGE_BV")
+    if kind is Kind.DENSE:
+        bk = max(16, _pow2(K))
+        bv = int(env_bv) if env_bv else max(16, min(_pow2(V), 8192 // bk))
+        return bk, max(16, _pow2(bv))
+    bv = int(env_bv) if env_bv else min(_pow2(V), 64)
+    bv = _pow2(bv)
+    bk = min(_pow2(K), max(16, 8192 // bv))
+    return bk, bv
+
+
+class _Where:
+    """Rank, size, transport and peers of a call (a process group or a SimRank)."""
+
+    def __init__(self, group):
+        if isinstance(group, chan.SimRank):
+            self.sim = group.world
+            self.rank, self.size = group.rank, group.world.size
+            self.transport = comm.SIM
+            self.pe = lambda r: r
+        else:
+            self.sim = None
+            self.rank, self.size = p2p.rank_and_size(group)
+            self.transport = comm.NVSHMEM
+            from ..comm import nvshmem
+
+            self.pe = lambda r: nvshmem.global_rank(group, r)
+        self.group = group
+
+
+_CHANNELS: dict = {}
+
+
+def _channel(where: _Where, direction: str, like: torch.Tensor, kind: Kind):
+    B, H, K, V = like.shape
+    bk, bv = tile_shape(kind, K, V)
+    n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv)
+    key = (direction, B, H, K, V, bk, bv, like.dtype, like.device)
+    if where.sim is not None:
+        return where.sim.channels(key, n_tiles, bk * bv, like.dtype)[where.rank], bk, bv
+    gkey = key + (getattr(where.group, "group_name", None) or id(where.group),)
+    if gkey not in _CHANNELS:
+        _CHANNELS[gkey] = chan.make_nvshmem_channel(n_tiles, bk * bv, like.dtype, like.device,
+                                                    where.group)
+    return _CHANNELS[gkey], bk, bv
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tensor],
+               first: Optional[torch.Tensor], d: torch.Tensor, x_out: Optional[torch.Tensor],
+               y_out: Optional[torch.Tensor], src: int, send: bool, prev: int, nxt: int,
+               transpose: bool) -> None:
+    if d.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"forge: states must be float32 or float64, got {d.dtype}")
+    d = d.contiguous()
+    B, H, K, V = d.shape
+    ch, bk, bv = _channel(where, direction, d, kind)
+    epoch = ch.next_epoch()
+    if M is None or kind is Kind.IDENTITY:
+        kind_code, m_arg, smi, smj = 0, d, 0, 0
+    else:
+        m_arg = M.to(d.dtype).contiguous()
+        kind_code = _KIND_CODE[kind]
+        smi, smj = (K, 1) if not transpose else (1, K)
+    if kind_code == 3 and bk < K:
+        raise AssertionError("dense tiles must cover K")
+    bound = p2p.timeout_seconds()
+    use_clock = d.is_cuda and not _interpreting()
+    limit = int(bound * 1e9) if use_clock else 1  # SIM on CPU: chain order, one poll decides
+    n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv)
+    dummy = d
+    _kernel(where.transport)[(n_tiles,)](
+        first if first is not None else dummy, d, m_arg,
+        x_out if x_out is not None else dummy, y_out if y_out is not None else dummy,
+        ch.recv, ch.send, ch.sig, ch.ack, ch.err,
+        where.pe(where.rank), where.pe(prev) if prev >= 0 else -1,
+        where.pe(nxt) if nxt >= 0 else -1, epoch, limit, bk * bv * d.element_size(),
+        ch.rank_stride, ch.sig_rank_stride, K, V, smi, smj,
+        KIND=kind_code, SRC=src, SEND=send, WRITE_Y=y_out is not None, BK=bk, BV=bv,
+        TRANSPORT=where.transport, USE_CLOCK=use_clock,
+        num_warps=8 if kind_code == 3 and bk * bv >= 4096 else 4)
+    what = "the incoming state" if direction == "fwd" else "the state gradient"
+    ch.after_launch(where.rank, what, bound, p2p.StatePassTimeout)
+
+
+def flush(wait: bool = True) -> None:
+    """Raise :class:`StatePassTimeout` if a finished forge call left an error (lazy mode)."""
+    for ch in _CHANNELS.values():
+        ch.poll(-1, "a state tile", p2p.timeout_seconds(), p2p.StatePassTimeout, wait=wait)
+
+
+class Forge(Strategy):
+    """GPU-initiated, tile-fused state pass over NVSHMEM (or the simulated transport)."""
+
+    name = "forge"
+
+    def available(self, device: torch.device) -> Optional[str]:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return f"forge needs CUDA tensors (NVSHMEM puts from the GPU), got {device}"
+        from ..comm import nvshmem
+
+        return nvshmem.unavailable_reason()
+
+    def forward_chain(self, kind, M, delta, S0, group):
+        where = _Where(group)
+        rank, size = where.rank, where.size
+        if size == 1:
+            return S0, None
+        if rank < size - 1 and M is None and kind is not Kind.IDENTITY:
+            raise ValueError(f"forge: rank {rank} needs its transition M ({kind.value})")
+        S_in = S0 if rank == 0 else torch.empty_like(delta, memory_format=torch.contiguous_format)
+        _run_chain(where, "fwd", kind, M, S0.contiguous() if rank == 0 else None, delta,
+                   None if rank == 0 else S_in, None,
+                   _SRC_FIRST if rank == 0 else _SRC_RECV, rank < size - 1,
+                   rank - 1, rank + 1 if rank < size - 1 else -1, transpose=False)
+        return S_in, None
+
+    def backward_chain(self, kind, M, grad_in, group, saved):
+        where = _Where(group)
+        rank, size = where.rank, where.size
+        lam_next = torch.empty_like(grad_in, memory_format=torch.contiguous_format)
+        lam_here = torch.empty_like(grad_in, memory_format=torch.contiguous_format)
+        if size == 1:
+            lam_next.zero_()
+            lam_here.copy_(grad_in)
+            return lam_next, lam_here
+        last = rank == size - 1
+        _run_chain(where, "bwd", kind, M, None, grad_in, lam_next, lam_here,
+                   _SRC_ZERO if last else _SRC_RECV, rank > 0,
+                   rank + 1 if not last else -1, rank - 1, transpose=True)
+        return lam_next, lam_here
+
+
+FORGE = register(Forge())

@@ -1,0 +1,310 @@
+"""Triton chunk kernels against the fp64 token recurrences (forge_dist.variants.reference).
+
+On a CPU machine these run under TRITON_INTERPRET=1 (set by conftest.py) at tiny shapes; on a
+GPU machine the same tests run compiled.  ``@pytest.mark.gpu`` tests use real shapes in bf16.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from forge_dist import kernels  # noqa: E402
+from forge_dist.kernels import scheduler  # noqa: E402
+from forge_dist.variants import reference as R  # noqa: E402
+from forge_dist.variants import transitions as tr  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("no CUDA and TRITON_INTERPRET unset", allow_module_level=True)
+
+KIND = {"linear_attn": tr.Kind.IDENTITY, "simple_gla": tr.Kind.SCALAR, "gla": tr.Kind.DIAGONAL,
+        "gated_delta_rule": tr.Kind.DENSE, "deltanet": tr.Kind.DENSE}
+
+
+def rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make(variant, B, T, H, K, V, dtype=torch.float32, device=DEV, gate_scale=1.0, seed=0):
+    """Inputs by name (and the reference function's positional tensors)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    if variant == "hgrn":
+        x = r(B, T, K)
+        g = torch.nn.functional.logsigmoid(r(B, T, K)) * gate_scale
+        return {"x": x.to(device, dtype), "g": g.to(device, dtype)}
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
+    inp = {"q": q, "k": k, "v": v}
+    if variant == "simple_gla":
+        inp["g"] = torch.nn.functional.logsigmoid(r(B, T, H) + 2) * gate_scale
+    elif variant == "gla":
+        inp["g"] = torch.nn.functional.logsigmoid(r(B, T, H, K) + 2) * gate_scale
+    elif variant in ("gated_delta_rule", "deltanet"):
+        inp["k"] = k / k.norm(dim=-1, keepdim=True)
+        inp["beta"] = torch.rand(B, T, H, generator=gen)
+        inp["g"] = (torch.nn.functional.logsigmoid(r(B, T, H) + 2) * gate_scale
+                    if variant == "gated_delta_rule" else None)
+    return {n: (None if t is None else t.to(device, dtype)) for n, t in inp.items()}
+
+
+def reference(variant, inp, h0):
+    d = {n: (None if t is None else t.detach().double().cpu()) for n, t in inp.items()}
+    h0 = None if h0 is None else h0.detach().double().cpu()
+    if variant == "hgrn":
+        return R.hgrn_ref(d["x"], d["g"], h0, True)
+    if variant == "linear_attn":
+        return R.linear_attn_ref(d["q"], d["k"], d["v"], initial_state=h0, output_final_state=True)
+    if variant == "simple_gla":
+        return R.simple_gla_ref(d["q"], d["k"], d["v"], d["g"], initial_state=h0,
+                                output_final_state=True)
+    if variant == "gla":
+        return R.gla_ref(d["q"], d["k"], d["v"], d["g"], initial_state=h0, output_final_state=True)
+    return R.gated_delta_rule_ref(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=h0,
+                                  output_final_state=True)
+
+
+def op_name(variant):
+    return "gated_delta_rule" if variant == "deltanet" else variant
+
+
+def state_shape(variant, inp):
+    if variant == "hgrn":
+        B, _, D = inp["x"].shape
+        return (B, D)
+    B, _, H, K = inp["k"].shape
+    return (B, H, K, inp["v"].shape[-1])
+
+
+CASES = [  # (variant, executions)
+    ("linear_attn", ("fused", "decoupled")),
+    ("simple_gla", ("fused", "decoupled")),
+    ("gla", ("fused",)),
+    ("gated_delta_rule", ("fused",)),
+    ("deltanet", ("fused",)),
+    ("hgrn", ("fused",)),
+]
+PARAMS = [(v, e) for v, ex in CASES for e in ex]
+
+
+@pytest.mark.parametrize("variant,execution", PARAMS)
+@pytest.mark.parametrize("shape", [(1, 100, 2, 32, 48), (2, 64, 1, 80, 16)],
+                         ids=["T100-K32-V48", "B2-T64-K80-V16"])
+def test_forward_matches_reference(variant, execution, shape):
+    B, T, H, K, V = shape
+    inp = make(variant, B, T, H, K, V)
+    h0 = torch.randn(state_shape(variant, inp), device=DEV)
+    o, ht = kernels.forward(op_name(variant), inp, None, h0, execution=execution)
+    ro, rh = reference(variant, inp, h0)
+    assert rel(o, ro) <= 1e-4, rel(o, ro)
+    assert rel(ht, rh) <= 1e-4, rel(ht, rh)
+    assert o.dtype == torch.float32 and ht.dtype == torch.float32
+
+
+@pytest.mark.parametrize("variant", [v for v, _ in CASES if v != "linear_attn"])
+def test_steep_gates_stay_finite(variant):
+    """Gates of about -20 per token: every exponent must be a non-positive difference."""
+    inp = make(variant, 1, 64, 1, 32, 32, gate_scale=20.0 if variant != "deltanet" else 1.0)
+    if variant in ("simple_gla", "gla", "gated_delta_rule", "hgrn"):
+        inp["g"] = inp["g"] - 20.0
+    o, ht = kernels.forward(op_name(variant), inp)
+    ro, rh = reference(variant, inp, None)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel(o, ro) <= 1e-4
+
+
+@pytest.mark.parametrize("variant", ["linear_attn", "simple_gla", "gla", "gated_delta_rule",
+                                     "deltanet", "hgrn"])
+def test_summary_composes(variant):
+    """finish(S) == M S + delta, with (delta, M) from summary (the SP contract)."""
+    inp = make(variant, 1, 96, 2, 32, 32, seed=1)
+    work = kernels.make_work(op_name(variant), inp, None, True)
+    assert work is not None
+    delta, M = work.summary(True)
+    S = torch.randn(state_shape(variant, inp), device=DEV)
+    if variant == "hgrn":
+        S = S.reshape(S.shape[0], 1, S.shape[1], 1)
+        combined = tr.combine(tr.Kind.DIAGONAL, M, S, delta)
+    else:
+        combined = tr.combine(KIND[variant], M, S, delta)
+    o, final = work.finish(S)
+    _, rh = reference(variant, inp, S.reshape(state_shape(variant, inp)))
+    assert rel(combined.reshape(rh.shape), rh) <= 1e-4
+    assert rel(final.reshape(rh.shape), rh) <= 1e-4
+    if variant == "linear_attn":
+        assert M is None
+    elif variant == "gated_delta_rule":
+        assert M.shape == (1, 2, 32, 32) and M.dtype == torch.float32
+
+
+@pytest.mark.parametrize("variant", ["linear_attn", "simple_gla", "gla", "gated_delta_rule",
+                                     "deltanet", "hgrn"])
+def test_backward_matches_reference(variant):
+    inp = make(variant, 1, 40, 1, 16, 16, seed=2)
+    h0 = torch.randn(state_shape(variant, inp), device=DEV)
+    leaves = {n: (None if t is None else t.clone().requires_grad_(True)) for n, t in inp.items()}
+    h0l = h0.clone().requires_grad_(True)
+    o, ht = kernels.forward(op_name(variant), leaves, None, h0l)
+    go, gh = torch.randn_like(o), torch.randn_like(ht)
+    (o * go).sum().backward(retain_graph=True)
+    (ht * gh).sum().backward()
+    ref_leaves = {n: (None if t is None else t.detach().double().cpu().requires_grad_(True))
+                  for n, t in inp.items()}
+    rh0 = h0.detach().double().cpu().requires_grad_(True)
+    ro, rh = _reference_grad(variant, ref_leaves, rh0)
+    ((ro * go.double().cpu()).sum() + (rh * gh.double().cpu()).sum()).backward()
+    for n, t in leaves.items():
+        if t is None:
+            continue
+        assert rel(t.grad, ref_leaves[n].grad) <= 1e-4, (n, rel(t.grad, ref_leaves[n].grad))
+    assert rel(h0l.grad, rh0.grad) <= 1e-4
+
+
+def _reference_grad(variant, d, h0):
+    if variant == "hgrn":
+        return R.hgrn_ref(d["x"], d["g"], h0, True)
+    if variant == "linear_attn":
+        return R.linear_attn_ref(d["q"], d["k"], d["v"], initial_state=h0, output_final_state=True)
+    if variant == "simple_gla":
+        return R.simple_gla_ref(d["q"], d["k"], d["v"], d["g"], initial_state=h0,
+                                output_final_state=True)
+    if variant == "gla":
+        return R.gla_ref(d["q"], d["k"], d["v"], d["g"], initial_state=h0, output_final_state=True)
+    return R.gated_delta_rule_ref(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=h0,
+                                  output_final_state=True)
+
+
+@pytest.mark.parametrize("variant", ["simple_gla", "gla", "gated_delta_rule", "hgrn"])
+def test_summary_backward(variant):
+    """Gradients through (delta, M) of summary() equal those of the PyTorch chunk form."""
+    inp = make(variant, 1, 48, 1, 16, 16, seed=3)
+    leaves = {n: (None if t is None else t.clone().requires_grad_(True)) for n, t in inp.items()}
+    work = kernels.make_work(op_name(variant), leaves, None, True)
+    delta, M = work.summary(True)
+    gd, gm = torch.randn_like(delta), torch.randn_like(M)
+    ((delta * gd).sum() + (M * gm).sum()).backward()
+    # fp64 gradients of the PyTorch chunk form of the same summary
+    f64 = {n: (None if inp.get(n) is None else inp[n].detach().double().requires_grad_(True))
+           for n in work.names}
+    r = work._summary_torch([f64[n] for n in work.names], True)
+    ((r.delta * gd.double()).sum() + (r.transition * gm.double()).sum()).backward()
+    for n in work.names:
+        if leaves.get(n) is None:
+            continue
+        if f64[n].grad is None:  # q does not reach the summary
+            assert leaves[n].grad is None or not leaves[n].grad.any(), n
+            continue
+        assert rel(leaves[n].grad, f64[n].grad) <= 1e-4, n
+
+
+def test_unsupported_cases_fall_back():
+    inp = make("simple_gla", 1, 16, 1, 32, 32)
+    assert kernels.make_work("simple_gla", {**inp, "q": inp["q"].double(),
+                                            "k": inp["k"].double(), "v": inp["v"].double()},
+                             None, False) is None
+    assert "head dims" in kernels.supported("simple_gla", make("simple_gla", 1, 16, 1, 512, 32))
+    assert kernels.supported("nope", inp).startswith("unknown variant")
+    with pytest.raises(ValueError, match="gla expects g"):
+        kernels.forward("gla", inp)
+
+
+def test_scheduler_algorithm1_and_forcing(monkeypatch):
+    dev = scheduler.Device(n_sm=132, bandwidth=4.8e12, max_concurrency=264)
+    # B*H*P_state >= SMs: fused fast path
+    s, info = scheduler.algorithm1(8, 4096, 32, 128, 128, 64, 128, 64, device=dev)
+    assert s == "fused" and info["P_fused"] == 512
+    # few heads, long sequence: decoupled's chunk parallelism pays for its extra traffic
+    s, info = scheduler.algorithm1(1, 65536, 2, 128, 128, 64, 128, 64, device=dev)
+    assert s == "decoupled" and info["t_dec"] < info["t_fused"]
+    # one chunk: no extra parallelism to gain
+    s, _ = scheduler.algorithm1(1, 64, 2, 128, 128, 64, 128, 64, device=dev)
+    assert s == "fused"
+    monkeypatch.setenv("FORGE_DIST_EXECUTION", "decoupled")
+    assert scheduler.choose(8, 4096, 32, 128, 128, 64, 64)[0] == "decoupled"
+    assert scheduler.choose(8, 4096, 32, 128, 128, 64, 64, decoupled_available=False)[0] == "fused"
+    monkeypatch.setenv("FORGE_DIST_EXECUTION", "bogus")
+    with pytest.raises(ValueError, match="FORGE_DIST_EXECUTION"):
+        scheduler.choose(1, 64, 1, 64, 64, 64, 64)
+
+
+def test_execution_is_reported():
+    inp = make("simple_gla", 1, 64, 1, 32, 32)
+    for ex in ("fused", "decoupled"):
+        work = kernels.make_work("simple_gla", inp, None, False, execution=ex)
+        work.finish(None)
+        assert work.execution == ex
+
+
+# ------------------------------------------------------------------------------------------
+# Real GPU: bf16 at real shapes against an fp32 reference, and FLA's forward if installed.
+# ------------------------------------------------------------------------------------------
+
+def _fp32_reference(variant, inp, h0):
+    """Chunked fp32 PyTorch forms (the token recurrence is too slow at real T)."""
+    from forge_dist.variants import decay_attention, delta_rule, vector_state
+    f = {n: (None if t is None else t.float()) for n, t in inp.items()}
+    if variant == "hgrn":
+        s = vector_state.summarize(f["x"], f["g"], need_transition=False)
+        B, D = h0.shape
+        o_p, s_p = s.readout(h0.reshape(B, 1, D, 1))
+        return s.o_zero + o_p, (s.delta + s_p).reshape(B, D)
+    K = f["q"].shape[-1]
+    if variant in ("gated_delta_rule", "deltanet"):
+        s = delta_rule.summarize(f["q"], f["k"], f["v"], f["g"], f["beta"], K ** -0.5,
+                                 need_transition=False)
+    else:
+        s = decay_attention.summarize(f["q"], f["k"], f["v"], f.get("g"), K ** -0.5,
+                                      need_transition=False)
+    o_p, s_p = s.readout(h0)
+    return s.o_zero + o_p, s.delta + s_p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,execution", PARAMS)
+@pytest.mark.parametrize("K", [64, 80, 128, 192, 256])
+def test_gpu_bf16_real_shapes(variant, execution, K):
+    T, H = (2048, 4) if variant != "hgrn" else (4096, 1)
+    V = 128 if variant != "hgrn" else None
+    inp = make(variant, 2, T, H, K if variant != "hgrn" else 1024, V or 0, dtype=torch.bfloat16,
+               device="cuda")
+    h0 = torch.randn(state_shape(variant, inp), device="cuda") * 0.1
+    o, ht = kernels.forward(op_name(variant), inp, None, h0, execution=execution)
+    ro, rh = _fp32_reference(variant, inp, h0)
+    assert rel(o, ro) <= 5e-3, rel(o, ro)
+    assert rel(ht, rh) <= 5e-3, rel(ht, rh)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["linear_attn", "simple_gla", "gla", "gated_delta_rule",
+                                     "hgrn"])
+def test_gpu_matches_fla(variant):
+    fla_ops = pytest.importorskip("fla.ops")  # noqa: F841
+    inp = make(variant, 1, 4096, 8, 128, 128, dtype=torch.bfloat16, device="cuda")
+    o, ht = kernels.forward(variant, inp, None, None)
+    try:
+        if variant == "linear_attn":
+            from fla.ops.linear_attn import chunk_linear_attn
+            fo, fh = chunk_linear_attn(inp["q"], inp["k"], inp["v"], normalize=False,
+                                       output_final_state=True)
+        elif variant == "simple_gla":
+            from fla.ops.simple_gla import chunk_simple_gla
+            fo, fh = chunk_simple_gla(inp["q"], inp["k"], inp["v"], g=inp["g"],
+                                      output_final_state=True)
+        elif variant == "gla":
+            from fla.ops.gla import chunk_gla
+            fo, fh = chunk_gla(inp["q"], inp["k"], inp["v"], g=inp["g"], output_final_state=True)
+        elif variant == "gated_delta_rule":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+            fo, fh = chunk_gated_delta_rule(inp["q"], inp["k"], inp["v"], g=inp["g"],
+                                            beta=inp["beta"], output_final_state=True)
+        else:
+            from fla.ops.hgrn import chunk_hgrn
+            fo, fh = chunk_hgrn(inp["x"], inp["g"], output_final_state=True)
+    except Exception as e:  # FLA may refuse some paths on this Triton
+        pytest.skip(f"FLA refused: {type(e).__name__}: {e}")
+    assert rel(o, fo.float()) <= 1e-2, rel(o, fo.float())
+    assert rel(ht, fh.float()) <= 1e-2, rel(ht, fh.float())
