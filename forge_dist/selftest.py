@@ -144,6 +144,8 @@ def _sum_ranks(x: Tensor, group, world: int) -> Tensor:
 def run_case(op: str, strategy: str, dtype: torch.dtype, varlen: bool, *, group=None,
              T_local: int = 24, seed: int = 0, device="cpu") -> CaseResult:
     """Run one check on every rank of ``group`` (collective); all ranks get the result."""
+    if str(device) == "cuda":  # this process's current GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     rank = dist.get_rank(group) if group is not None else 0
     world = dist.get_world_size(group) if group is not None else 1
     T = T_local * world

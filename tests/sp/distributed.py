@@ -11,10 +11,21 @@ import torch.multiprocessing as mp
 from forge_dist.selftest import free_port, init_local_gloo
 
 
-def _worker(rank, world, port, fn, args, out_path):
-    init_local_gloo(rank, world, port)
+def _worker(rank, world, port, fn, args, out_path, backend, device):
+    if backend == "nccl":
+        import torch
+
+        from forge_dist.comm_env import set_launch_defaults
+
+        set_launch_defaults()
+        torch.cuda.set_device(rank)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+    else:
+        init_local_gloo(rank, world, port)
     try:
-        result = fn(dist.group.WORLD, *args)
+        kwargs = {} if device is None else {"device": device}
+        result = fn(dist.group.WORLD, *args, **kwargs)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(result, f)
@@ -22,14 +33,16 @@ def _worker(rank, world, port, fn, args, out_path):
         dist.destroy_process_group()
 
 
-def run_world(world: int, fn, *args, env=None):
-    """Run ``fn(group, *args)`` on ``world`` gloo ranks; returns rank 0's JSON-able result."""
+def run_world(world: int, fn, *args, env=None, backend: str = "gloo", kwargs_device=None):
+    """Run ``fn(group, *args)`` on ``world`` ranks (gloo on the CPU, or NCCL with one GPU per
+    rank); returns rank 0's JSON-able result."""
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
-            mp.spawn(_worker, args=(world, free_port(), fn, args, out), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, free_port(), fn, args, out, backend, kwargs_device), nprocs=world,
+                     join=True)
             with open(out) as f:
                 return json.load(f)
     finally:
