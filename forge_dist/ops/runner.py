@@ -119,21 +119,24 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
     done = {}  # segment index -> (o, final) for work finished before the state pass
 
     # Phase 2: the state pass carries the sequence open at the shard end to the next rank.
-    M_rank = None
-    if not need_carry:
-        carry = torch.zeros(rows, H, K, V, **opts)  # nobody reads the last rank's carry
-    elif tail.continues:
-        carry, M_tail = works[-1].summary(True)
-        M_rank = tr.promote(spec.kind, kind, M_tail, rows, H, K, **opts)
-    else:  # a sequence starts inside the shard: the carry does not depend on S_in
-        done[len(segments) - 1] = works[-1].finish(init_for(tail))
-        carry = done[len(segments) - 1][1]
-        M_rank = tr.zero(kind, rows, H, K, **opts)
-    S0 = init_for(segments[0]) if rank == 0 else None
-    if S0 is None:
-        S0 = torch.zeros(rows, H, K, V, **opts)
-    S_in = sp.state_pass(kind, M_rank, carry, S0, group, strategy,
-                         needs_grad=needs_grad(inputs, initial_state))
+    if size == 1:  # nothing to pass: the head's incoming state is the initial state
+        S_in = init_for(segments[0])
+    else:
+        M_rank = None
+        if not need_carry:
+            carry = torch.zeros(rows, H, K, V, **opts)  # nobody reads the last rank's carry
+        elif tail.continues:
+            carry, M_tail = works[-1].summary(True)
+            M_rank = tr.promote(spec.kind, kind, M_tail, rows, H, K, **opts)
+        else:  # a sequence starts inside the shard: the carry does not depend on S_in
+            done[len(segments) - 1] = works[-1].finish(init_for(tail))
+            carry = done[len(segments) - 1][1]
+            M_rank = tr.zero(kind, rows, H, K, **opts)
+        S0 = init_for(segments[0]) if rank == 0 else None
+        if S0 is None:
+            S0 = torch.zeros(rows, H, K, V, **opts)
+        S_in = sp.state_pass(kind, M_rank, carry, S0, group, strategy,
+                             needs_grad=needs_grad(inputs, initial_state))
 
     # Phase 3: merge incoming states into outputs and final states.
     outputs, finals = [], {}
