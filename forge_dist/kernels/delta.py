@@ -45,13 +45,15 @@ if HAVE_TRITON:
         rows = tl.arange(0, BT)
         p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
         b_k = tl.load(p_k, boundary_check=(0, 1))
-        p_b = tl.make_block_ptr(beta + bos * H + i_h, (T,), (H,), (t0,), (BT,), (0,))
-        b_beta = tl.load(p_b, boundary_check=(0,)).to(tl.float32)
+        o_b = (t0) + tl.arange(0, BT)  # per-token scalars (stride H)
+        p_b = beta + (bos + o_b) * H + i_h
+        b_beta = tl.load(p_b, mask=o_b < T, other=0.0).to(tl.float32)
         strict = rows[:, None] > rows[None, :]
         b_L = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
         if GATE == 1:
-            p_g = tl.make_block_ptr(g + bos * H + i_h, (T,), (H,), (t0,), (BT,), (0,))
-            b_G = tl.cumsum(tl.load(p_g, boundary_check=(0,)).to(tl.float32), axis=0)
+            o_g = (t0) + tl.arange(0, BT)  # per-token scalars (stride H)
+            p_g = g + (bos + o_g) * H + i_h
+            b_G = tl.cumsum(tl.load(p_g, mask=o_g < T, other=0.0).to(tl.float32), axis=0)
             b_L = b_L * tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], float("-inf")))
             b_kb = b_k.to(tl.float32) * (b_beta * tl.exp(b_G))[:, None]
         else:

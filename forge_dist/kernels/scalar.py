@@ -57,8 +57,9 @@ if HAVE_TRITON:
         b_k = tl.load(p_k, boundary_check=(0, 1))
         b_v = tl.load(p_v, boundary_check=(0, 1))
         if GATE == 1:
-            p_g = tl.make_block_ptr(g + bos * H + i_h, (T,), (H,), (t0,), (BT,), (0,))
-            b_g = tl.load(p_g, boundary_check=(0,)).to(tl.float32)
+            o_g = (t0) + tl.arange(0, BT)  # per-token scalars (stride H)
+            p_g = g + (bos + o_g) * H + i_h
+            b_g = tl.load(p_g, mask=o_g < T, other=0.0).to(tl.float32)
             b_G = tl.cumsum(b_g, axis=0)
             b_GC = tl.sum(b_g, axis=0)
             b_k = (b_k.to(tl.float32) * tl.exp(b_GC - b_G)[:, None]).to(b_v.dtype)
@@ -86,8 +87,9 @@ if HAVE_TRITON:
             b_dS = tl.load(p_h, boundary_check=(0, 1))
             tl.store(p_h, b_S, boundary_check=(0, 1))
             if GATE == 1:
-                p_g = tl.make_block_ptr(g + bos * H + i_h, (T,), (H,), (i_t * BT,), (BT,), (0,))
-                b_GC = tl.sum(tl.load(p_g, boundary_check=(0,)).to(tl.float32), axis=0)
+                o_g = (i_t * BT) + tl.arange(0, BT)  # per-token scalars (stride H)
+                p_g = g + (bos + o_g) * H + i_h
+                b_GC = tl.sum(tl.load(p_g, mask=o_g < T, other=0.0).to(tl.float32), axis=0)
                 b_S = b_S * tl.exp(b_GC)
             b_S = b_S + b_dS
         p_ht = tl.make_block_ptr(ht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
@@ -115,8 +117,9 @@ if HAVE_TRITON:
         b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         causal = rows[:, None] >= rows[None, :]
         if GATE == 1:
-            p_g = tl.make_block_ptr(g + bos * H + i_h, (T,), (H,), (t0,), (BT,), (0,))
-            b_G = tl.cumsum(tl.load(p_g, boundary_check=(0,)).to(tl.float32), axis=0)
+            o_g = (t0) + tl.arange(0, BT)  # per-token scalars (stride H)
+            p_g = g + (bos + o_g) * H + i_h
+            b_G = tl.cumsum(tl.load(p_g, mask=o_g < T, other=0.0).to(tl.float32), axis=0)
             b_A = b_A * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
             b_qg = (b_q.to(tl.float32) * tl.exp(b_G)[:, None]).to(b_q.dtype)
         else:

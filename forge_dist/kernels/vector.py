@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ._common import TritonWork, dot_precision, ensure, next_pow2, walk
+from ._common import (HAVE_TRITON, TritonWork, dot_precision, ensure, interpreting, next_pow2,
+                      triton, tl, walk)
 from ..variants import decay_attention
 
-FUSED_CONFIG = {"BT": 16, "BV": 64, "num_warps": 4, "num_stages": 2}
+FUSED_CONFIG = {"BT": 32, "BV": 64, "num_warps": 4, "num_stages": 2}
+INTRA_CONFIG = {"num_warps": 4}
 
 
 def fused_config(K: int, V: int) -> dict:
@@ -21,6 +23,43 @@ def fused_config(K: int, V: int) -> dict:
     if next_pow2(K) >= 256:
         cfg.update(BV=32, num_warps=8)
     return cfg
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _intra_kernel(q, k, g, a, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr):
+        """grid ``(cdiv(T, BT), B * H)``; q, k, g [B, T, H, K]; a [B, T, H, BT] fp32 (unscaled)."""
+        i_t, i_bh = tl.program_id(0), tl.program_id(1)
+        i_b, i_h = i_bh // H, i_bh % H
+        bos = i_b * T
+        t0 = i_t * BT
+        rows = tl.arange(0, BT)
+        cols_k = tl.arange(0, BK)
+        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
+        p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
+        b_q = tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
+        b_G = tl.cumsum(tl.load(p_g, boundary_check=(0, 1)).to(tl.float32), axis=0)
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        for j in tl.static_range(BT):
+            m_j = (cols_k < K) & (t0 + j < T)
+            k_j = tl.load(k + ((bos + t0 + j) * H + i_h) * K + cols_k, mask=m_j, other=0.0).to(tl.float32)
+            G_j = tl.sum(tl.where((rows == j)[:, None], b_G, 0.0), axis=0)
+            e = tl.exp(tl.where(rows[:, None] >= j, b_G - G_j[None, :], float("-inf")))
+            a_j = tl.sum(b_q * k_j[None, :] * e, axis=1)
+            b_A = tl.where(rows[None, :] == j, a_j[:, None], b_A)
+        p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
+        tl.store(p_a, b_A, boundary_check=(0, 1))
+
+
+def intra_attention(q, k, g, BT: int):
+    """``A [B, T, H, BT]`` fp32: in-chunk vector-decay attention (rows of each chunk)."""
+    B, T, H, K = q.shape
+    a = torch.empty(B, T, H, BT, dtype=torch.float32, device=q.device)
+    _intra_kernel[(triton.cdiv(T, BT), B * H)](q, k, g, a, T, H=H, K=K, BT=BT, BK=next_pow2(K),
+                                               num_warps=INTRA_CONFIG["num_warps"])
+    return a
 
 
 class VectorDecayWork(TritonWork):
@@ -31,8 +70,10 @@ class VectorDecayWork(TritonWork):
     def _finish_fwd(self, S_in, tensors):
         q, k, v, g = (ensure(t) for t in tensors)
         self.execution, self.execution_reason = "fused", "decoupled not built for this pattern"
+        cfg = fused_config(k.shape[-1], v.shape[-1])
+        a = None if interpreting() else intra_attention(q, k, g, cfg["BT"])
         return walk(k, v, q=q, g=g, gate=2, h0=S_in, scale=self.scale, out_dtype=self.out_dtype,
-                    cfg=fused_config(k.shape[-1], v.shape[-1]), prec=dot_precision(self.in_dtype))
+                    cfg=cfg, prec=dot_precision(self.in_dtype), a=a)
 
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g = (ensure(t) for t in tensors)

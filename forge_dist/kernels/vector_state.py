@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import HAVE_TRITON, TritonWork, ensure, triton, tl
+from ._common import HAVE_TRITON, TritonWork, ensure, triton, tl, use_autotune
 from ..variants import vector_state
 
 FUSED_CONFIG = {"BT": 64, "BD": 32, "num_warps": 4, "num_stages": 2}
@@ -49,6 +49,14 @@ if HAVE_TRITON:
         tl.store(ht + i_b * D + cols, b_h, mask=cmask)
 
 
+if HAVE_TRITON:
+    _hgrn_tuned = triton.autotune(
+        configs=[triton.Config({"BT": bt, "BD": bd}, num_warps=nw)
+                 for bt in (32, 64, 128) for bd in (16, 32, 64) for nw in (2, 4)
+                 if bt * bd <= 4096],
+        key=["D", "HAS_H0", "STORE_O"])(_hgrn_kernel)
+
+
 def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True):
     """``(o [B, T, D] or None, final [B, D] fp32)``; ``h0 [B, D]`` or ``None``."""
     B, T, D = x.shape
@@ -57,10 +65,14 @@ def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True):
     ht = torch.empty(B, D, dtype=torch.float32, device=x.device)
     if h0 is not None:
         h0 = h0.reshape(B, D).to(torch.float32).contiguous()
-    _hgrn_kernel[(triton.cdiv(D, cfg["BD"]), B)](
-        x, g, h0 if h0 is not None else ht, o if o is not None else ht, ht, T, D=D,
-        BT=cfg["BT"], BD=cfg["BD"], HAS_H0=h0 is not None, STORE_O=store_o,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    args = (x, g, h0 if h0 is not None else ht, o if o is not None else ht, ht, T)
+    if use_autotune():
+        _hgrn_tuned[lambda meta: (triton.cdiv(D, meta["BD"]), B)](
+            *args, D=D, HAS_H0=h0 is not None, STORE_O=store_o)
+    else:
+        _hgrn_kernel[(triton.cdiv(D, cfg["BD"]), B)](
+            *args, D=D, BT=cfg["BT"], BD=cfg["BD"], HAS_H0=h0 is not None, STORE_O=store_o,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, ht
 
 
