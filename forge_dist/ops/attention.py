@@ -13,6 +13,7 @@ rank (zeros elsewhere; a sum over ranks gives every final state).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -31,6 +32,29 @@ SIMPLE_GLA = VariantSpec("simple_gla", Kind.SCALAR)
 GLA = VariantSpec("gla", Kind.DIAGONAL)
 GATED_DELTA_RULE = VariantSpec("gated_delta_rule", Kind.DENSE)
 HGRN = VariantSpec("hgrn", Kind.DIAGONAL, vector_state=True)
+
+def _use_kernels(device: torch.device) -> bool:
+    """Triton kernels for CUDA tensors unless ``FORGE_DIST_KERNELS=torch`` asks otherwise."""
+    choice = os.environ.get("FORGE_DIST_KERNELS", "auto")
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"FORGE_DIST_KERNELS: expected auto, triton or torch, got {choice!r}")
+    return choice != "torch" and device.type == "cuda"
+
+
+def _work_factory(spec: VariantSpec, chunk_form: Callable, scale, device, out_dtype):
+    """``(segment inputs, need_M) -> SegmentWork``: Triton where supported, else PyTorch."""
+    triton_ok = _use_kernels(device)
+
+    def make_work(part, need_M):
+        if triton_ok:
+            from .. import kernels
+
+            work = kernels.make_work(spec.name, part, scale, need_M, out_dtype=out_dtype)
+            if work is not None:
+                return work
+        return ChunkFormWork(lambda need: chunk_form(part, need), need_M)
+    return make_work
+
 
 def _strategy_code(name: str) -> int:
     """Stable across processes: the position among the registered names."""
@@ -85,8 +109,8 @@ def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
                          grad=needs_grad({"q": q, "k": k, "v": v, **gates}, initial_state))
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     inputs = {"q": q, "k": k, "v": v, **gates}
-    def make_work(part, need_M):
-        return ChunkFormWork(lambda need: summarize(part, scale, need), need_M)
+    make_work = _work_factory(spec, lambda part, need: summarize(part, scale, need), scale,
+                              device, dtype)
     return run(spec, inputs, make_work, (H, K, V),
                B=B, T_local=T, initial_state=initial_state,
                output_final_state=output_final_state, cu=cu, group=group, strategy=strat,
@@ -217,9 +241,9 @@ def hgrn(x: Tensor, g: Tensor, *, initial_state: Optional[Tensor] = None,
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     init = None if initial_state is None else initial_state.reshape(-1, 1, D, 1)
 
-    def make_work(p, need_M):
-        return ChunkFormWork(
-            lambda need: vector_state.summarize(p["x"], p["g"], need_transition=need), need_M)
+    make_work = _work_factory(
+        HGRN, lambda p, need: vector_state.summarize(p["x"], p["g"], need_transition=need),
+        None, device, x.dtype)
     o, final = run(HGRN, {"x": x, "g": g}, make_work, (1, D, 1), B=B, T_local=T,
                    initial_state=init, output_final_state=output_final_state, cu=cu,
                    group=group, strategy=strat, out_dtype=x.dtype, compute_dtype=compute,

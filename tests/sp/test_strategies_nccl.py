@@ -28,3 +28,19 @@ def test_matches_reference_over_nccl(op, strategy, dtype, varlen):
     tol = tolerance(DTYPES[dtype])
     bad = {k: v for k, v in row["errors"].items() if not v <= tol}
     assert not bad, f"relative RMSE above {tol:g}: {bad}"
+
+
+def _kernel_matrix(group, device):
+    """Head dims >= 16 route CUDA tensors through the Triton kernels (fp32 dots use TF32)."""
+    return matrix_rows(group, device=device, dtypes=(torch.float32,), T_local=96,
+                       dims=(32, 48, 64))
+
+
+@pytest.mark.multigpu
+def test_kernel_path_over_nccl():
+    rows = run_world(2, _kernel_matrix, env={"FORGE_DIST_TIMEOUT": "120"}, backend="nccl",
+                     kwargs_device="cuda")
+    assert len(rows) == len(OPS) * len(STRATEGIES) * 2
+    bad = [(r["op"], r["strategy"], r["varlen"], r["errors"]) for r in rows
+           if not max(r["errors"].values()) <= 3e-3]
+    assert not bad, bad

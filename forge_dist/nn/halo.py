@@ -1,0 +1,86 @@
+"""Halo exchange for short causal convolutions under sequence parallelism.
+
+A causal convolution of width ``W + 1`` needs, at the first token of rank r's shard, the last
+``W`` inputs of rank r-1's shard.  :func:`halo_exchange` sends each rank's last ``W`` tokens to
+the next rank and returns the ``W`` tokens received from the previous one (zeros on rank 0).
+It is differentiable: in backward the gradient of the received halo goes back to rank r-1,
+where it adds onto the gradient of the tokens that were sent.
+
+Every rank of the group makes the same calls in the same order whatever its data, so the
+communication pattern never depends on ``cu_seqlens``; masking of taps that would cross a
+packed-sequence boundary is the convolution's job (:mod:`forge_dist.nn.conv`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..sp import p2p
+
+
+def _exchange(send: Tensor, shape, dtype, device, *, to_next: bool, group, what: str):
+    """Send ``send`` one rank along the chain and receive one tensor from the other side.
+
+    ``to_next=True``: send to rank+1, receive from rank-1 (forward direction).
+    ``to_next=False``: send to rank-1, receive from rank+1 (backward direction).
+    The end of the chain that has no peer sends nothing / receives zeros.
+    """
+    rank, size = p2p.rank_and_size(group)
+    dst = rank + 1 if to_next else rank - 1
+    src = rank - 1 if to_next else rank + 1
+    recv_buf = torch.zeros(shape, dtype=dtype, device=device)
+    works = []
+    if 0 <= src < size:  # post the receive before the send: no ordering deadlock on gloo
+        works.append((p2p.irecv(recv_buf, src, group), src))
+    if 0 <= dst < size:
+        works.append((p2p.isend(send, dst, group), dst))
+    for work, peer in works:
+        p2p.wait(work, group, peer, what)
+    return recv_buf
+
+
+class _HaloExchange(torch.autograd.Function):
+    """``x [B, T, D]`` -> the previous rank's last ``width`` tokens ``[B, width, D]``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, width: int, group):
+        ctx.width, ctx.group = width, group
+        ctx.x_meta = (x.shape, x.dtype, x.device)
+        B, _, D = x.shape
+        tail = x[:, x.shape[1] - width:].contiguous()
+        return _exchange(tail, (B, width, D), x.dtype, x.device, to_next=True, group=group,
+                         what="a convolution halo")
+
+    @staticmethod
+    def backward(ctx, grad_halo: Tensor):
+        shape, dtype, device = ctx.x_meta
+        B, T, D = shape
+        w = ctx.width
+        grad_tail = _exchange(grad_halo.contiguous().to(dtype), (B, w, D), dtype, device,
+                              to_next=False, group=ctx.group,
+                              what="the gradient of a convolution halo")
+        grad_x = torch.zeros(shape, dtype=dtype, device=device)
+        grad_x[:, T - w:] = grad_tail
+        return grad_x, None, None
+
+
+def halo_exchange(x: Tensor, width: int, group) -> Tensor:
+    """The ``width`` tokens that precede this rank's shard in the global sequence.
+
+    Args:
+        x: ``[B, T_local, D]``, this rank's shard (``T_local >= width``).
+        width: number of tokens to exchange (``kernel_size - 1``).
+        group: a process group, or ``None`` (single rank: returns zeros).
+    Returns:
+        ``[B, width, D]``: rank r-1's last ``width`` tokens; zeros on rank 0.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x: expected [B, T, D], got shape {tuple(x.shape)}")
+    B, T, D = x.shape
+    _, size = p2p.rank_and_size(group)
+    if width == 0 or size == 1:
+        return x.new_zeros(B, width, D)
+    if T < width:
+        raise ValueError(f"x: the local shard has {T} tokens, fewer than the convolution "
+                         f"halo of {width}; use at least {width} tokens per rank")
+    return _HaloExchange.apply(x, width, group)

@@ -1,0 +1,140 @@
+"""weak_scaling.py on the CPU (gloo, tiny shapes): 1 and 2 ranks, schema, breakdown, plots."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forge_dist.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scaling_benchmarks" / "weak_scaling.py"
+sys.path.insert(0, str(REPO))
+
+from scaling_benchmarks import weak_scaling as ws  # noqa: E402
+
+OPS = ["linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"]
+HEADER = ("benchmark", "device", "world_size", "torch", "triton", "commit", "date", "config",
+          "rows")
+ROW = ("op", "T", "pass", "impl", "ms", "ms_min", "strategy", "world_size", "tokens_per_gpu",
+       "breakdown", "peak_mib", "measure", "per_rank")
+
+
+def _run(tmp_path: Path, world: int) -> dict:
+    out = tmp_path / f"w{world}"
+    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_COMMIT="test")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--world", str(world), "--out", str(out),
+         "--set", "warmup=1", "--set", "repeats=2"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted(out.glob("weak_scaling_*_ws*.json"))
+    assert len(files) == 1, (files, proc.stderr[-2000:])
+    assert files[0].name.endswith(f"_ws{world}.json")
+    assert files[0].with_suffix(".png").stat().st_size > 10_000
+    return json.loads(files[0].read_text())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ws2"), 2)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ws1"), 1)
+
+
+def _check_row(r, world):
+    for key in ROW:
+        assert key in r, f"row lacks {key}: {r}"
+    assert r["ms"] > 0 and 0 < r["ms_min"] <= r["ms"]
+    assert r["pass"] in ("fwd", "fwdbwd")
+    assert r["peak_mib"] is None  # CPU
+    assert len(r["per_rank"]) == world
+
+
+def test_one_rank_writes_ideal_rows(one_rank):
+    for key in HEADER:
+        assert key in one_rank
+    assert one_rank["benchmark"] == "weak_scaling" and one_rank["world_size"] == 1
+    ideal = [r for r in one_rank["rows"] if r["measure"] == "ideal"]
+    assert {(r["op"], r["pass"]) for r in ideal} == {(o, p) for o in OPS
+                                                     for p in ("fwd", "fwdbwd")}
+    for r in ideal:
+        _check_row(r, 1)
+        assert r["world_size"] == 1 and r["strategy"] == "ideal" and r["T"] == 256
+        b = r["breakdown"]
+        assert b["local_ms"] > 0 and b["merge_ms"] > 0 and b["comm_ms"] >= 0
+
+
+def test_two_ranks_every_strategy_and_breakdown(two_ranks):
+    res = two_ranks
+    assert res["world_size"] == 2 and res["config"]["backend"] == "gloo"
+    ops_rows = [r for r in res["rows"] if r["measure"] == "op"]
+    got = {(r["op"], r["pass"], r["strategy"]) for r in ops_rows}
+    want = {(o, p, s) for o in OPS for p in ("fwd", "fwdbwd")
+            for s in ("serial", "pipelined", "lasp2")}
+    assert want <= got, want - got
+    for r in ops_rows:
+        _check_row(r, 2)
+        assert r["world_size"] == 2 and r["T"] == 512 and r["tokens_per_gpu"] == 256
+        b = r["breakdown"]
+        assert all(b[k] >= 0 for k in ("local_ms", "comm_ms", "merge_ms"))
+        assert b["comm_ms"] > 0 and b["local_ms"] > 0
+        crit = r["per_rank"][b["rank"]]
+        # the components of one repeat add up to that repeat's time
+        assert b["local_ms"] + b["comm_ms"] + b["merge_ms"] == pytest.approx(crit["ms"], rel=1e-6)
+        assert r["ideal_ms"] > 0 and r["vs_ideal"] == pytest.approx(r["ms"] / r["ideal_ms"])
+
+
+def test_two_ranks_state_pass_rows(two_ranks):
+    sp_rows = [r for r in two_ranks["rows"] if r["measure"] == "state_pass"]
+    assert {(r["op"], r["strategy"]) for r in sp_rows} >= {
+        (o, s) for o in OPS for s in ("serial", "pipelined", "lasp2")}
+    for r in sp_rows:
+        assert r["us"] == pytest.approx(r["ms"] * 1e3) and r["us"] > 0
+        # B=1, H=2, K=V=16 fp32 states; HGRN [1, 32] (D = H*K)
+        want = 32 * 4 / 2 ** 20 if r["op"] == "hgrn" else 2 * 16 * 16 * 4 / 2 ** 20
+        assert r["state_mib"] == pytest.approx(want)
+    dense = next(r for r in sp_rows if r["op"] == "gated_delta_rule")
+    assert dense["transition_mib"] == pytest.approx(2 * 16 * 16 * 4 / 2 ** 20)
+
+
+def test_unavailable_things_are_skipped_with_reasons(two_ranks):
+    skipped = two_ranks["skipped"]
+    assert all(s["reason"] for s in skipped)
+    # no GPU here: forge (NVSHMEM) and FLA CP cannot run, and say so
+    assert any(s.get("strategy") == "forge" for s in skipped)
+    assert any(s["measure"] == "fla_cp" and "CUDA" in s["reason"] for s in skipped)
+    assert two_ranks["strategies_available"]["serial"] is True
+
+
+def test_plot_only_merges_runs(one_rank, two_ranks, tmp_path):
+    files = []
+    for i, res in enumerate((one_rank, two_ranks)):
+        f = tmp_path / f"r{i}.json"
+        f.write_text(json.dumps(res))
+        files.append(str(f))
+    png = tmp_path / "sweep.png"
+    assert ws.main(["--plot", *files, "--png", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+
+
+def test_config_file_and_overrides():
+    _, cfg = ws.parse(["--config", str(REPO / "configs" / "weak_scaling_cpu.toml"),
+                       "--set", "tokens_per_gpu=128", "--set", "ops=['gla']"])
+    assert cfg["cpu"] is True and cfg["K"] == 16 and cfg["tokens_per_gpu"] == 128
+    assert cfg["ops"] == ["gla"]
+    _, gpu = ws.parse(["--config", str(REPO / "configs" / "weak_scaling.toml")])
+    assert (gpu["B"], gpu["H"], gpu["K"], gpu["V"], gpu["tokens_per_gpu"]) == \
+        (4, 32, 128, 128, 32768)
+    assert gpu["dtype"] == "bfloat16" and gpu["cpu"] is False
+    _, cpu = ws.parse(["--cpu", "--set", "B=2"])
+    assert (cpu["B"], cpu["H"], cpu["tokens_per_gpu"]) == (2, 2, 256)
+    with pytest.raises(ConfigError, match="unknown key"):
+        ws.parse(["--set", "tokens=1"])
+    with pytest.raises(SystemExit):
+        ws.parse(["--set", "ops=['nope']"])

@@ -1,0 +1,88 @@
+"""The convolution halo across ranks: values, gradients, packed documents, bad shard sizes."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from forge_dist.nn import ShortConvolution, halo_exchange
+from tests.sp.distributed import run_world
+
+from .helpers import gather_tokens, rel_err, sum_ranks
+from .test_layers_reference import conv as conv_per_document
+
+# 3 ranks x 4 tokens, kernel 4 (halo 3): documents [0,2) [2,6) [6,7) [7,12) put boundaries
+# inside the halo of rank 1 (token 6 starts right after its first halo-covered token) and
+# of rank 2 (document [6,7) is one token long and [7,12) starts at rank 2's first token - 1).
+CU = torch.tensor([0, 2, 6, 7, 12])
+T_LOCAL, D = 4, 5
+
+
+def _halo_values(group):
+    rank = dist.get_rank(group)
+    x = torch.arange(2 * T_LOCAL * D, dtype=torch.float64).reshape(2, T_LOCAL, D) + 1000 * rank
+    x.requires_grad_()
+    h = halo_exchange(x, 3, group)
+    expect = (torch.zeros_like(h) if rank == 0 else
+              (torch.arange(2 * T_LOCAL * D, dtype=torch.float64).reshape(2, T_LOCAL, D)
+               + 1000 * (rank - 1))[:, -3:])
+    # backward: weight the halo by (rank + 1); rank r-1's last 3 tokens get that weight
+    (h * (rank + 1)).sum().backward()
+    world = dist.get_world_size(group)
+    g_expect = torch.zeros_like(x)
+    if rank < world - 1:
+        g_expect[:, -3:] = rank + 2
+    return {"values": bool(torch.equal(h.detach(), expect)),
+            "grads": bool(torch.equal(x.grad, g_expect))}
+
+
+def _conv_sp(group):
+    rank = dist.get_rank(group)
+    out = {}
+    for packed in (False, True):
+        for act, bias in (("silu", True), (None, False)):
+            torch.manual_seed(0)
+            m = ShortConvolution(D, 4, bias=bias, activation=act).double()
+            gen = torch.Generator().manual_seed(1)
+            B = 1 if packed else 2
+            cu = CU if packed else None
+            x = torch.randn(B, 3 * T_LOCAL, D, generator=gen, dtype=torch.float64)
+            w = torch.randn(B, 3 * T_LOCAL, D, generator=gen, dtype=torch.float64)
+            x1 = x.clone().requires_grad_()
+            y1 = conv_per_document(x1, m, cu, act=act is not None)
+            (y1 * w).sum().backward()
+            gw1 = m.weight.grad.clone()
+            m.zero_grad(set_to_none=True)
+            sl = slice(rank * T_LOCAL, (rank + 1) * T_LOCAL)
+            xs = x[:, sl].clone().requires_grad_()
+            y = m(xs, cu_seqlens=cu, group=group)
+            (y * w[:, sl]).sum().backward()
+            key = f"packed={packed},act={act}"
+            out[key] = max(rel_err(gather_tokens(y.detach(), group), y1),
+                           rel_err(gather_tokens(xs.grad, group), x1.grad),
+                           rel_err(sum_ranks(m.weight.grad, group), gw1))
+    return out
+
+
+def _too_short(group):
+    x = torch.zeros(1, 2, 3)
+    try:
+        halo_exchange(x, 3, group)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_halo_values_and_gradients_cross_ranks():
+    assert run_world(3, _halo_values) == {"values": True, "grads": True}
+
+
+def test_conv_sp3_matches_per_document_conv():
+    errs = run_world(3, _conv_sp)
+    assert len(errs) == 4
+    for key, e in errs.items():
+        assert e <= 1e-12, (key, e)
+
+
+def test_shard_shorter_than_halo_is_an_error():
+    msg = run_world(2, _too_short)
+    assert "fewer than the convolution halo of 3" in msg
