@@ -33,15 +33,9 @@ in our kernels changes.  ``NVSHMEM_REMOTE_TRANSPORT=none`` keeps a job on one no
 """
 from __future__ import annotations
 
-import os
+from ..comm_env import set_launch_defaults
 
-_ENV_DEFAULTS = {
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-}
-for _k, _v in _ENV_DEFAULTS.items():
-    os.environ.setdefault(_k, _v)
+set_launch_defaults()
 
 SIM = 0
 NVSHMEM = 1

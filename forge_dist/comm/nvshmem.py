@@ -65,17 +65,21 @@ def _ensure_backend() -> None:
         return
     from torch.distributed import _symmetric_memory as symm_mem
 
-    current = None
+    # get_backend reports the default ("CUDA") before any allocation, so just ask for
+    # NVSHMEM; torch refuses only once a symmetric tensor of another backend exists.
     try:
-        current = symm_mem.get_backend(torch.device("cuda", torch.cuda.current_device()))
-    except Exception:  # noqa: BLE001
-        pass
-    if current not in (None, "NVSHMEM"):
-        raise RuntimeError(f"symmetric memory already uses the {current} backend in this "
-                           "process; forge needs NVSHMEM (call forge_dist.comm.nvshmem.setup "
-                           "before any other symmetric allocation)")
-    if current is None:
         symm_mem.set_backend("NVSHMEM")
+    except Exception as err:  # noqa: BLE001
+        current = None
+        try:
+            current = symm_mem.get_backend(torch.device("cuda", torch.cuda.current_device()))
+        except Exception:  # noqa: BLE001
+            pass
+        if current != "NVSHMEM":
+            raise RuntimeError(f"forge needs the NVSHMEM symmetric-memory backend but this "
+                               f"process already uses {current} ({err}); call "
+                               "forge_dist.comm.nvshmem.setup before any other symmetric "
+                               "allocation") from err
     _BACKEND_SET = True
 
 

@@ -1,10 +1,15 @@
 """Sequence-parallel strategies for the inter-rank phase (DESIGN.md section 3).
 
-Importing this package registers ``serial``, ``pipelined`` and ``lasp2``; the GPU-initiated
-``forge`` strategy registers itself from :mod:`forge_dist.sp.forge` when present.
+Importing this package registers ``serial``, ``pipelined`` and ``lasp2``, and ``forge``
+(GPU-initiated NVSHMEM puts, :mod:`forge_dist.sp.forge`) where Triton is installed.
 """
 from . import lasp2, pipelined, serial  # noqa: F401  (registration)
 from .base import Strategy, names, register, resolve, state_pass
 from .p2p import StatePassTimeout
+
+try:  # forge needs Triton; without it the other strategies still work
+    from . import forge  # noqa: F401
+except ImportError:  # pragma: no cover - Triton-less installs
+    forge = None
 
 __all__ = ["Strategy", "StatePassTimeout", "names", "register", "resolve", "state_pass"]

@@ -202,6 +202,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def interpreted() -> bool:
+    """Whether the kernel was built for Triton's interpreter (CPU simulated transport)."""
+    return not isinstance(_forge_chain_kernel, triton.runtime.JITFunction)
+
+
 def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tensor],
                first: Optional[torch.Tensor], d: torch.Tensor, x_out: Optional[torch.Tensor],
                y_out: Optional[torch.Tensor], src: int, send: bool, prev: int, nxt: int,
@@ -224,6 +229,9 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
     use_clock = d.is_cuda and not _interpreting()
     limit = int(bound * 1e9) if use_clock else 1  # SIM on CPU: chain order, one poll decides
     n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv)
+    if not d.is_cuda and not interpreted():
+        raise RuntimeError("forge: CPU tensors run the simulated transport under Triton's "
+                           "interpreter; set TRITON_INTERPRET=1 before importing forge_dist")
     dummy = d
     _kernel(where.transport)[(n_tiles,)](
         first if first is not None else dummy, d, m_arg,

@@ -1,0 +1,272 @@
+"""Multi-GPU checks of the forge strategy; run under torchrun (see run_multigpu.sh).
+
+    torchrun --nproc_per_node 2 tests/comm/multigpu_worker.py OUT_DIR
+
+Every rank writes ``OUT_DIR/rank<r>.json``: ``{check: {"ok": bool, "detail": str}}``;
+``tests/sp/test_forge_multigpu.py`` launches this and asserts every check on every rank.
+Checks (in this order; the timeout check is last because it leaves the channel's epochs
+out of step between ranks):
+
+* ``chains_<kind>``: forge forward/backward chains equal a fold of all ranks' summaries and
+  the serial and lasp2 strategies;
+* ``op_<name>``: each op with group + strategy="forge" equals serial, lasp2 and the
+  single-GPU op on the whole sequence, outputs and input gradients;
+* ``back_to_back``: 1000 forward chains launched without host synchronisation, each with
+  its own data, all correct (no stale signal, no overwritten slot);
+* ``timeout``: rank 0 skips a call; rank 1 raises StatePassTimeout naming rank 1, rank 0
+  and a tile, within the (short) bound.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import forge_dist.comm  # noqa: F401  (environment defaults before NCCL/NVSHMEM start)
+import torch
+import torch.distributed as dist
+
+from forge_dist import ops, sp
+from forge_dist.comm import nvshmem
+from forge_dist.sp import forge, lasp2, serial  # noqa: F401
+from forge_dist.sp.p2p import StatePassTimeout
+from forge_dist.variants import transitions as tr
+from forge_dist.variants.transitions import Kind
+
+RESULTS = {}
+
+
+def check(name):
+    def deco(fn):
+        def run(*a, **k):
+            t = time.time()
+            try:
+                detail = fn(*a, **k) or ""
+                RESULTS[name] = {"ok": True, "detail": f"{detail} ({time.time() - t:.1f}s)"}
+            except Exception as err:  # noqa: BLE001 - report, keep going
+                RESULTS[name] = {"ok": False, "detail": f"{type(err).__name__}: {err}\n"
+                                 f"{traceback.format_exc()[-1500:]}"}
+            print(f"[rank {dist.get_rank()}] {name}: {RESULTS[name]['ok']} "
+                  f"{RESULTS[name]['detail'][:300]}", flush=True)
+        return run
+    return deco
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def summaries(kind, P, B, H, K, V, seed, device):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    Ms, ds = [], []
+    for _ in range(P):
+        if kind is Kind.IDENTITY:
+            M = None
+        elif kind is Kind.SCALAR:
+            M = torch.rand(B, H, generator=g) * 0.5 + 0.5
+        elif kind is Kind.DIAGONAL:
+            M = torch.rand(B, H, K, generator=g) * 0.5 + 0.5
+        else:
+            M = torch.randn(B, H, K, K, generator=g) / K ** 0.5
+        Ms.append(None if M is None else M.to(device))
+        ds.append(torch.randn(B, H, K, V, generator=g).to(device))
+    S0 = torch.randn(B, H, K, V, generator=g).to(device)
+    gs = [torch.randn(B, H, K, V, generator=g).to(device) for _ in range(P)]
+    return Ms, ds, S0, gs
+
+
+def chain_check(kind, group, device, K=128, V=128):
+    r, P = dist.get_rank(group), dist.get_world_size(group)
+    B, H = 2, 4
+    Ms, ds, S0, gs = summaries(kind, P, B, H, K, V, 11, device)
+    M = Ms[r] if r < P - 1 else None
+    S_ref, ins = S0, []
+    for s in range(P):
+        ins.append(S_ref)
+        S_ref = tr.combine(kind, Ms[s], S_ref, ds[s])
+    lam, lams = torch.zeros_like(S0), [None] * P
+    for s in reversed(range(P)):
+        nxt = lam
+        lam = gs[s] + tr.apply_transposed(kind, Ms[s], nxt)
+        lams[s] = (nxt, lam)
+    S0_r = S0 if r == 0 else torch.zeros_like(S0)
+    out = {}
+    for name in ("forge", "serial", "lasp2"):
+        strat = sp.resolve(name, device)
+        S_in, saved = strat.forward_chain(kind, M, ds[r], S0_r, group)
+        ln, lh = strat.backward_chain(kind, M, gs[r], group, saved)
+        torch.cuda.synchronize()
+        out[name] = (S_in, ln, lh)
+    errs = []
+    for name, (S_in, ln, lh) in out.items():
+        errs += [rel(S_in, ins[r]), rel(lh, lams[r][1])]
+        if r < P - 1:
+            errs.append(rel(ln, lams[r][0]))
+    for name in ("serial", "lasp2"):
+        errs.append(rel(out["forge"][0], out[name][0]))
+        errs.append(rel(out["forge"][2], out[name][2]))
+    worst = max(errs)
+    if worst > 1e-5:
+        raise AssertionError(f"{kind.value}: relative error {worst:.3g} > 1e-5 ({errs})")
+    return f"max rel err {worst:.2e}"
+
+
+def op_inputs(name, B, T, H, D, seed, device):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rn(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(device)
+    if name == "hgrn":
+        return {"x": rn(B, T, H * D), "g": -torch.rand(B, T, H * D, generator=g).to(device)}
+    q, k, v = rn(B, T, H, D), rn(B, T, H, D), rn(B, T, H, D)
+    if name == "linear_attn":
+        return {"q": q, "k": k * 0.1, "v": v}
+    if name == "simple_gla":
+        return {"q": q, "k": k, "v": v, "g": -torch.rand(B, T, H, generator=g).to(device)}
+    if name == "gla":
+        return {"q": q, "k": k, "v": v,
+                "g": -0.2 * torch.rand(B, T, H, D, generator=g).to(device)}
+    k = torch.nn.functional.normalize(k, dim=-1)
+    return {"q": q, "k": k, "v": v, "g": -torch.rand(B, T, H, generator=g).to(device) * 0.2,
+            "beta": torch.rand(B, T, H, generator=g).to(device)}
+
+
+def call_op(name, inputs, **kw):
+    fn = getattr(ops, name)
+    if name == "hgrn":
+        return fn(inputs["x"], inputs["g"], **kw)
+    if name == "linear_attn":
+        return fn(inputs["q"], inputs["k"], inputs["v"], **kw)
+    if name == "gated_delta_rule":
+        return fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], **kw)
+    return fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], **kw)
+
+
+def op_check(name, group, device):
+    r, P = dist.get_rank(group), dist.get_world_size(group)
+    B, T_local, H, D = 2, 64, 2, 32
+    full = op_inputs(name, B, T_local * P, H, D, 5, device)
+    results, w_full = {}, None
+    for strategy in ("single", "forge", "serial", "lasp2"):
+        if strategy == "single":
+            inp = {k: v.clone().requires_grad_(True) for k, v in full.items()}
+            o, fs = call_op(name, inp, output_final_state=True)
+            sl = slice(r * T_local, (r + 1) * T_local)
+            w_full = torch.randn(o.shape, generator=torch.Generator().manual_seed(9)).to(device)
+            w = w_full
+        else:
+            inp = {k: v[:, r * T_local:(r + 1) * T_local].clone().requires_grad_(True)
+                   for k, v in full.items()}
+            o, fs = call_op(name, inp, output_final_state=True, group=group,
+                            strategy=strategy)
+            sl = slice(None)
+            w = w_full[:, r * T_local:(r + 1) * T_local]
+        loss = (o * w).sum()
+        loss.backward()
+        torch.cuda.synchronize()
+        results[strategy] = (o[:, sl].detach(), {k: v.grad[:, sl] for k, v in inp.items()})
+    errs = {}
+    base_o, base_g = results["single"]
+    for strategy in ("forge", "serial", "lasp2"):
+        o, grads = results[strategy]
+        errs[strategy] = max([rel(o, base_o)] + [rel(grads[k], base_g[k]) for k in grads])
+    errs["forge-vs-serial"] = max(
+        [rel(results["forge"][0], results["serial"][0])]
+        + [rel(results["forge"][1][k], results["serial"][1][k]) for k in base_g])
+    if max(errs.values()) > 1e-4:
+        raise AssertionError(f"{name}: relative errors {errs}")
+    return " ".join(f"{k}={v:.1e}" for k, v in errs.items())
+
+
+def back_to_back(group, device, n_calls=1000):
+    r, P = dist.get_rank(group), dist.get_world_size(group)
+    B, H, K, V = 1, 4, 64, 64
+    kind = Kind.DIAGONAL
+    M = torch.full((B, H, K), 0.5, device=device)
+    base = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(1)).to(device)
+    outs = []
+    dist.barrier(group)
+    t = time.time()
+    for i in range(n_calls):
+        delta = base * (i + 1) + r  # call- and rank-specific data
+        S0 = base * (-i) if r == 0 else torch.zeros_like(base)
+        S_in, _ = forge.FORGE.forward_chain(kind, M if r < P - 1 else None, delta, S0, group)
+        outs.append(S_in)
+    torch.cuda.synchronize()
+    elapsed = time.time() - t
+    forge.flush(wait=True)
+    bad = []
+    for i, S_in in enumerate(outs):
+        S = base * (-i)
+        for s in range(r):
+            S = 0.5 * S + base * (i + 1) + s
+        if rel(S_in, S) > 1e-5 if r > 0 else not torch.equal(S_in, S):
+            bad.append(i)
+    if bad:
+        raise AssertionError(f"{len(bad)} of {n_calls} calls wrong, first {bad[:5]}")
+    return f"{n_calls} calls in {elapsed:.2f}s, all correct"
+
+
+def timeout_check(group, device):
+    r, P = dist.get_rank(group), dist.get_world_size(group)
+    os.environ["FORGE_DIST_TIMEOUT"] = "2"
+    os.environ["FORGE_DIST_FORGE_CHECK"] = "sync"
+    d = torch.randn(1, 2, 32, 32, device=device)
+    M = torch.full((1, 2), 0.5, device=device)
+    # One good call first: a new shape allocates the channel's symmetric buffers, which is
+    # a collective; a rank that skips that call would hang its peer in the allocation.
+    forge.FORGE.forward_chain(Kind.SCALAR, M if r < P - 1 else None, d, torch.zeros_like(d),
+                              group)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    if r == 0:
+        return "rank 0 skipped its send"
+    t = time.time()
+    try:
+        forge.FORGE.forward_chain(Kind.SCALAR, M if r < P - 1 else None, d,
+                                  torch.zeros_like(d), group)
+    except StatePassTimeout as err:
+        msg = str(err)
+        took = time.time() - t
+        want = f"rank {r} gave up"
+        if want not in msg or f"from rank {r - 1}" not in msg or "tile" not in msg:
+            if not (r > 1 and "poisoned" in msg):
+                raise AssertionError(f"unexpected message: {msg}")
+        if took > 30:
+            raise AssertionError(f"took {took:.1f}s for a 2s bound")
+        return f"raised after {took:.1f}s: {msg}"
+    raise AssertionError("no StatePassTimeout")
+
+
+def main():
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    group = dist.group.WORLD
+    reason = forge.FORGE.available(device)
+    if reason is not None:
+        RESULTS["available"] = {"ok": False, "detail": reason}
+    else:
+        RESULTS["available"] = {"ok": True, "detail": nvshmem.remote_transport()}
+        nvshmem.setup(group)
+        for kind in Kind:
+            check(f"chains_{kind.value}")(chain_check)(kind, group, device)
+        check("chains_dense_K64_V96")(chain_check)(Kind.DENSE, group, device, 64, 96)
+        for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
+            check(f"op_{name}")(op_check)(name, group, device)
+        check("back_to_back")(back_to_back)(group, device)
+        dist.barrier(group)
+        check("timeout")(timeout_check)(group, device)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    # No barrier/destroy after the timeout check: the ranks' channels are out of step.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
