@@ -66,6 +66,15 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def sized_config(base: dict, K: int) -> dict:
+    """A pattern's walker config for head dim K: at K >= 256 halve the V tile and double
+    the warps, so the ``[BK, BV]`` fp32 state tile stays in registers."""
+    cfg = dict(base)
+    if next_pow2(K) >= 256:
+        cfg.update(BV=32, num_warps=8)
+    return cfg
+
+
 def dot_precision(dtype: torch.dtype, exact: bool = False) -> str:
     """``input_precision`` for fp32 operands: 3xTF32 (~fp32 accuracy on tensor cores).
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (HAVE_TRITON, TritonWork, dot_precision, ensure, next_pow2, triton, tl,
+from ._common import (HAVE_TRITON, sized_config, TritonWork, dot_precision, ensure, next_pow2, triton, tl,
                       walk)
 from ..variants import delta_rule
 
@@ -25,10 +25,8 @@ WY_CONFIG = {"BV": 64, "num_warps": 4, "num_stages": 1}
 
 
 def fused_config(K: int, V: int) -> dict:
-    cfg = dict(FUSED_CONFIG)
-    if next_pow2(K) >= 256:
-        cfg.update(BV=32, num_warps=8)
-    return cfg
+    """The fused walker's tiles for this pattern and head dims."""
+    return sized_config(FUSED_CONFIG, K)
 
 
 if HAVE_TRITON:

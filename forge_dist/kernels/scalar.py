@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from . import scheduler
-from ._common import (HAVE_TRITON, TritonWork, dot_precision, ensure, next_pow2, triton, tl,
+from ._common import (HAVE_TRITON, sized_config, TritonWork, dot_precision, ensure, next_pow2, triton, tl,
                       walk)
 from ..variants import decay_attention
 
@@ -27,17 +27,13 @@ DECOUPLED_CONFIG = {"BT": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 
 
 def fused_config(K: int, V: int) -> dict:
-    cfg = dict(FUSED_CONFIG)
-    if next_pow2(K) >= 256:  # keep the [BK, BV] fp32 state tile within registers
-        cfg.update(BV=32, num_warps=8)
-    return cfg
+    """The fused walker's tiles for this pattern and head dims."""
+    return sized_config(FUSED_CONFIG, K)
 
 
 def decoupled_config(K: int, V: int) -> dict:
-    cfg = dict(DECOUPLED_CONFIG)
-    if next_pow2(K) >= 256:
-        cfg.update(BV=32, num_warps=8)
-    return cfg
+    """The decoupled kernels' tiles for these head dims."""
+    return sized_config(DECOUPLED_CONFIG, K)
 
 
 if HAVE_TRITON:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (HAVE_TRITON, TritonWork, dot_precision, ensure, interpreting, next_pow2,
+from ._common import (HAVE_TRITON, sized_config, TritonWork, dot_precision, ensure, interpreting, next_pow2,
                       triton, tl, walk)
 from ..variants import decay_attention
 
@@ -19,10 +19,8 @@ INTRA_CONFIG = {"num_warps": 4}
 
 
 def fused_config(K: int, V: int) -> dict:
-    cfg = dict(FUSED_CONFIG)
-    if next_pow2(K) >= 256:
-        cfg.update(BV=32, num_warps=8)
-    return cfg
+    """The fused walker's tiles for this pattern and head dims."""
+    return sized_config(FUSED_CONFIG, K)
 
 
 if HAVE_TRITON:
