@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One GPU session's measurements, in stages that each fit one device call (<= 10 min).
+# Run from the repo root on a 2 x H200 machine, with the FLA wheels carried in .whl/
+# (../shared/device/wheels.sh downloads them).  Everything lands in $OUT (default ./out).
+#
+#   bash scaling_benchmarks/device_batch.sh tests     # GPU + multi-GPU tests          (~5 min)
+#   bash scaling_benchmarks/device_batch.sh single    # single_device benchmark vs FLA (~6 min)
+#   bash scaling_benchmarks/device_batch.sh comm      # state_passing, 2 GPUs           (~2 min)
+#   bash scaling_benchmarks/device_batch.sh scaling   # weak_scaling quick + cost model (~6 min)
+#   bash scaling_benchmarks/device_batch.sh train     # MQAR SP=1 vs SP=2               (~5 min)
+#
+# Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
+# fails does not stop the next one.  Copy what comes back into scaling_benchmarks/results/.
+set -uo pipefail
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+unset TRITON_INTERPRET
+case "${1:-}" in tests|single|comm|scaling|train) ;; *) sed -n 2,12p "$0"; exit 2 ;; esac
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)" | tee -a "$OUT/batch.log"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "== $name rc=${PIPESTATUS[0]}" | tee -a "$OUT/batch.log"
+}
+
+case "${1:-}" in
+  tests)
+    step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests ;;
+  single)
+    step single_device 540 python3 scaling_benchmarks/single_device.py --out "$OUT" ;;
+  comm)
+    step state_passing 240 torchrun --nproc_per_node 2 scaling_benchmarks/state_passing.py \
+      --out "$OUT" ;;
+  scaling)
+    step weak_scaling 420 bash launch/torchrun.sh --nproc-per-node 2 \
+      scaling_benchmarks/weak_scaling.py --config configs/weak_scaling_2gpu_quick.toml --out "$OUT"
+    step cost_model 90 sh -c "python3 scaling_benchmarks/cost_model.py --config configs/cost_model.toml --calibrate $OUT/weak_scaling_*.json $OUT/state_passing_*.json --out $OUT" ;;
+  train)
+    step train_sp1 200 env CUDA_VISIBLE_DEVICES=0 python3 launch/train.py \
+      --config configs/train_mqar.toml --sp 1 --set train.steps=150 --out-dir "$OUT/mqar_sp1"
+    step train_sp2 220 torchrun --nproc_per_node 2 launch/train.py \
+      --config configs/train_mqar.toml --sp 2 --set train.steps=150 --out-dir "$OUT/mqar_sp2"
+    step train_plot 60 python3 launch/train.py --plot "$OUT/mqar_sp1/log.jsonl" \
+      "$OUT/mqar_sp2/log.jsonl" --plot-out "$OUT/mqar_sp1_vs_sp2.png"
+    # Only two folder levels come back from the device: keep the logs, drop checkpoints.
+    cp "$OUT/mqar_sp1/log.jsonl" "$OUT/mqar_sp1.jsonl" 2>/dev/null
+    cp "$OUT/mqar_sp2/log.jsonl" "$OUT/mqar_sp2.jsonl" 2>/dev/null
+    rm -rf "$OUT/mqar_sp1" "$OUT/mqar_sp2" ;;
+esac
