@@ -3,6 +3,7 @@
 # Run from the repo root on a 2 x H200 machine, with the FLA wheels carried in .whl/
 # (../shared/device/wheels.sh downloads them).  Everything lands in $OUT (default ./out).
 #
+# Pass FORGE_DIST_COMMIT=<sha> from the checkout (the device copy has no .git).
 #   bash scaling_benchmarks/device_batch.sh tests     # GPU + multi-GPU tests          (~5 min)
 #   bash scaling_benchmarks/device_batch.sh single    # single_device benchmark vs FLA (~6 min)
 #   bash scaling_benchmarks/device_batch.sh comm      # state_passing, 2 GPUs           (~2 min)
