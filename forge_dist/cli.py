@@ -168,6 +168,8 @@ def info(argv: Optional[List[str]] = None) -> int:
         if key in os.environ:
             lines.append(f"env {key}={os.environ[key]}")
     lines.append(f"strategies: {', '.join(sp.names())}")
+    if sp.FORGE_IMPORT_ERROR:
+        lines.append(f"forge strategy unavailable: {sp.FORGE_IMPORT_ERROR}")
     print("\n".join(lines))
     return 0
 

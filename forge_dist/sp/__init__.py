@@ -7,9 +7,11 @@ from . import lasp2, pipelined, serial  # noqa: F401  (registration)
 from .base import Strategy, names, register, resolve, state_pass
 from .p2p import StatePassTimeout
 
-try:  # forge needs Triton; without it the other strategies still work
+FORGE_IMPORT_ERROR = None
+try:  # forge needs Triton; without it (or with a broken one) the other strategies still work
     from . import forge  # noqa: F401
-except ImportError:  # pragma: no cover - Triton-less installs
+except Exception as err:  # noqa: BLE001 - report the reason in `forge-dist info`
     forge = None
+    FORGE_IMPORT_ERROR = f"{type(err).__name__}: {err}"
 
 __all__ = ["Strategy", "StatePassTimeout", "names", "register", "resolve", "state_pass"]
