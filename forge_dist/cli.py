@@ -151,10 +151,12 @@ def info(argv: Optional[List[str]] = None) -> int:
     else:
         lines.append("cuda: not available")
     try:
-        from . import comm
+        from .comm import nvshmem
 
-        describe = getattr(comm, "describe", None)
-        lines.append(describe() if describe else "nvshmem: forge_dist.comm has no report")
+        reason = nvshmem.unavailable_reason()
+        lines.append("nvshmem: " + ("usable through torch symmetric memory" if reason is None
+                                    else f"unavailable ({reason})") +
+                     f"; inter-node transport {nvshmem.remote_transport()}")
     except Exception as err:  # noqa: BLE001 - info must never fail on a broken extra
         lines.append(f"nvshmem: unavailable ({err})")
     import torch.distributed as dist
