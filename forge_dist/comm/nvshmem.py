@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _ENV_DEFAULTS  # noqa: F401  (environment defaults are set on import)
+from . import set_launch_defaults  # noqa: F401  (importing the package sets them)
 
 _BACKEND_SET = False
 
