@@ -1,1 +1,15 @@
-"""See DESIGN.md section 8."""
+"""Forge programming abstraction: a variant as three PyTorch callables (DESIGN.md section 6).
+
+    from forge_dist import dsl
+    my_op = dsl.variant("name", chunk_mode=..., decay_mode=..., merge_mode=...)
+    o, final = my_op(q, k, v, g, group=pg, strategy="lasp2")
+
+See :mod:`forge_dist.dsl.api` for the callables' contract, :mod:`.analysis` for the checks and
+the transition classification, :mod:`.executor` / :mod:`.lowering` for how it runs, and
+:mod:`.builtins` / :mod:`.library` for examples.
+"""
+from . import helpers
+from .api import Variant, variant
+from .trace import DSLError, cache
+
+__all__ = ["DSLError", "Variant", "cache", "helpers", "variant"]

@@ -1,0 +1,128 @@
+"""Executor: runs the traced graphs in the chunk-wise three-phase form (any device, autograd).
+
+This is an *executor*, not generated code: the ``torch.fx`` graph modules of the three
+callables are called on chunked tensors, and the results are assembled into the runtime's
+:class:`~forge_dist.variants.base.SegmentSummary` contract, so :func:`forge_dist.ops.runner.run`,
+every strategy, ``cu_seqlens`` and autograd work unchanged.  Per segment of ``L`` tokens:
+
+1. chunk_mode on ``[B, H, NT, C, *]`` chunks -> per-chunk zero-start states ``dS_c`` and caches;
+   a ragged tail of ``r < C`` tokens runs as its own chunk of length ``r`` (the graphs have a
+   symbolic chunk length), so no token is ever padded;
+2. decay_mode -> the chunk transitions: ``b_c = f_c(0)`` and ``M_c`` from its linear part
+   (``A_c(ones)`` for scalar / diagonal kinds, ``A_c(I_K)`` for dense), then the in-segment scan;
+3. merge_mode on the chunk-start states -> outputs; the incoming state's contribution is the
+   linear part of merge_mode applied to the carried states (``readout``).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..variants import chunked as ck
+from ..variants.base import SegmentSummary
+from ..variants.transitions import Kind
+
+
+def chunk_inputs(compiled, part: Dict[str, Tensor], lo: int, hi: int, C: int,
+                 dtype: torch.dtype) -> Dict[str, Tensor]:
+    """Token tensors ``[B, L, H, *]`` (vector: ``[B, L, *]``) -> chunks ``[B, H, NT, C, *]``
+    (vector: ``[B, NT, C, *]``) for tokens ``[lo, hi)`` (``hi - lo`` a multiple of ``C``)."""
+    out = {}
+    for name in compiled.input_names:
+        t = part[name][:, lo:hi].to(dtype)
+        if compiled.vector:
+            out[name] = ck.to_chunks(t[:, :, None], C)[:, 0]
+        else:
+            out[name] = ck.to_chunks(t, C)
+    return out
+
+
+def _call(gm, params, args):
+    return gm(*[args[p] for p in params])
+
+
+def to_internal(compiled, S: Tensor) -> Tensor:
+    """User per-chunk state (``[B, H, NT, K, V]`` / vector ``[B, NT, D]``) -> ``[B, H, NT, K, V]``."""
+    return S[:, None, :, :, None] if compiled.vector else S
+
+
+def to_user(compiled, S: Tensor) -> Tensor:
+    return S[:, 0, :, :, 0] if compiled.vector else S
+
+
+def transitions(compiled, args: dict, like: Tensor) -> Optional[Tensor]:
+    """Per-chunk transitions ``M_c`` in the runtime layout (see transitions.py), from the
+    linear part of decay_mode.  ``like``: a user-layout per-chunk state."""
+    kind = compiled.kind
+    lin, params = compiled.decay_linear, compiled.decay.params
+    if kind is Kind.IDENTITY:
+        return None
+    if kind is Kind.DENSE:
+        B, H, NT, K, _ = like.shape
+        eye = torch.eye(K, dtype=like.dtype, device=like.device).expand(B, H, NT, K, K)
+        return _call(lin, params, {**args, "state": eye})
+    M = _call(lin, params, {**args, "state": torch.ones_like(like)})
+    if compiled.vector:  # [B, NT, D] -> [B, 1, NT(, D)]
+        return (M[..., 0] if kind is Kind.SCALAR else M)[:, None]
+    return M[..., 0, 0] if kind is Kind.SCALAR else M[..., :, 0]
+
+
+def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: bool,
+              chunk_size: Optional[int] = None) -> SegmentSummary:
+    """The :class:`SegmentSummary` of one segment (see module docstring).
+
+    Args:
+        part: the segment's token tensors by input name (token axis at dim 1).
+        scale: the value of the ``scale`` parameter.
+    """
+    first = part[compiled.input_names[0]]
+    dtype = ck.compute_dtype(first)
+    L = first.shape[1]
+    C = chunk_size or compiled.chunk_size
+    pieces: List[Tuple[int, int, int]] = []
+    if L // C:
+        pieces.append((0, (L // C) * C, C))
+    if L % C:
+        pieces.append(((L // C) * C, L, L % C))
+
+    args_list, Ms, bs = [], [], []
+    for lo, hi, Cp in pieces:
+        args = chunk_inputs(compiled, part, lo, hi, Cp, dtype)
+        args["scale"] = scale
+        out = _call(compiled.chunk.gm, compiled.chunk.params, args)
+        out = out if isinstance(out, tuple) else (out,)
+        dS = out[0]
+        args.update(zip(compiled.chunk.cached, out[1:]))
+        args["chunk_state"] = dS
+        b = _call(compiled.decay.gm, compiled.decay.params, {**args, "state": torch.zeros_like(dS)})
+        Ms.append(transitions(compiled, args, dS))
+        bs.append(to_internal(compiled, b))
+        args_list.append(args)
+    kind = compiled.kind
+    M_c = None if kind is Kind.IDENTITY else torch.cat(Ms, dim=2)
+    b_c = torch.cat(bs, dim=2)
+    starts, delta = ck.scan_chunks(kind, M_c, b_c)
+
+    def outputs(gm, states: Tensor) -> Tensor:
+        o, nt0 = [], 0
+        for (lo, hi, Cp), args in zip(pieces, args_list):
+            nt = (hi - lo) // Cp
+            S = to_user(compiled, states[:, :, nt0:nt0 + nt])
+            nt0 += nt
+            oc = _call(gm, compiled.merge.params, {**args, "state": S})
+            if compiled.vector:  # [B, NT, C, D] -> [B, L, D]
+                o.append(oc.reshape(oc.shape[0], -1, oc.shape[-1]))
+            else:
+                o.append(ck.from_chunks(oc, hi - lo))
+        return torch.cat(o, dim=1) if len(o) > 1 else o[0]
+
+    o_zero = outputs(compiled.merge.gm, starts)
+
+    def readout(S_in: Tensor):
+        carried, end = ck.scan_chunks(kind, M_c, torch.zeros_like(b_c), S_in.to(b_c.dtype))
+        return outputs(compiled.merge_linear, carried), end
+
+    M = ck.chain_transitions(kind, M_c) if need_transition else None
+    return SegmentSummary(o_zero, delta, M, readout)

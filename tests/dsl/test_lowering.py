@@ -1,0 +1,73 @@
+"""The Triton template path (TRITON_INTERPRET=1 on the CPU) and the lowering decisions."""
+import pytest
+import torch
+
+from forge_dist import dsl, kernels
+from forge_dist.dsl import builtins, library, references
+from forge_dist.variants import reference as ref
+
+
+def test_lowering_decisions():
+    assert library.elu_linear_attn.lowering.template == "linear_attn"
+    assert set(library.elu_linear_attn.lowering.texts["q"].split(" -> ")[1:]) == {"elu", "add"}
+    assert builtins.simple_gla.lowering.template == "simple_gla"
+    assert builtins.gla.lowering.template == "gla"
+    for v in (builtins.gated_delta_rule, builtins.hgrn, library.retnet, library.rg_lru):
+        assert v.lowering is None and v.lowering_reason
+        assert "graph executor" in v.describe()
+
+
+def test_not_the_template_is_not_lowered():
+    """Same kind and inputs as simple_gla, but the outputs are gated: validation must refuse."""
+    def merge(state, q, k, v, g, scale):
+        G = g.cumsum(-1)
+        o = ((q @ k.transpose(-1, -2)) * dsl.helpers.segsum_exp(G)) @ v + \
+            (q * G.exp()[..., None]) @ state
+        return scale * o * torch.sigmoid(v)
+    v = dsl.variant("gated_out", chunk_mode=builtins._sg_chunk, decay_mode=builtins._sg_decay,
+                    merge_mode=merge, inputs=("q", "k", "v", "g"))
+    assert v.kind.value == "scalar"
+    assert v.lowering is None and "validation failed" in v.lowering_reason
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    if not kernels.HAVE_TRITON or not kernels.interpreting():
+        pytest.skip("needs triton with TRITON_INTERPRET=1")
+    monkeypatch.setenv("FORGE_DIST_DSL_TRITON", "1")
+    used = []
+    real = kernels.make_work
+
+    def spy(*a, **k):
+        w = real(*a, **k)
+        used.append(type(w).__name__ if w is not None else None)
+        return w
+    monkeypatch.setattr(kernels, "make_work", spy)
+    return used
+
+
+@pytest.mark.parametrize("case", ["elu", "gla"])
+def test_triton_template_path(triton_on_cpu, case):
+    torch.manual_seed(0)
+    B, T, H, K, V = 1, 21, 1, 16, 16
+    q, k, v = (torch.randn(B, T, H, d, requires_grad=True) for d in (K, K, V))
+    h0 = torch.randn(B, H, K, V, requires_grad=True)
+    if case == "elu":
+        o, s = library.elu_linear_attn(q, k, v, initial_state=h0, output_final_state=True)
+        leaves = [q, k, v, h0]
+        mref = [t.detach().double().requires_grad_() for t in leaves]
+        o_r, s_r = references.elu_linear_attn_ref(*mref[:3], initial_state=mref[3],
+                                                  output_final_state=True)
+    else:
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K) + 2).requires_grad_()
+        o, s = builtins.gla(q, k, v, g, initial_state=h0, output_final_state=True)
+        leaves = [q, k, v, g, h0]
+        mref = [t.detach().double().requires_grad_() for t in leaves]
+        o_r, s_r = ref.gla_ref(*mref[:4], initial_state=mref[4], output_final_state=True)
+    assert triton_on_cpu and all(u is not None and u.endswith("Work") for u in triton_on_cpu), \
+        triton_on_cpu
+    (o.sum() + (s * s).sum()).backward()
+    (o_r.sum() + (s_r * s_r).sum()).backward()
+    for a, b in [(o, o_r), (s, s_r)] + [(x.grad, y.grad) for x, y in zip(leaves, mref)]:
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert err < 1e-4, err

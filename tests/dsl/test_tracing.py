@@ -1,0 +1,180 @@
+"""Tracing, symbolic shapes, classification and compile-time rejections."""
+import inspect
+
+import pytest
+import torch
+
+from forge_dist import dsl
+from forge_dist.dsl import DSLError
+
+
+def _T(x):
+    return x.transpose(-1, -2)
+
+
+def chunk(k, v):
+    return _T(k) @ v
+
+
+def merge(state, q, k, v, scale):
+    return scale * ((q @ _T(k)).tril() @ v + q @ state)
+
+
+def line_of(fn, text):
+    src, start = inspect.getsourcelines(fn)
+    for i, s in enumerate(src):
+        if text in s:
+            return start + i
+    raise AssertionError(text)
+
+
+def compile_decay(decay, **kw):
+    return dsl.variant("t", chunk_mode=chunk, decay_mode=decay, merge_mode=merge,
+                       inputs={"q": "K", "k": "K", "v": "V", **kw.pop("extra", {})}, **kw)
+
+
+@pytest.mark.parametrize("decay,kind", [
+    (lambda state, chunk_state: state + chunk_state, "identity"),
+    (lambda state, chunk_state: 0.9 * state + chunk_state, "scalar"),
+    (lambda state, chunk_state, q: state * q.sum((-1, -2)).sigmoid()[..., None, None]
+     + chunk_state, "scalar"),
+    (lambda state, chunk_state, k: state * k[..., -1, :, None].sigmoid() + chunk_state,
+     "diagonal"),
+    (lambda state, chunk_state, k: (state - _T(k) @ (k @ state)) * 0.5 + chunk_state, "dense"),
+    (lambda state, chunk_state, k: _T(_T(state) @ (_T(k) @ k)) + chunk_state, "dense"),
+    (lambda state, chunk_state, k: state - state.sum(-2, keepdim=True) * 0.1 + chunk_state,
+     "dense"),
+])
+def test_classification(decay, kind):
+    v = compile_decay(decay)
+    assert v.kind.value == kind
+    assert v.numeric_check.startswith("passed")
+    assert kind in v.describe()
+
+
+def test_symbolic_shapes_recorded():
+    v = compile_decay(lambda state, chunk_state: state + chunk_state)
+    out = [n for n in v.chunk.gm.graph.nodes if n.op == "output"][0].args[0]
+    assert v.chunk.node_shape(out) == ("B", "H", "NT", "K", "V")
+    shapes = set(v.merge.shapes.values())
+    assert ("B", "H", "NT", "C", "C") in shapes  # q @ k^T: symbolic chunk length
+
+
+def test_chunk_length_generic():
+    """One trace serves every chunk length: results do not depend on chunk_size."""
+    from forge_dist.dsl import builtins
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 29, 2, d, dtype=torch.float64) for d in (4, 4, 3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 29, 2, dtype=torch.float64))
+    a = builtins.simple_gla(q, k, v, g, chunk_size=5)[0]
+    b = builtins.simple_gla(q, k, v, g, chunk_size=64)[0]
+    assert torch.allclose(a, b, atol=1e-12)
+
+
+# ---- rejections: the message names the op and the user's source line --------------------
+
+def ttt_decay(state, chunk_state, k):
+    h = torch.nn.functional.gelu(k @ state)
+    return state - _T(k) @ h + chunk_state
+
+
+def quad_decay(state, chunk_state):
+    return state * state + chunk_state
+
+
+def v_axis_decay(state, chunk_state, v):
+    return state * v[..., -1:, :] + chunk_state
+
+
+def right_mul_decay(state, chunk_state, v):
+    return state @ (_T(v) @ v) + chunk_state
+
+
+def nonlinear_merge(state, q, k, v, scale):
+    return torch.tanh(q @ state) + (q @ _T(k)).tril() @ v
+
+
+def test_rejects_ttt_mlp():
+    with pytest.raises(DSLError) as e:
+        compile_decay(ttt_decay)
+    msg = str(e.value)
+    assert "gelu" in msg and "not affine" in msg
+    assert f":{line_of(ttt_decay, 'gelu')}:" in msg and "TTT" in msg
+
+
+def test_rejects_quadratic():
+    with pytest.raises(DSLError, match=r"mul.*multiplies or divides two state-dependent") as e:
+        compile_decay(quad_decay)
+    assert f":{line_of(quad_decay, 'state * state')}:" in str(e.value)
+
+
+def test_rejects_v_axis_factor():
+    with pytest.raises(DSLError, match="varies along the state's V axis") as e:
+        compile_decay(v_axis_decay)
+    assert f":{line_of(v_axis_decay, 'v[..., -1:')}:" in str(e.value)
+
+
+def test_rejects_right_multiplication():
+    with pytest.raises(DSLError, match="contracting its V axis"):
+        compile_decay(right_mul_decay)
+
+
+def test_rejects_nonlinear_merge():
+    with pytest.raises(DSLError, match=r"merge_mode: torch.tanh at .*not affine") as e:
+        dsl.variant("t", chunk_mode=chunk, decay_mode=lambda state, chunk_state: state + chunk_state,
+                    merge_mode=nonlinear_merge)
+    assert f":{line_of(nonlinear_merge, 'tanh')}:" in str(e.value)
+
+
+def control_flow_chunk(k, v):
+    if k.sum() > 0:
+        return _T(k) @ v
+    return _T(k) @ v
+
+
+def inplace_decay(state, chunk_state):
+    state.mul_(0.5)
+    return state + chunk_state
+
+
+def test_reports_unsupported_control_flow():
+    with pytest.raises(DSLError, match=r"chunk_mode: unsupported operation at .*:\d+: if k.sum"):
+        dsl.variant("t", chunk_mode=control_flow_chunk,
+                    decay_mode=lambda state, chunk_state: state + chunk_state, merge_mode=merge)
+
+
+def test_reports_inplace():
+    with pytest.raises(DSLError, match="Tensor.mul_ at .*in-place") as e:
+        compile_decay(inplace_decay)
+    assert f":{line_of(inplace_decay, 'mul_')}:" in str(e.value)
+
+
+def test_reports_shape_errors():
+    with pytest.raises(DSLError, match=r"chunk_mode: returns shape \[B, H, NT, V, K\]"):
+        dsl.variant("t", chunk_mode=lambda k, v: _T(v) @ k,
+                    decay_mode=lambda state, chunk_state: state + chunk_state, merge_mode=merge)
+    with pytest.raises(DSLError, match=r"failed at .*: .*"):  # K and V cannot be added
+        dsl.variant("t", chunk_mode=lambda k, v: _T(k + v) @ v,
+                    decay_mode=lambda state, chunk_state: state + chunk_state, merge_mode=merge)
+
+
+def test_decay_ignoring_state_rejected():
+    with pytest.raises(DSLError, match="does not depend on 'state'"):
+        compile_decay(lambda state, chunk_state: chunk_state * 1.0)
+
+
+def test_vector_state_rejects_mixing():
+    with pytest.raises(DSLError, match="D axis"):
+        dsl.variant("t", state="vector",
+                    chunk_mode=lambda x: x.sum(-2),
+                    decay_mode=lambda state, chunk_state: state.sum(-1, keepdim=True) + chunk_state,
+                    merge_mode=lambda state, x: x + state[..., None, :])
+
+
+def test_cross_checks_arguments():
+    from forge_dist.dsl import library
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="v: expected shape"):
+        library.retnet(q, q, torch.randn(1, 9, 2, 3))
+    with pytest.raises(TypeError, match="missing input"):
+        library.retnet(q, q)
