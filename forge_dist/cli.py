@@ -4,6 +4,8 @@
                      NCCL with one process per GPU when there are two or more GPUs), forward
                      and backward, checks each against the fp64 reference and prints a table.
 ``forge-dist info``  prints what is needed to debug a launch.
+``forge-dist compile --config FILE``  builds every declared kernel ahead of time (sm_90
+                     by default, no GPU needed) into an on-disk cache for the runtime.
 """
 from __future__ import annotations
 
@@ -178,9 +180,13 @@ def info(argv: Optional[List[str]] = None) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": demo, "info": info}
+    def compile_(args):
+        from .runtime.compile_cli import main as compile_main
+
+        return compile_main(args)
+    commands = {"demo": demo, "info": info, "compile": compile_}
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: forge-dist {demo,info} [options]\n\n" + (__doc__ or ""))
+        print("usage: forge-dist {demo,info,compile} [options]\n\n" + (__doc__ or ""))
         return 0 if argv else 2
     if argv[0] not in commands:
         print(f"forge-dist: unknown command {argv[0]!r}; choose from {', '.join(commands)}",

@@ -1,0 +1,86 @@
+"""A small LRU of plans keyed by their signature, for ops that call the same shapes again.
+
+Usage (what ``forge_dist.ops`` would do on its no-grad path)::
+
+    from forge_dist.runtime import cache
+    p = cache.get("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=q.dtype, device=q.device,
+                  gated=g is not None, initial_state=h0 is not None,
+                  output_final_state=output_final_state, scale=scale, group=group,
+                  strategy=strategy)
+    o, final = p.run(q, k, v, g, initial_state=h0)
+
+The key is every keyword of :func:`~forge_dist.runtime.plan.plan` (dtypes and devices by
+value, a process group by identity), so a hit is exactly the plan that call would make.
+Making a plan may allocate workspaces and, for forge, symmetric buffers (a collective):
+every rank must make the same ``get`` calls in the same order, as for any collective.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Dict, Tuple
+
+import torch
+
+from .plan import Plan, plan
+
+_LOCK = threading.Lock()
+_PLANS: "OrderedDict[Tuple, Plan]" = OrderedDict()
+_STATS = {"hits": 0, "misses": 0, "evictions": 0}
+
+
+def maxsize() -> int:
+    """Capacity (``FORGE_DIST_PLAN_CACHE_SIZE``, default 64)."""
+    return int(os.environ.get("FORGE_DIST_PLAN_CACHE_SIZE", "64"))
+
+
+def _norm(v: Any):
+    if isinstance(v, torch.device):
+        return ("device", str(v))
+    if isinstance(v, torch.dtype):
+        return ("dtype", str(v))
+    if isinstance(v, dict):
+        return tuple(sorted((k, _norm(x)) for k, x in v.items()))
+    if isinstance(v, (int, float, str, bool, type(None))):
+        return v
+    return ("id", id(v))  # process groups, dispatchers: by identity
+
+
+def key(op: str, **kw) -> Tuple:
+    """The cache key of a :func:`plan` call."""
+    if "device" in kw and kw["device"] is not None:
+        kw["device"] = torch.device(kw["device"])
+    return (op,) + tuple(sorted((k, _norm(v)) for k, v in kw.items()))
+
+
+def get(op: str, **kw) -> Plan:
+    """The cached plan for this signature, planning it on a miss (LRU eviction)."""
+    k = key(op, **kw)
+    with _LOCK:
+        p = _PLANS.get(k)
+        if p is not None:
+            _PLANS.move_to_end(k)
+            _STATS["hits"] += 1
+            return p
+    p = plan(op, **kw)
+    with _LOCK:
+        _STATS["misses"] += 1
+        _PLANS[k] = p
+        _PLANS.move_to_end(k)
+        while len(_PLANS) > max(1, maxsize()):
+            _PLANS.popitem(last=False)
+            _STATS["evictions"] += 1
+    return p
+
+
+def clear() -> None:
+    with _LOCK:
+        _PLANS.clear()
+        for k in _STATS:
+            _STATS[k] = 0
+
+
+def stats() -> Dict[str, int]:
+    with _LOCK:
+        return dict(_STATS, size=len(_PLANS))

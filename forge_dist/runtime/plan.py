@@ -1,0 +1,442 @@
+"""Plan once, run many times (FlashInfer style).
+
+``p = plan("simple_gla", B=1, T=4096, H=32, K=128, V=128, dtype=torch.bfloat16)`` fixes, once:
+shapes and dtypes, the execution strategy (fused/decoupled, from the kernels' scheduler),
+the tile configs (the kernels' tables), the launch program (:mod:`.programs`), the
+workspaces, the kernels (cubins bound to the static dispatcher, or the JIT kernels), and
+for sequence parallelism the strategy object, its symmetric buffers (forge) and the
+cross-rank agreement check.  ``o, final = p.run(q, k, v, g)`` then only checks each tensor
+against the plan (shape, dtype, device, contiguity, alignment: no collective, no host sync)
+and launches.
+
+Backends (``backend=``):
+
+* ``"static"``: cubins from the AOT cache launched through the CUDA driver
+  (:mod:`.dispatcher`); a launch whose cubin is missing or stale runs through the JIT (see
+  :meth:`Plan.describe`).
+* ``"triton"``: the same launches through Triton's JIT (CUDA, or CPU tensors under
+  ``TRITON_INTERPRET=1``).
+* ``"torch"``: the PyTorch chunk form through :mod:`forge_dist.ops` (CPU without Triton).
+* ``"auto"``: static on CUDA when the cache has valid cubins, else triton; on CPU triton
+  under the interpreter, else torch.
+
+``run`` is forward-only (no autograd) and CUDA-graph capturable on one GPU: it allocates only
+its outputs (``torch.empty``, which capture serves from the graph's pool; pass ``out=`` to
+reuse a buffer), never reads a device value on the host, never synchronises, and launches on
+the current stream.  A plan's workspaces are reused by every call, so one plan must not run
+concurrently on two streams.  Sequence-parallel plans over NVSHMEM (forge) are not yet
+replay-safe: see the module notes in ``forge_dist/runtime/__init__.py``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import programs as pg
+
+_KIND = {"linear_attn": "identity", "simple_gla": "scalar", "gla": "diagonal"}
+SP_VARIANTS = tuple(_KIND)
+
+
+class PlanError(ValueError):
+    """A plan cannot be made, or a tensor does not match the plan it is run with."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _rank_size(group) -> Tuple[int, int, bool]:
+    """``(rank, size, simulated)`` for ``None``, a process group or a ``SimRank``."""
+    if group is None:
+        return 0, 1, False
+    from ..comm.channel import SimRank
+
+    if isinstance(group, SimRank):
+        return group.rank, group.world.size, True
+    import torch.distributed as dist
+
+    return dist.get_rank(group), dist.get_world_size(group), False
+
+
+class _Exec:
+    """Runs one :class:`~.programs.Program`: JIT launches, or bound cubins where available."""
+
+    def __init__(self, program: pg.Program, device: torch.device, dispatcher=None):
+        self.program = program
+        self.device = device
+        self.kernels = [pg.resolve_kernel(ln.kernel) for ln in program.launches]
+        self.bound: List[Any] = [None] * len(program.launches)
+        self.paths: List[str] = ["jit"] * len(program.launches)
+        self.workspaces: Dict[str, Tensor] = {}
+        for name, buf in program.buffers.items():
+            if buf.role == "workspace":
+                self.workspaces[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+        self.stream = None
+        if dispatcher is not None:
+            from .dispatcher import current_stream_fn
+
+            stream_fn = getattr(dispatcher, "stream_fn", None) or current_stream_fn
+            for i, ln in enumerate(program.launches):
+                spec = ln.spec(program.buffers)
+                b = dispatcher.bind(ln, program.buffers, device.index or 0)
+                self.bound[i] = b
+                self.paths[i] = (f"cubin {spec.key}" if b is not None else
+                                 f"jit ({dispatcher.cache.stale(spec.key)})")
+            self.stream = stream_fn(device.index or 0)
+        self._ws_ptrs = {n: t.data_ptr() for n, t in self.workspaces.items()}
+        self._jit_calls = []
+        for ln, fn in zip(program.launches, self.kernels):
+            kw = dict(ln.constexprs)
+            kw.update(num_warps=ln.num_warps, num_stages=ln.num_stages)
+            self._jit_calls.append((fn[ln.grid], ln.args, kw))
+
+    def __call__(self, tensors: Dict[str, Tensor]) -> None:
+        ptrs = None
+        for i, (launch, args, kw) in enumerate(self._jit_calls):
+            b = self.bound[i]
+            if b is not None:
+                if ptrs is None:
+                    ptrs = dict(self._ws_ptrs)
+                    for n, t in tensors.items():
+                        ptrs[n] = t.data_ptr()
+                b.launch(ptrs, self.stream())
+                continue
+            call = {}
+            for name, kind, value in args:
+                if kind == "buf":
+                    call[name] = tensors[value] if value in tensors else self.workspaces[value]
+                else:
+                    call[name] = value
+            launch(**call, **kw)
+
+
+class Plan:
+    """A planned op call; make one with :func:`plan`."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    # -- run -------------------------------------------------------------------------------
+    def _check(self, name: str, t, shape, dtype) -> None:
+        if not isinstance(t, Tensor):
+            raise PlanError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise PlanError(f"{name}: the plan was made for shape {shape}, got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise PlanError(f"{name}: the plan was made for dtype {dtype}, got {t.dtype}")
+        if t.device != self.device:
+            raise PlanError(f"{name}: the plan was made for device {self.device}, got {t.device}")
+        if not t.is_contiguous():
+            raise PlanError(f"{name}: expected a contiguous tensor (plans launch on raw "
+                            "pointers); call .contiguous() first")
+        if self.static and t.data_ptr() % 16:
+            raise PlanError(f"{name}: data pointer not 16-byte aligned (the cubins assume it)")
+
+    def run(self, *inputs: Tensor, initial_state: Optional[Tensor] = None,
+            out: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        """Launch the planned call; returns ``(o, final_state or None)``.
+
+        Args:
+            inputs: in the plan's order, ``plan.input_names`` (e.g. ``q, k, v, g``).
+            initial_state: required iff the plan was made with ``initial_state=True``.
+            out: optional output buffer for ``o`` (same checks as the inputs).
+        """
+        names = self.input_names
+        if len(inputs) != len(names):
+            raise PlanError(f"run: expected {len(names)} inputs ({', '.join(names)}), got "
+                            f"{len(inputs)}")
+        tensors: Dict[str, Tensor] = {}
+        for n, t in zip(names, inputs):
+            self._check(n, t, self.shapes[n], self.dtypes[n])
+            tensors[n] = t
+        if self.initial_state:
+            if initial_state is None:
+                raise PlanError("initial_state: the plan was made with initial_state=True; "
+                                "pass it (or make a plan without)")
+            self._check("initial_state", initial_state, self.state_shape, torch.float32)
+        elif initial_state is not None:
+            raise PlanError("initial_state: the plan was made with initial_state=False")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            raise PlanError("plan.run is forward-only; use forge_dist.ops (differentiable) "
+                            "for training, or run under torch.no_grad()")
+        if self.backend == "torch":
+            return self._run_torch(tensors, initial_state)
+        if out is not None:
+            self._check("out", out, self.out_shape, self.out_dtype)
+        o = out if out is not None else torch.empty(self.out_shape, dtype=self.out_dtype,
+                                                    device=self.device)
+        if self.size == 1:
+            return self._run_local(tensors, initial_state, o)
+        return self._run_sp(tensors, initial_state, o)
+
+    __call__ = run
+
+    def _run_local(self, tensors, h0, o):
+        ht = torch.empty(self.ht_shape, dtype=torch.float32, device=self.device)
+        tensors["o"], tensors["ht"] = o, ht
+        if h0 is not None:
+            tensors["h0"] = h0
+        self.finish_exec(tensors)
+        return o, (self._final(ht) if self.output_final_state else None)
+
+    def _run_sp(self, tensors, h0, o):
+        from ..variants.transitions import Kind
+
+        kind = Kind(self.kind)
+        rank, size = self.rank, self.size
+        M = None
+        if rank < size - 1:
+            local = dict(tensors)
+            local["ht"] = self.delta
+            self.summary_exec(local)
+            g = tensors.get("g")
+            if kind is not Kind.IDENTITY:
+                M = g.sum(dim=1, dtype=torch.float32).exp()  # [B, H] or [B, H, K]
+            delta = self.delta
+        else:
+            delta = self.zeros  # nobody reads the last rank's carry
+        S0 = (h0 if h0 is not None else self.zeros) if rank == 0 else self.zeros
+        S_in, _ = self.strategy_obj.forward_chain(kind, M, delta, S0, self.group)
+        ht = torch.empty(self.ht_shape, dtype=torch.float32, device=self.device)
+        tensors["o"], tensors["ht"] = o, ht
+        if rank == 0:
+            if h0 is not None:
+                tensors["h0"] = h0
+        else:
+            tensors["h0"] = S_in
+        self.finish_exec(tensors)
+        return o, (ht if self.output_final_state else None)
+
+    def _final(self, ht):
+        return ht
+
+    def _run_torch(self, tensors, h0):
+        from .. import ops
+
+        fn = getattr(ops, self.op)
+        kw = dict(initial_state=h0, output_final_state=self.output_final_state)
+        if self.op != "hgrn":
+            kw["scale"] = self.scale
+        if self.op == "gated_delta_rule":
+            return fn(tensors["q"], tensors["k"], tensors["v"], tensors.get("g"),
+                      tensors["beta"], **kw)
+        return fn(*[tensors[n] for n in self.input_names], **kw)
+
+    # -- reporting -------------------------------------------------------------------------
+    def describe(self) -> Dict[str, Any]:
+        """What the plan fixed: shapes, dtypes, backend, strategy, execution, launches."""
+        def launches(ex):
+            if ex is None:
+                return []
+            return [{"kernel": ln.kernel, "grid": list(ln.grid), "num_warps": ln.num_warps,
+                     "num_stages": ln.num_stages,
+                     "constexprs": {k: v for k, v in ln.constexprs},
+                     "path": path}
+                    for ln, path in zip(ex.program.launches, ex.paths)]
+        ws = {}
+        for ex in (self.finish_exec, self.summary_exec):
+            if ex is not None:
+                ws.update({n: list(t.shape) for n, t in ex.workspaces.items()})
+        return {"op": self.op, "backend": self.backend, "device": str(self.device),
+                "inputs": {n: {"shape": list(self.shapes[n]), "dtype": str(self.dtypes[n])}
+                           for n in self.input_names},
+                "initial_state": self.initial_state,
+                "output_final_state": self.output_final_state, "scale": self.scale,
+                "world_size": self.size, "rank": self.rank,
+                "strategy": self.strategy if self.size > 1 else None,
+                "execution": self.execution, "notes": list(self.notes),
+                "launches": launches(self.finish_exec),
+                "summary_launches": launches(self.summary_exec),
+                "workspaces": ws, "channels": self.channels}
+
+    def __repr__(self) -> str:
+        d = self.describe()
+        return (f"Plan({d['op']}, backend={d['backend']}, execution={d['execution']}, "
+                f"world={d['world_size']}, launches={[x['kernel'] for x in d['launches']]})")
+
+
+def _static_cache(device: torch.device, cache_dir):
+    from .aot import CubinCache, default_cache_dir
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return CubinCache(cache_dir if cache_dir is not None else default_cache_dir(),
+                      target=f"cuda:{major}{minor}")
+
+
+def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] = None,
+         V: Optional[int] = None, D: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+         gate_dtype: Optional[torch.dtype] = None, gated: Optional[bool] = None,
+         initial_state: bool = False, output_final_state: bool = False,
+         scale: Optional[float] = None, device=None, group=None, strategy: str = "auto",
+         execution: Optional[str] = None, backend: str = "auto", cache_dir=None,
+         tiles: Optional[dict] = None, dispatcher=None) -> Plan:
+    """Plan one op call; see the module docstring.
+
+    Args:
+        op: ``linear_attn``, ``simple_gla``, ``gla``, ``gated_delta_rule`` or ``hgrn``.
+        B, T: batch and tokens per rank; H, K, V: heads and head dims (hgrn: ``D``).
+        dtype: of q/k/v (hgrn x); ``gate_dtype`` of g/beta (default fp32; hgrn: ``dtype``).
+        gated: simple_gla / gated_delta_rule with a ``g`` input (default True); linear_attn
+            never, gla always.
+        initial_state / output_final_state: whether run takes / returns the fp32 state.
+        group: ``None``, a process group, or a ``forge_dist.comm.sim.SimRank``.
+        strategy: sequence-parallel strategy (``forge``, ``lasp2``, ...; ``auto``).
+        execution: ``fused`` / ``decoupled`` / ``None`` (the kernels' scheduler).
+        backend: ``auto``, ``static``, ``triton`` or ``torch``.
+        cache_dir: AOT cache for the static backend (default: ``FORGE_DIST_AOT_CACHE`` or
+            ``~/.cache/forge_dist/aot``).
+        tiles: overrides of the kernels' tile config (e.g. ``{"BT": 32}``).
+        dispatcher: a :class:`~.dispatcher.Dispatcher` to use (tests inject fakes).
+    """
+    if op not in pg.VARIANTS:
+        raise PlanError(f"op: expected one of {pg.VARIANTS}, got {op!r}")
+    if backend not in ("auto", "static", "triton", "torch"):
+        raise PlanError(f"backend: expected auto, static, triton or torch, got {backend!r}")
+    if execution not in (None, "auto", "fused", "decoupled"):
+        raise PlanError(f"execution: expected fused, decoupled or None, got {execution!r}")
+    for name, val in (("B", B), ("T", T)):
+        if not isinstance(val, int) or val < 1:
+            raise PlanError(f"{name}: expected a positive int, got {val!r}")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise PlanError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    rank, size, simulated = _rank_size(group)
+
+    if backend == "auto":
+        if device.type == "cuda":
+            backend = "static" if dispatcher is not None else "triton"
+            if dispatcher is None:
+                cache = _static_cache(device, cache_dir)
+                if any(cache.stale(k) is None for k in cache._all):
+                    backend = "static"
+        else:
+            backend = "triton" if _interpreting() else "torch"
+    if backend in ("static", "triton") and device.type != "cuda" and not _interpreting():
+        if not (backend == "static" and dispatcher is not None):
+            raise PlanError(f"backend={backend!r}: tensors on {device} need CUDA, or "
+                            "TRITON_INTERPRET=1 set before Triton is imported")
+    if size > 1 and op not in SP_VARIANTS:
+        raise PlanError(f"group: sequence-parallel plans cover {SP_VARIANTS}; use "
+                        f"forge_dist.ops.{op} for {op} across ranks")
+    if size > 1 and backend == "torch":
+        raise PlanError("backend='torch' plans are single-rank; use forge_dist.ops with a group")
+
+    # programs for the interpreter use its precision rule; static plans are built for the GPU
+    interp = backend != "static" and _interpreting() and device.type != "cuda"
+    notes: List[str] = []
+    if op == "hgrn":
+        if D is None or D < 1:
+            raise PlanError("hgrn: give D (the feature dim of x [B, T, D])")
+        gdt = gate_dtype or dtype
+        prog = pg.hgrn_program(B=B, T=T, D=D, dtype=dtype, has_h0=initial_state, tiles=tiles,
+                               gate_dtype=gdt)
+        names = ["x", "g"]
+        state_shape = (B, D)
+        out_shape = (B, T, D)
+        sm_prog = None
+    else:
+        for name, val in (("H", H), ("K", K), ("V", V)):
+            if not isinstance(val, int) or val < 1:
+                raise PlanError(f"{name}: expected a positive int, got {val!r}")
+        if K < 16 or V < 16 or K > 256 or V > 256:
+            raise PlanError(f"head dims K={K}, V={V} outside [16, 256] (the kernels' range)")
+        if gated is None:
+            gated = op != "linear_attn"
+        gdt = gate_dtype or torch.float32
+        scale = K ** -0.5 if scale is None else float(scale)
+        try:
+            prog = pg.matrix_program(op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated,
+                                     has_h0=initial_state or rank > 0, scale=scale,
+                                     execution=execution, interp=interp, tiles=tiles,
+                                     gate_dtype=gdt)
+            sm_prog = None
+            if size > 1 and rank < size - 1:
+                sm_prog = pg.matrix_program(op, B=B, T=T, H=H, K=K, V=V, dtype=dtype,
+                                            gated=gated, has_h0=False, store_o=False,
+                                            scale=scale, interp=interp, tiles=tiles,
+                                            gate_dtype=gdt)
+        except ValueError as err:
+            raise PlanError(str(err)) from None
+        names = ["q", "k", "v"] + (["g"] if gated else []) + (
+            ["beta"] if op == "gated_delta_rule" else [])
+        state_shape = (B, H, K, V)
+        out_shape = (B, T, H, V)
+    notes.extend(prog.notes)
+
+    if backend == "static" and dispatcher is None:
+        from .dispatcher import Dispatcher
+
+        dispatcher = Dispatcher(_static_cache(device, cache_dir))
+    disp = dispatcher if backend == "static" else None
+    finish_exec = summary_exec = None
+    if backend != "torch":
+        finish_exec = _Exec(prog, device, disp)
+        summary_exec = _Exec(sm_prog, device, disp) if sm_prog is not None else None
+        if disp is not None:
+            jit = [p for ex in (finish_exec, summary_exec) if ex for p in ex.paths
+                   if p.startswith("jit")]
+            if jit:
+                notes.append(f"{len(jit)} launch(es) fall back to the JIT: {jit}")
+
+    shapes = {n: prog.buffers[n].shape for n in names}
+    dtypes = {n: prog.buffers[n].dtype for n in names}
+    p = Plan(op=op, backend=backend, device=device, input_names=names, shapes=shapes,
+             dtypes=dtypes, initial_state=bool(initial_state),
+             output_final_state=bool(output_final_state), scale=scale,
+             state_shape=state_shape, ht_shape=prog.buffers["ht"].shape, out_shape=out_shape,
+             out_dtype=dtype, execution=prog.execution, notes=notes, rank=rank, size=size,
+             group=group, strategy=None, strategy_obj=None, kind=_KIND.get(op),
+             finish_exec=finish_exec, summary_exec=summary_exec, channels=None,
+             static=backend == "static", delta=None, zeros=None)
+
+    if size > 1:
+        _plan_sp(p, strategy, simulated, B, T, H, K, V, dtype, gated)
+    return p
+
+
+def _plan_sp(p: Plan, strategy: str, simulated: bool, B, T, H, K, V, dtype, gated) -> None:
+    """Strategy, state workspaces, forge channels and the cross-rank agreement check."""
+    from .. import sp
+    from ..variants.transitions import Kind
+
+    p.delta = torch.zeros(B, H, K, V, dtype=torch.float32, device=p.device)
+    p.zeros = torch.zeros(B, H, K, V, dtype=torch.float32, device=p.device)
+    if simulated:
+        if strategy not in ("auto", "forge"):
+            raise PlanError(f"strategy={strategy!r}: a SimRank group runs only 'forge' (the "
+                            "simulated transport)")
+        from ..sp import forge
+
+        p.strategy, p.strategy_obj = "forge", forge.FORGE
+    else:
+        if strategy not in sp.names():
+            raise PlanError(f"strategy: expected one of {sp.names()}, got {strategy!r}")
+        try:
+            p.strategy_obj = sp.resolve(strategy, p.device)
+        except (ValueError, RuntimeError) as err:
+            raise PlanError(str(err)) from None
+        p.strategy = p.strategy_obj.name
+        from ..ops import checks
+
+        # once per plan, not per run: every rank must have planned the same call
+        fields = {"B": B, "T (tokens per rank)": T, "H": H, "K": K, "V": V,
+                  "dtype": checks.dtype_code(dtype),
+                  "strategy": sp.names().index(p.strategy) + 1,
+                  "op": list(_KIND).index(p.op) + 1, "gated": int(bool(gated))}
+        checks.across_ranks(p.group, p.device, fields)
+    if p.strategy == "forge":
+        from ..sp import forge
+
+        # symmetric buffers now: their allocation is a collective (NVSHMEM)
+        ch, bk, bv = forge._channel(forge._Where(p.group), "fwd", p.delta, Kind(p.kind))
+        p.channels = {"direction": "fwd", "tile": [bk, bv], "tiles": int(ch.sig.numel()),
+                      "transport": "sim" if simulated else "nvshmem"}

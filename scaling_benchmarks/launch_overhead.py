@@ -1,0 +1,226 @@
+"""Launch overhead of one layer call: Triton JIT vs the static dispatcher vs CUDA graphs.
+
+Paper section 4.3 (Figure 6): at T=1K the Triton runtime added ~207 us to a 47 us scalar-GLA
+kernel.  This benchmark times one ``simple_gla`` forward (B=1, H=32, K=V=128, bf16, fp32
+gate) at T in {1K, 2K, 4K, 8K} through:
+
+* ``ops``      -- the public op ``forge_dist.ops.simple_gla`` (checks + JIT kernels);
+* ``jit``      -- a plan (``forge_dist.runtime.plan``) launching through Triton's JIT;
+* ``static``   -- the same plan through the static dispatcher (AOT cubins, cuda.bindings);
+* ``static_ctypes`` -- the static dispatcher over libcuda through ctypes;
+* ``graph``    -- a CUDA graph of the static plan's run, replayed;
+* ``kernel``   -- GPU time alone (CUDA events around the graph replay of the launches).
+
+Per path and T, in microseconds: ``us_host`` (median Python time of one call, GPU idle
+before it: the CPU-side overhead), ``us_e2e`` (median of call + synchronize, idle GPU
+before: what a latency-bound caller sees), ``us_pipelined`` (back-to-back calls, wall time
+per call: max of host and GPU time) and ``us_overhead = us_e2e - us_kernel``.  ``ms`` is
+``us_e2e / 1000`` (the shared schema's latency field).  Results: JSON + PNG via
+``results_io`` under ``scaling_benchmarks/results/``.
+
+    python scaling_benchmarks/launch_overhead.py [--T 1024,2048,4096,8192] [--iters 200]
+        [--cache-dir DIR] [--execution fused|decoupled] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scaling_benchmarks import results_io  # noqa: E402
+
+B, H, K, V = 1, 32, 128, 128
+T_ALL = (1024, 2048, 4096, 8192)
+PATHS = ("ops", "jit", "static", "static_ctypes", "graph", "kernel")
+
+
+def make_inputs(T, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def r(*s):
+        return torch.randn(*s, device=device, generator=gen, dtype=torch.float32)
+
+    q, k, v = (r(B, T, H, d).to(torch.bfloat16) for d in (K, K, V))
+    g = torch.nn.functional.logsigmoid(r(B, T, H) + 4)
+    return q, k, v, g
+
+
+def _host_and_e2e(fn, iters):
+    """Median host time of one call and median call+sync time (GPU idle before each)."""
+    host, e2e = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) * 1e6)
+        e2e.append((t2 - t0) * 1e6)
+    return statistics.median(host), statistics.median(e2e), min(e2e)
+
+
+def _pipelined(fn, iters):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / iters
+
+
+def _events(fn, iters):
+    """Median GPU time of ``fn`` by CUDA events (fn must launch only GPU work)."""
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def plot(result, png):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for path in PATHS:
+        rows = [r for r in result["rows"] if r["dispatch"] == path]
+        if not rows:
+            continue
+        Ts = [r["T"] for r in rows]
+        ax[0].plot(Ts, [r["us_e2e"] for r in rows], marker="o", label=path)
+        if path != "kernel":
+            ax[1].plot(Ts, [r["us_host"] for r in rows], marker="o", label=path)
+    for a, title in zip(ax, ("end-to-end latency of one call (us)", "host time of one call (us)")):
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.set_xlabel("T")
+        a.set_title(title)
+        a.grid(True, which="both", alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(f"simple_gla fwd, B={B} H={H} K=V={K} bf16, {result['device']}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--T", default=",".join(str(t) for t in T_ALL))
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--cache-dir", default=None, help="AOT cache (default: a fresh build under "
+                   "~/.cache/forge_dist/aot_bench)")
+    p.add_argument("--execution", default="fused", choices=("fused", "decoupled"))
+    p.add_argument("--out", default=None, help="results directory")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("launch_overhead: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    from forge_dist import ops
+    from forge_dist.runtime import aot, plan
+    from forge_dist.runtime.dispatcher import CtypesDriver, Dispatcher
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    major, minor = torch.cuda.get_device_capability(device)
+    target = f"cuda:{major}{minor}"
+    cache_dir = Path(args.cache_dir or Path.home() / ".cache" / "forge_dist" / "aot_bench")
+    cfg = dict(variants=["simple_gla"], heads=[H], head_dims=[[K, V]], dtypes=["bfloat16"],
+               execution=[args.execution], initial_state=[False], sequence_parallel=False)
+    t0 = time.time()
+    rep = aot.compile_all(cfg, target=target, cache_dir=cache_dir)
+    print(f"AOT cache {cache_dir}: {len(rep['compiled'])} compiled, {len(rep['reused'])} "
+          f"reused ({time.time() - t0:.1f}s)", flush=True)
+    cache = aot.CubinCache(cache_dir, target)
+
+    Ts = [int(t) for t in args.T.split(",") if t]
+    result = results_io.header("launch_overhead", {
+        "B": B, "H": H, "K": K, "V": V, "dtype": "bfloat16", "gate_dtype": "float32",
+        "op": "simple_gla", "execution": args.execution, "iters": args.iters,
+        "target": target, "cache_dir": str(cache_dir)})
+    todo = [(T, path) for T in Ts for path in PATHS]
+    plans = {}
+    for T, path in tqdm(todo, desc="launch_overhead", file=sys.stdout):
+        try:
+            q, k, v, g = make_inputs(T, device)
+            common = dict(B=B, T=T, H=H, K=K, V=V, dtype=torch.bfloat16, device=device,
+                          execution=args.execution)
+            if path == "ops":
+                fn = lambda: ops.simple_gla(q, k, v, g)  # noqa: E731
+            elif path == "jit":
+                pl = plan("simple_gla", backend="triton", **common)
+                fn = lambda: pl.run(q, k, v, g)  # noqa: E731
+            elif path in ("static", "static_ctypes"):
+                disp = Dispatcher(cache, CtypesDriver() if path == "static_ctypes" else None)
+                pl = plan("simple_gla", backend="static", dispatcher=disp, **common)
+                plans[(T, path)] = pl
+                fn = lambda: pl.run(q, k, v, g)  # noqa: E731
+            else:  # graph / kernel: replay a graph of the static plan's run
+                pl = plans.get((T, "static")) or plan("simple_gla", backend="static",
+                                                      cache_dir=cache_dir, **common)
+                out = torch.empty(B, T, H, V, dtype=torch.bfloat16, device=device)
+                for _ in range(3):
+                    pl.run(q, k, v, g, out=out)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    pl.run(q, k, v, g, out=out)
+                fn = graph.replay
+            describe = pl.describe() if path not in ("ops",) else None
+            for _ in range(args.warmup):
+                fn()
+            torch.cuda.synchronize()
+            kernel_us = None
+            if path == "kernel":
+                us = _events(fn, args.iters)
+                host, e2e, e2e_min, pipe = None, us, us, us
+                kernel_us = us
+            else:
+                host, e2e, e2e_min = _host_and_e2e(fn, args.iters)
+                pipe = _pipelined(fn, args.iters)
+            row = {"op": "simple_gla", "T": T, "pass": "fwd", "impl": "forge_dist",
+                   "dispatch": path, "ms": e2e / 1e3, "ms_min": e2e_min / 1e3,
+                   "us_host": host, "us_e2e": e2e, "us_pipelined": pipe}
+            if describe is not None:
+                row["launch_paths"] = [ln["path"] for ln in describe["launches"]]
+            result["rows"].append(row)
+            if kernel_us is not None:
+                for r in result["rows"]:
+                    if r["T"] == T:
+                        r["us_kernel"] = kernel_us
+                        r["us_overhead"] = r["us_e2e"] - kernel_us
+        except Exception as err:  # noqa: BLE001 - record and go on with the other paths
+            tqdm.write(f"[fail] T={T} {path}: {type(err).__name__}: {err}")
+            traceback.print_exc()
+            result["rows"].append({"op": "simple_gla", "T": T, "pass": "fwd",
+                                   "impl": "forge_dist", "dispatch": path, "ms": None,
+                                   "error": f"{type(err).__name__}: {err}"})
+    path = results_io.write(result, args.out)
+    print(f"wrote {path}")
+    ok_rows = [r for r in result["rows"] if r.get("ms") is not None]
+    if ok_rows:
+        plot({**result, "rows": ok_rows}, path.with_suffix(".png"))
+    print(f"{'T':>6} {'dispatch':>14} {'host us':>9} {'e2e us':>9} {'pipe us':>9} "
+          f"{'kernel us':>9} {'overhead':>9}")
+    for r in ok_rows:
+        f = lambda x: f"{x:9.1f}" if isinstance(x, (int, float)) else f"{'-':>9}"  # noqa: E731
+        print(f"{r['T']:>6} {r['dispatch']:>14} {f(r.get('us_host'))} {f(r['us_e2e'])} "
+              f"{f(r['us_pipelined'])} {f(r.get('us_kernel'))} {f(r.get('us_overhead'))}")
+    return 0 if len(ok_rows) == len(result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Static dispatcher and plans on real GPUs (skipped without them).
+
+* ``gpu``: every variant's static plan (AOT cubins through the CUDA driver) equals the same
+  plan through Triton's JIT; a CUDA graph of a static plan replays correctly with inputs
+  changing between replays; both driver bindings (cuda.bindings, ctypes) work.
+* ``multigpu``: 1000 CUDA-graph replays of a 2-rank forge step (forge_graph_worker.py under
+  torchrun), each with different inputs than the one before, all correct.  This needs the
+  forge chain's epoch on the device (see forge_dist/runtime/__init__.py): it is expected to
+  fail until forge_dist/sp/forge.py keeps the epoch in device memory.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+B, T, H, K, V, D = 1, 1000, 4, 128, 128, 512   # T: a partial last chunk
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _inputs(op, seed=0, T=T):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    bf = torch.bfloat16
+    if op == "hgrn":
+        return [r(B, T, D).to(bf), torch.nn.functional.logsigmoid(r(B, T, D) + 2).to(bf)]
+    q, k, v = r(B, T, H, K).to(bf), r(B, T, H, K), r(B, T, H, V).to(bf)
+    if op == "gated_delta_rule":
+        k = torch.nn.functional.normalize(k, dim=-1)
+    out = [q, k.to(bf), v]
+    if op in ("simple_gla", "gated_delta_rule"):
+        out.append(torch.nn.functional.logsigmoid(r(B, T, H) + 4))
+    if op == "gla":
+        out.append(torch.nn.functional.logsigmoid(r(B, T, H, K) + 4))
+    if op == "gated_delta_rule":
+        out.append(torch.rand(B, T, H, device="cuda", generator=gen))
+    return out
+
+
+CASES = [("linear_attn", "fused"), ("simple_gla", "fused"), ("simple_gla", "decoupled"),
+         ("gla", None), ("gated_delta_rule", None), ("hgrn", None)]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    os.environ.pop("TRITON_INTERPRET", None)
+    from forge_dist.runtime import aot
+
+    major, minor = torch.cuda.get_device_capability()
+    d = tmp_path_factory.mktemp("aot_gpu")
+    cfg = dict(heads=[H], head_dims=[[K, V]], hgrn_dims=[D], dtypes=["bfloat16"],
+               sequence_parallel=False)
+    rep = aot.compile_all(cfg, target=f"cuda:{major}{minor}", cache_dir=d)
+    assert rep["compiled"], rep
+    return d
+
+
+def _plan(op, execution, backend, cache_dir, **kw):
+    from forge_dist.runtime import plan
+
+    if op == "hgrn":
+        return plan(op, B=B, T=T, D=D, dtype=torch.bfloat16, backend=backend,
+                    cache_dir=cache_dir, output_final_state=True, **kw)
+    return plan(op, B=B, T=T, H=H, K=K, V=V, dtype=torch.bfloat16, backend=backend,
+                cache_dir=cache_dir, execution=execution, output_final_state=True, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,execution", CASES)
+def test_static_equals_jit(cache_dir, op, execution):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the AOT config targets sm_90")
+    ps = _plan(op, execution, "static", cache_dir)
+    pj = _plan(op, execution, "triton", cache_dir)
+    assert all(x["path"].startswith("cubin") for x in ps.describe()["launches"]), ps.describe()
+    x = _inputs(op)
+    os_, hs = ps.run(*x)
+    oj, hj = pj.run(*x)
+    torch.cuda.synchronize()
+    assert _rel(os_, oj) < 1e-3 and _rel(hs, hj) < 1e-4
+    ro, rh = ps._run_torch(dict(zip(ps.input_names, [t.float() for t in x])), None)
+    assert _rel(os_, ro) < 5e-3 and _rel(hs, rh) < 5e-3
+
+
+@pytest.mark.gpu
+def test_ctypes_driver(cache_dir):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the AOT config targets sm_90")
+    from forge_dist.runtime import aot, plan
+    from forge_dist.runtime.dispatcher import CtypesDriver, Dispatcher
+
+    disp = Dispatcher(aot.CubinCache(cache_dir, "cuda:90"), CtypesDriver())
+    p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.bfloat16, backend="static",
+             dispatcher=disp, execution="fused")
+    pj = _plan("simple_gla", "fused", "triton", cache_dir)
+    x = _inputs("simple_gla")
+    assert _rel(p.run(*x)[0], pj.run(*x)[0]) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["static", "triton"])
+def test_graph_replays_with_changing_inputs(cache_dir, backend):
+    if backend == "static" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the AOT config targets sm_90")
+    p = _plan("simple_gla", "fused", backend, cache_dir)
+    ref = _plan("simple_gla", "fused", "triton", cache_dir)
+    static_in = [t.clone() for t in _inputs("simple_gla")]
+    out = torch.empty(B, T, H, V, dtype=torch.bfloat16, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            p.run(*static_in, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, ht = p.run(*static_in, out=out)
+    sets = [_inputs("simple_gla", seed=i) for i in range(4)]
+    refs = [ref.run(*x) for x in sets]
+    for i in range(100):
+        for dst, src in zip(static_in, sets[i % 4]):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(out, refs[i % 4][0]) < 1e-3 and _rel(ht, refs[i % 4][1]) < 1e-4, i
+
+
+@pytest.mark.multigpu
+def test_forge_graph_replays(tmp_path):
+    """1000 graph replays of a 2-rank forge plan step, inputs changing every replay."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           str(ROOT / "tests" / "runtime" / "forge_graph_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
+    for r in range(2):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"rank {r}: no report\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        rep = json.loads(path.read_text())
+        assert rep["ok"], f"rank {r}: {rep['detail']}"

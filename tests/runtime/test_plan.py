@@ -1,0 +1,251 @@
+"""Plan/run on CPU tensors: Triton's interpreter (the same launch programs the GPU runs), the
+PyTorch backend, the simulated forge transport, validation errors and the plan cache."""
+import ast
+import importlib
+import inspect
+import os
+import textwrap
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+
+import pytest
+import torch
+
+from forge_dist import kernels, ops, runtime
+from forge_dist.comm.sim import SimWorld
+from forge_dist.runtime import cache, dispatcher, programs
+from forge_dist.runtime.plan import PlanError, plan
+
+plan_mod = importlib.import_module("forge_dist.runtime.plan")  # the name `plan` is the function
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+                                reason="CPU plan tests run the kernels in Triton's interpreter")
+
+B, T, H, K, V = 1, 96, 2, 32, 48  # T: one full and one partial 64-token chunk; V: 2 tiles
+
+
+def _inputs(op, T=T, seed=0, B=B):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    if op == "hgrn":
+        return {"x": r(B, T, 40), "g": -torch.rand(B, T, 40, generator=g)}
+    d = {"q": r(B, T, H, K), "k": r(B, T, H, K), "v": r(B, T, H, V)}
+    if op == "gated_delta_rule":
+        d["k"] = d["k"] / d["k"].norm(dim=-1, keepdim=True)
+        d["beta"] = torch.rand(B, T, H, generator=g)
+    if op in ("simple_gla", "gated_delta_rule"):
+        d["g"] = -torch.rand(B, T, H, generator=g) * 0.2
+    if op == "gla":
+        d["g"] = -torch.rand(B, T, H, K, generator=g) * 0.2
+    return d
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+CASES = [("linear_attn", "fused"), ("linear_attn", "decoupled"), ("simple_gla", "fused"),
+         ("simple_gla", "decoupled"), ("gla", None), ("gated_delta_rule", None), ("hgrn", None)]
+
+
+@pytest.mark.parametrize("op,execution", CASES)
+@pytest.mark.parametrize("h0", [False, True])
+def test_plan_matches_kernels_and_reference(op, execution, h0):
+    """The plan's program launches exactly what forge_dist.kernels launches (bitwise equal
+    under the interpreter) and agrees with the PyTorch reference."""
+    inp = _inputs(op)
+    if op == "hgrn":
+        p = plan(op, B=B, T=T, D=40, dtype=torch.float32, device="cpu", initial_state=h0,
+                 output_final_state=True)
+        S = torch.randn(B, 40) if h0 else None
+    else:
+        p = plan(op, B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+                 initial_state=h0, output_final_state=True, execution=execution)
+        S = torch.randn(B, H, K, V) if h0 else None
+    assert p.backend == "triton"
+    if execution is not None:
+        assert p.execution == execution
+    names = p.input_names
+    o, ht = p.run(*[inp[n] for n in names], initial_state=S)
+    ko, kh = kernels.forward(op, inp, initial_state=S, out_dtype=torch.float32,
+                             execution=execution)
+    assert torch.equal(o, ko) and torch.equal(ht, kh)
+    ro, rh = p._run_torch(dict(inp), S)
+    assert _rel(o, ro) < 1e-5 and _rel(ht, rh) < 1e-5
+
+
+def test_torch_backend_matches_ops():
+    inp = _inputs("simple_gla")
+    p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+             backend="torch", output_final_state=True, scale=0.3)
+    o, ht = p.run(inp["q"], inp["k"], inp["v"], inp["g"])
+    ro, rh = ops.simple_gla(inp["q"], inp["k"], inp["v"], inp["g"], scale=0.3,
+                            output_final_state=True)
+    assert torch.equal(o, ro) and torch.equal(ht, rh)
+    assert p.describe()["launches"] == []
+
+
+def test_out_buffer_and_no_final_state():
+    inp = _inputs("linear_attn")
+    p = plan("linear_attn", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
+    out = torch.full((B, T, H, V), float("nan"))
+    o, ht = p.run(inp["q"], inp["k"], inp["v"], out=out)
+    assert o is out and ht is None and not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("op", ["linear_attn", "simple_gla", "gla"])
+@pytest.mark.parametrize("P", [2, 3])
+def test_sequence_parallel_sim_forge(op, P):
+    """Per-rank plans over the simulated NVSHMEM transport, ranks in chain order, three calls
+    with different data (epochs advance), against the single-process op."""
+    Tl = 64
+    world = SimWorld(P)
+    plans = [plan(op, B=B, T=Tl, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+                  group=world[r], strategy="forge", initial_state=(r == 0),
+                  output_final_state=True) for r in range(P)]
+    d = plans[0].describe()
+    assert d["strategy"] == "forge" and d["channels"]["transport"] == "sim"
+    assert [x["kernel"] for x in d["summary_launches"]] == ["walk"]
+    assert d["summary_launches"][0]["constexprs"]["STORE_O"] is False
+    assert plans[-1].describe()["summary_launches"] == []  # the last rank sends nothing
+    for step in range(3):
+        inp = _inputs(op, T=P * Tl, seed=step)
+        names = plans[0].input_names
+        h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(10 + step))
+        ref_o, ref_h = getattr(ops, op)(*[inp[n] for n in names], initial_state=h0,
+                                        output_final_state=True)
+        outs = []
+        for r in range(P):
+            part = [inp[n][:, r * Tl:(r + 1) * Tl].contiguous() for n in names]
+            outs.append(plans[r].run(*part, initial_state=h0 if r == 0 else None))
+        o = torch.cat([x[0] for x in outs], dim=1)
+        assert _rel(o, ref_o) < 1e-5, (step, _rel(o, ref_o))
+        assert _rel(outs[-1][1], ref_h) < 1e-5
+
+
+def test_validation_errors():
+    inp = _inputs("simple_gla")
+    p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
+    q, k, v, g = inp["q"], inp["k"], inp["v"], inp["g"]
+    with pytest.raises(PlanError, match=r"expected 4 inputs \(q, k, v, g\), got 3"):
+        p.run(q, k, v)
+    with pytest.raises(PlanError, match=r"k: the plan was made for shape \(1, 96, 2, 32\)"):
+        p.run(q, k[:, :64], v, g)
+    with pytest.raises(PlanError, match="v: the plan was made for dtype torch.float32"):
+        p.run(q, k, v.double(), g)
+    with pytest.raises(PlanError, match="q: expected a contiguous tensor"):
+        p.run(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, g)
+    with pytest.raises(PlanError, match="g: expected a torch.Tensor, got list"):
+        p.run(q, k, v, [0.0])
+    with pytest.raises(PlanError, match="initial_state=False"):
+        p.run(q, k, v, g, initial_state=torch.zeros(B, H, K, V))
+    p0 = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+              initial_state=True)
+    with pytest.raises(PlanError, match="initial_state=True; pass it"):
+        p0.run(q, k, v, g)
+    with pytest.raises(PlanError, match="out: the plan was made for shape"):
+        p.run(q, k, v, g, out=torch.empty(1))
+    with pytest.raises(PlanError, match="forward-only"):
+        p.run(q.requires_grad_(), k, v, g)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(op="softmax"), "op: expected one of"),
+    (dict(backend="magic"), "backend: expected auto"),
+    (dict(execution="sideways"), "execution: expected fused"),
+    (dict(T=0), "T: expected a positive int"),
+    (dict(K=8), r"head dims K=8, V=48 outside \[16, 256\]"),
+    (dict(dtype=torch.int32), "dtype: expected float16"),
+    (dict(op="gla", gated=False), "gla needs its gate"),
+    (dict(op="linear_attn", gated=True), "linear_attn takes no gate"),
+    (dict(op="gla", execution="decoupled"), "gla has only the fused kernels"),
+    (dict(op="hgrn"), "hgrn: give D"),
+    (dict(group=SimWorld(2)[0], op="gated_delta_rule"), "sequence-parallel plans cover"),
+    (dict(group=SimWorld(2)[0], strategy="lasp2"), "a SimRank group runs only 'forge'"),
+    (dict(group=SimWorld(2)[0], backend="torch"), "single-rank"),
+])
+def test_plan_errors(kw, msg):
+    args = dict(op="simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
+    args.update(kw)
+    op = args.pop("op")
+    with pytest.raises(PlanError, match=msg):
+        plan(op, **args)
+
+
+def test_describe_reports_choices():
+    p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+             execution="decoupled")
+    d = p.describe()
+    assert d["execution"] == "decoupled" and d["backend"] == "triton"
+    assert [x["kernel"] for x in d["launches"]] == ["chunk_state", "chunk_scan", "chunk_output"]
+    assert d["workspaces"] == {"h": [B, H, 2, K, V]}
+    assert d["launches"][0]["grid"] == [1, 2, B * H]  # V=48 -> one BV=64 tile, 2 chunks
+    assert all(x["path"] == "jit" for x in d["launches"])
+    assert d["inputs"]["g"] == {"shape": [B, T, H], "dtype": "torch.float32"}
+
+
+_FORBIDDEN = {"item", "tolist", "synchronize", "cpu", "numpy", "nonzero"}
+
+
+def _calls(fn):
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    return {n.func.attr for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+
+
+@pytest.mark.parametrize("fn", [
+    plan_mod.Plan.run, plan_mod.Plan._check, plan_mod.Plan._run_local, plan_mod.Plan._run_sp,
+    plan_mod._Exec.__call__,
+    dispatcher.BoundLaunch.launch, dispatcher.BoundLaunch.values,
+    dispatcher.ArgPack.pack], ids=lambda f: f.__qualname__)
+def test_run_path_has_no_host_sync_in_source(fn):
+    """Graph capturability: nothing on the run path reads device values on the host."""
+    assert not (_calls(fn) & _FORBIDDEN), _calls(fn) & _FORBIDDEN
+
+
+def test_run_does_not_sync_at_runtime(monkeypatch):
+    """The same, checked while running: item/tolist/synchronize raise if called."""
+    inp = _inputs("simple_gla")
+    p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+             output_final_state=True)
+    p.run(inp["q"], inp["k"], inp["v"], inp["g"])  # warm: kernels are built
+
+    def boom(*a, **k):
+        raise AssertionError("host sync on the run path")
+    monkeypatch.setattr(torch.Tensor, "item", boom)
+    monkeypatch.setattr(torch.Tensor, "tolist", boom)
+    monkeypatch.setattr(torch.cuda, "synchronize", boom)
+    o, ht = p.run(inp["q"], inp["k"], inp["v"], inp["g"])
+    assert o.shape == (B, T, H, V) and ht.shape == (B, H, K, V)
+
+
+def test_plan_cache_lru(monkeypatch):
+    cache.clear()
+    monkeypatch.setenv("FORGE_DIST_PLAN_CACHE_SIZE", "2")
+    kw = dict(B=B, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
+    a = cache.get("simple_gla", T=64, **kw)
+    assert cache.get("simple_gla", T=64, **kw) is a
+    assert cache.get("simple_gla", T=64, **dict(kw, device=torch.device("cpu"))) is a
+    b = cache.get("simple_gla", T=128, **kw)
+    assert b is not a
+    cache.get("simple_gla", T=64, **kw)          # a is now most recent
+    cache.get("simple_gla", T=192, **kw)         # evicts b
+    assert cache.stats() == {"hits": 3, "misses": 3, "evictions": 1, "size": 2}
+    assert cache.get("simple_gla", T=128, **kw) is not b
+    assert cache.key("gla", T=1, dtype=torch.bfloat16) != cache.key("gla", T=1,
+                                                                     dtype=torch.float16)
+    cache.clear()
+
+
+def test_program_specs_are_stable():
+    """KernelSpec keys name cubins on disk: they must not depend on B or T."""
+    a = programs.matrix_program("simple_gla", B=1, T=64, H=4, K=64, V=64, dtype=torch.bfloat16,
+                                gated=True, has_h0=False, execution="fused")
+    b = programs.matrix_program("simple_gla", B=3, T=8192, H=4, K=64, V=64,
+                                dtype=torch.bfloat16, gated=True, has_h0=False,
+                                execution="fused")
+    assert [s.key for s in a.specs()] == [s.key for s in b.specs()]
+    c = programs.matrix_program("simple_gla", B=1, T=64, H=4, K=64, V=64, dtype=torch.float16,
+                                gated=True, has_h0=False, execution="fused")
+    assert a.specs()[0].key != c.specs()[0].key
+    assert a.launches[0].grid != b.launches[0].grid
