@@ -213,6 +213,12 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
                transpose: bool) -> None:
     if d.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"forge: states must be float32 or float64, got {d.dtype}")
+    if d.is_cuda and torch.cuda.is_current_stream_capturing():
+        # The epoch is a host number baked into the launch: a replayed graph would wait on
+        # an old epoch and could read a stale tile.  Refuse loudly until the epoch lives on
+        # the device (bumped by a captured add_ before each launch).
+        raise RuntimeError("strategy='forge' cannot be captured in a CUDA graph yet (its "
+                           "signal epochs are host-side); use strategy='lasp2' inside graphs")
     d = d.contiguous()
     B, H, K, V = d.shape
     ch, bk, bv = _channel(where, direction, d, kind)

@@ -133,6 +133,8 @@ def test_graph_replays_with_changing_inputs(cache_dir, backend):
 
 
 @pytest.mark.multigpu
+@pytest.mark.xfail(strict=True, reason="forge's signal epochs are host-side; capture is "
+                   "refused until they live on the device (see sp/forge.py)")
 def test_forge_graph_replays(tmp_path):
     """1000 graph replays of a 2-rank forge plan step, inputs changing every replay."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
