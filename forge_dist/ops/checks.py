@@ -7,7 +7,9 @@ raises the same error together instead of some ranks hanging in a later collecti
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence
+import os
+import zlib
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -48,6 +50,9 @@ def _shape_text(dims) -> str:
 def same_device(tensors: Dict[str, Optional[Tensor]]) -> torch.device:
     """All given tensors on one device; returns it."""
     present = {k: v for k, v in tensors.items() if v is not None}
+    for name, t in present.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     first_name, first = next(iter(present.items()))
     for name, t in present.items():
         if t.device != first.device:
@@ -90,6 +95,9 @@ def cu_seqlens(cu, B: int, T_global: int, device: torch.device) -> Optional[list
                         f"{type(cu).__name__}")
     if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens: expected a 1-D int32/int64 tensor, got {_describe(cu)}")
+    if cu.device != device and cu.device.type != "cpu":  # before reading it (meta has no data)
+        raise ValueError(f"cu_seqlens: expected a tensor on {device} or the CPU, got "
+                         f"{cu.device}")
     if B != 1:
         raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got B={B}")
     if cu.numel() < 2:
@@ -126,18 +134,36 @@ def group(grp) -> None:
         raise ValueError(f"group: {problem}")
 
 
+_SIGNATURE_LEN = 32  # fixed, so a rank calling another op never mismatches the all-gather
+
+
 def across_ranks(grp, device: torch.device, fields: Dict[str, int]) -> None:
-    """Every rank of ``grp`` passed the same ``fields``; raise on all ranks otherwise."""
+    """Every rank of ``grp`` passed the same ``fields``; raise on all ranks otherwise.
+
+    The signature has a fixed length and starts with a checksum of the field names, so ranks
+    that call different ops (different fields) get a clear error too, instead of a gloo
+    size mismatch that aborts the process.
+    """
     _, size = p2p.rank_and_size(grp)
     if size == 1:
         return
     import torch.distributed as dist
 
+    if len(fields) > _SIGNATURE_LEN - 1:
+        raise AssertionError(f"across_ranks: at most {_SIGNATURE_LEN - 1} fields")
+    layout = zlib.crc32("|".join(fields).encode())
+    values = [layout] + list(fields.values())
+    values += [0] * (_SIGNATURE_LEN - len(values))
     sig_device = device if dist.get_backend(grp) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=sig_device)
+    mine = torch.tensor(values, dtype=torch.int64, device=sig_device)
     everyone = [row.tolist() for row in p2p.all_gather(mine, grp)]
     for r, row in enumerate(everyone):
-        for (name, _), a, b in zip(fields.items(), everyone[0], row):
+        if row[0] != everyone[0][0]:
+            raise ValueError(f"every rank must call the same op with the same kind of "
+                             f"arguments, but rank 0 and rank {r} called ops with different "
+                             f"arguments (this rank passed {', '.join(fields)})")
+    for r, row in enumerate(everyone):
+        for (name, _), a, b in zip(fields.items(), everyone[0][1:], row[1:]):
             if a != b:
                 raise ValueError(f"{name}: every rank must pass the same value, but rank 0 "
                                  f"has {a} and rank {r} has {b}")
@@ -146,3 +172,73 @@ def across_ranks(grp, device: torch.device, fields: Dict[str, int]) -> None:
 def dtype_code(dtype: torch.dtype) -> int:
     """A small integer per supported dtype, for the cross-rank signature."""
     return _DTYPE_CODE.get(dtype, 0)
+
+
+# ------------------------------------------------------------------ finite-check mode
+class NonFiniteError(FloatingPointError):
+    """``FORGE_DIST_CHECK_FINITE=1`` found a NaN or an infinity (raised on every rank)."""
+
+
+_NONFINITE_KINDS = ("nan", "+inf", "-inf")
+
+
+def check_finite_enabled() -> bool:
+    """Whether ``FORGE_DIST_CHECK_FINITE`` asks for finite checks (``1``; default ``0``).
+
+    When on, every op scans its inputs and initial state, this rank's local summary, and its
+    outputs and final state, and raises :class:`NonFiniteError` on every rank naming the
+    first non-finite value (stage, tensor, index, rank, global token).  It costs one scan of
+    every tensor and two small all-gathers per call: a debugging aid, off by default.
+    """
+    raw = os.environ.get("FORGE_DIST_CHECK_FINITE", "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"FORGE_DIST_CHECK_FINITE: expected 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def _first_nonfinite(tensors: List[Tuple[str, Optional[Tensor]]]) -> List[int]:
+    """``[tensor position, flat index, kind]`` of the first non-finite value, or ``-1``s."""
+    for pos, (_, t) in enumerate(tensors):
+        if t is None or not t.is_floating_point():
+            continue
+        flat = t.detach().reshape(-1)
+        bad = ~torch.isfinite(flat)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            x = float(flat[i])
+            kind = 0 if math.isnan(x) else (1 if x > 0 else 2)
+            return [pos, i, kind]
+    return [-1, -1, -1]
+
+
+def finite(stage: str, tensors: List[Tuple[str, Optional[Tensor]]], grp, device: torch.device,
+           *, token_tensors: Sequence[str] = ()) -> None:
+    """Raise :class:`NonFiniteError` on every rank of ``grp`` if any rank's ``tensors`` hold a
+    non-finite value; the message names the lowest such rank's first one.
+
+    ``tensors`` are ``(name, tensor or None)`` in the same order on every rank; those named
+    in ``token_tensors`` have the token axis at dim 1 (rank r holds global tokens
+    ``[r * T, (r + 1) * T)``), so the message also gives the global token.
+    """
+    rank, size = p2p.rank_and_size(grp)
+    mine = _first_nonfinite(tensors)
+    rows = [[rank] + mine]
+    if size > 1:
+        import torch.distributed as dist
+
+        sig_device = device if dist.get_backend(grp) == "nccl" else torch.device("cpu")
+        gathered = p2p.all_gather(torch.tensor([rank] + mine, dtype=torch.int64,
+                                               device=sig_device), grp)
+        rows = [row.tolist() for row in gathered]
+    for r, pos, flat, kind in rows:
+        if pos < 0:
+            continue
+        name, t = tensors[pos]
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(t.shape)))
+        where = ""
+        if name in token_tensors and t.dim() >= 2:
+            where = f" (global token {r * t.shape[1] + index[1]})"
+        raise NonFiniteError(
+            f"FORGE_DIST_CHECK_FINITE: non-finite value ({_NONFINITE_KINDS[kind]}) in {stage} "
+            f"{name!r} at index {index} of shape {tuple(t.shape)} on rank {r}{where}"
+            + ("" if r == rank else f" (reported on rank {rank})"))

@@ -24,6 +24,7 @@ from .. import sp
 from ..sp import p2p
 from ..variants import transitions as tr
 from ..variants.base import SegmentWork, VariantSpec
+from . import checks
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,11 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
     """
     rank, size = p2p.rank_and_size(group)
     H, K, V = state_dims
+    check_finite = checks.check_finite_enabled()
+    tokens = tuple(inputs) + ("o",)
+    if check_finite:  # before any local work or state pass: every rank raises together
+        checks.finite("input", list(inputs.items()) + [("initial_state", initial_state)],
+                      group, device, token_tensors=tokens)
     segments = plan_segments(cu, rank, T_local)
     kind = spec.kind if cu is None else tr.with_boundaries(spec.kind)
     rows = B if cu is None else 1
@@ -135,6 +141,9 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
         S0 = init_for(segments[0]) if rank == 0 else None
         if S0 is None:
             S0 = torch.zeros(rows, H, K, V, **opts)
+        if check_finite:  # an overflow in the local summary, before it is passed on
+            checks.finite("local summary", [("carry (shard state from a zero start)", carry),
+                                            ("M (shard transition)", M_rank)], group, device)
         S_in = sp.state_pass(kind, M_rank, carry, S0, group, strategy,
                              needs_grad=needs_grad(inputs, initial_state))
 
@@ -157,4 +166,7 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
         else:
             zero = torch.zeros(1, H, K, V, **opts)
             final_state = torch.cat([finals.get(n, zero) for n in range(len(cu) - 1)], dim=0)
+    if check_finite:
+        checks.finite("output", [("o", o), ("final_state", final_state)], group, device,
+                      token_tensors=tokens)
     return o, final_state

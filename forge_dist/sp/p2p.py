@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import List, Optional
 
 import torch
@@ -39,6 +40,9 @@ def rank_and_size(group) -> tuple[int, int]:
     """``(rank in group, group size)``; ``(0, 1)`` when ``group`` is ``None``."""
     if group is None:
         return 0, 1
+    problem = check_group(group)  # e.g. a layer's halo exchange, before any op checks
+    if problem is not None:
+        raise ValueError(f"group: {problem}")
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -48,39 +52,67 @@ def _global(group, group_rank: int) -> int:
 
 def _wait(work, group, peer: int, what: str) -> None:
     bound = timeout_seconds()
+    start = time.monotonic()
     try:
         if dist.get_backend(group) == "gloo":
             ok = work.wait(timeout=datetime.timedelta(seconds=bound))
         else:  # NCCL waits are enqueued on the stream; its watchdog bounds them.
             ok = work.wait()
-    except RuntimeError as err:  # gloo reports its timeout as a RuntimeError
+    except RuntimeError as err:  # gloo reports its timeout (and a lost peer) as a RuntimeError
+        elapsed = time.monotonic() - start
+        if elapsed < 0.9 * bound:  # not the bound: the connection failed (peer crashed / left)
+            raise StatePassTimeout(f"{_lost(group, peer, what, elapsed)}: {err}") from err
         raise StatePassTimeout(f"{_waiting(group, peer, what, bound)} (set FORGE_DIST_TIMEOUT "
                                f"to change the bound): {err}") from err
     if ok is False:
         raise StatePassTimeout(_waiting(group, peer, what, bound))
 
 
+def _source(peer: int) -> str:
+    return "the other ranks" if peer < 0 else f"rank {peer}"
+
+
 def _waiting(group, peer: int, what: str, bound: float) -> str:
-    source = "the other ranks" if peer < 0 else f"rank {peer}"
-    return f"rank {dist.get_rank(group)} gave up after {bound:g}s waiting for {what} from {source}"
+    msg = f"rank {dist.get_rank(group)} gave up after {bound:g}s waiting for {what} from " \
+          f"{_source(peer)}"
+    if peer < 0:  # a collective: say why a rank may be missing
+        msg += (" (every rank must make the same op calls in the same order; a rank that "
+                "raised earlier, crashed or stalled leaves the others waiting here)")
+    return msg
+
+
+def _lost(group, peer: int, what: str, elapsed: float) -> str:
+    return (f"rank {dist.get_rank(group)} lost the connection to {_source(peer)} after "
+            f"{elapsed:.2f}s waiting for {what} (the peer crashed or left the group; tear the "
+            f"process group down before using it again)")
+
+
+def _start(op, tensor: Tensor, peer: int, group, what: str):
+    """Post ``op`` (``dist.isend``/``dist.irecv``); a peer already gone raises here."""
+    start = time.monotonic()
+    try:
+        return op(tensor, _global(group, peer), group=group)
+    except RuntimeError as err:
+        raise StatePassTimeout(f"{_lost(group, peer, what, time.monotonic() - start)}: "
+                               f"{err}") from err
 
 
 def recv(shape, dtype, device, peer: int, group, what: str) -> Tensor:
     """Receive a tensor from ``peer`` (a rank of ``group``), bounded."""
     buf = torch.empty(shape, dtype=dtype, device=device)
-    work = dist.irecv(buf, src=_global(group, peer), group=group)
+    work = _start(dist.irecv, buf, peer, group, what)
     _wait(work, group, peer, what)
     return buf
 
 
-def irecv(buf: Tensor, peer: int, group):
+def irecv(buf: Tensor, peer: int, group, what: str = "a tensor"):
     """Post a receive into ``buf``; wait on it with :func:`wait`."""
-    return dist.irecv(buf, src=_global(group, peer), group=group)
+    return _start(dist.irecv, buf, peer, group, what)
 
 
-def isend(tensor: Tensor, peer: int, group):
+def isend(tensor: Tensor, peer: int, group, what: str = "a tensor"):
     """Start sending ``tensor`` (made contiguous) to ``peer``; returns the work handle."""
-    return dist.isend(tensor.contiguous(), dst=_global(group, peer), group=group)
+    return _start(dist.isend, tensor.contiguous(), peer, group, f"the send of {what}")
 
 
 def wait(work, group, peer: int, what: str) -> None:
@@ -105,6 +137,9 @@ def check_group(group) -> Optional[str]:
         return "torch.distributed is not available in this build of PyTorch"
     if not dist.is_initialized():
         return "torch.distributed is not initialised (call init_process_group first)"
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives non-members
+        return ("this process is not a member of the group (torch.distributed.new_group "
+                "returned GroupMember.NON_GROUP_MEMBER here)")
     if not isinstance(group, dist.ProcessGroup):
         return f"expected a torch.distributed.ProcessGroup, got {type(group).__name__}"
     try:

@@ -18,8 +18,15 @@ from .base import Strategy, register
 
 
 def n_tiles() -> int:
-    """Tiles per state, from ``FORGE_DIST_PIPELINE_TILES`` (default 4)."""
-    return max(1, int(os.environ.get("FORGE_DIST_PIPELINE_TILES", "4")))
+    """Tiles per state, from ``FORGE_DIST_PIPELINE_TILES`` (a positive integer, default 4)."""
+    raw = os.environ.get("FORGE_DIST_PIPELINE_TILES", "4")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"FORGE_DIST_PIPELINE_TILES: expected a positive integer, got {raw!r}")
+    return value
 
 
 def _ring(kind, like, first, combine_tile, group, src, dst, what):
@@ -32,7 +39,8 @@ def _ring(kind, like, first, combine_tile, group, src, dst, what):
     else:
         received = torch.empty_like(like)
         bufs = [torch.empty_like(like[..., ks, vs]) for ks, vs in tiles]
-        recvs = [p2p.irecv(b, src, group) for b in bufs]
+        recvs = [p2p.irecv(b, src, group, f"{what} (tile {i} of {len(tiles)})")
+                 for i, b in enumerate(bufs)]
     sends, outs = [], []
     for i, (ks, vs) in enumerate(tiles):
         if src is not None:
@@ -40,9 +48,9 @@ def _ring(kind, like, first, combine_tile, group, src, dst, what):
             received[..., ks, vs] = bufs[i]
         if dst is not None:
             outs.append(combine_tile(ks, vs, received[..., ks, vs]).contiguous())
-            sends.append(p2p.isend(outs[-1], dst, group))
-    for work in sends:
-        p2p.wait(work, group, dst, f"the send of {what}")
+            sends.append(p2p.isend(outs[-1], dst, group, f"{what} (tile {i} of {len(tiles)})"))
+    for i, work in enumerate(sends):
+        p2p.wait(work, group, dst, f"the send of {what} (tile {i} of {len(tiles)})")
     return received
 
 

@@ -22,7 +22,8 @@ class Serial(Strategy):
                             "the incoming state")
         if rank < size - 1:
             out = tr.combine(kind, M, S_in, delta)
-            p2p.wait(p2p.isend(out, rank + 1, group), group, rank + 1, "the state send")
+            p2p.wait(p2p.isend(out, rank + 1, group, "the state"), group, rank + 1,
+                     "the state send")
         return S_in, None
 
     def backward_chain(self, kind, M, grad_in, group, saved):
@@ -34,8 +35,8 @@ class Serial(Strategy):
                                 "the state gradient")
         lam_here = grad_in + tr.apply_transposed(kind, M, lam_next)
         if rank > 0:
-            p2p.wait(p2p.isend(lam_here, rank - 1, group), group, rank - 1,
-                     "the gradient send")
+            p2p.wait(p2p.isend(lam_here, rank - 1, group, "the state gradient"), group,
+                     rank - 1, "the gradient send")
         return lam_next, lam_here
 
 

@@ -1,0 +1,104 @@
+"""Faults during communication (gloo): a rank that stalls or crashes before sending, in the
+middle of the pipelined tile stream, or in backward.  Its neighbours raise
+``StatePassTimeout`` naming the peer (and the tile) within ``FORGE_DIST_TIMEOUT``; after
+tearing the process group down, the op runs again correctly on a fresh group (also on a
+smaller world of the survivors of a crash).  Nothing hangs: the parent kills any rank still
+alive at its deadline and the test fails with ``hung``."""
+import functools
+import re
+
+import pytest
+
+from . import faults_worker as fw
+from ._world import spawn
+
+ENV = {"FORGE_DIST_TIMEOUT": str(fw.BOUND), "FORGE_DIST_PIPELINE_TILES": "4"}
+SLACK = 2.0  # seconds beyond the bound allowed for a neighbour's error
+
+# name, strategy, faulty rank, where, action; then what each other rank must report.
+STALLS = [
+    dict(name="serial: rank 1 stalls before sending", strategy="serial", rank=1, where="fwd",
+         action="stall",
+         expect={2: r"rank 2 gave up after 1\.5s waiting for the incoming state from rank 1"}),
+    dict(name="pipelined: rank 0 stalls after 2 of 4 tiles", strategy="pipelined", rank=0,
+         where="tile", tile=2, action="stall",
+         expect={1: r"rank 1 gave up after 1\.5s waiting for the incoming state \(tile 2 of 4\) "
+                    r"from rank 0"}),
+    dict(name="serial: rank 2 stalls in backward", strategy="serial", rank=2, where="bwd",
+         action="stall",
+         expect={1: r"rank 1 gave up after 1\.5s waiting for the state gradient from rank 2"}),
+    dict(name="pipelined: rank 2 stalls in backward", strategy="pipelined", rank=2,
+         where="bwd", action="stall",
+         expect={1: r"rank 1 gave up after 1\.5s waiting for the state gradient \(tile 0 of "
+                    r"\d+\) from rank 2"}),
+    dict(name="lasp2: rank 2 stalls before the all-gather", strategy="lasp2", rank=2,
+         where="fwd", action="stall",
+         expect={0: r"rank 0 gave up after 1\.5s waiting for an all-gather from the other ranks",
+                 1: r"rank 1 gave up after 1\.5s waiting for an all-gather from the other "
+                    r"ranks"}),
+    dict(name="rank 1 never calls the op", strategy="serial", rank=1, where="never",
+         action="stall",
+         expect={0: r"gave up after 1\.5s waiting for an all-gather .* a rank that raised "
+                    r"earlier, crashed or stalled",
+                 2: r"gave up after 1\.5s waiting for an all-gather"}),
+    dict(name="rank 1 rejects its own (empty) shard", strategy="lasp2", rank=1,
+         where="validate", action="stall",
+         expect={0: r"gave up after 1\.5s waiting for an all-gather .* a rank that raised "
+                    r"earlier",
+                 2: r"gave up after 1\.5s waiting for an all-gather"}),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def stall_results():
+    return spawn(3, fw.run_scenarios, STALLS, env=ENV, deadline_s=150)
+
+
+@pytest.mark.parametrize("i", range(len(STALLS)), ids=[s["name"] for s in STALLS])
+def test_stall_is_named_within_the_bound_and_group_recovers(i):
+    ranks = stall_results()
+    for r, res in enumerate(ranks):
+        assert isinstance(res, list), f"rank {r}: {res}"
+    scn = STALLS[i]
+    for r, pattern in scn["expect"].items():
+        rec = ranks[r][i]
+        assert rec["error"] is not None and rec["error"].startswith("StatePassTimeout"), rec
+        assert re.search(pattern, rec["error"]), rec["error"]
+        assert rec["elapsed"] <= fw.BOUND + SLACK, rec
+    if scn["where"] == "validate":
+        bad = ranks[scn["rank"]][i]["error"]
+        assert bad.startswith("ValueError: q: expected no empty dimension"), bad
+        assert ranks[scn["rank"]][i]["elapsed"] < 0.5
+    # Every rank: a fresh group after teardown gives the right answer again.
+    for r in range(3):
+        assert ranks[r][i]["recovered_err"] < 1e-12, (r, ranks[r][i])
+
+
+CRASHES = [
+    (3, [0, 2], dict(name="serial: rank 1 crashes before sending", strategy="serial", rank=1,
+                     where="fwd", action="crash",
+                     expect={2: r"rank 2 lost the connection to rank 1 after [\d.]+s waiting "
+                                r"for the incoming state"})),
+    (2, [1], dict(name="pipelined: rank 0 crashes after 2 of 4 tiles", strategy="pipelined",
+                  rank=0, where="tile", tile=2, action="crash",
+                  expect={1: r"rank 1 lost the connection to rank 0 after [\d.]+s waiting for "
+                             r"the incoming state \(tile 2 of 4\)"})),
+    (2, [0], dict(name="lasp2: rank 1 crashes in backward", strategy="lasp2", rank=1,
+                  where="bwd", action="crash",
+                  expect={0: r"rank 0 lost the connection to the other ranks after [\d.]+s "
+                             r"waiting for an all-gather"})),
+]
+
+
+@pytest.mark.parametrize("world,survivors,scn", CRASHES, ids=[c[2]["name"] for c in CRASHES])
+def test_crash_is_named_at_once_and_survivors_regroup(world, survivors, scn):
+    ranks = spawn(world, fw.crash_then_regroup, scn, survivors, env=ENV, deadline_s=60)
+    assert ranks[scn["rank"]] == {"exitcode": 17}, ranks
+    for r, pattern in scn["expect"].items():
+        rec = ranks[r]
+        assert "hung" not in rec and "fatal" not in rec, rec
+        assert rec["error"] is not None and rec["error"].startswith("StatePassTimeout"), rec
+        assert re.search(pattern, rec["error"]), rec["error"]
+        assert rec["elapsed"] <= fw.BOUND + SLACK, rec
+    for r in survivors:
+        assert ranks[r]["recovered_err"] < 1e-12, ranks[r]
