@@ -59,7 +59,7 @@ def demo(argv: Optional[List[str]] = None) -> int:
 
     n_gpu = 0 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
     backend = "nccl" if n_gpu >= 2 else "gloo"
-    world = args.world or (n_gpu if backend == "nccl" else 3)
+    world = args.world if args.world is not None else (n_gpu if backend == "nccl" else 3)
     if not 1 <= world <= 64:
         p.error(f"--world: expected 1..64 ranks, got {world}")
     if backend == "nccl" and world > n_gpu:

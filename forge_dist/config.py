@@ -22,6 +22,17 @@ class ConfigError(ValueError):
     """A config file or override that does not fit the script's declared keys."""
 
 
+def _same_type(default: Any, value: Any) -> bool:
+    """A value may replace a default of the same type (an int where a float is expected)."""
+    if default is None:  # no default to compare with
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return type(default) is type(value)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
 def _merge(base: Dict[str, Any], new: Dict[str, Any], where: str) -> None:
     for key, value in new.items():
         if key not in base:
@@ -30,6 +41,9 @@ def _merge(base: Dict[str, Any], new: Dict[str, Any], where: str) -> None:
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: {key!r} must be a table")
             _merge(base[key], value, f"{where}.{key}")
+        elif not _same_type(base[key], value):
+            raise ConfigError(f"{where}: {key!r} expects a {type(base[key]).__name__} like "
+                              f"its default {base[key]!r}, got {value!r}")
         else:
             base[key] = value
 
@@ -50,7 +64,9 @@ def load(defaults: Dict[str, Any], path: Optional[str] = None,
         if not p.is_file():
             raise ConfigError(f"--config: no such file {path!r}")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"--config: {path} is not UTF-8 text: {err}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"--config: {path} is not valid TOML: {err}") from None
         _merge(cfg, data, str(p))

@@ -23,6 +23,7 @@ def retnet_decays(num_heads: int, *, device=None) -> Tensor:
 
 def retnet(q: Tensor, k: Tensor, v: Tensor, **kwargs):
     """RetNet retention: scalar decay with RetNet's fixed per-head rates (``simple_gla``)."""
+    checks.tensor("q", q, [None, None, None, None])
     gamma = retnet_decays(q.shape[2], device=q.device)
     return simple_gla(q, k, v, g_gamma=gamma, **kwargs)
 
@@ -38,6 +39,7 @@ def lightning_attn(q: Tensor, k: Tensor, v: Tensor, *, layer_idx: int, num_layer
         raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
     if not (isinstance(layer_idx, int) and 0 <= layer_idx < num_layers):
         raise ValueError(f"layer_idx: expected an int in [0, {num_layers}), got {layer_idx!r}")
+    checks.tensor("q", q, [None, None, None, None])
     H = q.shape[2]
     slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, dtype=torch.float64) / H)
     depth = 1.0 - layer_idx / max(num_layers - 1, 1) + 1e-5
@@ -65,6 +67,8 @@ def mamba2_ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     checks.tensor("C", C, [b, T, G, N])
     if H % G:
         raise ValueError(f"B: expected a group count that divides H={H}, got {G}")
+    if D is not None:
+        checks.tensor("D", D, [H])
     rep = H // G
     k = B.repeat_interleave(rep, dim=2)
     q = C.repeat_interleave(rep, dim=2)
@@ -73,7 +77,6 @@ def mamba2_ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     kwargs.setdefault("scale", 1.0)
     y, state = simple_gla(q, k, v, g=g, **kwargs)
     if D is not None:
-        checks.tensor("D", D, [H])
         y = y + (D[:, None] * x).to(y.dtype)
     return y, state
 

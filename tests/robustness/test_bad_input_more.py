@@ -301,23 +301,16 @@ def test_cli_rejects_bad_arguments(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
-# Known gaps, for the lead: clear errors still missing (strict: they flip when fixed).
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="ops.retnet reads q.shape before checking q (models.py)")
 def test_retnet_non_tensor_q():
     with pytest.raises(TypeError, match="q:"):
         ops.retnet("q", k, v)
 
 
-@pytest.mark.xfail(strict=True, raises=UnicodeDecodeError,
-                   reason="config.load reads the file as text without catching decode errors")
 def test_config_binary_file(tmp_path):
     with pytest.raises(config.ConfigError):
         config.load(CFG, _write(tmp_path, "bin.toml", b"\xff\xfe\x00B = 1"))
 
 
-@pytest.mark.xfail(strict=True, reason="config.load does not check value types against the "
-                                       "defaults: B='many' is accepted")
 def test_config_type_mismatch():
     with pytest.raises(config.ConfigError):
         config.load(CFG, None, ["B=many"])
@@ -381,3 +374,11 @@ def test_two_ranks_raise_together(what, ranks, words):
         assert errors[r] is not None, errors
         for word in words:
             assert word in errors[r], errors[r]
+
+
+def test_demo_rejects_world_zero(capsys):
+    from forge_dist import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", "--world", "0"])
+    assert info.value.code == 2 and "--world" in capsys.readouterr().err
