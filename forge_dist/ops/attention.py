@@ -117,6 +117,7 @@ def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
                out_dtype=dtype, compute_dtype=compute, device=device)
 
 
+@checks.collective
 def linear_attn(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
                 initial_state: Optional[Tensor] = None, output_final_state: bool = False,
                 cu_seqlens: Optional[Tensor] = None, group=None, strategy: str = "auto"):
@@ -135,6 +136,7 @@ def linear_attn(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = Non
                       cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=0)
 
 
+@checks.collective
 def simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
                g_gamma: Optional[Tensor] = None, *, scale: Optional[float] = None,
                initial_state: Optional[Tensor] = None, output_final_state: bool = False,
@@ -168,6 +170,7 @@ def simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
                       cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=1)
 
 
+@checks.collective
 def gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[float] = None,
         initial_state: Optional[Tensor] = None, output_final_state: bool = False,
         cu_seqlens: Optional[Tensor] = None, group=None, strategy: str = "auto"):
@@ -187,6 +190,7 @@ def gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[float] = 
                       cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=2)
 
 
+@checks.collective
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Tensor, *,
                      scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
                      output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None,
@@ -219,6 +223,7 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta:
                       group=group, strategy=strategy, gate_flags=3 if g is not None else 4)
 
 
+@checks.collective
 def hgrn(x: Tensor, g: Tensor, *, initial_state: Optional[Tensor] = None,
          output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None, group=None,
          strategy: str = "auto"):

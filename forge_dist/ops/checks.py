@@ -6,8 +6,10 @@ raises the same error together instead of some ranks hanging in a later collecti
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
+import threading
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -137,6 +139,51 @@ def group(grp) -> None:
 _SIGNATURE_LEN = 32  # fixed, so a rank calling another op never mismatches the all-gather
 
 
+_REJECTED = -1  # first signature value of a rank whose own arguments failed their checks
+_state = threading.local()
+
+
+def collective(fn):
+    """Make a public op fail together: a rank whose local checks reject its arguments still
+    joins the signature all-gather (flagged as rejected) before raising, so its peers raise
+    at once instead of waiting out the communication timeout."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        outer = getattr(_state, "depth", 0) == 0
+        if outer:
+            _state.exchanged = False
+        _state.depth = getattr(_state, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError) as err:
+            if outer and not _state.exchanged:
+                _reject(kwargs.get("group"))
+            raise
+        finally:
+            _state.depth -= 1
+    return wrapper
+
+
+def _signature_device(grp) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(grp) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reject(grp) -> None:
+    """This rank's arguments failed: tell the peers through the signature all-gather."""
+    if p2p.check_group(grp) is not None or p2p.rank_and_size(grp)[1] == 1:
+        return  # no usable group: nobody to tell
+    row = torch.zeros(_SIGNATURE_LEN, dtype=torch.int64, device=_signature_device(grp))
+    row[0] = _REJECTED
+    try:
+        p2p.all_gather(row, grp)
+    except p2p.StatePassTimeout:
+        pass  # the peers are gone or elsewhere; the local error is what matters
+
+
 def across_ranks(grp, device: torch.device, fields: Dict[str, int]) -> None:
     """Every rank of ``grp`` passed the same ``fields``; raise on all ranks otherwise.
 
@@ -146,6 +193,7 @@ def across_ranks(grp, device: torch.device, fields: Dict[str, int]) -> None:
     """
     _, size = p2p.rank_and_size(grp)
     if size == 1:
+        _state.exchanged = True
         return
     import torch.distributed as dist
 
@@ -157,6 +205,11 @@ def across_ranks(grp, device: torch.device, fields: Dict[str, int]) -> None:
     sig_device = device if dist.get_backend(grp) == "nccl" else torch.device("cpu")
     mine = torch.tensor(values, dtype=torch.int64, device=sig_device)
     everyone = [row.tolist() for row in p2p.all_gather(mine, grp)]
+    _state.exchanged = True
+    for r, row in enumerate(everyone):
+        if row[0] == _REJECTED:
+            raise ValueError(f"rank {r} rejected its own arguments (its error names the "
+                             f"argument); no rank ran the op")
     for r, row in enumerate(everyone):
         if row[0] != everyone[0][0]:
             raise ValueError(f"every rank must call the same op with the same kind of "

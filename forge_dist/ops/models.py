@@ -21,6 +21,7 @@ def retnet_decays(num_heads: int, *, device=None) -> Tensor:
     return torch.log1p(-torch.exp2(-5.0 - h)).to(torch.float32)
 
 
+@checks.collective
 def retnet(q: Tensor, k: Tensor, v: Tensor, **kwargs):
     """RetNet retention: scalar decay with RetNet's fixed per-head rates (``simple_gla``)."""
     checks.tensor("q", q, [None, None, None, None])
@@ -28,6 +29,7 @@ def retnet(q: Tensor, k: Tensor, v: Tensor, **kwargs):
     return simple_gla(q, k, v, g_gamma=gamma, **kwargs)
 
 
+@checks.collective
 def lightning_attn(q: Tensor, k: Tensor, v: Tensor, *, layer_idx: int, num_layers: int,
                    **kwargs):
     """Lightning Attention: constant per-head decays that weaken with depth.
@@ -47,6 +49,7 @@ def lightning_attn(q: Tensor, k: Tensor, v: Tensor, *, layer_idx: int, num_layer
     return simple_gla(q, k, v, g_gamma=g_gamma, **kwargs)
 
 
+@checks.collective
 def mamba2_ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                D: Optional[Tensor] = None, **kwargs):
     """Mamba2's SSD as scalar-decay attention: ``q = C, k = B, v = x * dt, g = A * dt``.
@@ -81,6 +84,7 @@ def mamba2_ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     return y, state
 
 
+@checks.collective
 def hgrn2(q: Tensor, g: Tensor, v: Tensor, **kwargs):
     """HGRN2: GLA whose key is the complement of the forget gate, ``k = 1 - exp(g)``.
 
@@ -93,6 +97,7 @@ def hgrn2(q: Tensor, g: Tensor, v: Tensor, **kwargs):
     return gla(q, k, v, g, **kwargs)
 
 
+@checks.collective
 def deltanet(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, **kwargs):
     """DeltaNet: the delta rule without decay (``gated_delta_rule`` with ``g=None``)."""
     return gated_delta_rule(q, k, v, None, beta, **kwargs)
