@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
+from ..ops import custom_ops
 from .conv import ShortConvolution
 from .norm import FusedRMSNormGated, RMSNorm, RMSNormGated
 from .rotary import RotaryEmbedding
@@ -56,6 +57,15 @@ def _feature_map(name):
 
 class SPMixin(nn.Module):
     """Holds the default process group and strategy; checks FLA's inference-only kwargs."""
+
+    #: ``True``/``False``: call the ``torch.library`` custom ops of
+    #: :mod:`forge_dist.ops.custom_ops` (for ``torch.compile``) or the eager ops; ``None``
+    #: (default) follows :func:`forge_dist.ops.custom_ops.enable`.
+    use_custom_ops: Optional[bool] = None
+
+    def _op(self, name: str):
+        use = custom_ops.enabled() if self.use_custom_ops is None else self.use_custom_ops
+        return getattr(custom_ops if use else ops, name)
 
     def _sp_init(self, group, strategy: str):
         self.group = group
@@ -206,7 +216,7 @@ class LinearAttention(SPMixin):
             q = q / (q.sum(-1, True) + 1e-4)
         if self.norm_k:
             k = k / (k.sum(-1, True) + 1e-4)
-        o, _ = ops.linear_attn(q, k, v, **self._op_kwargs(cu_seqlens, group))
+        o, _ = self._op("linear_attn")(q, k, v, **self._op_kwargs(cu_seqlens, group))
         o = _flat(self.norm(o))
         return self.o_proj(o.to(x.dtype)), None, None
 
@@ -271,7 +281,7 @@ class MultiScaleRetention(SPMixin, _QKVConv, _GatedOutput):
             q, k = self.rotary(q, k, positions(x.shape[1], group, cu_seqlens, x.device))
         k = _repeat_kv(k, self.num_kv_groups)
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
-        o, _ = ops.simple_gla(q, k, v, g_gamma=self.log_decays(x.device),
+        o, _ = self._op("simple_gla")(q, k, v, g_gamma=self.log_decays(x.device),
                               **self._op_kwargs(cu_seqlens, group))
         return self._output(o, x), None, None
 
@@ -332,7 +342,7 @@ class SimpleGatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
         k = _repeat_kv(_heads(k, self.head_k_dim), self.num_kv_groups)
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
         gk = F.logsigmoid(self.gk_proj(x).to(_wide(x))) / self.gate_logit_normalizer
-        o, _ = ops.simple_gla(q, k, v, g=gk, **self._op_kwargs(cu_seqlens, group))
+        o, _ = self._op("simple_gla")(q, k, v, g=gk, **self._op_kwargs(cu_seqlens, group))
         return self._output(o, x), None, None
 
 
@@ -473,7 +483,7 @@ class GatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
             gk = torch.clamp_min(gk, self.clamp_min)
         if self.feature_map_fn is not None:
             q, k = self.feature_map_fn(q), self.feature_map_fn(k)
-        o, _ = ops.gla(q, k, v, gk, **self._op_kwargs(cu_seqlens, group))
+        o, _ = self._op("gla")(q, k, v, gk, **self._op_kwargs(cu_seqlens, group))
         return self._output(o, x), None, None
 
 
@@ -525,7 +535,7 @@ class HGRNAttention(SPMixin):
             lb = lower_bound.to(wide)
             f = torch.logaddexp(lb.log(), torch.log1p(-lb) + f)
         i = F.silu(i.to(wide)) * (1 - f.exp())
-        o, _ = ops.hgrn(i.to(x.dtype), f, **self._op_kwargs(cu_seqlens, group))
+        o, _ = self._op("hgrn")(i.to(x.dtype), f, **self._op_kwargs(cu_seqlens, group))
         o = self.g_norm(o, self.g_proj(x))
         return self.o_proj(o.to(x.dtype)), None, None
 
@@ -613,7 +623,7 @@ class GatedDeltaNet(SPMixin):
             beta = beta * 2.0
         g = -self.A_log.to(wide).exp() * F.softplus(self.a_proj(x).to(wide)
                                                     + self.dt_bias.to(wide))
-        o, _ = ops.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+        o, _ = self._op("gated_delta_rule")(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                                     **self._op_kwargs(cu_seqlens, group))
         if self.use_gate:
             o = self.o_norm(o, _heads(self.g_proj(x), self.head_v_dim))

@@ -168,9 +168,6 @@ def _sp_backward(op: str, tensors: List[Optional[Tensor]], initial_state: Option
                  flag: bool, needs: List[bool], grad_o: Tensor,
                  grad_final: Optional[Tensor]) -> List[Tensor]:
     """Gradients for ``tensors + [initial_state]`` (an empty tensor where not needed)."""
-    import os
-    if os.environ.get("FD_DEBUG"):
-        print("SPBWD", os.getpid(), op, needs, group_name, strategy, flush=True)
     all_in = list(tensors) + [initial_state]
     leaves = [None if (x is None or not need) else x.detach().requires_grad_(True)
               for x, need in zip(all_in, needs)]
@@ -183,14 +180,17 @@ def _sp_backward(op: str, tensors: List[Optional[Tensor]], initial_state: Option
         if final is not None and grad_final is not None and grad_final.numel():
             outs.append(final)
             grads.append(grad_final)
-        wrt = [x for x in leaves if x is not None]
-        got = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True) if wrt else [])
+        # ``backward`` (not ``autograd.grad(inputs=...)``): the engine must run the whole
+        # graph, including the state pass that the last rank joins only through an anchor
+        # leaf; pruning it to the paths to ``leaves`` skips that rank's collective and
+        # deadlocks the others.  The leaves are fresh, so accumulation is local.
+        torch.autograd.backward(outs, grads)
     result = []
     for x, leaf in zip(all_in, leaves):
         if leaf is None:
             result.append(torch.empty((0,), dtype=torch.float32, device=grad_o.device))
         else:
-            g = next(got)
+            g = leaf.grad
             result.append(torch.zeros_like(x) if g is None else g.contiguous())
     return result
 

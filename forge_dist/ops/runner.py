@@ -60,6 +60,23 @@ def needs_grad(inputs: Dict[str, Optional[Tensor]], initial_state: Optional[Tens
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def grad_anchor(inputs: Dict[str, Optional[Tensor]],
+                initial_state: Optional[Tensor]) -> Optional[Tensor]:
+    """A scalar hanging off every input that needs a gradient (``None`` if none does).
+
+    The state pass depends on it, so the pass lies on the autograd path from the loss to
+    any of those inputs on every rank, including the last, whose pass otherwise depends on
+    nothing differentiable.
+    """
+    if not torch.is_grad_enabled():
+        return None
+    tensors = [t for t in list(inputs.values()) + [initial_state]
+               if t is not None and t.requires_grad]
+    if not tensors:
+        return None
+    return torch.stack([t.reshape(-1)[:1].sum().to(torch.float32) for t in tensors]).sum()
+
+
 class _Attach(torch.autograd.Function):
     """Return ``x`` unchanged but make ``anchor`` part of its graph (zero gradient).
 
@@ -145,7 +162,7 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
             checks.finite("local summary", [("carry (shard state from a zero start)", carry),
                                             ("M (shard transition)", M_rank)], group, device)
         S_in = sp.state_pass(kind, M_rank, carry, S0, group, strategy,
-                             needs_grad=needs_grad(inputs, initial_state))
+                             anchor=grad_anchor(inputs, initial_state))
 
     # Phase 3: merge incoming states into outputs and final states.
     outputs, finals = [], {}

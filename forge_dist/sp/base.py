@@ -109,7 +109,8 @@ class _StatePass(torch.autograd.Function):
 
 
 def state_pass(kind: Kind, M: Optional[Tensor], delta: Tensor, S0: Tensor, group,
-               strategy: Strategy, *, needs_grad: bool = False) -> Tensor:
+               strategy: Strategy, *, needs_grad: bool = False,
+               anchor: Optional[Tensor] = None) -> Tensor:
     """Differentiable inter-rank phase: this rank's incoming state ``S_in(r)``.
 
     Args:
@@ -120,9 +121,15 @@ def state_pass(kind: Kind, M: Optional[Tensor], delta: Tensor, S0: Tensor, group
         needs_grad: this op call will be differentiated.  Then the pass joins the backward
             graph on every rank, even one whose ``M``, ``delta`` and ``S0`` need no gradient
             (the last rank), because the reverse chain runs through all of them.
+        anchor: a scalar computed from the op's inputs that need gradients; the pass hangs
+            off it, so ``torch.autograd.grad(loss, inputs=...)`` (which runs only nodes on a
+            path to the requested inputs) still runs this rank's reverse chain.  Its value is
+            never read and it receives no gradient.  Without it, ``needs_grad`` makes a
+            private leaf, which ``loss.backward()`` reaches but ``autograd.grad`` does not.
     """
     _, size = p2p.rank_and_size(group)
     if size == 1:
         return S0
-    anchor = torch.zeros((), device=delta.device, requires_grad=True) if needs_grad else None
+    if anchor is None and needs_grad:
+        anchor = torch.zeros((), device=delta.device, requires_grad=True)
     return _StatePass.apply(M, delta, S0, anchor, kind, strategy, group)
