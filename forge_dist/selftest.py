@@ -91,31 +91,30 @@ def _problem(op: str, T: int, T_local: int, dtype: torch.dtype, device, seed: in
     return tensors, cu
 
 
-def _call_op(op: str, t: Dict[str, Tensor], **kw):
+def call_op(op: str, t: Dict[str, Tensor], **kw):
+    """Run public op ``op`` on the named tensors of ``t`` (``initial_state`` optional)."""
     init = t.get("initial_state")
-    if op == "linear_attn":
-        return ops.linear_attn(t["q"], t["k"], t["v"], initial_state=init, **kw)
-    if op == "simple_gla":
-        return ops.simple_gla(t["q"], t["k"], t["v"], t["g"], initial_state=init, **kw)
-    if op == "gla":
-        return ops.gla(t["q"], t["k"], t["v"], t["g"], initial_state=init, **kw)
+    if op == "hgrn":
+        return ops.hgrn(t["x"], t["g"], initial_state=init, **kw)
     if op == "gated_delta_rule":
         return ops.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
                                     initial_state=init, **kw)
-    return ops.hgrn(t["x"], t["g"], initial_state=init, **kw)
+    gate = (t["g"],) if op in ("simple_gla", "gla") else ()
+    return getattr(ops, op)(t["q"], t["k"], t["v"], *gate, initial_state=init, **kw)
 
 
-def _call_ref(op: str, t: Dict[str, Tensor], cu):
-    kw = dict(initial_state=t["initial_state"], output_final_state=True, cu_seqlens=cu)
+def call_reference(op: str, t: Dict[str, Tensor], **kw):
+    """The fp64 recurrence of ``op`` on the named tensors of ``t``."""
+    kw.setdefault("initial_state", t.get("initial_state"))
+    if op == "hgrn":
+        return ref.hgrn_ref(t["x"], t["g"], **kw)
     if op == "linear_attn":
         return ref.linear_attn_ref(t["q"], t["k"], t["v"], **kw)
     if op == "simple_gla":
         return ref.simple_gla_ref(t["q"], t["k"], t["v"], g=t["g"], **kw)
     if op == "gla":
         return ref.gla_ref(t["q"], t["k"], t["v"], t["g"], **kw)
-    if op == "gated_delta_rule":
-        return ref.gated_delta_rule_ref(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
-    return ref.hgrn_ref(t["x"], t["g"], **kw)
+    return ref.gated_delta_rule_ref(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:
@@ -155,7 +154,7 @@ def run_case(op: str, strategy: str, dtype: torch.dtype, varlen: bool, *, group=
     shard = slice(rank * T_local, (rank + 1) * T_local)
     mine = {k: (v[:, shard] if k != "initial_state" else v).clone().requires_grad_()
             for k, v in full.items()}
-    o, final = _call_op(op, mine, output_final_state=True, cu_seqlens=cu,
+    o, final = call_op(op, mine, output_final_state=True, cu_seqlens=cu,
                         group=group if world > 1 else None, strategy=strategy)
     # Random linear functionals make every output element and every state entry matter.
     gen = torch.Generator().manual_seed(seed + 1)
@@ -167,7 +166,7 @@ def run_case(op: str, strategy: str, dtype: torch.dtype, varlen: bool, *, group=
     loss.backward()
 
     master = {k: v.detach().double().cpu().requires_grad_() for k, v in full.items()}
-    o_ref, final_ref = _call_ref(op, master, cu)
+    o_ref, final_ref = call_reference(op, master, output_final_state=True, cu_seqlens=cu)
     ((o_ref * w_o.double().cpu()).sum() + (final_ref * w_s.double().cpu()).sum()).backward()
 
     errors = {"o": rel_err(_gather_tokens(o.detach(), group, world), o_ref)}

@@ -27,7 +27,7 @@ def fingerprint(op, strategy, dtype, varlen, group, seed=0, T_local=24, dims=(6,
     sl = slice(rank * T_local, (rank + 1) * T_local)
     mine = {k: (v[:, sl] if k != "initial_state" else v).clone().requires_grad_()
             for k, v in full.items()}
-    o, final = selftest._call_op(op, mine, output_final_state=True, cu_seqlens=cu, group=group,
+    o, final = selftest.call_op(op, mine, output_final_state=True, cu_seqlens=cu, group=group,
                                  strategy=strategy)
     gen = torch.Generator().manual_seed(seed + 1)
     w = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)

@@ -41,9 +41,9 @@ def _one_call(op, strategy, T_local, dims, varlen, backward, group, seed):
     sl = slice(rank * T_local, (rank + 1) * T_local)
     mine = {k: (v[:, sl] if k != "initial_state" else v).clone().requires_grad_(backward)
             for k, v in full.items()}
-    o, _ = selftest._call_op(op, mine, cu_seqlens=cu, group=group, strategy=strategy)
+    o, _ = selftest.call_op(op, mine, cu_seqlens=cu, group=group, strategy=strategy)
     ref = {k: v.clone().requires_grad_(backward) for k, v in full.items()}
-    o_ref, _ = selftest._call_op(op, ref, cu_seqlens=cu)
+    o_ref, _ = selftest.call_op(op, ref, cu_seqlens=cu)
     err = selftest.rel_err(o, o_ref[:, sl])
     if backward:
         o.square().sum().backward()

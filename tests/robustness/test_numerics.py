@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from forge_dist import ops
 from forge_dist.ops.checks import NonFiniteError
-from forge_dist.selftest import rel_err
+from forge_dist.selftest import call_op, call_reference, rel_err
 from forge_dist.variants import reference as ref
 
 from ._world import spawn
@@ -34,26 +34,11 @@ def _inputs(op, B, T, H, K, V, dtype, gen, g_of):
 
 
 def _run(op, t, **kw):
-    if op == "hgrn":
-        return ops.hgrn(t["x"], t["g"], output_final_state=True, **kw)
-    if op == "gated_delta_rule":
-        return ops.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
-                                    output_final_state=True, **kw)
-    extra = (t["g"],) if "g" in t else ()
-    return getattr(ops, op)(t["q"], t["k"], t["v"], *extra, output_final_state=True, **kw)
+    return call_op(op, t, output_final_state=True, **kw)
 
 
 def _ref(op, t):
-    kw = dict(output_final_state=True)
-    if op == "hgrn":
-        return ref.hgrn_ref(t["x"], t["g"], **kw)
-    if op == "linear_attn":
-        return ref.linear_attn_ref(t["q"], t["k"], t["v"], **kw)
-    if op == "simple_gla":
-        return ref.simple_gla_ref(t["q"], t["k"], t["v"], g=t["g"], **kw)
-    if op == "gla":
-        return ref.gla_ref(t["q"], t["k"], t["v"], t["g"], **kw)
-    return ref.gated_delta_rule_ref(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
+    return call_reference(op, t, output_final_state=True)
 
 
 def _forward_backward(op, t, dtype):
