@@ -36,7 +36,7 @@ from ..sp import p2p
 from ..variants.base import ChunkFormWork, VariantSpec
 from ..variants.transitions import Kind
 from . import analysis, executor
-from .trace import (MATRIX_DIMS, VECTOR_DIMS, DSLError, Phase, ShapeContext, propagate,
+from .trace import (MATRIX_DIMS, VECTOR_DIMS, DSLError, ShapeContext, propagate,
                     shape_text, trace_phase)
 
 RESERVED = ("state", "chunk_state", "scale")
@@ -164,7 +164,7 @@ class Variant:
                      for n, d in self.inputs.items()),
                  f"  cached:     {', '.join(self.chunk.cached) or '-'}",
                  f"  chunk size: {self.chunk_size}",
-                 f"  execution:  " + (f"Triton template {self.lowering.template!r} after a "
+                 "  execution:  " + (f"Triton template {self.lowering.template!r} after a "
                                       f"PyTorch prologue on CUDA ({self.lowering.summary()}); "
                                       f"graph executor elsewhere" if self.lowering else
                                       f"graph executor (PyTorch) on every device; no Triton "

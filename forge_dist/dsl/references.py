@@ -4,7 +4,6 @@ Same conventions as :mod:`forge_dist.variants.reference`: ``[B, T, H, D]`` tenso
 state ``[B, T, D]``), states ``[B, H, K, V]`` (``[B, D]``), ``cu_seqlens`` restarts every packed
 sequence from ``initial_state[n]``; returns ``(o, final_state or None)``.
 """
-import math
 
 import torch
 import torch.nn.functional as F

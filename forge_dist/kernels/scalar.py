@@ -11,7 +11,6 @@ DECOUPLED (paper appendix B.2), three launches:
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 

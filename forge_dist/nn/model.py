@@ -12,8 +12,8 @@ gradients is the gradient of that global loss (:func:`sum_gradients`).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import List, NamedTuple, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist

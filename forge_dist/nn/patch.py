@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-import torch
 from torch import nn
 
 from . import layers

@@ -155,7 +155,7 @@ def collective(fn):
         _state.depth = getattr(_state, "depth", 0) + 1
         try:
             return fn(*args, **kwargs)
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError):
             if outer and not _state.exchanged:
                 _reject(kwargs.get("group"))
             raise

@@ -5,7 +5,6 @@ Each wrapper only maps a model's parameterisation onto an op; sequence paralleli
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch

@@ -29,7 +29,6 @@ replay-safe: see the module notes in ``forge_dist/runtime/__init__.py``.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 

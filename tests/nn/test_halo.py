@@ -1,8 +1,6 @@
 """The convolution halo across ranks: values, gradients, packed documents, bad shard sizes."""
-import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from forge_dist.nn import ShortConvolution, halo_exchange
 from tests.sp.distributed import run_world

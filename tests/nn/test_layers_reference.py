@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forge_dist import ops
 from forge_dist.variants import reference as ref
 
 from .helpers import FACTORIES, make_layer, rel_err

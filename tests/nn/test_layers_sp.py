@@ -7,7 +7,6 @@ documents across rank boundaries, including one that starts two tokens before a 
 (the convolution halo must carry its tokens) and one that starts right after it (the halo must
 be masked).
 """
-import pytest
 import torch
 
 from tests.sp.distributed import run_world

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from forge_dist import ops
 from forge_dist.ops.checks import NonFiniteError
 from forge_dist.selftest import call_op, call_reference, rel_err
-from forge_dist.variants import reference as ref
 
 from ._world import spawn
 

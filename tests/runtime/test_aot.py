@@ -9,8 +9,6 @@ import json
 import os
 import shutil
 import struct
-import sys
-import textwrap
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")

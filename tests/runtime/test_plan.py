@@ -11,7 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the ke
 import pytest
 import torch
 
-from forge_dist import kernels, ops, runtime
+from forge_dist import kernels, ops
 from forge_dist.comm.sim import SimWorld
 from forge_dist.runtime import cache, dispatcher, programs
 from forge_dist.runtime.plan import PlanError, plan
