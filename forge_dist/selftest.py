@@ -114,7 +114,7 @@ def call_reference(op: str, t: Dict[str, Tensor], **kw):
         return ref.simple_gla_ref(t["q"], t["k"], t["v"], g=t["g"], **kw)
     if op == "gla":
         return ref.gla_ref(t["q"], t["k"], t["v"], t["g"], **kw)
-    return ref.gated_delta_rule_ref(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
+    return ref.gated_delta_rule_ref(t["q"], t["k"], t["v"], t.get("g"), t["beta"], **kw)
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:

@@ -91,7 +91,16 @@ def ensure(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
+scalar_gate_chunk = None  # defined below when Triton is installed
 if HAVE_TRITON:
+
+    @triton.jit
+    def scalar_gate_chunk(g, bos, t0, T, i_h, H: tl.constexpr, BT: tl.constexpr):
+        """In-chunk cumulative log decay ``G [BT]`` and chunk total ``G_C`` of head ``i_h``
+        from per-token scalar gates ``g [B, T, H]`` (padding past ``T`` reads 0)."""
+        o_g = t0 + tl.arange(0, BT)
+        b_g = tl.load(g + (bos + o_g) * H + i_h, mask=o_g < T, other=0.0).to(tl.float32)
+        return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
 
     @triton.jit
     def _walk_kernel(q, k, v, g, w, h0, o, ht, T, scale,
@@ -137,11 +146,7 @@ if HAVE_TRITON:
 
             # gates: in-chunk cumulative log decay G, the chunk total G_C (padding: g = 0)
             if GATE == 1:
-                o_g = (t0) + tl.arange(0, BT)  # per-token scalars (stride H)
-                p_g = g + (bos + o_g) * H + i_h
-                b_g = tl.load(p_g, mask=o_g < T, other=0.0).to(tl.float32)
-                b_G = tl.cumsum(b_g, axis=0)
-                b_GC = tl.sum(b_g, axis=0)
+                b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
                 b_kd = (b_k.to(tl.float32) * tl.exp(b_GC - b_G)[:, None]).to(DT)
             elif GATE == 2:
                 p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))

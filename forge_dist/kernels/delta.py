@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (HAVE_TRITON, sized_config, TritonWork, dot_precision, ensure, next_pow2, triton, tl,
-                      walk)
+from ._common import (HAVE_TRITON, dot_precision, ensure, next_pow2, scalar_gate_chunk,
+                      sized_config, tl, triton, TritonWork, walk)
 from ..variants import delta_rule
 
 FUSED_CONFIG = {"BT": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
@@ -49,9 +49,7 @@ if HAVE_TRITON:
         strict = rows[:, None] > rows[None, :]
         b_L = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
         if GATE == 1:
-            o_g = (t0) + tl.arange(0, BT)  # per-token scalars (stride H)
-            p_g = g + (bos + o_g) * H + i_h
-            b_G = tl.cumsum(tl.load(p_g, mask=o_g < T, other=0.0).to(tl.float32), axis=0)
+            b_G, _ = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
             b_L = b_L * tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], float("-inf")))
             b_kb = b_k.to(tl.float32) * (b_beta * tl.exp(b_G))[:, None]
         else:

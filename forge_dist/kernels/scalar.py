@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from . import scheduler
-from ._common import (HAVE_TRITON, sized_config, TritonWork, dot_precision, ensure, next_pow2, triton, tl,
-                      walk)
+from ._common import (HAVE_TRITON, dot_precision, ensure, next_pow2, scalar_gate_chunk,
+                      sized_config, tl, triton, TritonWork, walk)
 from ..variants import decay_attention
 
 # Tile configs for this pattern (one place).  BV trades parallelism (B*H*V/BV programs)
@@ -52,11 +52,7 @@ if HAVE_TRITON:
         b_k = tl.load(p_k, boundary_check=(0, 1))
         b_v = tl.load(p_v, boundary_check=(0, 1))
         if GATE == 1:
-            o_g = (t0) + tl.arange(0, BT)  # per-token scalars (stride H)
-            p_g = g + (bos + o_g) * H + i_h
-            b_g = tl.load(p_g, mask=o_g < T, other=0.0).to(tl.float32)
-            b_G = tl.cumsum(b_g, axis=0)
-            b_GC = tl.sum(b_g, axis=0)
+            b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
             b_k = (b_k.to(tl.float32) * tl.exp(b_GC - b_G)[:, None]).to(b_v.dtype)
         b_dS = tl.dot(tl.trans(b_k), b_v, input_precision=PREC)
         p_h = tl.make_block_ptr(h + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
@@ -112,9 +108,7 @@ if HAVE_TRITON:
         b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         causal = rows[:, None] >= rows[None, :]
         if GATE == 1:
-            o_g = (t0) + tl.arange(0, BT)  # per-token scalars (stride H)
-            p_g = g + (bos + o_g) * H + i_h
-            b_G = tl.cumsum(tl.load(p_g, mask=o_g < T, other=0.0).to(tl.float32), axis=0)
+            b_G, _ = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
             b_A = b_A * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
             b_qg = (b_q.to(tl.float32) * tl.exp(b_G)[:, None]).to(b_q.dtype)
         else:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (HAVE_TRITON, sized_config, TritonWork, dot_precision, ensure, interpreting, next_pow2,
-                      triton, tl, walk)
+from ._common import (HAVE_TRITON, dot_precision, ensure, interpreting, next_pow2, sized_config,
+                      tl, triton, TritonWork, walk)
 from ..variants import decay_attention
 
 FUSED_CONFIG = {"BT": 32, "BV": 64, "num_warps": 4, "num_stages": 2}

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from forge_dist import kernels  # noqa: E402
 from forge_dist.kernels import scheduler  # noqa: E402
-from forge_dist.variants import reference as R  # noqa: E402
+from forge_dist.selftest import call_reference  # noqa: E402
 from forge_dist.variants import transitions as tr  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,17 +55,7 @@ def make(variant, B, T, H, K, V, dtype=torch.float32, device=DEV, gate_scale=1.0
 def reference(variant, inp, h0):
     d = {n: (None if t is None else t.detach().double().cpu()) for n, t in inp.items()}
     h0 = None if h0 is None else h0.detach().double().cpu()
-    if variant == "hgrn":
-        return R.hgrn_ref(d["x"], d["g"], h0, True)
-    if variant == "linear_attn":
-        return R.linear_attn_ref(d["q"], d["k"], d["v"], initial_state=h0, output_final_state=True)
-    if variant == "simple_gla":
-        return R.simple_gla_ref(d["q"], d["k"], d["v"], d["g"], initial_state=h0,
-                                output_final_state=True)
-    if variant == "gla":
-        return R.gla_ref(d["q"], d["k"], d["v"], d["g"], initial_state=h0, output_final_state=True)
-    return R.gated_delta_rule_ref(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=h0,
-                                  output_final_state=True)
+    return call_reference(variant, d, initial_state=h0, output_final_state=True)
 
 
 def op_name(variant):
@@ -155,27 +145,13 @@ def test_backward_matches_reference(variant):
     ref_leaves = {n: (None if t is None else t.detach().double().cpu().requires_grad_(True))
                   for n, t in inp.items()}
     rh0 = h0.detach().double().cpu().requires_grad_(True)
-    ro, rh = _reference_grad(variant, ref_leaves, rh0)
+    ro, rh = call_reference(variant, ref_leaves, initial_state=rh0, output_final_state=True)
     ((ro * go.double().cpu()).sum() + (rh * gh.double().cpu()).sum()).backward()
     for n, t in leaves.items():
         if t is None:
             continue
         assert rel(t.grad, ref_leaves[n].grad) <= 1e-4, (n, rel(t.grad, ref_leaves[n].grad))
     assert rel(h0l.grad, rh0.grad) <= 1e-4
-
-
-def _reference_grad(variant, d, h0):
-    if variant == "hgrn":
-        return R.hgrn_ref(d["x"], d["g"], h0, True)
-    if variant == "linear_attn":
-        return R.linear_attn_ref(d["q"], d["k"], d["v"], initial_state=h0, output_final_state=True)
-    if variant == "simple_gla":
-        return R.simple_gla_ref(d["q"], d["k"], d["v"], d["g"], initial_state=h0,
-                                output_final_state=True)
-    if variant == "gla":
-        return R.gla_ref(d["q"], d["k"], d["v"], d["g"], initial_state=h0, output_final_state=True)
-    return R.gated_delta_rule_ref(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=h0,
-                                  output_final_state=True)
 
 
 @pytest.mark.parametrize("variant", ["simple_gla", "gla", "gated_delta_rule", "hgrn"])
