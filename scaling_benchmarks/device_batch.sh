@@ -5,10 +5,13 @@
 #
 # Pass FORGE_DIST_COMMIT=<sha> from the checkout (the device copy has no .git).
 #   bash scaling_benchmarks/device_batch.sh tests     # GPU + multi-GPU tests          (~5 min)
+#   bash scaling_benchmarks/device_batch.sh kernels   # GPU kernel tests only           (~2 min)
+#   bash scaling_benchmarks/device_batch.sh runtime   # dispatcher GPU tests + launch_overhead (~2 min)
 #   bash scaling_benchmarks/device_batch.sh single    # single_device benchmark vs FLA (~6 min)
 #   bash scaling_benchmarks/device_batch.sh comm      # state_passing, 2 GPUs           (~2 min)
 #   bash scaling_benchmarks/device_batch.sh scaling   # weak_scaling quick + cost model (~6 min)
 #   bash scaling_benchmarks/device_batch.sh train     # MQAR SP=1 vs SP=2               (~5 min)
+# Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
 # fails does not stop the next one.  Copy what comes back into scaling_benchmarks/results/.
@@ -19,7 +22,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
-case "${1:-}" in tests|single|comm|scaling|train) ;; *) sed -n 2,12p "$0"; exit 2 ;; esac
+for st in "$@"; do
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train) ;; *) sed -n 2,15p "$0"; exit 2 ;; esac
+done
+[ $# -gt 0 ] || { sed -n 2,15p "$0"; exit 2; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
@@ -33,7 +39,13 @@ step() {  # step NAME SECONDS COMMAND...
   echo "== $name rc=${PIPESTATUS[0]}" | tee -a "$OUT/batch.log"
 }
 
-case "${1:-}" in
+for stage in "$@"; do
+case "$stage" in
+  kernels)
+    step gpu_kernel_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels ;;
+  runtime)
+    step gpu_runtime_tests 180 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/runtime
+    step launch_overhead 150 python3 scaling_benchmarks/launch_overhead.py --out "$OUT" ;;
   tests)
     step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests ;;
   single)
@@ -57,3 +69,6 @@ case "${1:-}" in
     cp "$OUT/mqar_sp2/log.jsonl" "$OUT/mqar_sp2.jsonl" 2>/dev/null
     rm -rf "$OUT/mqar_sp1" "$OUT/mqar_sp2" ;;
 esac
+done
+# At most 8 files come back from the device: pack the step logs into one archive.
+( cd "$OUT" && ls ./*.log >/dev/null 2>&1 && tar czf "logs_$(date +%H%M%S).tgz" ./*.log && rm -f ./*.log )

@@ -3,10 +3,13 @@
 Protocol: B=1, H=32, K=V=128, bf16 (gates fp32), T in {1K, 4K, 16K, 64K, 256K}; HGRN on
 x, g [1, T, 4096].  Implementations:
 
-* ``forge_dist`` -- the Triton kernels of :mod:`forge_dist.kernels`, once per execution
-  strategy (``fused``; ``decoupled`` where built); ``scheduled`` says what Algorithm 1 picks.
+* ``forge_dist`` -- the Triton kernels of :mod:`forge_dist.kernels`: ``auto`` (what the
+  scheduler picks; ``scheduled`` / ``n_seg`` record it), ``fused`` and ``decoupled`` (every op
+  but gated_delta_rule) forced; ``decoupled/nN`` rows sweep the segment count (``--sweep``).
   Backward recomputes through the PyTorch chunk form (no Triton backward yet), so fwdbwd rows
   are limited to T <= ``--max-bwd-T``.
+* ``forge_dsl`` -- the same ops written as three callables (:mod:`forge_dist.dsl.builtins`):
+  lowered onto the walker where the lowering applies, else the DSL executor (``lowered``).
 * ``fla`` -- flash-linear-attention's chunk kernels (every import and call guarded).
 * ``torch`` -- our PyTorch chunk form; ``torch_compile`` -- the same under torch.compile
   (both small T only).
@@ -88,13 +91,33 @@ def copy_bandwidth(device):
 # ------------------------------------------------------------------------------------------
 
 def forge_fn(op, inp, execution):
+    """``(run, info)``: one forward through the kernels; ``info()`` is the last schedule."""
     from forge_dist import kernels
     inputs = dict(inp)
+    last = {}
+    execution = None if execution == "auto" else execution.split("/")[0]
 
     def run():
-        return kernels.forward(op, inputs, None, None, out_dtype=inp["x" if op == "hgrn" else "q"].dtype,
-                               execution=execution)[0]
-    return run
+        work = kernels.make_work(op, inputs, None, False,
+                                 out_dtype=inp["x" if op == "hgrn" else "q"].dtype,
+                                 execution=execution)
+        o = work.finish(None)[0]
+        last.update(scheduled=work.execution, n_seg=getattr(work, "n_seg", 1),
+                    reason=getattr(work, "execution_reason", ""))
+        return o
+    return run, lambda: dict(last)
+
+
+def dsl_fn(op, inp):
+    """The DSL re-expression of ``op`` and whether it was lowered onto a Triton template."""
+    from forge_dist.dsl.builtins import BUILTINS
+    var = BUILTINS[op]
+    names = ("x", "g") if op == "hgrn" else tuple(n for n in ("q", "k", "v", "g", "beta")
+                                                  if n in inp)
+    # the DSL takes one dtype for every input: gates go in as bf16 like q, k, v
+    dt = inp["x" if op == "hgrn" else "q"].dtype
+    args = [inp[n].to(dt) for n in names]
+    return (lambda: var(*args)[0]), ("lowered" if var.lowering else "executor")
 
 
 def fla_fn(op, inp):
@@ -186,6 +209,11 @@ def main(argv=None):
                     help="largest T for forge_dist/torch fwdbwd (PyTorch-recompute backward)")
     ap.add_argument("--max-torch-T", type=int, default=1024)
     ap.add_argument("--plot", default=None, help="only redraw the PNG of this results JSON")
+    ap.add_argument("--sweep", default="2,4,8,16,32,64",
+                    help="segment counts for the decoupled sweep rows ('' to skip)")
+    ap.add_argument("--sweep-ops", default="simple_gla,gla,hgrn")
+    ap.add_argument("--sweep-T", default="4096,65536")
+    ap.add_argument("--no-dsl", action="store_true", help="skip the forge_dsl rows")
     args = ap.parse_args(argv)
 
     if args.plot:
@@ -207,7 +235,6 @@ def main(argv=None):
     passes = args.passes.split(",")
     rep = 30 if args.quick else 100
 
-    from forge_dist.kernels import scheduler
     try:
         import fla  # noqa: F401
         have_fla = True
@@ -229,10 +256,17 @@ def main(argv=None):
     for op in ops:
         for T in Ts:
             for pas in passes:
-                impls = [("forge_dist", "fused")]
-                if op in ("linear_attn", "simple_gla"):
+                impls = [("forge_dist", "auto"), ("forge_dist", "fused")]
+                if op != "gated_delta_rule":
                     impls.append(("forge_dist", "decoupled"))
+                    if pas == "fwd" and op in args.sweep_ops.split(",") and \
+                            str(T) in args.sweep_T.split(","):
+                        impls += [("forge_dist", f"decoupled/n{n}")
+                                  for n in args.sweep.split(",") if n]
                 impls.append(("fla", None))
+                if pas == "fwd" and not args.no_dsl and (
+                        op in ("linear_attn", "simple_gla", "gla") or T <= args.max_bwd_T):
+                    impls.append(("forge_dsl", None))
                 if T <= args.max_torch_T:
                     impls += [("torch", None), ("torch_compile", None)]
                 for impl, strat in impls:
@@ -245,15 +279,22 @@ def main(argv=None):
                         continue  # compile time dominates; the forward comparison suffices
                     plan.append((op, T, pas, impl, strat))
     # slow-to-compile baselines last, so a time limit cuts them first
-    order = {"forge_dist": 0, "fla": 0, "torch": 1, "torch_compile": 2}
+    order = {"forge_dist": 0, "fla": 0, "forge_dsl": 1, "torch": 1, "torch_compile": 2}
     plan.sort(key=lambda p: (order[p[3]], p[2] != "fwd"))
 
     path = None
     for op, T, pas, impl, strat in tqdm(plan, desc="single_device", file=sys.stdout):
         try:
             inp = make_inputs(op, T, device, requires_grad=(pas == "fwdbwd"))
+            info = None
+            if strat and "/n" in strat:
+                os.environ["FORGE_DIST_SEGMENTS"] = strat.split("/n")[1]
+            else:
+                os.environ.pop("FORGE_DIST_SEGMENTS", None)
             if impl == "forge_dist":
-                fn = forge_fn(op, inp, strat)
+                fn, info = forge_fn(op, inp, strat)
+            elif impl == "forge_dsl":
+                fn, strat = dsl_fn(op, inp)
             elif impl == "fla":
                 fn = fla_fn(op, inp)
             else:
@@ -268,10 +309,8 @@ def main(argv=None):
                    "ms": ms, "ms_min": ms_min}
             if pas == "fwd":
                 row["roofline_frac"] = io_bytes(op, inp) / (ms * 1e-3) / bw
-            if impl == "forge_dist" and op != "hgrn":
-                row["scheduled"] = scheduler.choose(B, T, H, K, V, 64, 64, request=None,
-                                                    decoupled_available=op in ("linear_attn",
-                                                                               "simple_gla"))[0]
+            if info is not None:
+                row.update(info())
             result["rows"].append(row)
         except Exception as e:  # noqa: BLE001 - every impl is guarded; the failure is recorded
             msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
@@ -281,6 +320,7 @@ def main(argv=None):
             if os.environ.get("FORGE_DIST_BENCH_TRACE"):
                 traceback.print_exc()
         finally:
+            os.environ.pop("FORGE_DIST_SEGMENTS", None)
             inp = fn = None
             torch.cuda.empty_cache()
         result["errors"] = errors
@@ -296,22 +336,29 @@ def main(argv=None):
 
 
 def print_table(result):
-    """forge_dist (best strategy) vs FLA per op, T and pass."""
+    """forge_dist (scheduler's choice) vs FLA per op, T and pass, with the forced strategies,
+    the best segment count of the sweep and the DSL re-expression."""
     rows = result["rows"]
     keys = sorted({(r["op"], r["T"], r["pass"]) for r in rows},
                   key=lambda k: (OPS.index(k[0]), k[2], k[1]))
-    print(f"{'op':18s} {'T':>7s} {'pass':7s} {'fused':>8s} {'decoup':>8s} {'fla':>8s} "
-          f"{'fla/best':>8s} {'roofline':>8s}")
+    print(f"{'op':18s} {'T':>7s} {'pass':7s} {'auto':>8s} {'sched':>9s} {'fused':>8s} "
+          f"{'decoup':>8s} {'sweep':>12s} {'dsl':>8s} {'fla':>8s} {'fla/auto':>8s} "
+          f"{'roofline':>8s}")
     for op, T, pas in keys:
         sel = [r for r in rows if (r["op"], r["T"], r["pass"]) == (op, T, pas)]
         get = lambda impl, s=None: next((r for r in sel if r["impl"] == impl  # noqa: E731
                                          and (s is None or r.get("strategy") == s)), None)
-        f, d, fl = get("forge_dist", "fused"), get("forge_dist", "decoupled"), get("fla")
-        best = min([r for r in (f, d) if r], key=lambda r: r["ms"], default=None)
+        a, f, d = get("forge_dist", "auto"), get("forge_dist", "fused"), get("forge_dist", "decoupled")
+        fl, dsl = get("fla"), get("forge_dsl")
+        sw = [r for r in sel if (r.get("strategy") or "").startswith("decoupled/n")]
+        best_sw = min(sw, key=lambda r: r["ms"], default=None)
         fmt = lambda r: f"{r['ms']:8.3f}" if r else f"{'-':>8s}"  # noqa: E731
-        ratio = f"{fl['ms'] / best['ms']:8.2f}" if (fl and best) else f"{'-':>8s}"
-        roof = f"{best['roofline_frac']:8.2f}" if best and "roofline_frac" in best else f"{'-':>8s}"
-        print(f"{op:18s} {T:7d} {pas:7s} {fmt(f)} {fmt(d)} {fmt(fl)} {ratio} {roof}")
+        sched = f"{a['scheduled'][:3]}/{a.get('n_seg', 1)}" if a and "scheduled" in a else "-"
+        swt = (f"{best_sw['ms']:.3f}@{best_sw['strategy'].split('/n')[1]}" if best_sw else "-")
+        ratio = f"{fl['ms'] / a['ms']:8.2f}" if (fl and a) else f"{'-':>8s}"
+        roof = f"{a['roofline_frac']:8.2f}" if a and "roofline_frac" in a else f"{'-':>8s}"
+        print(f"{op:18s} {T:7d} {pas:7s} {fmt(a)} {sched:>9s} {fmt(f)} {fmt(d)} {swt:>12s} "
+              f"{fmt(dsl)} {fmt(fl)} {ratio} {roof}")
 
 
 if __name__ == "__main__":

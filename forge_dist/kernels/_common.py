@@ -103,35 +103,45 @@ if HAVE_TRITON:
         return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
 
     @triton.jit
-    def _walk_kernel(q, k, v, g, w, h0, o, ht, T, scale,
+    def _walk_kernel(q, k, v, g, w, h0, o, ht, gt, T, SEG, scale,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      GATE: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
                      HAS_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_HT: tl.constexpr,
-                     PREC: tl.constexpr, HAS_A: tl.constexpr = False, a=None):
-        """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H)``.
+                     PREC: tl.constexpr, HAS_A: tl.constexpr = False, a=None,
+                     STORE_GT: tl.constexpr = False):
+        """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H, NSEG)``.
 
+        Program ``(i_v, i_bh, i_s)`` walks the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a
+        multiple of BT; one segment, ``SEG >= T``, is the plain fused walk).
         q, k [B, T, H, K]; v [B, T, H, V]; g: none (GATE=0), [B, T, H] (GATE=1) or
-        [B, T, H, K] (GATE=2); w [B, T, H, K] (HAS_W); h0, ht [B, H, K, V] fp32;
-        o [B, T, H, V].  ``HAS_V=False`` means v = 0 (transition-only walks).
+        [B, T, H, K] (GATE=2); w [B, T, H, K] (HAS_W); h0, ht [NSEG, B, H, K, V] fp32 (the
+        segment's start and end state); gt [NSEG, B, H, K] fp32: the segment's summed log
+        decay (STORE_GT; broadcast over K for scalar gates); o [B, T, H, V].
+        ``HAS_V=False`` means v = 0 (transition-only walks).
         """
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)
+        i_s = tl.program_id(2)
         i_b = i_bh // H
         i_h = i_bh % H
         bos = i_b * T
         DT = k.dtype.element_ty
+        i_sbh = i_s * tl.num_programs(1) + i_bh  # this segment's state slot
+        t_lo = i_s * SEG
+        t_hi = tl.minimum(T, t_lo + SEG)
 
         rows = tl.arange(0, BT)
         causal = rows[:, None] >= rows[None, :]
 
-        p_h = tl.make_block_ptr(h0 + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        p_h = tl.make_block_ptr(h0 + i_sbh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
         if HAS_H0:
             b_S = tl.load(p_h, boundary_check=(0, 1)).to(tl.float32)
         else:
             b_S = tl.zeros([BK, BV], dtype=tl.float32)
+        b_gt = tl.zeros([BK], dtype=tl.float32)  # segment's summed log decay (STORE_GT)
 
-        for t0 in range(0, T, BT):
+        for t0 in range(t_lo, t_hi, BT):
             p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
             b_k = tl.load(p_k, boundary_check=(0, 1))
             if HAS_V:
@@ -196,13 +206,49 @@ if HAVE_TRITON:
 
             if GATE == 1:
                 b_S = b_S * tl.exp(b_GC)
+                b_gt += b_GC
             elif GATE == 2:
                 b_S = b_S * tl.exp(b_GC)[:, None]
+                b_gt += b_GC
             b_S += tl.dot(tl.trans(b_kd), b_vd, input_precision=PREC)
 
         if STORE_HT:
-            p_ht = tl.make_block_ptr(ht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+            p_ht = tl.make_block_ptr(ht + i_sbh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
             tl.store(p_ht, b_S, boundary_check=(0, 1))
+        if STORE_GT:
+            if i_v == 0:
+                o_k = tl.arange(0, BK)
+                tl.store(gt + i_sbh * K + o_k, b_gt, mask=o_k < K)
+
+    @triton.jit
+    def _segment_scan_kernel(hs, gt, h0, ht, NSEG, K: tl.constexpr, V: tl.constexpr,
+                             BK: tl.constexpr, BV: tl.constexpr, GATED: tl.constexpr,
+                             HAS_H0: tl.constexpr):
+        """Scan over segment summaries; grid ``(cdiv(V, BV), B * H)``.
+
+        hs [NSEG, B, H, K, V] fp32 holds each segment's state from a zero start and is
+        overwritten with each segment's *incoming* state; gt [NSEG, B, H, K] the segments'
+        summed log decays; h0 [B, H, K, V] the call's initial state; ht the final state.
+        """
+        i_v, i_bh = tl.program_id(0), tl.program_id(1)
+        NBH = tl.num_programs(1)
+        o_k = tl.arange(0, BK)
+        if HAS_H0:
+            p0 = tl.make_block_ptr(h0 + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+            b_S = tl.load(p0, boundary_check=(0, 1)).to(tl.float32)
+        else:
+            b_S = tl.zeros([BK, BV], dtype=tl.float32)
+        for i_s in range(0, NSEG):
+            slot = i_s * NBH + i_bh
+            p_h = tl.make_block_ptr(hs + slot * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+            b_dS = tl.load(p_h, boundary_check=(0, 1))
+            tl.store(p_h, b_S, boundary_check=(0, 1))
+            if GATED:
+                b_g = tl.load(gt + slot * K + o_k, mask=o_k < K, other=0.0)
+                b_S = b_S * tl.exp(b_g)[:, None]
+            b_S += b_dS
+        p_ht = tl.make_block_ptr(ht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        tl.store(p_ht, b_S, boundary_check=(0, 1))
 
 
 def use_autotune() -> bool:
@@ -217,7 +263,8 @@ def use_autotune() -> bool:
 
 # The walker's tuning space: V tile (parallelism vs q/k re-reads), warps, pipelining depth.
 WALK_TUNE = [(bv, nw, ns) for bv in (16, 32, 64) for nw in (4, 8) for ns in (1, 2)]
-WALK_KEY = ["H", "K", "V", "BT", "GATE", "HAS_V", "HAS_W", "HAS_H0", "STORE_O", "HAS_A"]
+WALK_KEY = ["H", "K", "V", "BT", "GATE", "HAS_V", "HAS_W", "HAS_H0", "STORE_O", "HAS_A",
+            "STORE_GT"]
 
 if HAVE_TRITON:
     _walk_tuned = triton.autotune(
@@ -225,11 +272,24 @@ if HAVE_TRITON:
         key=WALK_KEY)(_walk_kernel)
 
 
+def segment_length(T: int, BT: int, n_seg: int) -> int:
+    """Tokens per segment when ``T`` is cut into (at most) ``n_seg`` chunk-aligned segments."""
+    n_chunks = max(1, -(-T // BT))
+    return -(-n_chunks // max(1, n_seg)) * BT
+
+
 def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optional[Tensor] = None,
          gate: int = 0, w: Optional[Tensor] = None, h0: Optional[Tensor] = None,
          scale: float = 1.0, V: Optional[int] = None, out_dtype=torch.float32,
-         cfg: dict, prec: str, a: Optional[Tensor] = None):
-    """Launch the fused walker.
+         cfg: dict, prec: str, a: Optional[Tensor] = None, n_seg: int = 1):
+    """Run the walker: FUSED (``n_seg == 1``) or DECOUPLED over ``n_seg`` segments.
+
+    DECOUPLED (the paper's appendix B.2 at segment granularity): every segment's summary from
+    a zero start in parallel (``(V tiles, B * H, n_seg)`` programs), a scan over the segments
+    (``_segment_scan_kernel``), then every segment's outputs in parallel from its incoming
+    state.  It re-reads k and v once more than FUSED but multiplies the parallelism by
+    ``n_seg``; the scheduler weighs the two.  Segments need a diagonal or scalar transition,
+    so the delta rule (``w``) walks fused.
 
     Args:
         k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` or ``None`` (zeros; then pass ``V``).
@@ -240,30 +300,55 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
         cfg: tile config with ``BT, BV, num_warps, num_stages`` (BV/warps/stages are
             autotuned with ``FORGE_DIST_AUTOTUNE=1``; the key excludes T).
         a: precomputed intra-chunk attention ``[B, T, H, BT]`` fp32 (vector decay).
+        n_seg: segments for the decoupled schedule (1: fused).
     Returns:
         ``(o [B, T, H, V] in out_dtype or None, final state [B, H, K, V] fp32)``.
     """
     B, T, H, K = k.shape
     V = v.shape[-1] if v is not None else V
+    BT = cfg["BT"]
     BK = next_pow2(K)
     BV = min(cfg["BV"], next_pow2(V))
+    NV = triton.cdiv(V, BV)
+    seg = segment_length(T, BT, n_seg)
+    n_seg = max(1, -(-T // seg))
+    if n_seg > 1 and w is not None:
+        raise ValueError("walk: the decoupled schedule needs a scalar or diagonal transition "
+                         "(the delta rule's dense one walks fused)")
     ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
     o = torch.empty(B, T, H, V, dtype=out_dtype, device=k.device) if q is not None else None
     if h0 is not None:
         h0 = h0.to(torch.float32).contiguous()
-    args = (q if q is not None else k, k, v if v is not None else k, g if g is not None else k,
-            w if w is not None else k, h0 if h0 is not None else ht, o if o is not None else ht,
-            ht, T, scale)
-    flags = dict(H=H, K=K, V=V, BT=cfg["BT"], BK=BK, GATE=gate, HAS_V=v is not None,
-                 HAS_W=w is not None, HAS_H0=h0 is not None, STORE_O=q is not None,
-                 STORE_HT=True, PREC=prec, HAS_A=a is not None, a=a)
-    if use_autotune() and cfg.get("tune", True):
-        grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * H)  # noqa: E731
-        _walk_tuned[grid](*args, **flags)
-    else:
-        _walk_kernel[(triton.cdiv(V, BV), B * H)](*args, BV=BV, **flags,
-                                                  num_warps=cfg["num_warps"],
-                                                  num_stages=cfg["num_stages"])
+    tune = use_autotune() and cfg.get("tune", True)
+
+    def launch(n, *, q_, h0_, o_, ht_, gt_, store_ht):
+        args = (q_ if q_ is not None else k, k, v if v is not None else k,
+                g if g is not None else k, w if w is not None else k,
+                h0_ if h0_ is not None else ht_, o_ if o_ is not None else ht_, ht_,
+                gt_ if gt_ is not None else ht_, T, seg, scale)
+        flags = dict(H=H, K=K, V=V, BT=BT, BK=BK, GATE=gate, HAS_V=v is not None,
+                     HAS_W=w is not None, HAS_H0=h0_ is not None, STORE_O=q_ is not None,
+                     STORE_HT=store_ht, PREC=prec, HAS_A=a is not None and q_ is not None,
+                     a=a if q_ is not None else None, STORE_GT=gt_ is not None)
+        if tune:
+            grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * H, n)  # noqa: E731
+            _walk_tuned[grid](*args, **flags)
+        else:
+            _walk_kernel[(NV, B * H, n)](*args, BV=BV, **flags, num_warps=cfg["num_warps"],
+                                         num_stages=cfg["num_stages"])
+
+    if n_seg == 1:
+        launch(1, q_=q, h0_=h0, o_=o, ht_=ht, gt_=None, store_ht=True)
+        return o, ht
+    hs = torch.empty(n_seg, B, H, K, V, dtype=torch.float32, device=k.device)
+    gt = torch.empty(n_seg, B, H, K, dtype=torch.float32, device=k.device) if gate else None
+    launch(n_seg, q_=None, h0_=None, o_=None, ht_=hs, gt_=gt, store_ht=True)
+    _segment_scan_kernel[(NV, B * H)](hs, gt if gt is not None else hs,
+                                      h0 if h0 is not None else ht, ht, n_seg, K=K, V=V, BK=BK,
+                                      BV=BV, GATED=gate != 0, HAS_H0=h0 is not None,
+                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if q is not None:
+        launch(n_seg, q_=q, h0_=hs, o_=o, ht_=ht, gt_=None, store_ht=False)
     return o, ht
 
 
@@ -369,6 +454,19 @@ class TritonWork(SegmentWork):
     def finish(self, S_in: Optional[Tensor]):
         """``(o, final state fp32)`` given the incoming state (``None``: zeros)."""
         return _FinishFn.apply(self, S_in, *self.tensors)
+
+    def _schedule(self, k: Tensor, v: Tensor, cfg: dict, gate_elems: int = 0) -> int:
+        """Pick FUSED or DECOUPLED (and the segment count) for this call; records the choice
+        in ``execution`` / ``execution_reason`` / ``n_seg`` and returns the segment count."""
+        from . import scheduler
+
+        B, T, H, K = k.shape
+        V = v.shape[-1]
+        s = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], next_pow2(V)),
+                               elem_size=k.element_size(), gate_elems=gate_elems,
+                               request=self.execution_request)
+        self.execution, self.execution_reason, self.n_seg = s.strategy, s.reason, s.n_seg
+        return s.n_seg
 
     # PyTorch recompute used by backward ----------------------------------------------------
     def _finish_torch(self, S_in, tensors):

@@ -2,12 +2,13 @@
 
 FUSED keeps the state on chip and walks the chunks (``B * H * P_state`` programs); DECOUPLED
 materialises chunk states in HBM (phase 1 parallel over chunks, a scan, a parallel merge).
-The fast path prefers FUSED once its task count saturates the GPU; otherwise both are priced
-by their GMEM traffic per chunk spread over their (capped) parallelism, with the per-chunk
-compute term set to 0 as in the paper (the kernels are memory bound).
+The fast path prefers FUSED once its task count saturates the GPU; otherwise each candidate
+segment count is priced by its HBM traffic over the bandwidth its (capped) parallelism draws,
+with the per-chunk compute term set to 0 as in the paper (the kernels are memory bound).
+DECOUPLED works on segments of several chunks (see :func:`algorithm1`).
 
 The choice can be forced per call (``execution=``) or globally with the environment variable
-``FORGE_DIST_EXECUTION=fused|decoupled``.
+``FORGE_DIST_EXECUTION=fused|decoupled``; ``FORGE_DIST_SEGMENTS=n`` fixes the segment count.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import torch
 FUSED = "fused"
 DECOUPLED = "decoupled"
 CHOICES = (FUSED, DECOUPLED)
+# a segment shorter than this many chunks re-reads k, v for too little parallelism
+MIN_CHUNKS_PER_SEGMENT = 4
 
 
 @dataclass(frozen=True)
@@ -57,50 +60,151 @@ def forced() -> Optional[str]:
     return env
 
 
+def best_segments(p_fused: int, n_chunks: int, *, base: float, extra: float, state: float,
+                  device: Device, t_comp_chunk: float = 0.0,
+                  min_chunks: int = MIN_CHUNKS_PER_SEGMENT):
+    """The segment count with the least estimated time, and every candidate's estimate.
+
+    ``base``: bytes of one fused pass; ``extra``: bytes the segment summaries re-read;
+    ``state``: bytes of one full state.  Candidates are powers of two keeping at least
+    ``min_chunks`` chunks per segment; a program walking alone draws
+    ``bandwidth / max_concurrency``, so time = traffic / (bandwidth * capped parallelism share).
+    """
+    def cost(n: int) -> float:
+        par = min(p_fused * n, device.max_concurrency)
+        traffic = base + (extra + 4 * n * state if n > 1 else 0)
+        steps = n_chunks / n + (n if n > 1 else 0)  # sequential chunk steps (+ the scan)
+        return traffic / (device.bandwidth * par / device.max_concurrency) + t_comp_chunk * steps
+
+    candidates = [1]
+    n = 2
+    while n <= n_chunks // max(1, min_chunks):
+        candidates.append(n)
+        n *= 2
+    costs = {n: cost(n) for n in candidates}
+    return min(candidates, key=lambda n: (costs[n], n)), costs
+
+
 def algorithm1(B: int, T: int, H: int, dk: int, dv: int, C: int, tk: int, tv: int, *,
                elem_size: int = 2, device: Optional[Device] = None,
-               p_min: Optional[int] = None, t_comp_chunk: float = 0.0):
-    """Algorithm 1; returns ``(strategy, details dict)``."""
+               p_min: Optional[int] = None, t_comp_chunk: float = 0.0,
+               gate_elems: int = 0, min_chunks: int = MIN_CHUNKS_PER_SEGMENT):
+    """Algorithm 1 with DECOUPLED at segment granularity; returns ``(strategy, details)``.
+
+    The paper's DECOUPLED materialises every chunk's state.  Here a *segment* of several
+    chunks is the unit: ``n_seg`` segments cost one extra read of k, v (and gates) plus four
+    passes over ``n_seg`` fp32 states, and multiply the parallelism by ``n_seg``.  One chunk
+    per segment is the paper's DECOUPLED; one segment is FUSED.  Each candidate's time is its
+    HBM traffic over the bandwidth its (capped) parallelism can draw: a program walking
+    chunks alone draws ``bandwidth / max_concurrency``.  ``details['n_seg']`` is the choice.
+    """
     dev = device or device_params()
     p_min = dev.n_sm if p_min is None else p_min
-    n_c = math.ceil(T / C)
+    n_c = max(1, math.ceil(T / C))
     p_state = math.ceil(dk / tk) * math.ceil(dv / tv)
-    p_dec = B * H * n_c * p_state
     p_fused = B * H * p_state
-    gmem_dec = (2 * C * (dk + dv) + 5 * dk * dv) * elem_size
-    gmem_fused = (2 * C * (dk + dv) + 4 * dk * dv) * elem_size
-    info = {"P_fused": p_fused, "P_dec": p_dec, "P_min": p_min, "N_sm": dev.n_sm,
-            "bandwidth": dev.bandwidth}
+    info = {"P_fused": p_fused, "P_min": p_min, "N_sm": dev.n_sm, "bandwidth": dev.bandwidth,
+            "n_seg": 1}
     if p_fused >= p_min:
         info["reason"] = "fused saturates the SMs"
         return FUSED, info
-    pd = min(p_dec, dev.max_concurrency)
-    pf = min(p_fused, dev.max_concurrency)
-    t_dec = gmem_dec / (dev.bandwidth * pd) + t_comp_chunk / pd
-    t_fused = gmem_fused / (dev.bandwidth * pf) + t_comp_chunk / pf
-    info.update(t_dec=t_dec, t_fused=t_fused)
-    if t_fused <= t_dec:
+    # bytes: q, k, v, o (+ gates) once; DECOUPLED adds k, v (+ gates) and 4 state passes
+    tokens = B * H * T
+    best, costs = best_segments(
+        p_fused, n_c, base=tokens * ((2 * dk + 2 * dv) * elem_size + gate_elems * 4),
+        extra=tokens * ((dk + dv) * elem_size + gate_elems * 4), state=B * H * dk * dv * 4,
+        device=dev, t_comp_chunk=t_comp_chunk, min_chunks=min_chunks)
+    info.update(t_fused=costs[1], t_dec=costs.get(best, costs[1]), n_seg=best,
+                P_dec=p_fused * best, candidates=costs)
+    if best == 1:
         info["reason"] = "fused estimated faster"
         return FUSED, info
-    info["reason"] = "decoupled estimated faster"
+    info["reason"] = f"decoupled over {best} segments estimated faster"
     return DECOUPLED, info
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How one call runs: ``strategy`` (fused/decoupled), ``n_seg`` segments, and why."""
+
+    strategy: str
+    n_seg: int
+    reason: str
+
+
+def _env_segments() -> Optional[int]:
+    env = os.environ.get("FORGE_DIST_SEGMENTS", "").strip()
+    if not env:
+        return None
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"FORGE_DIST_SEGMENTS: expected a positive integer, got {env!r}")
+    return n
+
+
+def _resolve(request: Optional[str], n_c: int, auto: Schedule) -> Schedule:
+    """Apply ``request`` > ``FORGE_DIST_EXECUTION`` > ``FORGE_DIST_SEGMENTS`` > ``auto``."""
+    want = request if request not in (None, "auto") else forced()
+    if want is not None and want not in CHOICES:
+        raise ValueError(f"execution: expected one of {CHOICES}, got {want!r}")
+    env_n = _env_segments()
+    if want == FUSED:
+        return Schedule(FUSED, 1, "forced")
+    if want == DECOUPLED:
+        n = max(1, min(env_n if env_n else max(2, auto.n_seg), n_c))
+        if n == 1:  # report what runs: one segment is the fused walk
+            return Schedule(FUSED, 1, "decoupled forced, but one segment (one chunk) is fused")
+        return Schedule(DECOUPLED, n, "forced")
+    if env_n:
+        n = max(1, min(env_n, n_c))
+        return Schedule(FUSED if n == 1 else DECOUPLED, n, "FORGE_DIST_SEGMENTS")
+    return auto
+
+
+def schedule(B: int, T: int, H: int, K: int, V: int, C: int, tv: int, *, elem_size: int = 2,
+             gate_elems: int = 0, request: Optional[str] = None,
+             decoupled_available: bool = True) -> Schedule:
+    """The schedule of one matrix-state call: ``request`` > ``FORGE_DIST_EXECUTION`` >
+    Algorithm 1 (``FORGE_DIST_SEGMENTS`` fixes the segment count of a decoupled run).
+
+    A forced DECOUPLED takes Algorithm 1's segment count (at least 2, at most one per chunk).
+    Patterns without a decoupled schedule always run fused.
+    """
+    if not decoupled_available:
+        _resolve(request, 1, Schedule(FUSED, 1, ""))  # still validate the request
+        return Schedule(FUSED, 1, "decoupled not built for this pattern")
+    # the state tile spans all of K (tk = K) and BV columns
+    strategy, info = algorithm1(B, T, H, K, V, C, K, tv, elem_size=elem_size,
+                                gate_elems=gate_elems)
+    return _resolve(request, max(1, math.ceil(T / C)),
+                    Schedule(strategy, info["n_seg"], info["reason"]))
+
+
+def schedule_vector_state(B: int, T: int, D: int, C: int, td: int, *, elem_size: int = 2,
+                          request: Optional[str] = None,
+                          device: Optional[Device] = None) -> Schedule:
+    """The schedule of one vector-state (HGRN) call: ``B * cdiv(D, td)`` fused programs; the
+    segment summaries re-read x and g."""
+    dev = device or device_params()
+    n_c = max(1, math.ceil(T / C))
+    p_fused = B * math.ceil(D / td)
+    if p_fused >= dev.n_sm:
+        auto = Schedule(FUSED, 1, "fused saturates the SMs")
+    else:
+        tokens = B * T * D
+        best, _ = best_segments(p_fused, n_c, base=3 * tokens * elem_size,
+                                extra=2 * tokens * elem_size, state=B * D * 4, device=dev)
+        auto = (Schedule(FUSED, 1, "fused estimated faster") if best == 1 else
+                Schedule(DECOUPLED, best, f"decoupled over {best} segments estimated faster"))
+    return _resolve(request, n_c, auto)
 
 
 def choose(B: int, T: int, H: int, K: int, V: int, C: int, tv: int, *, elem_size: int = 2,
            request: Optional[str] = None, decoupled_available: bool = True):
-    """The strategy for one call: ``request`` > ``FORGE_DIST_EXECUTION`` > Algorithm 1.
-
-    Returns ``(strategy, reason)``.  Patterns without a decoupled kernel always run fused.
-    """
-    want = request if request not in (None, "auto") else forced()
-    if want is not None:
-        if want not in CHOICES:
-            raise ValueError(f"execution: expected one of {CHOICES}, got {want!r}")
-        if want == DECOUPLED and not decoupled_available:
-            return FUSED, "decoupled not built for this pattern"
-        return want, "forced"
-    if not decoupled_available:
-        return FUSED, "decoupled not built for this pattern"
-    # the state tile spans all of K (tk = K) and BV columns
-    strategy, info = algorithm1(B, T, H, K, V, C, K, tv, elem_size=elem_size)
-    return strategy, info["reason"]
+    """``(strategy, reason)`` of :func:`schedule` (kept for callers that need no segments)."""
+    s = schedule(B, T, H, K, V, C, tv, elem_size=elem_size, request=request,
+                 decoupled_available=decoupled_available)
+    return s.strategy, s.reason

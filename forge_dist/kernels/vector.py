@@ -1,12 +1,14 @@
 """Matrix state with vector (diagonal) decay: gla (``g [B, T, H, K]``), HGRN2.
 
-FUSED only: the shared walker with ``GATE=2``.  Inside a chunk the attention
+The shared walker with ``GATE=2``, FUSED or DECOUPLED over segments (see :mod:`.scheduler`).  Inside a chunk the attention
 ``A_ij = sum_k q_ik k_jk exp(G_ik - G_jk)`` cannot be split into two bounded factors without
 a reference point, and any reference point overflows for steep gates; the walker therefore
 builds it column by column with the difference masked before the exponential, which keeps
 the chunk short (``BT = 16``).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -51,6 +53,14 @@ if HAVE_TRITON:
         tl.store(p_a, b_A, boundary_check=(0, 1))
 
 
+def use_intra_kernel() -> bool:
+    """The separate intra-chunk kernel runs on GPUs; under the interpreter only when
+    ``FORGE_DIST_GLA_INTRA=1`` (its unrolled column loop is slow to interpret)."""
+    if interpreting():
+        return os.environ.get("FORGE_DIST_GLA_INTRA", "0") == "1"
+    return True
+
+
 def intra_attention(q, k, g, BT: int):
     """``A [B, T, H, BT]`` fp32: in-chunk vector-decay attention (rows of each chunk)."""
     B, T, H, K = q.shape
@@ -67,16 +77,18 @@ class VectorDecayWork(TritonWork):
 
     def _finish_fwd(self, S_in, tensors):
         q, k, v, g = (ensure(t) for t in tensors)
-        self.execution, self.execution_reason = "fused", "decoupled not built for this pattern"
         cfg = fused_config(k.shape[-1], v.shape[-1])
-        a = None if interpreting() else intra_attention(q, k, g, cfg["BT"])
+        n_seg = self._schedule(k, v, cfg, gate_elems=k.shape[-1])
+        a = intra_attention(q, k, g, cfg["BT"]) if use_intra_kernel() else None
         return walk(k, v, q=q, g=g, gate=2, h0=S_in, scale=self.scale, out_dtype=self.out_dtype,
-                    cfg=cfg, prec=dot_precision(self.in_dtype), a=a)
+                    cfg=cfg, prec=dot_precision(self.in_dtype), a=a, n_seg=n_seg)
 
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g = (ensure(t) for t in tensors)
-        _, delta = walk(k, v, g=g, gate=2, cfg=fused_config(k.shape[-1], v.shape[-1]),
-                        prec=dot_precision(self.in_dtype))
+        cfg = fused_config(k.shape[-1], v.shape[-1])
+        n_seg = self._schedule(k, v, cfg, gate_elems=k.shape[-1])
+        _, delta = walk(k, v, g=g, gate=2, cfg=cfg, prec=dot_precision(self.in_dtype),
+                        n_seg=n_seg)
         M = g.to(torch.float32).sum(dim=1).exp() if need_M else None  # [B, H, K]
         return delta, M
 

@@ -125,9 +125,12 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                 if variant == "hgrn":
                     for D in cfg["hgrn_dims"]:
                         for store_o in ([True, False] if cfg["sequence_parallel"] else [True]):
-                            prog = hgrn_program(B=1, T=64, D=int(D), dtype=dtype, has_h0=h0,
-                                                store_o=store_o)
-                            out.update((s.key, s) for s in prog.specs())
+                            for mode in cfg["execution"]:
+                                if not store_o and h0:
+                                    continue  # summaries start from zero
+                                prog = hgrn_program(B=1, T=256, D=int(D), dtype=dtype,
+                                                    has_h0=h0, store_o=store_o, execution=mode)
+                                out.update((s.key, s) for s in prog.specs())
                     continue
                 for H in cfg["heads"]:
                     for K, V in cfg["head_dims"]:
@@ -136,8 +139,8 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                             for gated in _gates(variant, cfg["gated"]):
                                 for mode in _modes(variant, cfg["execution"]):
                                     for store_o in _stores(variant, cfg["sequence_parallel"]):
-                                        if not store_o and (h0 or mode != "fused"):
-                                            continue  # summaries start from zero, fused
+                                        if not store_o and h0:
+                                            continue  # summaries start from zero
                                         prog = matrix_program(
                                             variant, B=1, T=256, H=int(H), K=int(K), V=int(V),
                                             dtype=dtype, gated=gated, has_h0=h0,
@@ -156,7 +159,7 @@ def _gates(variant, gated):
 
 
 def _modes(variant, modes):
-    if variant in ("linear_attn", "simple_gla"):
+    if variant in ("linear_attn", "simple_gla", "gla"):
         return list(modes)
     return ["fused"] if "fused" in modes or modes else []
 

@@ -337,7 +337,7 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
             raise PlanError("hgrn: give D (the feature dim of x [B, T, D])")
         gdt = gate_dtype or dtype
         prog = pg.hgrn_program(B=B, T=T, D=D, dtype=dtype, has_h0=initial_state, tiles=tiles,
-                               gate_dtype=gdt)
+                               gate_dtype=gdt, execution=execution)
         names = ["x", "g"]
         state_shape = (B, D)
         out_shape = (B, T, D)

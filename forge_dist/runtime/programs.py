@@ -7,8 +7,8 @@ dispatcher launches from cubins, and what :mod:`forge_dist.runtime.aot` enumerat
 which kernels to compile: one source for all three, so a plan can never ask for a kernel
 the AOT step did not build.
 
-The builders mirror the launch code of :mod:`forge_dist.kernels` (``walk``,
-``decoupled_forward``, ``intra_attention``, ``wy``, ``hgrn_forward``) and take their tile
+The builders mirror the launch code of :mod:`forge_dist.kernels` (``walk`` with its fused and
+segmented schedules, ``intra_attention``, ``wy``, ``hgrn_forward``) and take their tile
 configs from the kernels' own tables (``fused_config`` & co.) and the scheduler.  The tests
 check every program against :func:`forge_dist.kernels.forward`, so a drift shows up there.
 """
@@ -26,12 +26,11 @@ import torch
 # kernel name -> (module, attribute).  Only these kernels are compiled / dispatched.
 KERNELS: Dict[str, Tuple[str, str]] = {
     "walk": ("forge_dist.kernels._common", "_walk_kernel"),
-    "chunk_state": ("forge_dist.kernels.scalar", "_chunk_state_kernel"),
-    "chunk_scan": ("forge_dist.kernels.scalar", "_chunk_scan_kernel"),
-    "chunk_output": ("forge_dist.kernels.scalar", "_chunk_output_kernel"),
+    "segment_scan": ("forge_dist.kernels._common", "_segment_scan_kernel"),
     "gla_intra": ("forge_dist.kernels.vector", "_intra_kernel"),
     "wy": ("forge_dist.kernels.delta", "_wy_kernel"),
     "hgrn": ("forge_dist.kernels.vector_state", "_hgrn_kernel"),
+    "hgrn_scan": ("forge_dist.kernels.vector_state", "_hgrn_scan_kernel"),
 }
 
 MATRIX_VARIANTS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule")
@@ -153,25 +152,57 @@ def _prec(dtype: torch.dtype, interp: bool) -> str:
     return "ieee" if interp else "tf32x3"
 
 
-def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg, prec,
-          a=None) -> Launch:
-    """The fused walker, exactly as ``kernels._common.walk`` launches it."""
+def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cfg, prec,
+                 seg, n, store_ht=True, a=None) -> Launch:
+    """One walker launch over ``n`` segments of ``seg`` tokens (``kernels._common.walk``)."""
     BK = _pow2(K)
     BV = min(cfg["BV"], _pow2(V))
     args = (("q", "buf", q or k), ("k", "buf", k), ("v", "buf", v or k), ("g", "buf", g or k),
             ("w", "buf", w or k), ("h0", "buf", h0 or ht), ("o", "buf", o or ht),
-            ("ht", "buf", ht), ("T", "i32", T), ("scale", "fp32", float(scale)))
+            ("ht", "buf", ht), ("gt", "buf", gt or ht), ("T", "i32", T), ("SEG", "i32", seg),
+            ("scale", "fp32", float(scale)))
     const = (("H", H), ("K", K), ("V", V), ("BT", cfg["BT"]), ("BK", BK), ("BV", BV),
              ("GATE", gate), ("HAS_V", v is not None), ("HAS_W", w is not None),
-             ("HAS_H0", h0 is not None), ("STORE_O", q is not None), ("STORE_HT", True),
+             ("HAS_H0", h0 is not None), ("STORE_O", q is not None), ("STORE_HT", store_ht),
              ("PREC", prec), ("HAS_A", a is not None))
     # ``a`` is a pointer when given, else a None constexpr (as Triton's JIT treats None)
     if a is not None:
         args = args + (("a", "buf", a),)
     else:
         const = const + (("a", None),)
-    return Launch("walk", (_cdiv(V, BV), B * H, 1), args, const, cfg["num_warps"],
+    const = const + (("STORE_GT", gt is not None),)
+    return Launch("walk", (_cdiv(V, BV), B * H, n), args, const, cfg["num_warps"],
                   cfg["num_stages"])
+
+
+def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg, prec,
+          a=None, n_seg: int = 1) -> List[Launch]:
+    """The walker's launches, exactly as ``kernels._common.walk`` makes them: one fused
+    launch, or (``n_seg > 1``) segment summaries, the segment scan and segment outputs."""
+    from ..kernels._common import segment_length
+
+    BT, BK, BV = cfg["BT"], _pow2(K), min(cfg["BV"], _pow2(V))
+    seg = segment_length(T, BT, n_seg)
+    n_seg = max(1, _cdiv(T, seg))
+    common = dict(k=k, v=v, g=g, w=w, B=B, T=T, H=H, K=K, V=V, gate=gate, scale=scale,
+                  cfg=cfg, prec=prec, seg=seg)
+    if n_seg == 1:
+        return [_walk_launch(q=q, h0=h0, o=o, ht=ht, gt=None, n=1, a=a, **common)]
+    buffers["hs"] = Buffer((n_seg, B, H, K, V), torch.float32, "workspace")
+    gt = None
+    if gate:
+        gt = "gt"
+        buffers["gt"] = Buffer((n_seg, B, H, K), torch.float32, "workspace")
+    launches = [_walk_launch(q=None, h0=None, o=None, ht="hs", gt=gt, n=n_seg, **common),
+                Launch("segment_scan", (_cdiv(V, BV), B * H, 1),
+                       (("hs", "buf", "hs"), ("gt", "buf", gt or "hs"), ("h0", "buf", h0 or ht),
+                        ("ht", "buf", ht), ("NSEG", "i32", n_seg)),
+                       (("K", K), ("V", V), ("BK", BK), ("BV", BV), ("GATED", gate != 0),
+                        ("HAS_H0", h0 is not None)), cfg["num_warps"], cfg["num_stages"])]
+    if q is not None:
+        launches.append(_walk_launch(q=q, h0="hs", o=o, ht=ht, gt=None, n=n_seg,
+                                     store_ht=False, a=a, **common))
+    return launches
 
 
 def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
@@ -184,7 +215,7 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
     Buffers: inputs ``q, k, v`` (``dtype``), ``g`` (``gate_dtype``, ``[B, T, H]`` or ``[B, T, H, K]``
     for gla), ``beta`` (gated_delta_rule, ``gate_dtype``), ``h0`` (fp32 ``[B, H, K, V]``); outputs ``o``
     (``dtype``) and ``ht`` (fp32); workspaces by pattern.  ``execution`` forces fused or
-    decoupled (scalar decay only); ``None`` asks the scheduler (Algorithm 1), as the
+    decoupled (not the delta rule); ``None`` asks the scheduler (Algorithm 1), as the
     kernels do.  ``tiles`` overrides entries of the kernels' tile config.
     """
     from ..kernels import scheduler
@@ -213,54 +244,18 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
     h0 = "h0" if has_h0 else None
     notes: List[str] = []
 
-    if variant in ("linear_attn", "simple_gla"):
-        from ..kernels import scalar
+    if variant in ("linear_attn", "simple_gla", "gla"):
+        from ..kernels import scalar, vector
 
-        cfg_f = dict(scalar.fused_config(K, V), **(tiles or {}))
-        strategy = scheduler.FUSED
-        if store_o:  # the summary is always the fused walk (as ScalarDecayWork._summary_fwd)
-            strategy, reason = scheduler.choose(B, T, H, K, V, cfg_f["BT"], cfg_f["BV"],
-                                                elem_size=torch.empty((), dtype=dtype).element_size(),
-                                                request=execution)
-            notes.append(f"execution {strategy}: {reason}")
-        if strategy == scheduler.DECOUPLED:
-            cfg = dict(scalar.decoupled_config(K, V), **(tiles or {}))
-            BT, BK, BV = cfg["BT"], _pow2(K), min(cfg["BV"], _pow2(V))
-            NT, NV = _cdiv(T, BT), _cdiv(V, BV)
-            bufs["h"] = Buffer((B, H, NT, K, V), torch.float32, "workspace")
-            gate = 1 if gated else 0
-            gg = g or "k"
-            common = (("H", H), ("K", K), ("V", V), ("BT", BT), ("BK", BK), ("BV", BV),
-                      ("GATE", gate))
-            nw, ns = cfg["num_warps"], cfg["num_stages"]
-            launches = [
-                Launch("chunk_state", (NV, NT, B * H),
-                       (("k", "buf", "k"), ("v", "buf", "v"), ("g", "buf", gg),
-                        ("h", "buf", "h"), ("T", "i32", T)),
-                       common + (("PREC", prec),), nw, ns),
-                Launch("chunk_scan", (NV, B * H, 1),
-                       (("g", "buf", gg), ("h", "buf", "h"), ("h0", "buf", h0 or "ht"),
-                        ("ht", "buf", "ht"), ("T", "i32", T)),
-                       common + (("HAS_H0", has_h0),), nw, ns),
-                Launch("chunk_output", (NV, NT, B * H),
-                       (("q", "buf", "q"), ("k", "buf", "k"), ("v", "buf", "v"),
-                        ("g", "buf", gg), ("h", "buf", "h"), ("o", "buf", "o"),
-                        ("T", "i32", T), ("scale", "fp32", scale)),
-                       common + (("PREC", prec),), nw, ns)]
-            return Program(launches, bufs, scheduler.DECOUPLED, notes)
-        ln = _walk(bufs, q=q, k="k", v="v", g=g, w=None, h0=h0, o=o, ht="ht", B=B, T=T, H=H,
-                   K=K, V=V, gate=1 if gated else 0, scale=scale, cfg=cfg_f, prec=prec)
-        return Program([ln], bufs, scheduler.FUSED, notes)
-
-    if execution not in (None, "auto", scheduler.FUSED):
-        raise ValueError(f"execution={execution!r}: {variant} has only the fused kernels")
-    if variant == "gla":
-        from ..kernels import vector
-
-        cfg = dict(vector.fused_config(K, V), **(tiles or {}))
+        kern = vector if variant == "gla" else scalar
+        cfg = dict(kern.fused_config(K, V), **(tiles or {}))
+        sched = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], _pow2(V)),
+                                   elem_size=torch.empty((), dtype=dtype).element_size(),
+                                   gate_elems=K if variant == "gla" else 0, request=execution)
+        notes.append(f"execution {sched.strategy} ({sched.n_seg} segments): {sched.reason}")
         launches: List[Launch] = []
         a = None
-        if store_o and not interp:  # the kernels skip the intra kernel under the interpreter
+        if variant == "gla" and store_o and (not interp or vector.use_intra_kernel()):
             BT = cfg["BT"]
             bufs["a"] = Buffer((B, T, H, BT), torch.float32, "workspace")
             launches.append(Launch(
@@ -270,11 +265,14 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                 (("H", H), ("K", K), ("BT", BT), ("BK", _pow2(K))),
                 vector.INTRA_CONFIG["num_warps"], 3))  # 3: Triton's default num_stages
             a = "a"
-        launches.append(_walk(bufs, q=q, k="k", v="v", g="g", w=None, h0=h0, o=o, ht="ht",
-                              B=B, T=T, H=H, K=K, V=V, gate=2, scale=scale, cfg=cfg,
-                              prec=prec, a=a))
-        return Program(launches, bufs, scheduler.FUSED, notes)
+        gate = 2 if variant == "gla" else (1 if gated else 0)
+        launches += _walk(bufs, q=q, k="k", v="v", g=g, w=None, h0=h0, o=o, ht="ht", B=B, T=T,
+                          H=H, K=K, V=V, gate=gate, scale=scale, cfg=cfg, prec=prec, a=a,
+                          n_seg=sched.n_seg)
+        return Program(launches, bufs, sched.strategy, notes)
 
+    if execution not in (None, "auto", scheduler.FUSED):
+        raise ValueError(f"execution={execution!r}: {variant} has only the fused kernels")
     # gated_delta_rule
     from ..kernels import delta
 
@@ -296,14 +294,15 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                  ("BV", min(delta.WY_CONFIG["BV"], _pow2(V))), ("LOG2BT", BT.bit_length() - 1),
                  ("GATE", 1 if gated else 0), ("PREC", wy_prec)),
                 delta.WY_CONFIG["num_warps"], delta.WY_CONFIG["num_stages"])
-    ln = _walk(bufs, q="q", k="k", v="u", g=g, w="w", h0=h0, o="o", ht="ht", B=B, T=T, H=H,
-               K=K, V=V, gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec)
-    return Program([wy, ln], bufs, scheduler.FUSED, notes)
+    walks = _walk(bufs, q="q", k="k", v="u", g=g, w="w", h0=h0, o="o", ht="ht", B=B, T=T, H=H,
+                  K=K, V=V, gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec)
+    return Program([wy] + walks, bufs, scheduler.FUSED, notes)
 
 
 def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
                  store_o: bool = True, tiles: Optional[dict] = None,
-                 gate_dtype: Optional[torch.dtype] = None) -> Program:
+                 gate_dtype: Optional[torch.dtype] = None,
+                 execution: Optional[str] = None) -> Program:
     """Program of one hgrn segment: inputs ``x [B, T, D]``, ``g [B, T, D]`` (``gate_dtype``,
     default ``dtype``),
     ``h0 [B, D]`` fp32; outputs ``o [B, T, D]`` and ``ht [B, D]`` fp32."""
@@ -317,13 +316,41 @@ def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
         bufs["o"] = Buffer((B, T, D), dtype, "output")
     if has_h0:
         bufs["h0"] = Buffer((B, D), torch.float32, "input")
-    ln = Launch("hgrn", (_cdiv(D, cfg["BD"]), B, 1),
-                (("x", "buf", "x"), ("g", "buf", "g"), ("h0", "buf", "h0" if has_h0 else "ht"),
-                 ("o", "buf", "o" if store_o else "ht"), ("ht", "buf", "ht"), ("T", "i32", T)),
-                (("D", D), ("BT", cfg["BT"]), ("BD", cfg["BD"]), ("HAS_H0", has_h0),
-                 ("STORE_O", store_o)),
-                cfg["num_warps"], cfg["num_stages"])
-    return Program([ln], bufs, "fused", [])
+    from ..kernels import scheduler
+    from ..kernels._common import segment_length
+
+    sched = scheduler.schedule_vector_state(B, T, D, cfg["BT"], cfg["BD"],
+                                            elem_size=torch.empty((), dtype=dtype).element_size(),
+                                            request=execution)
+    seg = segment_length(T, cfg["BT"], sched.n_seg)
+    n_seg = max(1, _cdiv(T, seg))
+    grid = (_cdiv(D, cfg["BD"]), B, n_seg)
+    const = (("D", D), ("BT", cfg["BT"]), ("BD", cfg["BD"]))
+    nw, ns = cfg["num_warps"], cfg["num_stages"]
+
+    def walk(h0, o, ht, gt, store_o):
+        return Launch("hgrn", grid,
+                      (("x", "buf", "x"), ("g", "buf", "g"), ("h0", "buf", h0 or ht),
+                       ("o", "buf", o or ht), ("ht", "buf", ht), ("gt", "buf", gt or ht),
+                       ("T", "i32", T), ("SEG", "i32", seg)),
+                      const + (("HAS_H0", h0 is not None), ("STORE_O", store_o),
+                               ("STORE_GT", gt is not None)), nw, ns)
+
+    notes = [f"execution {sched.strategy} ({n_seg} segments): {sched.reason}"]
+    h0 = "h0" if has_h0 else None
+    if n_seg == 1:
+        return Program([walk(h0, "o" if store_o else None, "ht", None, store_o)], bufs,
+                       scheduler.FUSED, notes)
+    bufs["hs"] = Buffer((n_seg, B, D), torch.float32, "workspace")
+    bufs["gt"] = Buffer((n_seg, B, D), torch.float32, "workspace")
+    launches = [walk(None, None, "hs", "gt", False),
+                Launch("hgrn_scan", (grid[0], B, 1),
+                       (("hs", "buf", "hs"), ("gt", "buf", "gt"), ("h0", "buf", h0 or "ht"),
+                        ("ht", "buf", "ht"), ("NSEG", "i32", n_seg)),
+                       (("D", D), ("BD", cfg["BD"]), ("HAS_H0", has_h0)), nw, 3)]
+    if store_o:
+        launches.append(walk("hs", "o", "hs", None, True))
+    return Program(launches, bufs, scheduler.DECOUPLED, notes)
 
 
 def grid_size(grid) -> int:

@@ -73,10 +73,10 @@ def state_shape(variant, inp):
 CASES = [  # (variant, executions)
     ("linear_attn", ("fused", "decoupled")),
     ("simple_gla", ("fused", "decoupled")),
-    ("gla", ("fused",)),
+    ("gla", ("fused", "decoupled")),
     ("gated_delta_rule", ("fused",)),
     ("deltanet", ("fused",)),
-    ("hgrn", ("fused",)),
+    ("hgrn", ("fused", "decoupled")),
 ]
 PARAMS = [(v, e) for v, ex in CASES for e in ex]
 
@@ -199,6 +199,10 @@ def test_scheduler_algorithm1_and_forcing(monkeypatch):
     # one chunk: no extra parallelism to gain
     s, _ = scheduler.algorithm1(1, 64, 2, 128, 128, 64, 128, 64, device=dev)
     assert s == "fused"
+    # the segment count grows with the sequence but keeps >= 4 chunks per segment
+    s, info = scheduler.algorithm1(1, 4096, 32, 128, 128, 64, 128, 64, device=dev)
+    assert s == "decoupled" and 2 <= info["n_seg"] <= 64 // scheduler.MIN_CHUNKS_PER_SEGMENT
+    assert info["t_dec"] == min(info["candidates"].values())
     monkeypatch.setenv("FORGE_DIST_EXECUTION", "decoupled")
     assert scheduler.choose(8, 4096, 32, 128, 128, 64, 64)[0] == "decoupled"
     assert scheduler.choose(8, 4096, 32, 128, 128, 64, 64, decoupled_available=False)[0] == "fused"
@@ -208,11 +212,41 @@ def test_scheduler_algorithm1_and_forcing(monkeypatch):
 
 
 def test_execution_is_reported():
-    inp = make("simple_gla", 1, 64, 1, 32, 32)
+    inp = make("simple_gla", 1, 192, 1, 32, 32)
     for ex in ("fused", "decoupled"):
         work = kernels.make_work("simple_gla", inp, None, False, execution=ex)
         work.finish(None)
         assert work.execution == ex
+        assert work.n_seg == (1 if ex == "fused" else 2)
+    # one chunk cannot be split: the report says what ran
+    work = kernels.make_work("simple_gla", make("simple_gla", 1, 64, 1, 32, 32), None, False,
+                             execution="decoupled")
+    work.finish(None)
+    assert work.execution == "fused" and "one segment" in work.execution_reason
+
+
+@pytest.mark.parametrize("variant", ["linear_attn", "simple_gla", "gla", "hgrn"])
+@pytest.mark.parametrize("n_seg", [2, 3, 5])
+def test_segments_forward_and_summary(monkeypatch, variant, n_seg):
+    """DECOUPLED over uneven segments (the last one ragged) with an initial state: outputs,
+    final state and the SP summary all equal the fp64 recurrence."""
+    monkeypatch.setenv("FORGE_DIST_SEGMENTS", str(n_seg))
+    inp = make(variant, 2, 150, 2, 32, 24, seed=7)  # gla: BT 32 -> 5 chunks; others 3
+    h0 = torch.randn(state_shape(variant, inp), device=DEV)
+    work = kernels.make_work(variant, inp, None, True)
+    o, ht = work.finish(h0 if variant != "hgrn" else h0.reshape(2, 1, 32, 1))
+    assert work.execution == "decoupled" and work.n_seg == min(n_seg, 5 if variant == "gla" else 3)
+    ro, rh = reference(variant, inp, h0)
+    assert rel(o, ro) <= 1e-4 and rel(ht.reshape(rh.shape), rh) <= 1e-4
+    delta, M = work.summary(True)
+    _, rz = reference(variant, inp, None)
+    assert rel(delta.reshape(rz.shape), rz) <= 1e-4
+
+
+def test_segment_count_validation(monkeypatch):
+    monkeypatch.setenv("FORGE_DIST_SEGMENTS", "zero")
+    with pytest.raises(ValueError, match="FORGE_DIST_SEGMENTS"):
+        scheduler.schedule(1, 4096, 2, 128, 128, 64, 64)
 
 
 # ------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def test_compile_all_for_sm90_on_cpu(built):
     assert man["header"]["torch"] == torch.__version__
     assert man["header"]["target"] == "cuda:90:32" and man["header"]["ptxas"]
     kinds = {e["kernel"] for e in man["kernels"].values()}
-    assert kinds == {"walk", "chunk_state", "chunk_scan", "chunk_output", "hgrn"}
+    assert kinds == {"walk", "segment_scan", "hgrn", "hgrn_scan"}
     for key, e in man["kernels"].items():
         blob = (d / e["cubin"]).read_bytes()
         assert blob[:4] == b"\x7fELF", key
@@ -84,7 +84,8 @@ def test_version_mismatch_detected_and_rebuilt(built, tmp_path):
     (d / "manifest.json").write_text(json.dumps(man))
     v = aot.verify(d, TARGET)
     assert v["valid"] == [] and all("triton '3.5.0'" in r for r in v["stale"].values())
-    one = dict(SMALL, variants=["hgrn"], initial_state=[False], sequence_parallel=False)
+    one = dict(SMALL, variants=["hgrn"], initial_state=[False], sequence_parallel=False,
+               execution=["fused"])
     rep = aot.compile_all(one, target=TARGET, cache_dir=d)
     assert len(rep["compiled"]) == 1 and "triton" in list(rep["stale"].values())[0]
     man = json.loads((d / "manifest.json").read_text())
@@ -145,7 +146,7 @@ def test_source_change_detected_and_rebuilt(tmp_path, monkeypatch):
 def test_compile_cli(tmp_path, capsys):
     cfg = tmp_path / "aot.toml"
     cfg.write_text('variants = ["hgrn"]\nhgrn_dims = [64]\ndtypes = ["float16"]\n'
-                   'initial_state = [false]\nsequence_parallel = false\n')
+                   'initial_state = [false]\nsequence_parallel = false\nexecution = ["fused"]\n')
     d = tmp_path / "cache"
     assert compile_cli.main(["--config", str(cfg), "--cache-dir", str(d)]) == 0
     out = capsys.readouterr().out
@@ -228,12 +229,13 @@ def test_static_plan_packs_pointers_and_scalars(built, execution):
     ws = p.finish_exec.workspaces
     ptr = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(),
            "o": o.data_ptr(), "ht": ht.data_ptr(), **{n: t.data_ptr() for n, t in ws.items()}}
-    for ln, (fn, grid, block_x, shared, stream, arr) in zip(
-            p.finish_exec.program.launches, drv.launches):
+    assert [b.kernel for b in p.finish_exec.bound] == [
+        ln.kernel for ln in p.finish_exec.program.launches]
+    for ln, bound, (fn, grid, block_x, shared, stream, arr) in zip(
+            p.finish_exec.program.launches, p.finish_exec.bound, drv.launches):
         e = man[ln.spec(p.finish_exec.program.buffers).key]
         assert fn.startswith(f"fn:{e['name']}") and stream == 1234
         assert grid == ln.grid and block_x == 32 * e["num_warps"] and shared == e["shared"]
-        bound = [a for a in p.finish_exec.bound if a.kernel == ln.kernel][0]
         got = bound.pack.unpack()
         want = [ptr[val] if kind == "buf" else val for _, kind, val in ln.args] + [0, 0]
         assert got[:len(want)] == pytest.approx(tuple(want))
@@ -253,8 +255,8 @@ def test_static_plan_falls_back_to_jit_for_missing_or_stale(built, tmp_path):
                                    dtype=torch.float32, gated=True, has_h0=False,
                                    execution="decoupled")
     keys = [s.key for s in prog.specs()]
-    del man["kernels"][keys[0]]                      # chunk_state: missing
-    man["kernels"][keys[1]]["source_hash"] = "0" * 64  # chunk_scan: stale source
+    del man["kernels"][keys[0]]                      # segment summaries (walk): missing
+    man["kernels"][keys[1]]["source_hash"] = "0" * 64  # segment_scan: stale source
     (d / "manifest.json").write_text(json.dumps(man))
     disp = dispatcher.Dispatcher(_verified_cache(d), FakeDriver())
     disp.stream_fn = lambda device_index: (lambda: 0)
@@ -262,8 +264,9 @@ def test_static_plan_falls_back_to_jit_for_missing_or_stale(built, tmp_path):
              backend="static", dispatcher=disp, execution="decoupled")
     paths = [x["path"] for x in p.describe()["launches"]]
     assert paths[0] == "jit (not in the cache)"
-    assert paths[1] == "jit (source of chunk_scan changed)"
-    assert paths[2].startswith("cubin ")
+    assert paths[1] == "jit (source of segment_scan changed)"
+    # the outputs walk is another walk spec (q, h0 per segment), still in the cache
+    assert keys[2] != keys[0] and paths[2].startswith("cubin ")
     assert any("fall back to the JIT" in n for n in p.notes)
 
 

@@ -158,7 +158,7 @@ def test_validation_errors():
     (dict(dtype=torch.int32), "dtype: expected float16"),
     (dict(op="gla", gated=False), "gla needs its gate"),
     (dict(op="linear_attn", gated=True), "linear_attn takes no gate"),
-    (dict(op="gla", execution="decoupled"), "gla has only the fused kernels"),
+    (dict(op="gated_delta_rule", execution="decoupled"), "gated_delta_rule has only the fused"),
     (dict(op="hgrn"), "hgrn: give D"),
     (dict(group=SimWorld(2)[0], op="gated_delta_rule"), "sequence-parallel plans cover"),
     (dict(group=SimWorld(2)[0], strategy="lasp2"), "a SimRank group runs only 'forge'"),
@@ -177,9 +177,9 @@ def test_describe_reports_choices():
              execution="decoupled")
     d = p.describe()
     assert d["execution"] == "decoupled" and d["backend"] == "triton"
-    assert [x["kernel"] for x in d["launches"]] == ["chunk_state", "chunk_scan", "chunk_output"]
-    assert d["workspaces"] == {"h": [B, H, 2, K, V]}
-    assert d["launches"][0]["grid"] == [1, 2, B * H]  # V=48 -> one BV=64 tile, 2 chunks
+    assert [x["kernel"] for x in d["launches"]] == ["walk", "segment_scan", "walk"]
+    assert d["workspaces"] == {"hs": [2, B, H, K, V], "gt": [2, B, H, K]}
+    assert d["launches"][0]["grid"] == [1, B * H, 2]  # V=48 -> one BV=64 tile, 2 segments
     assert all(x["path"] == "jit" for x in d["launches"])
     assert d["inputs"]["g"] == {"shape": [B, T, H], "dtype": "torch.float32"}
 
