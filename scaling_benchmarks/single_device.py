@@ -214,6 +214,10 @@ def main(argv=None):
     ap.add_argument("--sweep-ops", default="simple_gla,gla,hgrn")
     ap.add_argument("--sweep-T", default="4096,65536")
     ap.add_argument("--no-dsl", action="store_true", help="skip the forge_dsl rows")
+    ap.add_argument("--impls", default=None,
+                    help="only these, comma-separated: impl or impl/strategy "
+                         "(e.g. forge_dist/auto,forge_dsl,fla)")
+    ap.add_argument("--tag", default=None, help="suffix of the results file name")
     args = ap.parse_args(argv)
 
     if args.plot:
@@ -278,6 +282,9 @@ def main(argv=None):
                     if impl == "torch_compile" and pas == "fwdbwd":
                         continue  # compile time dominates; the forward comparison suffices
                     plan.append((op, T, pas, impl, strat))
+    if args.impls:
+        keep = set(args.impls.split(","))
+        plan = [p for p in plan if p[3] in keep or f"{p[3]}/{p[4]}" in keep]
     # slow-to-compile baselines last, so a time limit cuts them first
     order = {"forge_dist": 0, "fla": 0, "forge_dsl": 1, "torch": 1, "torch_compile": 2}
     plan.sort(key=lambda p: (order[p[3]], p[2] != "fwd"))

@@ -34,10 +34,16 @@ GATED_DELTA_RULE = VariantSpec("gated_delta_rule", Kind.DENSE)
 HGRN = VariantSpec("hgrn", Kind.DIAGONAL, vector_state=True)
 
 def _use_kernels(device: torch.device) -> bool:
-    """Triton kernels for CUDA tensors unless ``FORGE_DIST_KERNELS=torch`` asks otherwise."""
+    """Triton kernels for CUDA tensors unless ``FORGE_DIST_KERNELS=torch`` asks otherwise;
+    ``FORGE_DIST_KERNELS=triton`` with ``TRITON_INTERPRET=1`` also runs them on CPU tensors
+    (how CI exercises the GPU code path end to end)."""
     choice = os.environ.get("FORGE_DIST_KERNELS", "auto")
     if choice not in ("auto", "triton", "torch"):
         raise ValueError(f"FORGE_DIST_KERNELS: expected auto, triton or torch, got {choice!r}")
+    if choice == "triton" and device.type != "cuda":
+        from ..kernels import interpreting
+
+        return interpreting()
     return choice != "torch" and device.type == "cuda"
 
 
