@@ -217,7 +217,9 @@ class ShapeContext:
 
     def name_of(self, size) -> str:
         if isinstance(size, int):
-            return str(size)
+            # some torch releases (2.11) specialise the probe sizes to ints; the hints are
+            # distinct primes, so an int that is one names its dimension
+            return self.by_hint.get(size, str(size))
         expr = size.node.expr
         subs = {}
         for sym in expr.free_symbols:

@@ -11,7 +11,6 @@ import shutil
 import struct
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

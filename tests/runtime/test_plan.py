@@ -6,7 +6,6 @@ import inspect
 import os
 import textwrap
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
 
 import pytest
 import torch
