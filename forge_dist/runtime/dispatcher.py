@@ -225,8 +225,9 @@ class BindingsDriver:
         s = self._streams.get(stream)
         if s is None:
             s = self._streams[stream] = self.cu.CUstream(stream)
+        # cuda.bindings takes ``extra`` as an address (intptr_t): 0, not None
         err = self.cu.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block_x, 1, 1, shared, s,
-                                     params, None)[0]
+                                     params, 0)[0]
         if err != self._ok:
             self._check((err,), "cuLaunchKernel")
 
