@@ -3,9 +3,8 @@
 Two launches (see :mod:`forge_dist.variants.delta_rule` for the chunk equations):
 
 1. ``_wy_kernel``, per chunk in parallel: the unit lower-triangular inverse
-   ``Tm = (I + diag(b) Lmat)^{-1}`` as a product of ``log2(BT)`` factors
-   ``(I - A)(I + A^2)(I + A^4)...`` (A strictly lower, so nilpotent: the product is exact),
-   all tensor-core matmuls, then ``W = Tm diag(b exp(G)) K`` and ``U = Tm diag(b) V``;
+   ``Tm = (I + diag(b) Lmat)^{-1}`` by forward substitution (stable for aligned keys), then
+   ``W = Tm diag(b exp(G)) K`` and ``U = Tm diag(b) V`` on tensor cores;
 2. the shared fused walker with the WY correction ``v' = U - W S``.
 
 The summary's dense transition ``M`` is the same walk started from ``S = I`` with ``U = 0``
@@ -33,7 +32,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _wy_kernel(k, v, g, beta, w, u, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LOG2BT: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    GATE: tl.constexpr, PREC: tl.constexpr):
         """grid ``(NT, B * H)``; k, w [B, T, H, K]; v, u [B, T, H, V]; g, beta [B, T, H]."""
         i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -56,13 +55,16 @@ if HAVE_TRITON:
             b_L = tl.where(strict, b_L, 0.0)
             b_kb = b_k.to(tl.float32) * b_beta[:, None]
         b_A = b_L * b_beta[:, None]
-        eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-        # (I + A)^{-1} = (I - A) prod_{s=1}^{LOG2BT-1} (I + A^(2^s))
-        b_X = eye - b_A
-        b_P = b_A
-        for _ in tl.static_range(LOG2BT - 1):
-            b_P = tl.dot(b_P, b_P, input_precision=PREC)
-            b_X = tl.dot(b_X, eye + b_P, input_precision=PREC)
+        # X = (I + A)^{-1} by forward substitution, row by row: X_i = e_i - A_i X (rows j < i
+        # are final when row i is formed).  The product form (I - A)(I + A^2)(I + A^4)... is
+        # exact in exact arithmetic but its powers of A reach binomial sizes when keys are
+        # aligned (repeated tokens), and fp32 cancellation then returns garbage.
+        b_X = tl.zeros([BT, BT], dtype=tl.float32)
+        for i in range(0, BT):
+            sel = rows == i
+            a_i = tl.sum(tl.where(sel[:, None], b_A, 0.0), axis=0)
+            x_i = tl.where(sel, 1.0, 0.0) - tl.sum(a_i[:, None] * b_X, axis=0)
+            b_X = tl.where(sel[:, None], x_i[None, :], b_X)
         b_w = tl.dot(b_X, b_kb, input_precision=PREC)
         p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
         tl.store(p_w, b_w.to(p_w.dtype.element_ty), boundary_check=(0, 1))
@@ -82,7 +84,7 @@ def wy(k, v, g, beta, *, BT: int, prec: str, dtype):
     u = torch.empty(B, T, H, V, dtype=dtype, device=k.device)
     _wy_kernel[(triton.cdiv(T, BT), B * H)](
         k, v, g if g is not None else beta, beta, w, u, T, H=H, K=K, V=V, BT=BT,
-        BK=next_pow2(K), BV=min(WY_CONFIG["BV"], next_pow2(V)), LOG2BT=BT.bit_length() - 1,
+        BK=next_pow2(K), BV=min(WY_CONFIG["BV"], next_pow2(V)),
         GATE=0 if g is None else 1, PREC=prec, num_warps=WY_CONFIG["num_warps"],
         num_stages=WY_CONFIG["num_stages"])
     return w, u

@@ -291,7 +291,7 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                  ("beta", "buf", "beta"), ("w", "buf", "w"), ("u", "buf", "u"),
                  ("T", "i32", T)),
                 (("H", H), ("K", K), ("V", V), ("BT", BT), ("BK", _pow2(K)),
-                 ("BV", min(delta.WY_CONFIG["BV"], _pow2(V))), ("LOG2BT", BT.bit_length() - 1),
+                 ("BV", min(delta.WY_CONFIG["BV"], _pow2(V))),
                  ("GATE", 1 if gated else 0), ("PREC", wy_prec)),
                 delta.WY_CONFIG["num_warps"], delta.WY_CONFIG["num_stages"])
     walks = _walk(bufs, q="q", k="k", v="u", g=g, w="w", h0=h0, o="o", ht="ht", B=B, T=T, H=H,

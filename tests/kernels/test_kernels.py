@@ -332,3 +332,21 @@ def test_gla_parallel_intra_kernel(monkeypatch, gate_shift):
     ro, rh = reference("gla", inp, h0)
     assert torch.isfinite(o).all()
     assert rel(o, ro) <= 1e-4 and rel(ht, rh) <= 1e-4
+
+
+@pytest.mark.parametrize("variant", ["gated_delta_rule", "deltanet"])
+@pytest.mark.parametrize("noise", [1.0, 0.0], ids=["correlated", "identical"])
+def test_delta_rule_aligned_keys(variant, noise):
+    """Keys sharing a direction (repeated tokens) with beta near 1: the in-chunk WY inverse
+    must stay accurate (a product-of-powers inverse returned errors of 1e3-1e19 here)."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K = 1, 128, 1, 32
+    base = torch.randn(K, generator=gen)
+    k = base + noise * torch.randn(B, T, H, K, generator=gen)
+    inp = {"q": torch.randn(B, T, H, K, generator=gen), "k": k / k.norm(dim=-1, keepdim=True),
+           "v": torch.randn(B, T, H, K, generator=gen), "beta": torch.full((B, T, H), 0.99),
+           "g": torch.full((B, T, H), -1e-3) if variant == "gated_delta_rule" else None}
+    inp = {n: (None if t is None else t.to(DEV)) for n, t in inp.items()}
+    o, ht = kernels.forward("gated_delta_rule", inp, None, None)
+    ro, rh = reference(variant, inp, None)
+    assert rel(o, ro) <= 1e-4 and rel(ht, rh) <= 1e-4, (rel(o, ro), rel(ht, rh))
