@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -89,3 +90,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="TOML file with settings")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override one setting (repeatable)")
+
+
+def env_positive_int(name: str, default: Optional[int] = None) -> Optional[int]:
+    """The positive integer in environment variable ``name`` (``default`` when unset or
+    empty); anything else raises a ``ValueError`` naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {raw!r}")
+    return value

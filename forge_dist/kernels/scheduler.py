@@ -133,16 +133,9 @@ class Schedule:
 
 
 def _env_segments() -> Optional[int]:
-    env = os.environ.get("FORGE_DIST_SEGMENTS", "").strip()
-    if not env:
-        return None
-    try:
-        n = int(env)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"FORGE_DIST_SEGMENTS: expected a positive integer, got {env!r}")
-    return n
+    from ..config import env_positive_int
+
+    return env_positive_int("FORGE_DIST_SEGMENTS")
 
 
 def _resolve(request: Optional[str], n_c: int, auto: Schedule) -> Schedule:

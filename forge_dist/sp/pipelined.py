@@ -8,7 +8,6 @@ along V, where ``M^T`` acts column by column).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -19,14 +18,9 @@ from .base import Strategy, register
 
 def n_tiles() -> int:
     """Tiles per state, from ``FORGE_DIST_PIPELINE_TILES`` (a positive integer, default 4)."""
-    raw = os.environ.get("FORGE_DIST_PIPELINE_TILES", "4")
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"FORGE_DIST_PIPELINE_TILES: expected a positive integer, got {raw!r}")
-    return value
+    from ..config import env_positive_int
+
+    return env_positive_int("FORGE_DIST_PIPELINE_TILES", 4)
 
 
 def _ring(kind, like, first, combine_tile, group, src, dst, what):

@@ -6,7 +6,6 @@ and verify steps run in a child process with the interpreter off (see runtime/ao
 """
 import ctypes
 import json
-import os
 import shutil
 import struct
 from pathlib import Path
