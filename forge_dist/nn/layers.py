@@ -85,7 +85,16 @@ class SPMixin(nn.Module):
 
 
 class _QKVConv(nn.Module):
-    """Optional q/k/v short convolutions shared by the attention-like layers."""
+    """q/k/v projections and optional short convolutions shared by the attention-like layers."""
+
+    def _make_qkv(self, hidden_size, use_short_conv, conv_size, conv_bias):
+        """q, k, v projections (k and v per KV group), then their short convolutions
+        (FLA's creation order, so seeded initialisations match)."""
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim_per_group, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim_per_group, bias=False)
+        self._make_convs(use_short_conv, conv_size, conv_bias,
+                         (self.key_dim, self.key_dim_per_group, self.value_dim_per_group))
 
     def _make_convs(self, use_short_conv, conv_size, conv_bias, dims, activation="silu"):
         self.use_short_conv, self.conv_size, self.conv_bias = use_short_conv, conv_size, conv_bias
@@ -250,11 +259,7 @@ class MultiScaleRetention(SPMixin, _QKVConv, _GatedOutput):
         if decay == "lightning" and (num_layers is None or layer_idx is None):
             raise ValueError("decay='lightning' needs layer_idx and num_layers")
         self.decay, self.num_layers = decay, num_layers
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, self.key_dim_per_group, bias=False)
-        self.v_proj = nn.Linear(hidden_size, self.value_dim_per_group, bias=False)
-        self._make_convs(use_short_conv, conv_size, conv_bias,
-                         (self.key_dim, self.key_dim_per_group, self.value_dim_per_group))
+        self._make_qkv(hidden_size, use_short_conv, conv_size, conv_bias)
         self._make_output(use_output_gate, gate_fn, fuse_norm, elementwise_affine, norm_eps)
         self.rotary = RotaryEmbedding(self.head_k_dim) if use_rotary else None
 
@@ -320,11 +325,7 @@ class SimpleGatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
         _kv_dims(self, hidden_size, expand_k, expand_v, num_heads, num_kv_heads)
         self.mode, self.layer_idx = mode, layer_idx
         self.feature_map_fn = _feature_map(feature_map)
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, self.key_dim_per_group, bias=False)
-        self.v_proj = nn.Linear(hidden_size, self.value_dim_per_group, bias=False)
-        self._make_convs(use_short_conv, conv_size, conv_bias,
-                         (self.key_dim, self.key_dim_per_group, self.value_dim_per_group))
+        self._make_qkv(hidden_size, use_short_conv, conv_size, conv_bias)
         self.gk_proj = nn.Linear(hidden_size, num_heads)
         self._make_output(True, gate_fn, fuse_norm, elementwise_affine, norm_eps)
         self.gate_logit_normalizer = gate_logit_normalizer
@@ -456,11 +457,7 @@ class GatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
         _kv_dims(self, hidden_size, expand_k, expand_v, num_heads, num_kv_heads)
         self.mode, self.layer_idx, self.clamp_min = mode, layer_idx, clamp_min
         self.feature_map_fn = _feature_map(feature_map)
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, self.key_dim_per_group, bias=False)
-        self.v_proj = nn.Linear(hidden_size, self.value_dim_per_group, bias=False)
-        self._make_convs(use_short_conv, conv_size, conv_bias,
-                         (self.key_dim, self.key_dim_per_group, self.value_dim_per_group))
+        self._make_qkv(hidden_size, use_short_conv, conv_size, conv_bias)
         self.gk_proj = nn.Sequential(nn.Linear(hidden_size, gate_low_rank_dim, bias=False),
                                      nn.Linear(gate_low_rank_dim, self.key_dim_per_group))
         self._make_output(use_output_gate, gate_fn, fuse_norm, elementwise_affine, norm_eps)
