@@ -16,6 +16,7 @@ kernel is the summary kernel (final state from a zero or given start, no outputs
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -109,7 +110,8 @@ if HAVE_TRITON:
                      GATE: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
                      HAS_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_HT: tl.constexpr,
                      PREC: tl.constexpr, HAS_A: tl.constexpr = False, a=None,
-                     STORE_GT: tl.constexpr = False):
+                     STORE_GT: tl.constexpr = False, HAS_SIN: tl.constexpr = False,
+                     s_in=None, cg=None, HT_LAST: tl.constexpr = False):
         """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H, NSEG)``.
 
         Program ``(i_v, i_bh, i_s)`` walks the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a
@@ -119,6 +121,10 @@ if HAVE_TRITON:
         segment's start and end state); gt [NSEG, B, H, K] fp32: the segment's summed log
         decay (STORE_GT; broadcast over K for scalar gates); o [B, T, H, V].
         ``HAS_V=False`` means v = 0 (transition-only walks).
+        HAS_SIN: a state ``s_in [B, H, K, V]`` fp32 entering the whole walk is folded into
+        every segment's start, ``h0 + exp(cg) * s_in`` with ``cg [NSEG + 1, B, H, K]`` the
+        log decay from the walk's start to each segment's start (from the segment scan).
+        HT_LAST: only the last segment stores its end state, into ``ht [B, H, K, V]``.
         """
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)
@@ -139,6 +145,14 @@ if HAVE_TRITON:
             b_S = tl.load(p_h, boundary_check=(0, 1)).to(tl.float32)
         else:
             b_S = tl.zeros([BK, BV], dtype=tl.float32)
+        if HAS_SIN:
+            p_si = tl.make_block_ptr(s_in + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+            b_si = tl.load(p_si, boundary_check=(0, 1)).to(tl.float32)
+            if GATE != 0:
+                o_kc = tl.arange(0, BK)
+                b_c = tl.load(cg + i_sbh * K + o_kc, mask=o_kc < K, other=0.0)
+                b_si = b_si * tl.exp(b_c)[:, None]
+            b_S += b_si
         b_gt = tl.zeros([BK], dtype=tl.float32)  # segment's summed log decay (STORE_GT)
 
         for t0 in range(t_lo, t_hi, BT):
@@ -213,8 +227,13 @@ if HAVE_TRITON:
             b_S += tl.dot(tl.trans(b_kd), b_vd, input_precision=PREC)
 
         if STORE_HT:
-            p_ht = tl.make_block_ptr(ht + i_sbh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-            tl.store(p_ht, b_S, boundary_check=(0, 1))
+            if HT_LAST:
+                if i_s == tl.num_programs(2) - 1:
+                    p_ht = tl.make_block_ptr(ht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+                    tl.store(p_ht, b_S, boundary_check=(0, 1))
+            else:
+                p_ht = tl.make_block_ptr(ht + i_sbh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+                tl.store(p_ht, b_S, boundary_check=(0, 1))
         if STORE_GT:
             if i_v == 0:
                 o_k = tl.arange(0, BK)
@@ -223,12 +242,14 @@ if HAVE_TRITON:
     @triton.jit
     def _segment_scan_kernel(hs, gt, h0, ht, NSEG, K: tl.constexpr, V: tl.constexpr,
                              BK: tl.constexpr, BV: tl.constexpr, GATED: tl.constexpr,
-                             HAS_H0: tl.constexpr):
+                             HAS_H0: tl.constexpr, STORE_CG: tl.constexpr = False, cg=None):
         """Scan over segment summaries; grid ``(cdiv(V, BV), B * H)``.
 
         hs [NSEG, B, H, K, V] fp32 holds each segment's state from a zero start and is
         overwritten with each segment's *incoming* state; gt [NSEG, B, H, K] the segments'
         summed log decays; h0 [B, H, K, V] the call's initial state; ht the final state.
+        STORE_CG: ``cg [NSEG + 1, B, H, K]`` gets the log decay from the start to each
+        segment's start, and in row NSEG the total (written by the ``i_v == 0`` programs).
         """
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         NBH = tl.num_programs(1)
@@ -238,6 +259,7 @@ if HAVE_TRITON:
             b_S = tl.load(p0, boundary_check=(0, 1)).to(tl.float32)
         else:
             b_S = tl.zeros([BK, BV], dtype=tl.float32)
+        b_c = tl.zeros([BK], dtype=tl.float32)
         for i_s in range(0, NSEG):
             slot = i_s * NBH + i_bh
             p_h = tl.make_block_ptr(hs + slot * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
@@ -246,7 +268,14 @@ if HAVE_TRITON:
             if GATED:
                 b_g = tl.load(gt + slot * K + o_k, mask=o_k < K, other=0.0)
                 b_S = b_S * tl.exp(b_g)[:, None]
+                if STORE_CG:
+                    if i_v == 0:
+                        tl.store(cg + slot * K + o_k, b_c, mask=o_k < K)
+                    b_c += b_g
             b_S += b_dS
+        if STORE_CG:
+            if i_v == 0:
+                tl.store(cg + (NSEG * NBH + i_bh) * K + o_k, b_c, mask=o_k < K)
         p_ht = tl.make_block_ptr(ht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
         tl.store(p_ht, b_S, boundary_check=(0, 1))
 
@@ -278,6 +307,37 @@ def segment_length(T: int, BT: int, n_seg: int) -> int:
     return -(-n_chunks // max(1, n_seg)) * BT
 
 
+def _tiles(k: Tensor, V: int, cfg: dict):
+    """``(BT, BK, BV, NV)`` of the walker for keys ``k`` and value dim ``V``."""
+    BV = min(cfg["BV"], next_pow2(V))
+    return cfg["BT"], next_pow2(k.shape[-1]), BV, triton.cdiv(V, BV)
+
+
+def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_ht, scale,
+                 V, cfg, prec, a=None, s_in=None, cg=None, ht_last=False) -> None:
+    """One walker launch over ``n`` segments of ``seg`` tokens (see ``_walk_kernel``)."""
+    B, T, H, K = k.shape
+    BT, BK, BV, NV = _tiles(k, V, cfg)
+    args = (q if q is not None else k, k, v if v is not None else k,
+            g if g is not None else k, w if w is not None else k,
+            h0 if h0 is not None else ht, o if o is not None else ht, ht,
+            gt if gt is not None else ht, T, seg, scale)
+    flags = dict(H=H, K=K, V=V, BT=BT, BK=BK, GATE=gate, HAS_V=v is not None,
+                 HAS_W=w is not None, HAS_H0=h0 is not None, STORE_O=q is not None,
+                 STORE_HT=store_ht, PREC=prec, HAS_A=a is not None and q is not None,
+                 a=a if q is not None else None, STORE_GT=gt is not None)
+    if s_in is not None:  # folded-in incoming state (and, gated, its decay per segment)
+        flags.update(HAS_SIN=True, s_in=s_in, cg=cg if cg is not None else s_in)
+    if ht_last:
+        flags.update(HT_LAST=True)
+    if use_autotune() and cfg.get("tune", True):
+        grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * H, n)  # noqa: E731
+        _walk_tuned[grid](*args, **flags)
+    else:
+        _walk_kernel[(NV, B * H, n)](*args, BV=BV, **flags, num_warps=cfg["num_warps"],
+                                     num_stages=cfg["num_stages"])
+
+
 def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optional[Tensor] = None,
          gate: int = 0, w: Optional[Tensor] = None, h0: Optional[Tensor] = None,
          scale: float = 1.0, V: Optional[int] = None, out_dtype=torch.float32,
@@ -306,10 +366,7 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
     """
     B, T, H, K = k.shape
     V = v.shape[-1] if v is not None else V
-    BT = cfg["BT"]
-    BK = next_pow2(K)
-    BV = min(cfg["BV"], next_pow2(V))
-    NV = triton.cdiv(V, BV)
+    BT, BK, BV, NV = _tiles(k, V, cfg)
     seg = segment_length(T, BT, n_seg)
     n_seg = max(1, -(-T // seg))
     if n_seg > 1 and w is not None:
@@ -319,36 +376,100 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
     o = torch.empty(B, T, H, V, dtype=out_dtype, device=k.device) if q is not None else None
     if h0 is not None:
         h0 = h0.to(torch.float32).contiguous()
-    tune = use_autotune() and cfg.get("tune", True)
-
-    def launch(n, *, q_, h0_, o_, ht_, gt_, store_ht):
-        args = (q_ if q_ is not None else k, k, v if v is not None else k,
-                g if g is not None else k, w if w is not None else k,
-                h0_ if h0_ is not None else ht_, o_ if o_ is not None else ht_, ht_,
-                gt_ if gt_ is not None else ht_, T, seg, scale)
-        flags = dict(H=H, K=K, V=V, BT=BT, BK=BK, GATE=gate, HAS_V=v is not None,
-                     HAS_W=w is not None, HAS_H0=h0_ is not None, STORE_O=q_ is not None,
-                     STORE_HT=store_ht, PREC=prec, HAS_A=a is not None and q_ is not None,
-                     a=a if q_ is not None else None, STORE_GT=gt_ is not None)
-        if tune:
-            grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * H, n)  # noqa: E731
-            _walk_tuned[grid](*args, **flags)
-        else:
-            _walk_kernel[(NV, B * H, n)](*args, BV=BV, **flags, num_warps=cfg["num_warps"],
-                                         num_stages=cfg["num_stages"])
-
+    common = dict(k=k, v=v, g=g, gate=gate, w=w, scale=scale, V=V, cfg=cfg, prec=prec)
     if n_seg == 1:
-        launch(1, q_=q, h0_=h0, o_=o, ht_=ht, gt_=None, store_ht=True)
+        _launch_walk(1, seg, q=q, h0=h0, o=o, ht=ht, gt=None, store_ht=True, a=a, **common)
         return o, ht
     hs = torch.empty(n_seg, B, H, K, V, dtype=torch.float32, device=k.device)
     gt = torch.empty(n_seg, B, H, K, dtype=torch.float32, device=k.device) if gate else None
-    launch(n_seg, q_=None, h0_=None, o_=None, ht_=hs, gt_=gt, store_ht=True)
+    _launch_walk(n_seg, seg, q=None, h0=None, o=None, ht=hs, gt=gt, store_ht=True, **common)
     _segment_scan_kernel[(NV, B * H)](hs, gt if gt is not None else hs,
                                       h0 if h0 is not None else ht, ht, n_seg, K=K, V=V, BK=BK,
                                       BV=BV, GATED=gate != 0, HAS_H0=h0 is not None,
                                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if q is not None:
-        launch(n_seg, q_=q, h0_=hs, o_=o, ht_=ht, gt_=None, store_ht=False)
+        _launch_walk(n_seg, seg, q=q, h0=hs, o=o, ht=ht, gt=None, store_ht=False, a=a,
+                     **common)
+    return o, ht
+
+
+@dataclass
+class SegmentStates:
+    """A shard's local summary, kept so that its outputs need no second summary pass.
+
+    ``starts [n_seg, B, H, K, V]`` fp32: each segment's incoming state from a zero start;
+    ``decay_to [n_seg + 1, B, H, K]`` fp32 (gated): log decay from the shard start to each
+    segment's start, row ``n_seg`` the whole shard's (``None`` without a gate);
+    ``delta [B, H, K, V]`` fp32: the shard's state from a zero start.  ``n_seg == 1`` keeps
+    no ``starts`` (the single segment starts at the shard start).
+    """
+
+    n_seg: int
+    seg: int
+    delta: Tensor
+    starts: Optional[Tensor]
+    decay_to: Optional[Tensor]
+
+    def total_log_decay(self) -> Optional[Tensor]:
+        """``[B, H, K]``: the shard's summed log decay (``None`` without a gate)."""
+        return None if self.decay_to is None else self.decay_to[self.n_seg]
+
+
+def summarize(k: Tensor, v: Tensor, *, g: Optional[Tensor] = None, gate: int = 0,
+              cfg: dict, prec: str, n_seg: int = 1) -> SegmentStates:
+    """Phase 1 of the sequence-parallel step: the shard's summary, with its segment states.
+
+    Runs the segment summaries and (``n_seg > 1``) the segment scan from a zero start;
+    :func:`outputs_from_summary` then runs only the segments' output walks once the incoming
+    state is known.  Shapes as in :func:`walk`.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BT, BK, BV, NV = _tiles(k, V, cfg)
+    seg = segment_length(T, BT, n_seg)
+    n_seg = max(1, -(-T // seg))
+    common = dict(k=k, v=v, g=g, gate=gate, w=None, scale=1.0, V=V, cfg=cfg, prec=prec)
+    hs = torch.empty(n_seg, B, H, K, V, dtype=torch.float32, device=k.device)
+    gt = torch.empty(n_seg, B, H, K, dtype=torch.float32, device=k.device) if gate else None
+    _launch_walk(n_seg, seg, q=None, h0=None, o=None, ht=hs, gt=gt, store_ht=True, **common)
+    if n_seg == 1:
+        decay_to = None
+        if gt is not None:
+            decay_to = torch.cat([torch.zeros_like(gt), gt])
+        return SegmentStates(1, seg, hs[0], None, decay_to)
+    delta = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
+    decay_to = (torch.empty(n_seg + 1, B, H, K, dtype=torch.float32, device=k.device)
+                if gate else None)
+    _segment_scan_kernel[(NV, B * H)](hs, gt if gt is not None else hs, delta, delta, n_seg,
+                                      K=K, V=V, BK=BK, BV=BV, GATED=gate != 0, HAS_H0=False,
+                                      STORE_CG=decay_to is not None, cg=decay_to,
+                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return SegmentStates(n_seg, seg, delta, hs, decay_to)
+
+
+def outputs_from_summary(summ: SegmentStates, k: Tensor, v: Tensor, *, q: Tensor,
+                         g: Optional[Tensor] = None, gate: int = 0,
+                         S_in: Optional[Tensor] = None, scale: float = 1.0,
+                         out_dtype=torch.float32, cfg: dict, prec: str,
+                         a: Optional[Tensor] = None):
+    """Phase 3: ``(o, final state)`` of the shard given its incoming state ``S_in``.
+
+    Every segment starts from ``starts[s] + exp(decay_to[s]) * S_in`` (folded into the
+    walker's first step), so the summary's work is not redone; the last segment's walk ends
+    on the final state.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    if S_in is not None:
+        S_in = S_in.to(torch.float32).contiguous()
+    o = torch.empty(B, T, H, V, dtype=out_dtype, device=k.device)
+    ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
+    common = dict(k=k, v=v, g=g, gate=gate, w=None, scale=scale, V=V, cfg=cfg, prec=prec, a=a)
+    if summ.n_seg == 1:
+        _launch_walk(1, summ.seg, q=q, h0=S_in, o=o, ht=ht, gt=None, store_ht=True, **common)
+    else:
+        _launch_walk(summ.n_seg, summ.seg, q=q, h0=summ.starts, o=o, ht=ht, gt=None,
+                     store_ht=True, s_in=S_in, cg=summ.decay_to, ht_last=True, **common)
     return o, ht
 
 
@@ -430,6 +551,7 @@ class TritonWork(SegmentWork):
 
     names: tuple = ()
     vector_state = False
+    keeps_segments = False  # _summary_fwd keeps segment states that _finish_fwd reuses
 
     def __init__(self, variant: str, inputs: dict, scale: Optional[float], need_transition: bool,
                  out_dtype: Optional[torch.dtype] = None, execution: Optional[str] = None):
@@ -441,7 +563,8 @@ class TritonWork(SegmentWork):
         self.out_dtype = out_dtype or torch.float32
         self.execution_request = execution
         self.execution = None  # what the last finish() ran ("fused" / "decoupled")
-        self._summ = None
+        # the summary's segment states, kept by patterns whose finish() can reuse them
+        self.segments: Optional[SegmentStates] = None
 
     # SegmentWork API ---------------------------------------------------------------------
     def summary(self, need_transition: bool):
@@ -455,16 +578,27 @@ class TritonWork(SegmentWork):
         """``(o, final state fp32)`` given the incoming state (``None``: zeros)."""
         return _FinishFn.apply(self, S_in, *self.tensors)
 
-    def _schedule(self, k: Tensor, v: Tensor, cfg: dict, gate_elems: int = 0) -> int:
+    def prepare(self) -> None:
+        """Compute and keep the segment states before the incoming state arrives (patterns
+        that reuse them); gradients never flow through this (``finish`` recomputes them)."""
+        if self.keeps_segments and self.segments is None:
+            with torch.no_grad():
+                self._summary_fwd([None if t is None else t.detach() for t in self.tensors],
+                                  False)
+
+    def _schedule(self, k: Tensor, v: Tensor, cfg: dict, gate_elems: int = 0,
+                  with_summary: bool = False) -> int:
         """Pick FUSED or DECOUPLED (and the segment count) for this call; records the choice
-        in ``execution`` / ``execution_reason`` / ``n_seg`` and returns the segment count."""
+        in ``execution`` / ``execution_reason`` / ``n_seg`` and returns the segment count.
+        ``with_summary``: the shard's summary is needed too (sequence parallelism), so a
+        fused run pays the summary's extra read of k and v as well."""
         from . import scheduler
 
         B, T, H, K = k.shape
         V = v.shape[-1]
         s = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], next_pow2(V)),
                                elem_size=k.element_size(), gate_elems=gate_elems,
-                               request=self.execution_request)
+                               request=self.execution_request, with_summary=with_summary)
         self.execution, self.execution_reason, self.n_seg = s.strategy, s.reason, s.n_seg
         return s.n_seg
 

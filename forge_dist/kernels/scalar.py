@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import dot_precision, ensure, sized_config, TritonWork, walk
+from ._common import (dot_precision, ensure, outputs_from_summary, sized_config, summarize,
+                      TritonWork, walk)
 from ..variants import decay_attention
 
 # Tile config for this pattern (one place).  BV trades parallelism (B*H*V/BV programs)
@@ -28,6 +29,7 @@ class ScalarDecayWork(TritonWork):
     ``g [B, T, H]`` or ``None``."""
 
     names = ("q", "k", "v", "g")
+    keeps_segments = True
 
     def _prec(self):
         return dot_precision(self.in_dtype)
@@ -35,20 +37,25 @@ class ScalarDecayWork(TritonWork):
     def _finish_fwd(self, S_in, tensors):
         q, k, v, g = (ensure(t) for t in tensors)
         cfg = fused_config(k.shape[-1], v.shape[-1])
+        gate = 0 if g is None else 1
+        if self.segments is not None:  # the summary ran: only the output walks remain
+            return outputs_from_summary(self.segments, k, v, q=q, g=g, gate=gate, S_in=S_in,
+                                        scale=self.scale, out_dtype=self.out_dtype, cfg=cfg,
+                                        prec=self._prec())
         n_seg = self._schedule(k, v, cfg)
-        return walk(k, v, q=q, g=g, gate=0 if g is None else 1, h0=S_in, scale=self.scale,
+        return walk(k, v, q=q, g=g, gate=gate, h0=S_in, scale=self.scale,
                     out_dtype=self.out_dtype, cfg=cfg, prec=self._prec(), n_seg=n_seg)
 
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g = (ensure(t) for t in tensors)
         cfg = fused_config(k.shape[-1], v.shape[-1])
-        n_seg = self._schedule(k, v, cfg)
-        _, delta = walk(k, v, g=g, gate=0 if g is None else 1, cfg=cfg, prec=self._prec(),
-                        n_seg=n_seg)
+        n_seg = self._schedule(k, v, cfg, with_summary=True)
+        self.segments = summarize(k, v, g=g, gate=0 if g is None else 1, cfg=cfg,
+                                  prec=self._prec(), n_seg=n_seg)
         M = None
         if need_M and g is not None:
-            M = g.to(torch.float32).sum(dim=1).exp()  # [B, H]
-        return delta, M
+            M = self.segments.total_log_decay()[..., 0].exp()  # [B, H]
+        return self.segments.delta, M
 
     def _summary_torch(self, tensors, need_M):
         q, k, v, g = tensors

@@ -62,17 +62,19 @@ def forced() -> Optional[str]:
 
 def best_segments(p_fused: int, n_chunks: int, *, base: float, extra: float, state: float,
                   device: Device, t_comp_chunk: float = 0.0,
-                  min_chunks: int = MIN_CHUNKS_PER_SEGMENT):
+                  min_chunks: int = MIN_CHUNKS_PER_SEGMENT, with_summary: bool = False):
     """The segment count with the least estimated time, and every candidate's estimate.
 
     ``base``: bytes of one fused pass; ``extra``: bytes the segment summaries re-read;
     ``state``: bytes of one full state.  Candidates are powers of two keeping at least
     ``min_chunks`` chunks per segment; a program walking alone draws
     ``bandwidth / max_concurrency``, so time = traffic / (bandwidth * capped parallelism share).
+    ``with_summary``: the caller needs the summary as well (sequence parallelism), which a
+    fused run pays with the same extra read.
     """
     def cost(n: int) -> float:
         par = min(p_fused * n, device.max_concurrency)
-        traffic = base + (extra + 4 * n * state if n > 1 else 0)
+        traffic = base + (extra if n > 1 or with_summary else 0) + (4 * n * state if n > 1 else 0)
         steps = n_chunks / n + (n if n > 1 else 0)  # sequential chunk steps (+ the scan)
         return traffic / (device.bandwidth * par / device.max_concurrency) + t_comp_chunk * steps
 
@@ -88,7 +90,8 @@ def best_segments(p_fused: int, n_chunks: int, *, base: float, extra: float, sta
 def algorithm1(B: int, T: int, H: int, dk: int, dv: int, C: int, tk: int, tv: int, *,
                elem_size: int = 2, device: Optional[Device] = None,
                p_min: Optional[int] = None, t_comp_chunk: float = 0.0,
-               gate_elems: int = 0, min_chunks: int = MIN_CHUNKS_PER_SEGMENT):
+               gate_elems: int = 0, min_chunks: int = MIN_CHUNKS_PER_SEGMENT,
+               with_summary: bool = False):
     """Algorithm 1 with DECOUPLED at segment granularity; returns ``(strategy, details)``.
 
     The paper's DECOUPLED materialises every chunk's state.  Here a *segment* of several
@@ -113,7 +116,8 @@ def algorithm1(B: int, T: int, H: int, dk: int, dv: int, C: int, tk: int, tv: in
     best, costs = best_segments(
         p_fused, n_c, base=tokens * ((2 * dk + 2 * dv) * elem_size + gate_elems * 4),
         extra=tokens * ((dk + dv) * elem_size + gate_elems * 4), state=B * H * dk * dv * 4,
-        device=dev, t_comp_chunk=t_comp_chunk, min_chunks=min_chunks)
+        device=dev, t_comp_chunk=t_comp_chunk, min_chunks=min_chunks,
+        with_summary=with_summary)
     info.update(t_fused=costs[1], t_dec=costs.get(best, costs[1]), n_seg=best,
                 P_dec=p_fused * best, candidates=costs)
     if best == 1:
@@ -159,28 +163,31 @@ def _resolve(request: Optional[str], n_c: int, auto: Schedule) -> Schedule:
 
 def schedule(B: int, T: int, H: int, K: int, V: int, C: int, tv: int, *, elem_size: int = 2,
              gate_elems: int = 0, request: Optional[str] = None,
-             decoupled_available: bool = True) -> Schedule:
+             decoupled_available: bool = True, with_summary: bool = False) -> Schedule:
     """The schedule of one matrix-state call: ``request`` > ``FORGE_DIST_EXECUTION`` >
     Algorithm 1 (``FORGE_DIST_SEGMENTS`` fixes the segment count of a decoupled run).
 
     A forced DECOUPLED takes Algorithm 1's segment count (at least 2, at most one per chunk).
-    Patterns without a decoupled schedule always run fused.
+    Patterns without a decoupled schedule always run fused.  ``with_summary``: the shard
+    summary is needed too (a sequence-parallel rank), which makes segments cheaper relative
+    to the fused walk (both read k and v twice).
     """
     if not decoupled_available:
         _resolve(request, 1, Schedule(FUSED, 1, ""))  # still validate the request
         return Schedule(FUSED, 1, "decoupled not built for this pattern")
     # the state tile spans all of K (tk = K) and BV columns
     strategy, info = algorithm1(B, T, H, K, V, C, K, tv, elem_size=elem_size,
-                                gate_elems=gate_elems)
+                                gate_elems=gate_elems, with_summary=with_summary)
     return _resolve(request, max(1, math.ceil(T / C)),
                     Schedule(strategy, info["n_seg"], info["reason"]))
 
 
 def schedule_vector_state(B: int, T: int, D: int, C: int, td: int, *, elem_size: int = 2,
                           request: Optional[str] = None,
-                          device: Optional[Device] = None) -> Schedule:
+                          device: Optional[Device] = None,
+                          with_summary: bool = False) -> Schedule:
     """The schedule of one vector-state (HGRN) call: ``B * cdiv(D, td)`` fused programs; the
-    segment summaries re-read x and g."""
+    segment summaries re-read x and g (as the summary of a sequence-parallel rank does)."""
     dev = device or device_params()
     n_c = max(1, math.ceil(T / C))
     p_fused = B * math.ceil(D / td)
@@ -189,7 +196,8 @@ def schedule_vector_state(B: int, T: int, D: int, C: int, td: int, *, elem_size:
     else:
         tokens = B * T * D
         best, _ = best_segments(p_fused, n_c, base=3 * tokens * elem_size,
-                                extra=2 * tokens * elem_size, state=B * D * 4, device=dev)
+                                extra=2 * tokens * elem_size, state=B * D * 4, device=dev,
+                                with_summary=with_summary)
         auto = (Schedule(FUSED, 1, "fused estimated faster") if best == 1 else
                 Schedule(DECOUPLED, best, f"decoupled over {best} segments estimated faster"))
     return _resolve(request, n_c, auto)

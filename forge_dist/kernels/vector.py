@@ -12,8 +12,9 @@ import os
 
 import torch
 
-from ._common import (HAVE_TRITON, dot_precision, ensure, interpreting, next_pow2, sized_config,
-                      tl, triton, TritonWork, walk)
+from ._common import (HAVE_TRITON, dot_precision, ensure, interpreting, next_pow2,
+                      outputs_from_summary, sized_config, summarize, tl, triton, TritonWork,
+                      walk)
 from ..variants import decay_attention
 
 FUSED_CONFIG = {"BT": 32, "BV": 64, "num_warps": 4, "num_stages": 2}
@@ -74,23 +75,28 @@ class VectorDecayWork(TritonWork):
     """gla segment: ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``."""
 
     names = ("q", "k", "v", "g")
+    keeps_segments = True
 
     def _finish_fwd(self, S_in, tensors):
         q, k, v, g = (ensure(t) for t in tensors)
         cfg = fused_config(k.shape[-1], v.shape[-1])
-        n_seg = self._schedule(k, v, cfg, gate_elems=k.shape[-1])
         a = intra_attention(q, k, g, cfg["BT"]) if use_intra_kernel() else None
+        if self.segments is not None:  # the summary ran: only the output walks remain
+            return outputs_from_summary(self.segments, k, v, q=q, g=g, gate=2, S_in=S_in,
+                                        scale=self.scale, out_dtype=self.out_dtype, cfg=cfg,
+                                        prec=dot_precision(self.in_dtype), a=a)
+        n_seg = self._schedule(k, v, cfg, gate_elems=k.shape[-1])
         return walk(k, v, q=q, g=g, gate=2, h0=S_in, scale=self.scale, out_dtype=self.out_dtype,
                     cfg=cfg, prec=dot_precision(self.in_dtype), a=a, n_seg=n_seg)
 
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g = (ensure(t) for t in tensors)
         cfg = fused_config(k.shape[-1], v.shape[-1])
-        n_seg = self._schedule(k, v, cfg, gate_elems=k.shape[-1])
-        _, delta = walk(k, v, g=g, gate=2, cfg=cfg, prec=dot_precision(self.in_dtype),
-                        n_seg=n_seg)
-        M = g.to(torch.float32).sum(dim=1).exp() if need_M else None  # [B, H, K]
-        return delta, M
+        n_seg = self._schedule(k, v, cfg, gate_elems=k.shape[-1], with_summary=True)
+        self.segments = summarize(k, v, g=g, gate=2, cfg=cfg, prec=dot_precision(self.in_dtype),
+                                  n_seg=n_seg)
+        M = self.segments.total_log_decay().exp() if need_M else None  # [B, H, K]
+        return self.segments.delta, M
 
     def _summary_torch(self, tensors, need_M):
         q, k, v, g = tensors

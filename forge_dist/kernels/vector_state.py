@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from . import scheduler
-from ._common import HAVE_TRITON, TritonWork, ensure, triton, tl, use_autotune
+from ._common import (HAVE_TRITON, SegmentStates, TritonWork, ensure, triton, tl,
+                      use_autotune)
 from ..variants import vector_state
 
 FUSED_CONFIG = {"BT": 64, "BD": 32, "num_warps": 4, "num_stages": 2}
@@ -28,10 +29,13 @@ if HAVE_TRITON:
     @triton.jit
     def _hgrn_kernel(x, g, h0, o, ht, gt, T, SEG, D: tl.constexpr, BT: tl.constexpr,
                      BD: tl.constexpr, HAS_H0: tl.constexpr, STORE_O: tl.constexpr,
-                     STORE_GT: tl.constexpr = False):
+                     STORE_GT: tl.constexpr = False, HAS_SIN: tl.constexpr = False,
+                     s_in=None, cg=None, HT_LAST: tl.constexpr = False):
         """grid ``(cdiv(D, BD), B, NSEG)``; x, g, o [B, T, D]; h0, ht [NSEG, B, D] fp32 (each
         segment of SEG tokens: its start and end state); gt [NSEG, B, D] fp32 the segment's
-        summed log decay (STORE_GT)."""
+        summed log decay (STORE_GT).  HAS_SIN: ``s_in [B, D]`` enters the whole walk, each
+        segment starts from ``h0 + exp(cg) * s_in`` (``cg [NSEG + 1, B, D]`` from the scan);
+        HT_LAST: only the last segment stores its end state, into ``ht [B, D]``."""
         i_d, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = i_s * tl.num_programs(1) + i_b
         cols = i_d * BD + tl.arange(0, BD)
@@ -41,6 +45,9 @@ if HAVE_TRITON:
             b_h = tl.load(h0 + slot * D + cols, mask=cmask, other=0.0).to(tl.float32)
         else:
             b_h = tl.zeros([BD], dtype=tl.float32)
+        if HAS_SIN:
+            b_si = tl.load(s_in + i_b * D + cols, mask=cmask, other=0.0).to(tl.float32)
+            b_h += tl.exp(tl.load(cg + slot * D + cols, mask=cmask, other=0.0)) * b_si
         b_gt = tl.zeros([BD], dtype=tl.float32)
         t_lo = i_s * SEG
         for t0 in range(t_lo, tl.minimum(T, t_lo + SEG), BT):
@@ -57,15 +64,20 @@ if HAVE_TRITON:
             b_h = tl.sum(tl.where((rows == BT - 1)[:, None], b_o, 0.0), axis=0)
             if STORE_GT:
                 b_gt += tl.sum(b_g, axis=0)
-        tl.store(ht + slot * D + cols, b_h, mask=cmask)
+        if HT_LAST:
+            if i_s == tl.num_programs(2) - 1:
+                tl.store(ht + i_b * D + cols, b_h, mask=cmask)
+        else:
+            tl.store(ht + slot * D + cols, b_h, mask=cmask)
         if STORE_GT:
             tl.store(gt + slot * D + cols, b_gt, mask=cmask)
 
     @triton.jit
     def _hgrn_scan_kernel(hs, gt, h0, ht, NSEG, D: tl.constexpr, BD: tl.constexpr,
-                          HAS_H0: tl.constexpr):
+                          HAS_H0: tl.constexpr, STORE_CG: tl.constexpr = False, cg=None):
         """grid ``(cdiv(D, BD), B)``: segment end states (zero start) -> segment start states
-        in place; ht [B, D] the final state."""
+        in place; ht [B, D] the final state; STORE_CG: ``cg [NSEG + 1, B, D]`` the log decay
+        from the start to each segment's start (row NSEG: the total)."""
         i_d, i_b = tl.program_id(0), tl.program_id(1)
         NB = tl.num_programs(1)
         cols = i_d * BD + tl.arange(0, BD)
@@ -74,12 +86,19 @@ if HAVE_TRITON:
             b_h = tl.load(h0 + i_b * D + cols, mask=cmask, other=0.0).to(tl.float32)
         else:
             b_h = tl.zeros([BD], dtype=tl.float32)
+        b_c = tl.zeros([BD], dtype=tl.float32)
         for i_s in range(0, NSEG):
             off = (i_s * NB + i_b) * D + cols
             b_d = tl.load(hs + off, mask=cmask, other=0.0)
             tl.store(hs + off, b_h, mask=cmask)
-            b_h = b_h * tl.exp(tl.load(gt + off, mask=cmask, other=0.0)) + b_d
+            b_g = tl.load(gt + off, mask=cmask, other=0.0)
+            if STORE_CG:
+                tl.store(cg + off, b_c, mask=cmask)
+                b_c += b_g
+            b_h = b_h * tl.exp(b_g) + b_d
         tl.store(ht + i_b * D + cols, b_h, mask=cmask)
+        if STORE_CG:
+            tl.store(cg + (NSEG * NB + i_b) * D + cols, b_c, mask=cmask)
 
 
 if HAVE_TRITON:
@@ -130,11 +149,60 @@ def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True, n_seg: int = 1):
     return o, ht
 
 
+def _hgrn_grid(x, n_seg: int):
+    from ._common import segment_length
+
+    B, T, D = x.shape
+    cfg = FUSED_CONFIG
+    seg = segment_length(T, cfg["BT"], n_seg)
+    n_seg = max(1, -(-T // seg))
+    opts = dict(D=D, BT=cfg["BT"], BD=cfg["BD"], num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+    return seg, n_seg, (triton.cdiv(D, cfg["BD"]), B, n_seg), opts
+
+
+def hgrn_summarize(x, g, *, n_seg: int = 1) -> SegmentStates:
+    """The shard summary with its segment states kept (see ``_common.summarize``); states
+    ``[B, D]``: ``delta`` from a zero start, ``decay_to [n_seg + 1, B, D]``."""
+    B, T, D = x.shape
+    seg, n_seg, grid, opts = _hgrn_grid(x, n_seg)
+    hs = torch.empty(n_seg, B, D, dtype=torch.float32, device=x.device)
+    gt = torch.empty(n_seg, B, D, dtype=torch.float32, device=x.device)
+    _hgrn_kernel[grid](x, g, hs, hs, hs, gt, T, seg, HAS_H0=False, STORE_O=False,
+                       STORE_GT=True, **opts)
+    if n_seg == 1:
+        return SegmentStates(1, seg, hs[0], None, torch.cat([torch.zeros_like(gt), gt]))
+    delta = torch.empty(B, D, dtype=torch.float32, device=x.device)
+    decay_to = torch.empty(n_seg + 1, B, D, dtype=torch.float32, device=x.device)
+    _hgrn_scan_kernel[grid[:2]](hs, gt, delta, delta, n_seg, D=D, BD=opts["BD"], HAS_H0=False,
+                                STORE_CG=True, cg=decay_to, num_warps=opts["num_warps"])
+    return SegmentStates(n_seg, seg, delta, hs, decay_to)
+
+
+def hgrn_outputs(summ: SegmentStates, x, g, S_in, *, out_dtype):
+    """``(o [B, T, D], final [B, D])`` from a kept summary and the incoming state ``[B, D]``."""
+    B, T, D = x.shape
+    _, _, grid, opts = _hgrn_grid(x, summ.n_seg)
+    o = torch.empty(B, T, D, dtype=out_dtype, device=x.device)
+    ht = torch.empty(B, D, dtype=torch.float32, device=x.device)
+    if S_in is not None:
+        S_in = S_in.reshape(B, D).to(torch.float32).contiguous()
+    if summ.n_seg == 1:
+        _hgrn_kernel[grid](x, g, S_in if S_in is not None else ht, o, ht, ht, T, summ.seg,
+                           HAS_H0=S_in is not None, STORE_O=True, **opts)
+    else:
+        extra = dict(HAS_SIN=True, s_in=S_in, cg=summ.decay_to) if S_in is not None else {}
+        _hgrn_kernel[grid](x, g, summ.starts, o, ht, ht, T, summ.seg, HAS_H0=True,
+                           STORE_O=True, HT_LAST=True, **extra, **opts)
+    return o, ht
+
+
 class VectorStateWork(TritonWork):
     """hgrn segment: ``x, g [B, T, D]``; states in the runtime layout ``[B, 1, D, 1]``."""
 
     names = ("x", "g")
     vector_state = True
+    keeps_segments = True
 
     def __init__(self, variant, inputs, scale, need_transition, out_dtype=None, execution=None):
         super().__init__(variant, inputs, 1.0, need_transition, out_dtype, execution)
@@ -142,22 +210,25 @@ class VectorStateWork(TritonWork):
     def _finish_fwd(self, S_in, tensors):
         x, g = (ensure(t) for t in tensors)
         B, T, D = x.shape
+        if self.segments is not None:  # the summary ran: only the output walks remain
+            o, ht = hgrn_outputs(self.segments, x, g, S_in, out_dtype=self.out_dtype)
+            return o, ht.reshape(B, 1, D, 1)
         o, ht = hgrn_forward(x, g, S_in, out_dtype=self.out_dtype, n_seg=self._schedule_hgrn(x))
         return o, ht.reshape(B, 1, D, 1)
 
     def _summary_fwd(self, tensors, need_M):
         x, g = (ensure(t) for t in tensors)
         B, T, D = x.shape
-        _, ht = hgrn_forward(x, g, None, out_dtype=self.out_dtype, store_o=False,
-                             n_seg=self._schedule_hgrn(x))
-        M = g.to(torch.float32).sum(dim=1).exp()[:, None] if need_M else None  # [B, 1, D]
-        return ht.reshape(B, 1, D, 1), M
+        self.segments = hgrn_summarize(x, g, n_seg=self._schedule_hgrn(x, with_summary=True))
+        M = self.segments.total_log_decay().exp()[:, None] if need_M else None  # [B, 1, D]
+        return self.segments.delta.reshape(B, 1, D, 1), M
 
-    def _schedule_hgrn(self, x) -> int:
+    def _schedule_hgrn(self, x, with_summary: bool = False) -> int:
         B, T, D = x.shape
         s = scheduler.schedule_vector_state(B, T, D, FUSED_CONFIG["BT"], FUSED_CONFIG["BD"],
                                             elem_size=x.element_size(),
-                                            request=self.execution_request)
+                                            request=self.execution_request,
+                                            with_summary=with_summary)
         self.execution, self.execution_reason, self.n_seg = s.strategy, s.reason, s.n_seg
         return s.n_seg
 

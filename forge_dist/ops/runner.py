@@ -158,6 +158,9 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
         S0 = init_for(segments[0]) if rank == 0 else None
         if S0 is None:
             S0 = torch.zeros(rows, H, K, V, **opts)
+        for seg, work in zip(segments, works):  # local work that needs no incoming state
+            if seg.continues:
+                work.prepare()
         if check_finite:  # an overflow in the local summary, before it is passed on
             checks.finite("local summary", [("carry (shard state from a zero start)", carry),
                                             ("M (shard transition)", M_rank)], group, device)

@@ -170,7 +170,9 @@ def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cf
         args = args + (("a", "buf", a),)
     else:
         const = const + (("a", None),)
-    const = const + (("STORE_GT", gt is not None),)
+    # the sequence-parallel extras (folded incoming state, last-segment final) stay off here
+    const = const + (("STORE_GT", gt is not None), ("HAS_SIN", False), ("s_in", None),
+                     ("cg", None), ("HT_LAST", False))
     return Launch("walk", (_cdiv(V, BV), B * H, n), args, const, cfg["num_warps"],
                   cfg["num_stages"])
 
@@ -198,7 +200,8 @@ def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg,
                        (("hs", "buf", "hs"), ("gt", "buf", gt or "hs"), ("h0", "buf", h0 or ht),
                         ("ht", "buf", ht), ("NSEG", "i32", n_seg)),
                        (("K", K), ("V", V), ("BK", BK), ("BV", BV), ("GATED", gate != 0),
-                        ("HAS_H0", h0 is not None)), cfg["num_warps"], cfg["num_stages"])]
+                        ("HAS_H0", h0 is not None), ("STORE_CG", False), ("cg", None)),
+                       cfg["num_warps"], cfg["num_stages"])]
     if q is not None:
         launches.append(_walk_launch(q=q, h0="hs", o=o, ht=ht, gt=None, n=n_seg,
                                      store_ht=False, a=a, **common))
@@ -334,7 +337,8 @@ def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
                        ("o", "buf", o or ht), ("ht", "buf", ht), ("gt", "buf", gt or ht),
                        ("T", "i32", T), ("SEG", "i32", seg)),
                       const + (("HAS_H0", h0 is not None), ("STORE_O", store_o),
-                               ("STORE_GT", gt is not None)), nw, ns)
+                               ("STORE_GT", gt is not None), ("HAS_SIN", False),
+                               ("s_in", None), ("cg", None), ("HT_LAST", False)), nw, ns)
 
     notes = [f"execution {sched.strategy} ({n_seg} segments): {sched.reason}"]
     h0 = "h0" if has_h0 else None
@@ -347,7 +351,8 @@ def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
                 Launch("hgrn_scan", (grid[0], B, 1),
                        (("hs", "buf", "hs"), ("gt", "buf", "gt"), ("h0", "buf", h0 or "ht"),
                         ("ht", "buf", "ht"), ("NSEG", "i32", n_seg)),
-                       (("D", D), ("BD", cfg["BD"]), ("HAS_H0", has_h0)), nw, 3)]
+                       (("D", D), ("BD", cfg["BD"]), ("HAS_H0", has_h0), ("STORE_CG", False),
+                        ("cg", None)), nw, 3)]
     if store_o:
         launches.append(walk("hs", "o", "hs", None, True))
     return Program(launches, bufs, scheduler.DECOUPLED, notes)

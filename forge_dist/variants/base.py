@@ -66,6 +66,11 @@ class SegmentWork:
         """``(outputs, final state)`` given the incoming state (``None``: zeros)."""
         raise NotImplementedError
 
+    def prepare(self) -> None:
+        """Run now the work that does not need the incoming state (the runtime calls this
+        before it waits for that state), so that ``finish`` has less left to do.  Default:
+        nothing."""
+
 
 class ChunkFormWork(SegmentWork):
     """:class:`SegmentWork` over a PyTorch chunk form returning a :class:`SegmentSummary`."""

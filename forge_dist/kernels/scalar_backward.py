@@ -1,0 +1,408 @@
+"""Triton backward pass of the scalar-decay matrix state (linear_attn, simple_gla).
+
+Forward (per head, per token)::
+
+    S_t = exp(g_t) S_{t-1} + k_t v_t^T,        o_t = scale * S_t^T q_t
+
+chunked in ``BT`` tokens.  In chunk ``c`` (start state ``h_c``, in-chunk cumulative log decay
+``G_i = g_{t0} + ... + g_{t0+i}``, chunk total ``G_C``, decay mask
+``M_ij = exp(G_i - G_j)`` for ``i >= j`` and 0 above the diagonal)::
+
+    o       = scale * [ (q * e^G) h_c + (M o q k^T) v ]
+    h_{c+1} = e^{G_C} h_c + (k * e^{G_C - G})^T v
+
+Backward.  Let ``dh_c`` be the gradient of the loss w.r.t. the state at the *end* of chunk
+``c`` (``dh_{NT-1} = dht``).  Then::
+
+    dh_{c-1} = e^{G_C} dh_c + scale * (q * e^G)^T do                        (reverse walk)
+    dA       = scale * M o (do v^T)                                        [BT, BT]
+    dq       = scale * (do h_c^T) * e^G           + dA k
+    dk       = (v dh_c^T) * e^{G_C - G}           + dA^T q
+    dv       = (k dh_c) * e^{G_C - G}  + scale * (M o (q k^T))^T do
+
+and ``dS_in`` is the reverse walk's value past the first chunk.
+
+Gate gradient.  Treat ``G_0 .. G_{BT-1}`` and ``G_C`` of one chunk as independent variables
+(``h_c`` and ``dh_c`` fixed).  Every term of ``o_i`` carries the factor ``e^{+G_i}``, every
+term holding ``k_j`` carries ``e^{-G_j}``, and every term of ``h_{c+1}`` carries
+``e^{+G_C}``; a linear form ``x -> <dx, x>`` scaled by ``e^{s}`` has derivative ``<dx, x>``
+w.r.t. ``s``, so::
+
+    dL/dG_i = q_i . dq_i - k_i . dk_i
+    dL/dG_C = <dh_c, h_{c+1}> = e^{G_C} <dh_c, h_c> + sum_j k_j . dk_j^inter
+
+(``dk^inter = (v dh_c^T) e^{G_C - G}``, the second form needs no ``h_{c+1}``).  With
+``G_i = sum_{t <= i} g_t`` and ``G_C = sum_t g_t`` inside the chunk, the per-token gradient is
+the in-chunk *reverse* cumulative sum plus the chunk term::
+
+    dg_t = sum_{i >= t} (q_i . dq_i - k_i . dk_i) + dL/dG_C
+
+Everything is chunk-local, so ``dg`` comes out of the chunk-parallel kernel with no pass over
+the sequence; summing per chunk also avoids the cancellation of a sequence-long cumulative
+sum.  All exponents are non-positive differences (``G_i - G_j`` is masked to ``-inf`` for
+``i < j`` before the exponential; ``G_i``, ``G_C - G_j`` and ``G_C`` are sums of log decays), so
+gates of -20 per token underflow to 0 instead of overflowing.
+
+Kernels (four launches):
+
+1. ``_fwd_states_kernel`` -- re-walks the chunks and stores every chunk-start state
+   ``h [B, NT, H, K, V]``.  The forward walker keeps its state on chip and does not store
+   these; recomputing costs one read of k and v, cheaper than making every forward keep
+   ``NT`` states alive.  The recurrence is separable in K and V, so the grid is
+   ``(K tiles, V tiles, B * H)``; the tiles shrink (to 32) until there are at least two
+   programs per SM (B=1, H=32, K=V=128 on 132 SMs: 32x64 tiles, 256 programs).
+2. ``_bwd_states_kernel`` -- the reverse walk for ``dh [B, NT, H, K, V]`` from ``dht`` and
+   ``dS_in`` at its end; same grid.
+3. ``_dv_kernel`` -- chunk-parallel, grid ``(V tiles, NT, B * H)``; loops over K tiles.
+4. ``_dqkg_kernel`` -- chunk-parallel, grid ``(K tiles, NT, B * H)``; loops over V tiles,
+   computes ``dq``, ``dk`` and the chunk-local ``dg`` (summed over K tiles when ``K > 128``).
+
+At B=1, H=32, T=32K the chunk-parallel kernels run 16K programs each; only the two walks
+are sequential over chunks.  ``h`` and ``dh`` are stored in the input dtype for 16-bit
+inputs (the dots consume them in that dtype anyway) and in fp32 for fp32 inputs; every
+accumulation is fp32.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._common import HAVE_TRITON, dot_precision, next_pow2, tl, triton
+
+__all__ = ["scalar_decay_backward"]
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _chunk_gates(g, bos, t0, T, i_h, H: tl.constexpr, BT: tl.constexpr):
+        """``(G [BT], G_C)``: in-chunk cumulative log decay and its total (padding reads 0)."""
+        o_t = t0 + tl.arange(0, BT)
+        b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.0).to(tl.float32)
+        return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
+
+    @triton.jit
+    def _fwd_states_kernel(k, v, g, h0, h, T, NT, H: tl.constexpr, K: tl.constexpr,
+                           V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr, GATE: tl.constexpr, HAS_H0: tl.constexpr,
+                           PREC: tl.constexpr):
+        """Chunk-start states: ``h[b, c, h] = S`` before chunk ``c``; grid (NK, NV, B*H)."""
+        i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_b = (i_bh // H).to(tl.int64)
+        i_h = i_bh % H
+        bos = i_b * T
+        DT = k.dtype.element_ty
+        if HAS_H0:
+            p0 = tl.make_block_ptr(h0 + (i_b * H + i_h) * K * V, (K, V), (V, 1),
+                                   (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+            b_S = tl.load(p0, boundary_check=(0, 1)).to(tl.float32)
+        else:
+            b_S = tl.zeros([BK, BV], dtype=tl.float32)
+        for c in range(NT):
+            t0 = c * BT
+            p_h = tl.make_block_ptr(h + ((i_b * NT + c) * H + i_h) * K * V, (K, V), (V, 1),
+                                    (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+            tl.store(p_h, b_S.to(p_h.dtype.element_ty), boundary_check=(0, 1))
+            # k^T [BK, BT] straight from memory, v [BT, BV]
+            p_kt = tl.make_block_ptr(k + (bos * H + i_h) * K, (K, T), (1, H * K),
+                                     (i_k * BK, t0), (BK, BT), (0, 1))
+            p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1),
+                                    (t0, i_v * BV), (BT, BV), (1, 0))
+            b_kt = tl.load(p_kt, boundary_check=(0, 1))
+            b_v = tl.load(p_v, boundary_check=(0, 1)).to(DT)
+            if GATE:
+                b_G, b_GC = _chunk_gates(g, bos, t0, T, i_h, H, BT)
+                b_kt = (b_kt.to(tl.float32) * tl.exp(b_GC - b_G)[None, :]).to(DT)
+                b_S = b_S * tl.exp(b_GC)
+            b_S += tl.dot(b_kt, b_v, input_precision=PREC)
+
+    @triton.jit
+    def _bwd_states_kernel(q, g, do, dht, dh, dh0, T, NT, scale, H: tl.constexpr,
+                           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                           BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+                           HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                           PREC: tl.constexpr):
+        """Reverse walk: ``dh[b, c, h]`` = gradient w.r.t. the state after chunk ``c``;
+        ``dh0`` the gradient w.r.t. the incoming state.  Grid (NK, NV, B*H)."""
+        i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_b = (i_bh // H).to(tl.int64)
+        i_h = i_bh % H
+        bos = i_b * T
+        DT = q.dtype.element_ty
+        if HAS_DHT:
+            p_t = tl.make_block_ptr(dht + (i_b * H + i_h) * K * V, (K, V), (V, 1),
+                                    (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+            b_dS = tl.load(p_t, boundary_check=(0, 1)).to(tl.float32)
+        else:
+            b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+        for i in range(NT):
+            c = NT - 1 - i
+            t0 = c * BT
+            p_dh = tl.make_block_ptr(dh + ((i_b * NT + c) * H + i_h) * K * V, (K, V), (V, 1),
+                                     (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+            tl.store(p_dh, b_dS.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
+            p_qt = tl.make_block_ptr(q + (bos * H + i_h) * K, (K, T), (1, H * K),
+                                     (i_k * BK, t0), (BK, BT), (0, 1))
+            p_do = tl.make_block_ptr(do + (bos * H + i_h) * V, (T, V), (H * V, 1),
+                                     (t0, i_v * BV), (BT, BV), (1, 0))
+            b_qt = tl.load(p_qt, boundary_check=(0, 1))
+            b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
+            if GATE:
+                b_G, b_GC = _chunk_gates(g, bos, t0, T, i_h, H, BT)
+                b_qt = (b_qt.to(tl.float32) * tl.exp(b_G)[None, :]).to(DT)
+                b_dS = b_dS * tl.exp(b_GC)
+            b_dS += tl.dot(b_qt, b_do, input_precision=PREC) * scale
+        if STORE_DH0:
+            p_0 = tl.make_block_ptr(dh0 + (i_b * H + i_h) * K * V, (K, V), (V, 1),
+                                    (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+            tl.store(p_0, b_dS, boundary_check=(0, 1))
+
+    @triton.jit
+    def _dv_kernel(q, k, g, do, dh, dv, T, NT, scale, H: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   GATE: tl.constexpr, PREC: tl.constexpr):
+        """``dv = (k dh_c) e^{G_C - G} + scale (M o q k^T)^T do``; grid (NV, NT, B*H)."""
+        i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_b = (i_bh // H).to(tl.int64)
+        i_h = i_bh % H
+        bos = i_b * T
+        t0 = i_t * BT
+        DT = k.dtype.element_ty
+        b_At = tl.zeros([BT, BT], dtype=tl.float32)  # At[j, i] = k_j . q_i
+        b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1),
+                                    (t0, i_k * BK), (BT, BK), (1, 0))
+            p_qt = tl.make_block_ptr(q + (bos * H + i_h) * K, (K, T), (1, H * K),
+                                     (i_k * BK, t0), (BK, BT), (0, 1))
+            p_dh = tl.make_block_ptr(dh + ((i_b * NT + i_t) * H + i_h) * K * V, (K, V), (V, 1),
+                                     (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+            b_k = tl.load(p_k, boundary_check=(0, 1))
+            b_qt = tl.load(p_qt, boundary_check=(0, 1))
+            b_dh = tl.load(p_dh, boundary_check=(0, 1)).to(DT)
+            b_At += tl.dot(b_k, b_qt, input_precision=PREC)
+            b_dv += tl.dot(b_k, b_dh, input_precision=PREC)
+        rows = tl.arange(0, BT)
+        upper = rows[:, None] <= rows[None, :]  # j <= i in At[j, i]
+        if GATE:
+            b_G, b_GC = _chunk_gates(g, bos, t0, T, i_h, H, BT)
+            b_At = b_At * tl.exp(tl.where(upper, b_G[None, :] - b_G[:, None], float("-inf")))
+            b_dv = b_dv * tl.exp(b_GC - b_G)[:, None]
+        else:
+            b_At = tl.where(upper, b_At, 0.0)
+        p_do = tl.make_block_ptr(do + (bos * H + i_h) * V, (T, V), (H * V, 1),
+                                 (t0, i_v * BV), (BT, BV), (1, 0))
+        b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
+        b_dv += tl.dot((b_At * scale).to(DT), b_do, input_precision=PREC)
+        p_dv = tl.make_block_ptr(dv + (bos * H + i_h) * V, (T, V), (H * V, 1),
+                                 (t0, i_v * BV), (BT, BV), (1, 0))
+        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), boundary_check=(0, 1))
+
+    @triton.jit
+    def _dqkg_kernel(q, k, v, g, h, do, dh, dq, dk, dv, dg, T, NT, NBT, scale,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+                     FUSE_DV: tl.constexpr, PREC: tl.constexpr):
+        """``dq``, ``dk`` of one K tile and that tile's share of the chunk-local ``dg``
+        (``dg [NK, B, T, H]``, summed over K tiles by the caller); grid (NK, NT, B*H).
+
+        ``FUSE_DV`` (one K tile covers K): also ``dv``, tile by tile inside the V loop, which
+        saves the dv kernel's second read of q, k, do and dh.
+        """
+        i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_b = (i_bh // H).to(tl.int64)
+        i_h = i_bh % H
+        bos = i_b * T
+        t0 = i_t * BT
+        DT = k.dtype.element_ty
+        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1),
+                                (t0, i_k * BK), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1),
+                                (t0, i_k * BK), (BT, BK), (1, 0))
+        b_q = tl.load(p_q, boundary_check=(0, 1))
+        b_k = tl.load(p_k, boundary_check=(0, 1))
+        rows = tl.arange(0, BT)
+        causal = rows[:, None] >= rows[None, :]
+        if GATE:
+            b_G, b_GC = _chunk_gates(g, bos, t0, T, i_h, H, BT)
+            b_M = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
+            b_kdecay = tl.exp(b_GC - b_G)  # e^{G_C - G_j}
+        if GATE or FUSE_DV:
+            b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # q_i . k_j (this K tile)
+        if FUSE_DV:
+            if GATE:
+                b_At = tl.trans(b_A * b_M * scale).to(DT)
+            else:
+                b_At = tl.trans(tl.where(causal, b_A, 0.0) * scale).to(DT)
+
+        b_dA = tl.zeros([BT, BT], dtype=tl.float32)  # dA[i, j] = do_i . v_j
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+        b_hdh = tl.zeros([BK], dtype=tl.float32)  # rows of <h_c, dh_c>
+        base_h = ((i_b * NT + i_t) * H + i_h) * K * V
+        for i_v in range(tl.cdiv(V, BV)):
+            p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1),
+                                    (t0, i_v * BV), (BT, BV), (1, 0))
+            p_do = tl.make_block_ptr(do + (bos * H + i_h) * V, (T, V), (H * V, 1),
+                                     (t0, i_v * BV), (BT, BV), (1, 0))
+            # h, dh tiles read transposed: [BV, BK]
+            p_ht = tl.make_block_ptr(h + base_h, (V, K), (1, V), (i_v * BV, i_k * BK),
+                                     (BV, BK), (0, 1))
+            p_dht = tl.make_block_ptr(dh + base_h, (V, K), (1, V), (i_v * BV, i_k * BK),
+                                      (BV, BK), (0, 1))
+            b_v = tl.load(p_v, boundary_check=(0, 1)).to(DT)
+            b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
+            b_ht = tl.load(p_ht, boundary_check=(0, 1))
+            b_dht = tl.load(p_dht, boundary_check=(0, 1))
+            b_dA += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+            b_dq += tl.dot(b_do, b_ht.to(DT), input_precision=PREC)
+            b_dk += tl.dot(b_v, b_dht.to(DT), input_precision=PREC)
+            if GATE:
+                b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
+            if FUSE_DV:
+                b_dv = tl.dot(b_k, tl.trans(b_dht).to(DT), input_precision=PREC)
+                if GATE:
+                    b_dv = b_dv * b_kdecay[:, None]
+                b_dv += tl.dot(b_At, b_do, input_precision=PREC)
+                p_dv = tl.make_block_ptr(dv + (bos * H + i_h) * V, (T, V), (H * V, 1),
+                                         (t0, i_v * BV), (BT, BV), (1, 0))
+                tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), boundary_check=(0, 1))
+
+        if GATE:
+            b_dA = b_dA * b_M * scale
+            b_dq = b_dq * (tl.exp(b_G) * scale)[:, None]  # inter-chunk parts only, so far
+            b_dk = b_dk * b_kdecay[:, None]
+            # gate gradient, straddling form (module docstring): this K tile's share of
+            #   dg_t = sum_{i>=t} a_i + sum_{j<t} b_j + c + sum_{j<t<=i} W_ij
+            b_a = tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
+            b_b = tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+            b_c = tl.exp(b_GC) * tl.sum(b_hdh, axis=0)
+            b_R = tl.cumsum(b_dA * b_A, axis=0, reverse=True)  # R[t, j] = sum_{i>=t} W[i, j]
+            before = rows[None, :] < rows[:, None]  # j < t
+            b_dg = (tl.sum(tl.where(before, b_R + b_b[None, :], 0.0), axis=1)
+                    + tl.cumsum(b_a, axis=0, reverse=True) + b_c)
+            o_t = t0 + rows
+            tl.store(dg + (i_k * NBT + bos + o_t) * H + i_h, b_dg, mask=o_t < T)
+        else:
+            b_dA = tl.where(causal, b_dA, 0.0) * scale
+            b_dq = b_dq * scale
+        b_dA = b_dA.to(DT)
+        b_dq += tl.dot(b_dA, b_k, input_precision=PREC)
+        b_dk += tl.dot(tl.trans(b_dA), b_q, input_precision=PREC)
+        p_dq = tl.make_block_ptr(dq + (bos * H + i_h) * K, (T, K), (H * K, 1),
+                                 (t0, i_k * BK), (BT, BK), (1, 0))
+        p_dk = tl.make_block_ptr(dk + (bos * H + i_h) * K, (T, K), (H * K, 1),
+                                 (t0, i_k * BK), (BT, BK), (1, 0))
+        tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
+        tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # nominal (H100/H200) for CPU runs under the interpreter
+
+
+def default_tiles(B: int, H: int, K: int, V: int, device: torch.device) -> dict:
+    """Tile sizes per kernel (see the module docstring for the reasoning).
+
+    ``walk_BK/walk_BV``: state tile of the two sequential walks, shrunk (64 -> 32) until
+    there are two programs per SM.  ``dv_BV``/``dv_BK``: output tile / K loop tile of the
+    dv kernel.  ``dqk_BK``/``dqk_BV``: output tile / V loop tile of the dq, dk, dg kernel
+    (one K tile up to K = 128, so dg needs no cross-tile sum there).
+    """
+    PK, PV = next_pow2(K), next_pow2(V)
+    BK, BV = min(64, PK), min(64, PV)
+    target = 2 * _sm_count(device)
+    while B * H * triton.cdiv(K, BK) * triton.cdiv(V, BV) < target and max(BK, BV) > 32:
+        if BV >= BK:
+            BV //= 2
+        else:
+            BK //= 2
+    dqk_BK = min(128, PK)
+    return {"walk_BK": BK, "walk_BV": BV, "walk_warps": 4, "walk_stages": 2,
+            "dv_BV": min(64, PV), "dv_BK": min(64, PK), "dv_warps": 4, "dv_stages": 2,
+            "dqk_BK": dqk_BK, "dqk_BV": min(64, PV), "dqk_warps": 8 if dqk_BK >= 128 else 4,
+            "dqk_stages": 2, "fuse_dv": True}
+
+
+def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
+                          S_in: Optional[Tensor], do: Optional[Tensor], dht: Optional[Tensor],
+                          scale: float, *, BT: int = 64, tiles: Optional[dict] = None,
+                          state_dtype: Optional[torch.dtype] = None
+                          ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Gradients of ``(o, S_T)`` of the scalar-decay recurrence (module docstring).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (fp16/bf16/fp32, one dtype).
+        g: per-token natural-log decays ``[B, T, H]`` (simple_gla) or ``None`` (linear_attn).
+        S_in: incoming state ``[B, H, K, V]`` or ``None`` (zeros).
+        do: gradient of ``o`` ``[B, T, H, V]`` (any float dtype) or ``None`` (zeros).
+        dht: gradient of the final state ``[B, H, K, V]`` or ``None`` (zeros).
+        scale: the query scale of the forward.
+        BT: chunk length (tokens).
+        tiles: overrides of :func:`default_tiles` (tests use it to force several tiles).
+        state_dtype: dtype of the stored chunk states ``h`` and ``dh`` (default: fp32 for
+            fp32 inputs, the input dtype otherwise).
+    Returns:
+        ``(dq, dk, dv, dg, dS_in)``: dq, dk, dv in the dtypes of q, k, v; dg ``[B, T, H]``
+        fp32 (``None`` without ``g``); dS_in ``[B, H, K, V]`` fp32 (``None`` without ``S_in``).
+    """
+    if not HAVE_TRITON:
+        raise RuntimeError("scalar_decay_backward needs triton")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    gate = g is not None
+    g32 = g.to(torch.float32).contiguous() if gate else None
+    do = torch.zeros_like(v) if do is None else do.contiguous()
+    dht = None if dht is None else dht.to(torch.float32).contiguous()
+    h0 = None if S_in is None else S_in.to(torch.float32).contiguous()
+    scale = float(scale)
+
+    cfg = default_tiles(B, H, K, V, dev)
+    if tiles:
+        cfg.update(tiles)
+    NT = triton.cdiv(T, BT)
+    prec = dot_precision(q.dtype)
+    sdt = state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
+    h = torch.empty(B, NT, H, K, V, dtype=sdt, device=dev)
+    dh = torch.empty(B, NT, H, K, V, dtype=sdt, device=dev)
+    dS_in = torch.empty(B, H, K, V, dtype=torch.float32, device=dev) if S_in is not None else None
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    NKq = triton.cdiv(K, cfg["dqk_BK"])
+    dg_part = (torch.empty(NKq, B, T, H, dtype=torch.float32, device=dev) if gate else None)
+
+    dummy = h  # placeholder pointer for absent optional tensors (never read)
+    wBK, wBV = cfg["walk_BK"], cfg["walk_BV"]
+    wgrid = (triton.cdiv(K, wBK), triton.cdiv(V, wBV), B * H)
+    _fwd_states_kernel[wgrid](
+        k, v, g32 if gate else dummy, h0 if h0 is not None else dummy, h, T, NT,
+        H=H, K=K, V=V, BT=BT, BK=wBK, BV=wBV, GATE=gate, HAS_H0=h0 is not None, PREC=prec,
+        num_warps=cfg["walk_warps"], num_stages=cfg["walk_stages"])
+    _bwd_states_kernel[wgrid](
+        q, g32 if gate else dummy, do, dht if dht is not None else dummy, dh,
+        dS_in if dS_in is not None else dummy, T, NT, scale,
+        H=H, K=K, V=V, BT=BT, BK=wBK, BV=wBV, GATE=gate, HAS_DHT=dht is not None,
+        STORE_DH0=dS_in is not None, PREC=prec, num_warps=cfg["walk_warps"],
+        num_stages=cfg["walk_stages"])
+    fuse = cfg["fuse_dv"] and NKq == 1
+    if not fuse:
+        _dv_kernel[(triton.cdiv(V, cfg["dv_BV"]), NT, B * H)](
+            q, k, g32 if gate else dummy, do, dh, dv, T, NT, scale,
+            H=H, K=K, V=V, BT=BT, BK=cfg["dv_BK"], BV=cfg["dv_BV"], GATE=gate, PREC=prec,
+            num_warps=cfg["dv_warps"], num_stages=cfg["dv_stages"])
+    _dqkg_kernel[(NKq, NT, B * H)](
+        q, k, v, g32 if gate else dummy, h, do, dh, dq, dk, dv,
+        dg_part if gate else dummy, T, NT, B * T, scale,
+        H=H, K=K, V=V, BT=BT, BK=cfg["dqk_BK"], BV=cfg["dqk_BV"], GATE=gate, FUSE_DV=fuse,
+        PREC=prec, num_warps=cfg["dqk_warps"], num_stages=cfg["dqk_stages"])
+    dg = None
+    if gate:
+        dg = dg_part[0] if NKq == 1 else dg_part.sum(0)
+    return dq, dk, dv, dg, dS_in
