@@ -11,6 +11,11 @@
 #   bash scaling_benchmarks/device_batch.sh comm      # state_passing, 2 GPUs           (~2 min)
 #   bash scaling_benchmarks/device_batch.sh scaling   # weak_scaling quick + cost model (~6 min)
 #   bash scaling_benchmarks/device_batch.sh train     # MQAR SP=1 vs SP=2               (~5 min)
+#   bash scaling_benchmarks/device_batch.sh ws4       # 4 x H200: weak scaling fwd at 4 GPUs,
+#                                                     #   state passing at 4 GPUs (~8 min)
+#   bash scaling_benchmarks/device_batch.sh ws2       # weak scaling fwd at 2 GPUs, B=4   (~3 min)
+#   bash scaling_benchmarks/device_batch.sh segtests  # GPU tests of the kept segment states
+#   bash scaling_benchmarks/device_batch.sh long      # longest GDN layer sequence, 2 GPUs (~3 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -23,9 +28,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train) ;; *) sed -n 2,15p "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long) ;; *) sed -n 2,20p "$0"; exit 2 ;; esac
 done
-[ $# -gt 0 ] || { sed -n 2,15p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
@@ -57,11 +62,33 @@ case "$stage" in
     step weak_scaling 420 bash launch/torchrun.sh --nproc-per-node 2 \
       scaling_benchmarks/weak_scaling.py --config configs/weak_scaling_2gpu_quick.toml --out "$OUT"
     step cost_model 90 sh -c "python3 scaling_benchmarks/cost_model.py --config configs/cost_model.toml --calibrate $OUT/weak_scaling_*.json $OUT/state_passing_*.json --out $OUT" ;;
+  segtests)
+    step gpu_segment_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels \
+      -k "reuses or composes or segments or real_shapes" ;;
+  ws4)  # forward, the DESIGN.md shape (B=4, 32K tokens per GPU), every op x strategy
+    step weak_scaling_4gpu 330 bash launch/torchrun.sh --nproc-per-node 4 \
+      scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
+      --set 'passes=["fwd"]' --set warmup=1 --set repeats=3 --out "$OUT"
+    step state_passing_4gpu 150 torchrun --nproc_per_node 4 scaling_benchmarks/state_passing.py \
+      --out "$OUT" --iters 20 ;;
+  ws2)  # 2 GPUs, B=4: fwd+fwdbwd where the backward is Triton (scalar decay) or cheap (hgrn)
+    step weak_scaling_2gpu 170 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
+      --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
+      --set 'ops=["linear_attn","simple_gla","hgrn"]' --set warmup=1 --set repeats=3 \
+      --set state_pass=false --out "$OUT"
+    mv "$OUT"/weak_scaling_*.json "$OUT/ws2_scalar.json" 2>/dev/null
+    step weak_scaling_2gpu_b 150 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
+      --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
+      --set 'ops=["gla","gated_delta_rule"]' --set 'passes=["fwd"]' \
+      --set 'strategies=["lasp2","forge"]' --set warmup=1 --set repeats=3 --out "$OUT" ;;
+  long)  # the longest sequence one GDN layer trains on 2 GPUs
+    step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
+      --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;
   train)
-    step train_sp1 200 env CUDA_VISIBLE_DEVICES=0 python3 launch/train.py \
-      --config configs/train_mqar.toml --sp 1 --set train.steps=150 --out-dir "$OUT/mqar_sp1"
-    step train_sp2 220 torchrun --nproc_per_node 2 launch/train.py \
-      --config configs/train_mqar.toml --sp 2 --set train.steps=150 --out-dir "$OUT/mqar_sp2"
+    step train_sp1 170 env CUDA_VISIBLE_DEVICES=0 python3 launch/train.py \
+      --config configs/train_mqar.toml --sp 1 --set train.steps=${TRAIN_STEPS:-150} --out-dir "$OUT/mqar_sp1"
+    step train_sp2 190 torchrun --nproc_per_node 2 launch/train.py \
+      --config configs/train_mqar.toml --sp 2 --set train.steps=${TRAIN_STEPS:-150} --out-dir "$OUT/mqar_sp2"
     step train_plot 60 python3 launch/train.py --plot "$OUT/mqar_sp1/log.jsonl" \
       "$OUT/mqar_sp2/log.jsonl" --plot-out "$OUT/mqar_sp1_vs_sp2.png"
     # Only two folder levels come back from the device: keep the logs, drop checkpoints.

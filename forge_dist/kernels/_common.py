@@ -511,6 +511,9 @@ class _FinishFn(torch.autograd.Function):
     def backward(ctx, do, dht):
         S_in, *tensors = ctx.saved_tensors
         needs = ctx.needs_input_grad[1:]
+        fast = ctx.work._finish_bwd(S_in, tensors, do, dht)
+        if fast is not None:  # Triton backward: [dS_in, *d tensors]
+            return (None, *[gr if n else None for gr, n in zip(fast, needs)])
         leaves = _leaves([S_in] + tensors, needs)
         with torch.enable_grad():
             o, ht = ctx.work._finish_torch(leaves[0], leaves[1:])
@@ -532,6 +535,10 @@ class _SummaryFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, ddelta, dM=None):
         tensors = list(ctx.saved_tensors)
+        fast = ctx.work._summary_bwd(tensors, ddelta, dM if ctx.has_M else None)
+        if fast is not None:  # Triton backward: d tensors
+            return (None, None, *[gr if n else None
+                                  for gr, n in zip(fast, ctx.needs_input_grad[2:])])
         leaves = _leaves(tensors, ctx.needs_input_grad[2:])
         with torch.enable_grad():
             summ = ctx.work._summary_torch(leaves, ctx.need_M)
@@ -601,6 +608,16 @@ class TritonWork(SegmentWork):
                                request=self.execution_request, with_summary=with_summary)
         self.execution, self.execution_reason, self.n_seg = s.strategy, s.reason, s.n_seg
         return s.n_seg
+
+    # Backward ---------------------------------------------------------------------------------
+    def _finish_bwd(self, S_in, tensors, do, dht):
+        """Triton gradients ``[dS_in, *d tensors]`` of ``finish``, or ``None`` (recompute
+        through the PyTorch chunk form)."""
+        return None
+
+    def _summary_bwd(self, tensors, ddelta, dM):
+        """Triton gradients ``[*d tensors]`` of ``summary``, or ``None`` (PyTorch recompute)."""
+        return None
 
     # PyTorch recompute used by backward ----------------------------------------------------
     def _finish_torch(self, S_in, tensors):

@@ -24,6 +24,11 @@ def fused_config(K: int, V: int) -> dict:
     return sized_config(FUSED_CONFIG, K)
 
 
+def _like(grad, ref):
+    """``grad`` in ``ref``'s dtype (``None`` when either is ``None``)."""
+    return None if grad is None or ref is None else grad.to(ref.dtype)
+
+
 class ScalarDecayWork(TritonWork):
     """linear_attn / simple_gla segment: inputs ``q, k [B, T, H, K]``, ``v [B, T, H, V]``,
     ``g [B, T, H]`` or ``None``."""
@@ -56,6 +61,34 @@ class ScalarDecayWork(TritonWork):
         if need_M and g is not None:
             M = self.segments.total_log_decay()[..., 0].exp()  # [B, H]
         return self.segments.delta, M
+
+    # Triton backward (kernels/scalar_backward.py) ------------------------------------------
+    def _finish_bwd(self, S_in, tensors, do, dht):
+        from .scalar_backward import scalar_decay_backward
+
+        q, k, v, g = (ensure(t) for t in tensors)
+        dq, dk, dv, dg, dS = scalar_decay_backward(
+            q, k, v, g, None if S_in is None else S_in.to(torch.float32).contiguous(),
+            None if do is None else do.contiguous(),
+            None if dht is None else dht.to(torch.float32).contiguous(), self.scale)
+        return [dS, dq, dk, dv, _like(dg, tensors[3])]
+
+    def _summary_bwd(self, tensors, ddelta, dM):
+        """``delta`` is ``finish(0)``'s final state (q unused, so dq = 0); ``M = exp(sum g)``
+        adds ``dM * M`` to every token's gate gradient."""
+        from .scalar_backward import scalar_decay_backward
+
+        q, k, v, g = (ensure(t) for t in tensors)
+        if ddelta is None:
+            ddelta = torch.zeros(k.shape[0], k.shape[2], k.shape[3], v.shape[-1],
+                                 dtype=torch.float32, device=k.device)
+        _, dk, dv, dg, _ = scalar_decay_backward(q, k, v, g, None, None,
+                                                 ddelta.to(torch.float32).contiguous(),
+                                                 self.scale)
+        if g is not None and dM is not None:
+            M = g.to(torch.float32).sum(dim=1).exp()  # [B, H]
+            dg = dg + (dM.to(torch.float32) * M)[:, None, :]
+        return [torch.zeros_like(q), dk, dv, _like(dg, tensors[3])]
 
     def _summary_torch(self, tensors, need_M):
         q, k, v, g = tensors

@@ -32,30 +32,42 @@ w.r.t. ``s``, so::
     dL/dG_C = <dh_c, h_{c+1}> = e^{G_C} <dh_c, h_c> + sum_j k_j . dk_j^inter
 
 (``dk^inter = (v dh_c^T) e^{G_C - G}``, the second form needs no ``h_{c+1}``).  With
-``G_i = sum_{t <= i} g_t`` and ``G_C = sum_t g_t`` inside the chunk, the per-token gradient is
-the in-chunk *reverse* cumulative sum plus the chunk term::
+``G_i = sum_{t <= i} g_t`` and ``G_C = sum_t g_t`` inside the chunk::
 
     dg_t = sum_{i >= t} (q_i . dq_i - k_i . dk_i) + dL/dG_C
 
-Everything is chunk-local, so ``dg`` comes out of the chunk-parallel kernel with no pass over
-the sequence; summing per chunk also avoids the cancellation of a sequence-long cumulative
-sum.  All exponents are non-positive differences (``G_i - G_j`` is masked to ``-inf`` for
-``i < j`` before the exponential; ``G_i``, ``G_C - G_j`` and ``G_C`` are sums of log decays), so
-gates of -20 per token underflow to 0 instead of overflowing.
+That form is exact but cancels badly: the diagonal ``i = j`` intra terms
+``scale (do_i . v_i)(q_i . k_i)`` are O(1) and appear in both ``q_i . dq_i`` and
+``k_i . dk_i``, while at steep gates the true ``dg`` is O(e^g) (1e-9 at g = -20: fp32 rounding
+of the O(1) terms gave relative errors of 6e2).  The kernel therefore expands it and drops
+what cancels exactly.  With ``a_i = q_i . dq_i^inter``, ``b_j = k_j . dk_j^inter``,
+``c = e^{G_C} <dh_c, h_c>`` and ``W_ij = scale M_ij (do_i . v_j)(q_i . k_j)`` (``i > j``)::
 
-Kernels (four launches):
+    dg_t = sum_{i >= t} a_i + sum_{j < t} b_j + c + sum_{j < t <= i} W_ij
+
+(the intra terms are exactly the pairs whose decay ``exp(G_i - G_j)`` contains ``g_t``).  Every
+term carries its own decay, so nothing large cancels.  The last sum is a reverse cumulative
+sum over ``i`` of ``W`` followed by a masked row sum, ``O(BT^2)`` work next to ``O(BT^2 K)``
+of the dots.  Everything is chunk-local: ``dg`` comes out of the chunk-parallel kernel with
+no pass over the sequence.  All exponents are non-positive differences (``G_i - G_j`` is
+masked to ``-inf`` for ``i < j`` before the exponential; ``G_i``, ``G_C - G_j`` and ``G_C`` are
+sums of log decays), so gates of -20 per token underflow to 0 instead of overflowing.
+
+Kernels (three or four launches):
 
 1. ``_fwd_states_kernel`` -- re-walks the chunks and stores every chunk-start state
    ``h [B, NT, H, K, V]``.  The forward walker keeps its state on chip and does not store
    these; recomputing costs one read of k and v, cheaper than making every forward keep
    ``NT`` states alive.  The recurrence is separable in K and V, so the grid is
-   ``(K tiles, V tiles, B * H)``; the tiles shrink (to 32) until there are at least two
-   programs per SM (B=1, H=32, K=V=128 on 132 SMs: 32x64 tiles, 256 programs).
+   ``(K tiles, V tiles, B * H)``; the tiles shrink (to 32) until there are 1.5 programs per
+   SM (B=1, H=32, K=V=128 on 132 SMs: 32x64 tiles, 256 programs).
 2. ``_bwd_states_kernel`` -- the reverse walk for ``dh [B, NT, H, K, V]`` from ``dht`` and
    ``dS_in`` at its end; same grid.
-3. ``_dv_kernel`` -- chunk-parallel, grid ``(V tiles, NT, B * H)``; loops over K tiles.
-4. ``_dqkg_kernel`` -- chunk-parallel, grid ``(K tiles, NT, B * H)``; loops over V tiles,
+3. ``_dqkg_kernel`` -- chunk-parallel, grid ``(K tiles, NT, B * H)``; loops over V tiles,
    computes ``dq``, ``dk`` and the chunk-local ``dg`` (summed over K tiles when ``K > 128``).
+   With one K tile (``K <= 128``) it also computes ``dv`` inside its V loop (``FUSE_DV``).
+4. ``_dv_kernel`` -- only when ``K > 128``: chunk-parallel, grid ``(V tiles, NT, B * H)``,
+   loops over K tiles.
 
 At B=1, H=32, T=32K the chunk-parallel kernels run 16K programs each; only the two walks
 are sequential over chunks.  ``h`` and ``dh`` are stored in the input dtype for 16-bit
@@ -63,8 +75,6 @@ inputs (the dots consume them in that dtype anyway) and in fp32 for fp32 inputs;
 accumulation is fp32.
 """
 from __future__ import annotations
-
-from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -308,31 +318,31 @@ def _sm_count(device: torch.device) -> int:
 def default_tiles(B: int, H: int, K: int, V: int, device: torch.device) -> dict:
     """Tile sizes per kernel (see the module docstring for the reasoning).
 
-    ``walk_BK/walk_BV``: state tile of the two sequential walks, shrunk (64 -> 32) until
-    there are two programs per SM.  ``dv_BV``/``dv_BK``: output tile / K loop tile of the
+    ``walk_BK/walk_BV``: state tile of the two sequential walks, shrunk (64 -> 32, K first)
+    until there are 1.5 programs per SM.  ``dv_BV``/``dv_BK``: output tile / K loop tile of the
     dv kernel.  ``dqk_BK``/``dqk_BV``: output tile / V loop tile of the dq, dk, dg kernel
     (one K tile up to K = 128, so dg needs no cross-tile sum there).
     """
     PK, PV = next_pow2(K), next_pow2(V)
     BK, BV = min(64, PK), min(64, PV)
-    target = 2 * _sm_count(device)
+    target = 3 * _sm_count(device) // 2
     while B * H * triton.cdiv(K, BK) * triton.cdiv(V, BV) < target and max(BK, BV) > 32:
-        if BV >= BK:
-            BV //= 2
-        else:
+        if BK >= BV:
             BK //= 2
+        else:
+            BV //= 2
     dqk_BK = min(128, PK)
-    return {"walk_BK": BK, "walk_BV": BV, "walk_warps": 4, "walk_stages": 2,
+    return {"walk_BK": BK, "walk_BV": BV, "walk_warps": 4, "walk_stages": 3,
             "dv_BV": min(64, PV), "dv_BK": min(64, PK), "dv_warps": 4, "dv_stages": 2,
-            "dqk_BK": dqk_BK, "dqk_BV": min(64, PV), "dqk_warps": 8 if dqk_BK >= 128 else 4,
-            "dqk_stages": 2, "fuse_dv": True}
+            "dqk_BK": dqk_BK, "dqk_BV": min(32, PV), "dqk_warps": 8 if dqk_BK >= 128 else 4,
+            "dqk_stages": 3, "fuse_dv": True}
 
 
-def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
-                          S_in: Optional[Tensor], do: Optional[Tensor], dht: Optional[Tensor],
-                          scale: float, *, BT: int = 64, tiles: Optional[dict] = None,
-                          state_dtype: Optional[torch.dtype] = None
-                          ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
+                          S_in: Tensor | None, do: Tensor | None, dht: Tensor | None,
+                          scale: float, *, BT: int = 64, tiles: dict | None = None,
+                          state_dtype: torch.dtype | None = None
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Gradients of ``(o, S_T)`` of the scalar-decay recurrence (module docstring).
 
     Args:
@@ -355,6 +365,11 @@ def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3] or (g is not None
+                                                           and g.shape != q.shape[:3]):
+        raise ValueError("expected q, k [B, T, H, K], v [B, T, H, V], g [B, T, H]")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     gate = g is not None
     g32 = g.to(torch.float32).contiguous() if gate else None
