@@ -3,7 +3,8 @@
 Two launches (see :mod:`forge_dist.variants.delta_rule` for the chunk equations):
 
 1. ``_wy_kernel``, per chunk in parallel: the unit lower-triangular inverse
-   ``Tm = (I + diag(b) Lmat)^{-1}`` by forward substitution (stable for aligned keys), then
+   ``Tm = (I + diag(b) Lmat)^{-1}``, blocked: forward substitution on 16-row diagonal blocks
+   (stable for aligned keys), the blocks below on tensor cores; then
    ``W = Tm diag(b exp(G)) K`` and ``U = Tm diag(b) V`` on tensor cores;
 2. the shared fused walker with the WY correction ``v' = U - W S``.
 
@@ -31,53 +32,152 @@ def fused_config(K: int, V: int) -> dict:
 if HAVE_TRITON:
 
     @triton.jit
+    def _wy_rows(k, g, beta, bos, r0, T, i_h, g_off, H: tl.constexpr, K: tl.constexpr,
+                 BC: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr):
+        """Rows ``[r0, r0 + BC)`` of a chunk: keys ``[BC, BK]``, beta ``[BC]``, the cumulative
+        log decay ``G [BC]`` continuing from ``g_off`` (the chunk's sum before r0), and the
+        sum through the block's last row."""
+        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (r0, 0), (BC, BK), (1, 0))
+        b_k = tl.load(p_k, boundary_check=(0, 1))
+        o_t = r0 + tl.arange(0, BC)
+        b_b = tl.load(beta + (bos + o_t) * H + i_h, mask=o_t < T, other=0.0).to(tl.float32)
+        if GATE == 1:
+            b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.0).to(tl.float32)
+            b_G = tl.cumsum(b_g, axis=0) + g_off
+            g_end = g_off + tl.sum(b_g, axis=0)
+        else:
+            b_G = tl.zeros([BC], dtype=tl.float32)
+            g_end = g_off
+        return b_k, b_b, b_G, g_end
+
+    @triton.jit
+    def _wy_block(ki, bi, Gi, kj, Gj, PREC: tl.constexpr, GATE: tl.constexpr):
+        """``A_ij = diag(b_i) (k_i k_j^T * exp(G_i - G_j))`` for a block strictly below the
+        diagonal (every row after every column, so the exponent is never positive)."""
+        a = tl.dot(ki, tl.trans(kj), input_precision=PREC)
+        if GATE == 1:
+            a = a * tl.exp(Gi[:, None] - Gj[None, :])
+        return a * bi[:, None]
+
+    @triton.jit
+    def _unit_lower_inverse(a, BC: tl.constexpr):
+        """``(I + a)^{-1}`` of a strictly lower ``[BC, BC]`` block by forward substitution,
+        row by row: ``x_i = e_i - a_i X`` (rows before i are final when row i is formed)."""
+        rows = tl.arange(0, BC)
+        x = tl.zeros([BC, BC], dtype=tl.float32)
+        for i in tl.static_range(BC):
+            sel = rows == i
+            a_i = tl.sum(tl.where(sel[:, None], a, 0.0), axis=0)
+            x_i = tl.where(sel, 1.0, 0.0) - tl.sum(a_i[:, None] * x, axis=0)
+            x = tl.where(sel[:, None], x_i[None, :], x)
+        return x
+
+    @triton.jit
     def _wy_kernel(k, v, g, beta, w, u, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    GATE: tl.constexpr, PREC: tl.constexpr):
-        """grid ``(NT, B * H)``; k, w [B, T, H, K]; v, u [B, T, H, V]; g, beta [B, T, H]."""
+        """grid ``(NT, B * H)``; k, w [B, T, H, K]; v, u [B, T, H, V]; g, beta [B, T, H].
+
+        ``X = (I + A)^{-1}`` per chunk of ``BT = 64`` tokens, blocked in four 16-row blocks:
+        the diagonal blocks by forward substitution on 16 x 16 (stable for aligned keys,
+        where a product of powers of A cancels catastrophically), the blocks below them by
+        ``X_ij = -X_ii sum_{j <= m < i} A_im X_mj`` on tensor cores.  Then
+        ``W = X diag(b exp(G)) K`` and ``U = X diag(b) V``.
+        """
         i_t, i_bh = tl.program_id(0), tl.program_id(1)
         i_b, i_h = i_bh // H, i_bh % H
         bos = i_b * T
         t0 = i_t * BT
-        rows = tl.arange(0, BT)
-        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-        b_k = tl.load(p_k, boundary_check=(0, 1))
-        o_b = (t0) + tl.arange(0, BT)  # per-token scalars (stride H)
-        p_b = beta + (bos + o_b) * H + i_h
-        b_beta = tl.load(p_b, mask=o_b < T, other=0.0).to(tl.float32)
+        BC: tl.constexpr = BT // 4
+        rows = tl.arange(0, BC)
         strict = rows[:, None] > rows[None, :]
-        b_L = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+        zero = tl.full((), 0.0, tl.float32)
+        k0, b0, G0, s0 = _wy_rows(k, g, beta, bos, t0, T, i_h, zero, H, K, BC, BK, GATE)
+        k1, b1, G1, s1 = _wy_rows(k, g, beta, bos, t0 + BC, T, i_h, s0, H, K, BC, BK, GATE)
+        k2, b2, G2, s2 = _wy_rows(k, g, beta, bos, t0 + 2 * BC, T, i_h, s1, H, K, BC, BK, GATE)
+        k3, b3, G3, s3 = _wy_rows(k, g, beta, bos, t0 + 3 * BC, T, i_h, s2, H, K, BC, BK, GATE)
+        # diagonal blocks: strictly lower part of diag(b) (k k^T * exp(G_i - G_j))
+        d0 = tl.dot(k0, tl.trans(k0), input_precision=PREC)
+        d1 = tl.dot(k1, tl.trans(k1), input_precision=PREC)
+        d2 = tl.dot(k2, tl.trans(k2), input_precision=PREC)
+        d3 = tl.dot(k3, tl.trans(k3), input_precision=PREC)
         if GATE == 1:
-            b_G, _ = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
-            b_L = b_L * tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], float("-inf")))
-            b_kb = b_k.to(tl.float32) * (b_beta * tl.exp(b_G))[:, None]
-        else:
-            b_L = tl.where(strict, b_L, 0.0)
-            b_kb = b_k.to(tl.float32) * b_beta[:, None]
-        b_A = b_L * b_beta[:, None]
-        # X = (I + A)^{-1} by forward substitution, row by row: X_i = e_i - A_i X (rows j < i
-        # are final when row i is formed).  The product form (I - A)(I + A^2)(I + A^4)... is
-        # exact in exact arithmetic but its powers of A reach binomial sizes when keys are
-        # aligned (repeated tokens), and fp32 cancellation then returns garbage.
-        b_X = tl.zeros([BT, BT], dtype=tl.float32)
-        for i in range(0, BT):
-            sel = rows == i
-            a_i = tl.sum(tl.where(sel[:, None], b_A, 0.0), axis=0)
-            x_i = tl.where(sel, 1.0, 0.0) - tl.sum(a_i[:, None] * b_X, axis=0)
-            b_X = tl.where(sel[:, None], x_i[None, :], b_X)
-        b_w = tl.dot(b_X, b_kb, input_precision=PREC)
-        p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-        tl.store(p_w, b_w.to(p_w.dtype.element_ty), boundary_check=(0, 1))
+            d0 = d0 * tl.exp(tl.where(strict, G0[:, None] - G0[None, :], float("-inf")))
+            d1 = d1 * tl.exp(tl.where(strict, G1[:, None] - G1[None, :], float("-inf")))
+            d2 = d2 * tl.exp(tl.where(strict, G2[:, None] - G2[None, :], float("-inf")))
+            d3 = d3 * tl.exp(tl.where(strict, G3[:, None] - G3[None, :], float("-inf")))
+        x00 = _unit_lower_inverse(tl.where(strict, d0, 0.0) * b0[:, None], BC)
+        x11 = _unit_lower_inverse(tl.where(strict, d1, 0.0) * b1[:, None], BC)
+        x22 = _unit_lower_inverse(tl.where(strict, d2, 0.0) * b2[:, None], BC)
+        x33 = _unit_lower_inverse(tl.where(strict, d3, 0.0) * b3[:, None], BC)
+        a10 = _wy_block(k1, b1, G1, k0, G0, PREC, GATE)
+        a20 = _wy_block(k2, b2, G2, k0, G0, PREC, GATE)
+        a21 = _wy_block(k2, b2, G2, k1, G1, PREC, GATE)
+        a30 = _wy_block(k3, b3, G3, k0, G0, PREC, GATE)
+        a31 = _wy_block(k3, b3, G3, k1, G1, PREC, GATE)
+        a32 = _wy_block(k3, b3, G3, k2, G2, PREC, GATE)
+        x10 = -tl.dot(x11, tl.dot(a10, x00, input_precision=PREC), input_precision=PREC)
+        x21 = -tl.dot(x22, tl.dot(a21, x11, input_precision=PREC), input_precision=PREC)
+        x20 = -tl.dot(x22, tl.dot(a20, x00, input_precision=PREC)
+                      + tl.dot(a21, x10, input_precision=PREC), input_precision=PREC)
+        x32 = -tl.dot(x33, tl.dot(a32, x22, input_precision=PREC), input_precision=PREC)
+        x31 = -tl.dot(x33, tl.dot(a31, x11, input_precision=PREC)
+                      + tl.dot(a32, x21, input_precision=PREC), input_precision=PREC)
+        x30 = -tl.dot(x33, tl.dot(a30, x00, input_precision=PREC)
+                      + tl.dot(a31, x10, input_precision=PREC)
+                      + tl.dot(a32, x20, input_precision=PREC), input_precision=PREC)
+        # W = X diag(b exp(G)) K, row block by row block
+        kb0 = k0.to(tl.float32) * (b0 * tl.exp(G0))[:, None]
+        kb1 = k1.to(tl.float32) * (b1 * tl.exp(G1))[:, None]
+        kb2 = k2.to(tl.float32) * (b2 * tl.exp(G2))[:, None]
+        kb3 = k3.to(tl.float32) * (b3 * tl.exp(G3))[:, None]
+        w0 = tl.dot(x00, kb0, input_precision=PREC)
+        w1 = tl.dot(x10, kb0, input_precision=PREC) + tl.dot(x11, kb1, input_precision=PREC)
+        w2 = (tl.dot(x20, kb0, input_precision=PREC) + tl.dot(x21, kb1, input_precision=PREC)
+              + tl.dot(x22, kb2, input_precision=PREC))
+        w3 = (tl.dot(x30, kb0, input_precision=PREC) + tl.dot(x31, kb1, input_precision=PREC)
+              + tl.dot(x32, kb2, input_precision=PREC) + tl.dot(x33, kb3, input_precision=PREC))
+        base_w = w + (bos * H + i_h) * K
+        p_w = tl.make_block_ptr(base_w, (T, K), (H * K, 1), (t0, 0), (BC, BK), (1, 0))
+        tl.store(p_w, w0.to(p_w.dtype.element_ty), boundary_check=(0, 1))
+        p_w = tl.make_block_ptr(base_w, (T, K), (H * K, 1), (t0 + BC, 0), (BC, BK), (1, 0))
+        tl.store(p_w, w1.to(p_w.dtype.element_ty), boundary_check=(0, 1))
+        p_w = tl.make_block_ptr(base_w, (T, K), (H * K, 1), (t0 + 2 * BC, 0), (BC, BK), (1, 0))
+        tl.store(p_w, w2.to(p_w.dtype.element_ty), boundary_check=(0, 1))
+        p_w = tl.make_block_ptr(base_w, (T, K), (H * K, 1), (t0 + 3 * BC, 0), (BC, BK), (1, 0))
+        tl.store(p_w, w3.to(p_w.dtype.element_ty), boundary_check=(0, 1))
+        # U = X diag(b) V, per V tile
+        base_v = v + (bos * H + i_h) * V
+        base_u = u + (bos * H + i_h) * V
         for v0 in range(0, V, BV):
-            p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, v0), (BT, BV), (1, 0))
-            b_v = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
-            b_u = tl.dot(b_X, b_v, input_precision=PREC)
-            p_u = tl.make_block_ptr(u + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, v0), (BT, BV), (1, 0))
-            tl.store(p_u, b_u.to(p_u.dtype.element_ty), boundary_check=(0, 1))
+            p_v = tl.make_block_ptr(base_v, (T, V), (H * V, 1), (t0, v0), (BC, BV), (1, 0))
+            vb0 = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b0[:, None]
+            p_v = tl.make_block_ptr(base_v, (T, V), (H * V, 1), (t0 + BC, v0), (BC, BV), (1, 0))
+            vb1 = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b1[:, None]
+            p_v = tl.make_block_ptr(base_v, (T, V), (H * V, 1), (t0 + 2 * BC, v0), (BC, BV), (1, 0))
+            vb2 = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b2[:, None]
+            p_v = tl.make_block_ptr(base_v, (T, V), (H * V, 1), (t0 + 3 * BC, v0), (BC, BV), (1, 0))
+            vb3 = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b3[:, None]
+            u0 = tl.dot(x00, vb0, input_precision=PREC)
+            u1 = tl.dot(x10, vb0, input_precision=PREC) + tl.dot(x11, vb1, input_precision=PREC)
+            u2 = (tl.dot(x20, vb0, input_precision=PREC) + tl.dot(x21, vb1, input_precision=PREC)
+                  + tl.dot(x22, vb2, input_precision=PREC))
+            u3 = (tl.dot(x30, vb0, input_precision=PREC) + tl.dot(x31, vb1, input_precision=PREC)
+                  + tl.dot(x32, vb2, input_precision=PREC) + tl.dot(x33, vb3, input_precision=PREC))
+            p_u = tl.make_block_ptr(base_u, (T, V), (H * V, 1), (t0, v0), (BC, BV), (1, 0))
+            tl.store(p_u, u0.to(p_u.dtype.element_ty), boundary_check=(0, 1))
+            p_u = tl.make_block_ptr(base_u, (T, V), (H * V, 1), (t0 + BC, v0), (BC, BV), (1, 0))
+            tl.store(p_u, u1.to(p_u.dtype.element_ty), boundary_check=(0, 1))
+            p_u = tl.make_block_ptr(base_u, (T, V), (H * V, 1), (t0 + 2 * BC, v0), (BC, BV), (1, 0))
+            tl.store(p_u, u2.to(p_u.dtype.element_ty), boundary_check=(0, 1))
+            p_u = tl.make_block_ptr(base_u, (T, V), (H * V, 1), (t0 + 3 * BC, v0), (BC, BV), (1, 0))
+            tl.store(p_u, u3.to(p_u.dtype.element_ty), boundary_check=(0, 1))
 
 
 def wy(k, v, g, beta, *, BT: int, prec: str, dtype):
-    """``(W [B, T, H, K], U [B, T, H, V])`` in ``dtype``."""
+    """``(W [B, T, H, K], U [B, T, H, V])`` in ``dtype``; chunks of ``BT = 64`` tokens."""
+    if BT != 64:
+        raise ValueError(f"wy: the blocked inverse works on chunks of 64 tokens, got BT={BT}")
     B, T, H, K = k.shape
     V = v.shape[-1]
     w = torch.empty(B, T, H, K, dtype=dtype, device=k.device)
