@@ -9,10 +9,13 @@ Two launches (see :mod:`forge_dist.variants.delta_rule` for the chunk equations)
 2. the shared fused walker with the WY correction ``v' = U - W S``.
 
 The summary's dense transition ``M`` is the same walk started from ``S = I`` with ``U = 0``
-(columns of the state are independent, so the walk carries the identity's columns), run
-with fp32 operands and 3xTF32 dots: a bf16 chain of dense products drifts.
+(columns of the state are independent, so the walk carries the identity's columns).  For
+16-bit inputs it uses the forward's operands and WY factors (see :func:`summary_precision`
+for the fp32 option); fp32 inputs use fp32 operands with 3xTF32 dots.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -190,36 +193,74 @@ def wy(k, v, g, beta, *, BT: int, prec: str, dtype):
     return w, u
 
 
+def summary_precision() -> str:
+    """``FORGE_DIST_DENSE_SUMMARY``: ``input`` (default) computes a 16-bit shard's summary
+    (delta and the dense M) with the forward's own operands and shares the forward's WY
+    factors; ``fp32`` computes it from fp32 copies with 3xTF32 dots (about 5x slower at the
+    weak-scaling shard, ``results/gdn_pieces_*.json``: relative error of ``M S + delta``
+    2e-7 instead of 2.7e-3, which is the bf16 forward's own level)."""
+    raw = os.environ.get("FORGE_DIST_DENSE_SUMMARY", "").strip().lower() or "input"
+    if raw not in ("input", "fp32"):
+        raise ValueError(f"FORGE_DIST_DENSE_SUMMARY: expected 'input' or 'fp32', got {raw!r}")
+    return raw
+
+
 class DeltaRuleWork(TritonWork):
     """gated_delta_rule segment: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``,
-    ``g [B, T, H]`` or ``None``, ``beta [B, T, H]``."""
+    ``g [B, T, H]`` or ``None``, ``beta [B, T, H]``.
+
+    The WY factors ``(W, U)`` depend only on the segment's inputs: computed once (by
+    ``prepare``, ``summary`` or ``finish``, whichever runs first) and shared.
+    """
 
     names = ("q", "k", "v", "g", "beta")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._wy = None
+
+    def _wy_factors(self, k, v, g, beta, cfg):
+        """``(W, U)`` in the input dtype: bf16/fp16 inputs use TF32 for the WY products,
+        fp32 inputs stay fp32 (3xTF32)."""
+        if self._wy is None:
+            low = k.dtype in (torch.float16, torch.bfloat16)
+            prec = "tf32" if low and dot_precision(k.dtype) != "ieee" else dot_precision(k.dtype)
+            self._wy = wy(k, v, g, beta, BT=cfg["BT"], prec=prec, dtype=k.dtype)
+        return self._wy
+
+    def prepare(self) -> None:
+        """The WY factors before the incoming state arrives (they need no state)."""
+        if self._wy is None:
+            with torch.no_grad():
+                _, k, v, g, beta = (ensure(None if t is None else t.detach())
+                                    for t in self.tensors)
+                self._wy_factors(k, v, g, beta, fused_config(k.shape[-1], v.shape[-1]))
 
     def _finish_fwd(self, S_in, tensors):
         q, k, v, g, beta = (ensure(t) for t in tensors)
         cfg = fused_config(k.shape[-1], v.shape[-1])
         self.execution, self.execution_reason = "fused", "decoupled not built for this pattern"
-        # bf16 inputs: W/U in bf16 and TF32 for the WY products; fp32 inputs stay fp32 (3xTF32)
-        low = k.dtype in (torch.float16, torch.bfloat16)
-        wy_prec = "tf32" if low and dot_precision(k.dtype) != "ieee" else dot_precision(k.dtype)
-        w, u = wy(k, v, g, beta, BT=cfg["BT"], prec=wy_prec, dtype=k.dtype)
+        w, u = self._wy_factors(k, v, g, beta, cfg)
         return walk(k, u, q=q, g=g, gate=0 if g is None else 1, w=w, h0=S_in, scale=self.scale,
                     out_dtype=self.out_dtype, cfg=cfg, prec=dot_precision(k.dtype))
 
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g, beta = (ensure(t) for t in tensors)
         cfg = fused_config(k.shape[-1], v.shape[-1])
-        prec = dot_precision(torch.float32)
-        k32, v32 = k.to(torch.float32), v.to(torch.float32)
-        w, u = wy(k32, v32, g, beta, BT=cfg["BT"], prec=prec, dtype=torch.float32)
+        if k.dtype == torch.float32 or summary_precision() == "fp32":
+            prec = dot_precision(torch.float32)
+            k, v = k.to(torch.float32), v.to(torch.float32)
+            w, u = wy(k, v, g, beta, BT=cfg["BT"], prec=prec, dtype=torch.float32)
+        else:  # the forward's operands: the WY factors are shared with finish()
+            prec = dot_precision(k.dtype)
+            w, u = self._wy_factors(k, v, g, beta, cfg)
         gate = 0 if g is None else 1
-        _, delta = walk(k32, u, g=g, gate=gate, w=w, cfg=cfg, prec=prec)
+        _, delta = walk(k, u, g=g, gate=gate, w=w, cfg=cfg, prec=prec)
         M = None
         if need_M:
             B, T, H, K = k.shape
             eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, H, K, K)
-            _, M = walk(k32, None, V=K, g=g, gate=gate, w=w, h0=eye, cfg=cfg, prec=prec)
+            _, M = walk(k, None, V=K, g=g, gate=gate, w=w, h0=eye, cfg=cfg, prec=prec)
         return delta, M
 
     def _summary_torch(self, tensors, need_M):

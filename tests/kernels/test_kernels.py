@@ -266,6 +266,38 @@ def test_finish_reuses_summary_segments(monkeypatch, variant, n_seg):
         assert rel(M.reshape(g.shape), g) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype,wy_calls,tol", [(torch.float16, 1, 2e-3),
+                                                  (torch.float32, 2, 1e-4)],
+                         ids=["fp16", "fp32"])
+def test_delta_rule_summary_shares_wy(monkeypatch, dtype, wy_calls, tol):
+    """A 16-bit segment's summary uses the forward's operands and the same WY factors
+    (computed once for summary and finish); fp32 keeps its own fp32 factors.  Both compose
+    to the fp64 recurrence: M S + delta and finish(S) give the final state."""
+    from forge_dist.kernels import delta as delta_mod
+
+    calls = []
+    real = delta_mod.wy
+    monkeypatch.setattr(delta_mod, "wy", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    inp = make("gated_delta_rule", 1, 130, 2, 32, 32, dtype=dtype, seed=1, gate_scale=0.05)
+    work = kernels.make_work("gated_delta_rule", inp, None, True)
+    work.prepare()
+    delta, M = work.summary(True)
+    S = torch.randn(1, 2, 32, 32, device=DEV)
+    o, final = work.finish(S)
+    assert len(calls) == wy_calls
+    ro, rh = reference("gated_delta_rule", inp, S)
+    assert rel(tr.combine(tr.Kind.DENSE, M, S, delta), rh) <= tol
+    assert rel(final, rh) <= tol and rel(o, ro) <= tol
+
+
+def test_dense_summary_precision_validation(monkeypatch):
+    from forge_dist.kernels import delta as delta_mod
+
+    monkeypatch.setenv("FORGE_DIST_DENSE_SUMMARY", "bf16")
+    with pytest.raises(ValueError, match="FORGE_DIST_DENSE_SUMMARY"):
+        delta_mod.summary_precision()
+
+
 def test_segment_count_validation(monkeypatch):
     monkeypatch.setenv("FORGE_DIST_SEGMENTS", "zero")
     with pytest.raises(ValueError, match="FORGE_DIST_SEGMENTS"):

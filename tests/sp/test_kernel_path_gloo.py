@@ -13,7 +13,7 @@ from .distributed import run_world
 
 pytest.importorskip("triton")
 
-OPS = ("linear_attn", "simple_gla", "gla", "hgrn")
+OPS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn")
 ENV = {"TRITON_INTERPRET": "1", "FORGE_DIST_KERNELS": "triton", "FORGE_DIST_SEGMENTS": "2",
        "FORGE_DIST_TIMEOUT": "120"}
 
