@@ -74,21 +74,36 @@ class ScalarDecayWork(TritonWork):
         return [dS, dq, dk, dv, _like(dg, tensors[3])]
 
     def _summary_bwd(self, tensors, ddelta, dM):
-        """``delta`` is ``finish(0)``'s final state (q unused, so dq = 0); ``M = exp(sum g)``
-        adds ``dM * M`` to every token's gate gradient."""
-        from .scalar_backward import scalar_decay_backward
+        """Closed form, no walk: ``delta = sum_t exp(r_t) k_t v_t^T`` with
+        ``r_t = g_{t+1} + ... + g_T`` (the decay after token t), so with ``c_t = exp(r_t)``::
 
-        q, k, v, g = (ensure(t) for t in tensors)
+            dk_t = c_t ddelta v_t,   dv_t = c_t ddelta^T k_t,
+            dg_s = sum_{t < s} c_t k_t^T ddelta v_t  (+ dM * M for every s, M = exp(sum g))
+
+        ``r_t`` is summed from the end (a reverse cumulative sum), never as a difference of
+        two long prefix sums, so it keeps its precision at any length.  q does not reach
+        the summary (dq = 0).  Cost: two batched matmuls over the segment.
+        """
+        q, k, v, g = tensors
+        f32 = torch.float32
+        kf, vf = k.to(f32), v.to(f32)
         if ddelta is None:
-            ddelta = torch.zeros(k.shape[0], k.shape[2], k.shape[3], v.shape[-1],
-                                 dtype=torch.float32, device=k.device)
-        _, dk, dv, dg, _ = scalar_decay_backward(q, k, v, g, None, None,
-                                                 ddelta.to(torch.float32).contiguous(),
-                                                 self.scale)
-        if g is not None and dM is not None:
-            M = g.to(torch.float32).sum(dim=1).exp()  # [B, H]
-            dg = dg + (dM.to(torch.float32) * M)[:, None, :]
-        return [torch.zeros_like(q), dk, dv, _like(dg, tensors[3])]
+            ddelta = torch.zeros(k.shape[0], k.shape[2], k.shape[3], v.shape[-1], dtype=f32,
+                                 device=k.device)
+        ddelta = ddelta.to(f32)
+        dk = torch.einsum("bthv,bhkv->bthk", vf, ddelta)  # ddelta v_t
+        dv = torch.einsum("bthk,bhkv->bthv", kf, ddelta)  # ddelta^T k_t
+        dg = None
+        if g is not None:
+            gf = g.to(f32)
+            after = torch.flip(torch.cumsum(torch.flip(gf, [1]), 1), [1]) - gf  # r_t
+            c = after.exp()[..., None]  # [B, T, H, 1]
+            dk, dv = dk * c, dv * c
+            per_token = (kf * dk).sum(-1)  # c_t k_t^T ddelta v_t, [B, T, H]
+            dg = torch.cumsum(per_token, 1) - per_token  # sum over t < s
+            if dM is not None:
+                dg = dg + (dM.to(f32) * gf.sum(dim=1).exp())[:, None, :]
+        return [torch.zeros_like(q), dk.to(k.dtype), dv.to(v.dtype), _like(dg, g)]
 
     def _summary_torch(self, tensors, need_M):
         q, k, v, g = tensors
