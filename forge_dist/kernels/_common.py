@@ -505,7 +505,9 @@ class _FinishFn(torch.autograd.Function):
         ctx.work = work
         ctx.save_for_backward(S_in, *tensors)
         with torch.no_grad():
-            return work._finish_fwd(S_in, list(tensors))
+            out = work._finish_fwd(S_in, list(tensors))
+        work.release()
+        return out
 
     @staticmethod
     def backward(ctx, do, dht):
@@ -584,6 +586,11 @@ class TritonWork(SegmentWork):
     def finish(self, S_in: Optional[Tensor]):
         """``(o, final state fp32)`` given the incoming state (``None``: zeros)."""
         return _FinishFn.apply(self, S_in, *self.tensors)
+
+    def release(self) -> None:
+        """Drop what ``summary``/``prepare`` kept for ``finish``: the autograd graph holds the
+        work object until backward, which must not keep these buffers alive."""
+        self.segments = None
 
     def prepare(self) -> None:
         """Compute and keep the segment states before the incoming state arrives (patterns

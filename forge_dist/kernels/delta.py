@@ -228,6 +228,10 @@ class DeltaRuleWork(TritonWork):
             self._wy = wy(k, v, g, beta, BT=cfg["BT"], prec=prec, dtype=k.dtype)
         return self._wy
 
+    def release(self) -> None:
+        super().release()
+        self._wy = None
+
     def prepare(self) -> None:
         """The WY factors before the incoming state arrives (they need no state)."""
         if self._wy is None:

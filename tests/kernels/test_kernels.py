@@ -257,6 +257,7 @@ def test_finish_reuses_summary_segments(monkeypatch, variant, n_seg):
     assert work.segments is not None and work.segments.n_seg == n_seg
     S = torch.randn(state_shape(variant, inp), device=DEV)
     o, ht = work.finish(S if variant != "hgrn" else S.reshape(2, 1, -1, 1))
+    assert work.segments is None  # released: the autograd graph must not keep them
     ro, rh = reference(variant, inp, S)
     assert rel(o, ro) <= 1e-4 and rel(ht.reshape(rh.shape), rh) <= 1e-4
     _, rz = reference(variant, inp, None)
