@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ._common import (HAVE_TRITON, dot_precision, ensure, next_pow2, scalar_gate_chunk,
+from ._common import (HAVE_TRITON, dot_precision, ensure, next_pow2,
                       sized_config, tl, triton, TritonWork, walk)
 from ..variants import delta_rule
 
