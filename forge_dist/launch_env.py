@@ -272,6 +272,18 @@ def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 600.0,
     return info
 
 
+def init_device_world(*, cpu: bool, timeout_s: float):
+    """:func:`init_distributed` for a benchmark rank: NCCL and this rank's GPU unless ``cpu``
+    is asked for or no GPU is visible, else gloo on the CPU.  Returns ``(info, device)``."""
+    import torch
+
+    use_cuda = not cpu and torch.cuda.is_available()
+    info = init_distributed("nccl" if use_cuda else "gloo", timeout_s=timeout_s,
+                            device_type="cuda" if use_cuda else "cpu")
+    device = torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
+    return info, device
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Print the detected launch environment (one ``key=value`` per line, or JSON)."""
     p = argparse.ArgumentParser(prog="python -m forge_dist.launch_env",

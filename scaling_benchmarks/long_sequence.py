@@ -515,11 +515,7 @@ def setup_strategy(cfg, device: torch.device, world: int) -> Optional[str]:
 def worker(cfg) -> Results:
     """The per-rank entry (under torchrun/srun, or spawned for CPU runs)."""
     os.environ.setdefault("FORGE_DIST_TIMEOUT", str(cfg["pass_timeout_s"]))
-    use_cuda = not cfg["cpu"] and torch.cuda.is_available()
-    info = launch_env.init_distributed("nccl" if use_cuda else "gloo",
-                                       timeout_s=float(cfg["timeout_s"]),
-                                       device_type="cuda" if use_cuda else "cpu")
-    device = torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
+    info, device = launch_env.init_device_world(cpu=cfg["cpu"], timeout_s=float(cfg["timeout_s"]))
     rank, world = info.rank, info.world_size
     group = dist.group.WORLD if world > 1 else None
     try:

@@ -731,11 +731,8 @@ def strategy_status(names: List[str], device) -> Dict[str, Optional[str]]:
 def worker(cfg) -> Optional[Path]:
     """The per-rank entry (under torchrun/srun, or spawned for CPU runs)."""
     os.environ.setdefault("FORGE_DIST_TIMEOUT", str(cfg["pass_timeout_s"]))
-    use_cuda = not cfg["cpu"] and torch.cuda.is_available()
-    info = launch_env.init_distributed("nccl" if use_cuda else "gloo",
-                                       timeout_s=float(cfg["timeout_s"]),
-                                       device_type="cuda" if use_cuda else "cpu")
-    device = torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
+    info, device = launch_env.init_device_world(cpu=cfg["cpu"], timeout_s=float(cfg["timeout_s"]))
+    use_cuda = device.type == "cuda"
     group = dist.group.WORLD if info.world_size > 1 else None
     try:
         status = strategy_status(list(cfg["strategies"]), device)

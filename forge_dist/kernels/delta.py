@@ -76,6 +76,41 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
+    def _load_rows(base, T, N: tl.constexpr, r0, c0, H: tl.constexpr, BC: tl.constexpr,
+                   BN: tl.constexpr):
+        """Rows ``[r0, r0 + BC)``, columns ``[c0, c0 + BN)`` of a head's ``[T, N]`` slice
+        (token stride ``H * N``), as fp32."""
+        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (r0, c0), (BC, BN), (1, 0))
+        return tl.load(p, boundary_check=(0, 1)).to(tl.float32)
+
+    @triton.jit
+    def _store_rows(base, T, N: tl.constexpr, t0, c0, y0, y1, y2, y3, H: tl.constexpr,
+                    BC: tl.constexpr, BN: tl.constexpr):
+        """Store four ``[BC, BN]`` row blocks at rows ``t0, t0 + BC, ...`` of a head's
+        ``[T, N]`` slice (token stride ``H * N``), columns from ``c0``."""
+        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (t0, c0), (BC, BN), (1, 0))
+        tl.store(p, y0.to(p.dtype.element_ty), boundary_check=(0, 1))
+        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (t0 + BC, c0), (BC, BN), (1, 0))
+        tl.store(p, y1.to(p.dtype.element_ty), boundary_check=(0, 1))
+        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (t0 + 2 * BC, c0), (BC, BN), (1, 0))
+        tl.store(p, y2.to(p.dtype.element_ty), boundary_check=(0, 1))
+        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (t0 + 3 * BC, c0), (BC, BN), (1, 0))
+        tl.store(p, y3.to(p.dtype.element_ty), boundary_check=(0, 1))
+
+    @triton.jit
+    def _lower_times(x00, x10, x11, x20, x21, x22, x30, x31, x32, x33, r0, r1, r2, r3,
+                     PREC: tl.constexpr):
+        """``X R`` for a block lower-triangular ``X`` (4 x 4 blocks) and ``R`` given as its
+        four row blocks; returns the four row blocks of the product."""
+        y0 = tl.dot(x00, r0, input_precision=PREC)
+        y1 = tl.dot(x10, r0, input_precision=PREC) + tl.dot(x11, r1, input_precision=PREC)
+        y2 = (tl.dot(x20, r0, input_precision=PREC) + tl.dot(x21, r1, input_precision=PREC)
+              + tl.dot(x22, r2, input_precision=PREC))
+        y3 = (tl.dot(x30, r0, input_precision=PREC) + tl.dot(x31, r1, input_precision=PREC)
+              + tl.dot(x32, r2, input_precision=PREC) + tl.dot(x33, r3, input_precision=PREC))
+        return y0, y1, y2, y3
+
+    @triton.jit
     def _wy_kernel(k, v, g, beta, w, u, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    GATE: tl.constexpr, PREC: tl.constexpr):
@@ -130,51 +165,23 @@ if HAVE_TRITON:
                       + tl.dot(a31, x10, input_precision=PREC)
                       + tl.dot(a32, x20, input_precision=PREC), input_precision=PREC)
         # W = X diag(b exp(G)) K, row block by row block
-        kb0 = k0.to(tl.float32) * (b0 * tl.exp(G0))[:, None]
-        kb1 = k1.to(tl.float32) * (b1 * tl.exp(G1))[:, None]
-        kb2 = k2.to(tl.float32) * (b2 * tl.exp(G2))[:, None]
-        kb3 = k3.to(tl.float32) * (b3 * tl.exp(G3))[:, None]
-        w0 = tl.dot(x00, kb0, input_precision=PREC)
-        w1 = tl.dot(x10, kb0, input_precision=PREC) + tl.dot(x11, kb1, input_precision=PREC)
-        w2 = (tl.dot(x20, kb0, input_precision=PREC) + tl.dot(x21, kb1, input_precision=PREC)
-              + tl.dot(x22, kb2, input_precision=PREC))
-        w3 = (tl.dot(x30, kb0, input_precision=PREC) + tl.dot(x31, kb1, input_precision=PREC)
-              + tl.dot(x32, kb2, input_precision=PREC) + tl.dot(x33, kb3, input_precision=PREC))
-        base_w = w + (bos * H + i_h) * K
-        p_w = tl.make_block_ptr(base_w, (T, K), (H * K, 1), (t0, 0), (BC, BK), (1, 0))
-        tl.store(p_w, w0.to(p_w.dtype.element_ty), boundary_check=(0, 1))
-        p_w = tl.make_block_ptr(base_w, (T, K), (H * K, 1), (t0 + BC, 0), (BC, BK), (1, 0))
-        tl.store(p_w, w1.to(p_w.dtype.element_ty), boundary_check=(0, 1))
-        p_w = tl.make_block_ptr(base_w, (T, K), (H * K, 1), (t0 + 2 * BC, 0), (BC, BK), (1, 0))
-        tl.store(p_w, w2.to(p_w.dtype.element_ty), boundary_check=(0, 1))
-        p_w = tl.make_block_ptr(base_w, (T, K), (H * K, 1), (t0 + 3 * BC, 0), (BC, BK), (1, 0))
-        tl.store(p_w, w3.to(p_w.dtype.element_ty), boundary_check=(0, 1))
+        w0, w1, w2, w3 = _lower_times(
+            x00, x10, x11, x20, x21, x22, x30, x31, x32, x33,
+            k0.to(tl.float32) * (b0 * tl.exp(G0))[:, None],
+            k1.to(tl.float32) * (b1 * tl.exp(G1))[:, None],
+            k2.to(tl.float32) * (b2 * tl.exp(G2))[:, None],
+            k3.to(tl.float32) * (b3 * tl.exp(G3))[:, None], PREC)
+        _store_rows(w + (bos * H + i_h) * K, T, K, t0, 0, w0, w1, w2, w3, H, BC, BK)
         # U = X diag(b) V, per V tile
         base_v = v + (bos * H + i_h) * V
-        base_u = u + (bos * H + i_h) * V
         for v0 in range(0, V, BV):
-            p_v = tl.make_block_ptr(base_v, (T, V), (H * V, 1), (t0, v0), (BC, BV), (1, 0))
-            vb0 = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b0[:, None]
-            p_v = tl.make_block_ptr(base_v, (T, V), (H * V, 1), (t0 + BC, v0), (BC, BV), (1, 0))
-            vb1 = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b1[:, None]
-            p_v = tl.make_block_ptr(base_v, (T, V), (H * V, 1), (t0 + 2 * BC, v0), (BC, BV), (1, 0))
-            vb2 = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b2[:, None]
-            p_v = tl.make_block_ptr(base_v, (T, V), (H * V, 1), (t0 + 3 * BC, v0), (BC, BV), (1, 0))
-            vb3 = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b3[:, None]
-            u0 = tl.dot(x00, vb0, input_precision=PREC)
-            u1 = tl.dot(x10, vb0, input_precision=PREC) + tl.dot(x11, vb1, input_precision=PREC)
-            u2 = (tl.dot(x20, vb0, input_precision=PREC) + tl.dot(x21, vb1, input_precision=PREC)
-                  + tl.dot(x22, vb2, input_precision=PREC))
-            u3 = (tl.dot(x30, vb0, input_precision=PREC) + tl.dot(x31, vb1, input_precision=PREC)
-                  + tl.dot(x32, vb2, input_precision=PREC) + tl.dot(x33, vb3, input_precision=PREC))
-            p_u = tl.make_block_ptr(base_u, (T, V), (H * V, 1), (t0, v0), (BC, BV), (1, 0))
-            tl.store(p_u, u0.to(p_u.dtype.element_ty), boundary_check=(0, 1))
-            p_u = tl.make_block_ptr(base_u, (T, V), (H * V, 1), (t0 + BC, v0), (BC, BV), (1, 0))
-            tl.store(p_u, u1.to(p_u.dtype.element_ty), boundary_check=(0, 1))
-            p_u = tl.make_block_ptr(base_u, (T, V), (H * V, 1), (t0 + 2 * BC, v0), (BC, BV), (1, 0))
-            tl.store(p_u, u2.to(p_u.dtype.element_ty), boundary_check=(0, 1))
-            p_u = tl.make_block_ptr(base_u, (T, V), (H * V, 1), (t0 + 3 * BC, v0), (BC, BV), (1, 0))
-            tl.store(p_u, u3.to(p_u.dtype.element_ty), boundary_check=(0, 1))
+            u0, u1, u2, u3 = _lower_times(
+                x00, x10, x11, x20, x21, x22, x30, x31, x32, x33,
+                _load_rows(base_v, T, V, t0, v0, H, BC, BV) * b0[:, None],
+                _load_rows(base_v, T, V, t0 + BC, v0, H, BC, BV) * b1[:, None],
+                _load_rows(base_v, T, V, t0 + 2 * BC, v0, H, BC, BV) * b2[:, None],
+                _load_rows(base_v, T, V, t0 + 3 * BC, v0, H, BC, BV) * b3[:, None], PREC)
+            _store_rows(u + (bos * H + i_h) * V, T, V, t0, v0, u0, u1, u2, u3, H, BC, BV)
 
 
 def wy(k, v, g, beta, *, BT: int, prec: str, dtype):

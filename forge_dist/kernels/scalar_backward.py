@@ -79,19 +79,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import HAVE_TRITON, dot_precision, next_pow2, tl, triton
+from ._common import HAVE_TRITON, dot_precision, next_pow2, scalar_gate_chunk, tl, triton
 
 __all__ = ["scalar_decay_backward"]
 
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _chunk_gates(g, bos, t0, T, i_h, H: tl.constexpr, BT: tl.constexpr):
-        """``(G [BT], G_C)``: in-chunk cumulative log decay and its total (padding reads 0)."""
-        o_t = t0 + tl.arange(0, BT)
-        b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.0).to(tl.float32)
-        return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
 
     @triton.jit
     def _fwd_states_kernel(k, v, g, h0, h, T, NT, H: tl.constexpr, K: tl.constexpr,
@@ -123,7 +116,7 @@ if HAVE_TRITON:
             b_kt = tl.load(p_kt, boundary_check=(0, 1))
             b_v = tl.load(p_v, boundary_check=(0, 1)).to(DT)
             if GATE:
-                b_G, b_GC = _chunk_gates(g, bos, t0, T, i_h, H, BT)
+                b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
                 b_kt = (b_kt.to(tl.float32) * tl.exp(b_GC - b_G)[None, :]).to(DT)
                 b_S = b_S * tl.exp(b_GC)
             b_S += tl.dot(b_kt, b_v, input_precision=PREC)
@@ -160,7 +153,7 @@ if HAVE_TRITON:
             b_qt = tl.load(p_qt, boundary_check=(0, 1))
             b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
             if GATE:
-                b_G, b_GC = _chunk_gates(g, bos, t0, T, i_h, H, BT)
+                b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
                 b_qt = (b_qt.to(tl.float32) * tl.exp(b_G)[None, :]).to(DT)
                 b_dS = b_dS * tl.exp(b_GC)
             b_dS += tl.dot(b_qt, b_do, input_precision=PREC) * scale
@@ -197,7 +190,7 @@ if HAVE_TRITON:
         rows = tl.arange(0, BT)
         upper = rows[:, None] <= rows[None, :]  # j <= i in At[j, i]
         if GATE:
-            b_G, b_GC = _chunk_gates(g, bos, t0, T, i_h, H, BT)
+            b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
             b_At = b_At * tl.exp(tl.where(upper, b_G[None, :] - b_G[:, None], float("-inf")))
             b_dv = b_dv * tl.exp(b_GC - b_G)[:, None]
         else:
@@ -236,7 +229,7 @@ if HAVE_TRITON:
         rows = tl.arange(0, BT)
         causal = rows[:, None] >= rows[None, :]
         if GATE:
-            b_G, b_GC = _chunk_gates(g, bos, t0, T, i_h, H, BT)
+            b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
             b_M = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
             b_kdecay = tl.exp(b_GC - b_G)  # e^{G_C - G_j}
         if GATE or FUSE_DV:
