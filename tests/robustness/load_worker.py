@@ -5,6 +5,7 @@ import gc
 import statistics
 import itertools
 import os
+import sys
 import time
 import tracemalloc
 
@@ -54,8 +55,46 @@ def _one_call(op, strategy, T_local, dims, varlen, backward, group, seed):
     return err
 
 
+class _CountOps(TorchDispatchMode):
+    """Number of aten ops dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _work(shape, group, seed) -> dict:
+    """Python function calls and aten ops of one call: a deterministic measure of the work a
+    call does (unlike its wall time on a shared CI machine).  A call that does more work as
+    calls accumulate (a growing registry scanned, hooks piling up) shows here."""
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    gc.collect()
+    gc.disable()  # a collection's finalisers would count as this call's work
+    try:
+        with _CountOps() as ops:
+            sys.setprofile(profile)
+            try:
+                _one_call(*shape, group, seed=seed)
+            finally:
+                sys.setprofile(None)
+    finally:
+        gc.enable()
+    return {"py_calls": calls, "aten_ops": ops.ops}
+
+
 def load(me, calls: int, warmup: int):
-    """``calls`` back-to-back calls cycling through SHAPES; returns timing / memory records."""
+    """``calls`` back-to-back calls cycling through SHAPES; returns timing / memory records
+    and, for each shape, the work of one call right after warm-up and one at the end."""
     tracemalloc.start()
     cycle = itertools.cycle(SHAPES)
     records, worst = [], 0.0
@@ -68,15 +107,23 @@ def load(me, calls: int, warmup: int):
         if i + 1 == warmup:
             gc.collect()
             base_rss, base_py = _rss_bytes(), tracemalloc.get_traced_memory()[0]
+            tracemalloc.stop()  # the work samples below must not count toward the heap
+            for _ in range(2):  # the first pass fills the counting mode's own caches
+                work_early = [_work(s, me.group, seed=j) for j, s in enumerate(SHAPES)]
+            tracemalloc.start()
+            gc.collect()
+            base_py = tracemalloc.get_traced_memory()[0]
         records.append(dt)
     gc.collect()
     end_rss, end_py = _rss_bytes(), tracemalloc.get_traced_memory()[0]
+    work_late = [_work(s, me.group, seed=j) for j, s in enumerate(SHAPES)]
     n = len(SHAPES) * max(1, (calls - warmup) // (4 * len(SHAPES)))
     early, late = records[warmup:warmup + n], records[-n:]
     return {"calls": calls, "warmup": warmup, "max_rel_err": worst,
             # medians: the windows hold the same shape mix, and one scheduler hiccup on a
             # loaded 2-core CI machine must not read as a slow-down
             "early_ms": 1e3 * statistics.median(early), "late_ms": 1e3 * statistics.median(late),
+            "work_early": work_early, "work_late": work_late,
             "rss_warm_mb": base_rss / 2**20, "rss_end_mb": end_rss / 2**20,
             "py_heap_warm_kb": base_py / 1024, "py_heap_end_kb": end_py / 1024,
             "window": n}

@@ -69,8 +69,10 @@ def test_stall_is_named_within_the_bound_and_group_recovers(i):
     if scn["where"] == "validate":
         bad = ranks[scn["rank"]][i]["error"]
         assert bad.startswith("ValueError: q: expected no empty dimension"), bad
-        assert ranks[scn["rank"]][i]["elapsed"] < 0.5
-        assert all(ranks[r][i]["elapsed"] < 0.5 for r in scn["expect"])  # no timeout wait
+        # no timeout wait: well under the bound (not a tight wall-time limit, which a loaded
+        # CI machine could break)
+        assert ranks[scn["rank"]][i]["elapsed"] < 0.5 * fw.BOUND
+        assert all(ranks[r][i]["elapsed"] < 0.5 * fw.BOUND for r in scn["expect"])
     # Every rank: a fresh group after teardown gives the right answer again.
     for r in range(3):
         assert ranks[r][i]["recovered_err"] < 1e-12, (r, ranks[r][i])

@@ -1,6 +1,8 @@
 """Load: many back-to-back calls with shapes, ops, strategies, layouts from a bounded set at
 2 gloo ranks: every result right (no stale state), no growth of the Python heap
-(tracemalloc) or RSS after warm-up, no slow-down.  And memory per rank of the state pass:
+(tracemalloc) or RSS after warm-up, no growth of the work a call does (Python calls and aten
+ops, counted: a deterministic stand-in for "no slow-down" that a loaded CI machine cannot
+upset; the wall times are checked only in the long logged run).  And memory per rank of the state pass:
 serial / pipelined / forge hold O(1) states whatever the number of ranks, lasp2 O(P)."""
 import json
 import os
@@ -17,11 +19,14 @@ LOG = (Path(__file__).resolve().parents[2] / "scaling_benchmarks" / "results" / 
        / "robustness_load_cpu.log")
 
 
-def _check(res):
+def _check(res, wall_time=False):
     assert res["max_rel_err"] < 1e-10, res
     assert res["py_heap_end_kb"] - res["py_heap_warm_kb"] < 256, res
     assert res["rss_end_mb"] - res["rss_warm_mb"] < 32, res
-    assert res["late_ms"] < 1.5 * res["early_ms"] + 5, res
+    for shape, early, late in zip(lw.SHAPES, res["work_early"], res["work_late"]):
+        assert late == early, (shape, early, late)
+    if wall_time:
+        assert res["late_ms"] < 1.5 * res["early_ms"] + 5, res
 
 
 def test_back_to_back_calls_two_ranks():
@@ -42,7 +47,7 @@ def test_back_to_back_calls_two_ranks_long():
         for r, x in enumerate(res):
             f.write(f"rank {r}: {json.dumps(x)}\n")
     for r in res:
-        _check(r)
+        _check(r, wall_time=True)
 
 
 @pytest.fixture(scope="module")
