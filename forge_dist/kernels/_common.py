@@ -87,6 +87,12 @@ def dot_precision(dtype: torch.dtype, exact: bool = False) -> str:
     return "ieee" if exact else "tf32x3"
 
 
+def grad_like(grad: Optional[Tensor], ref: Optional[Tensor]) -> Optional[Tensor]:
+    """``grad`` in ``ref``'s dtype (``None`` when either is ``None``): a Triton backward's
+    fp32 gradient handed back for an input of another dtype."""
+    return None if grad is None or ref is None else grad.to(ref.dtype)
+
+
 def ensure(t: Optional[Tensor]) -> Optional[Tensor]:
     """Contiguous tensor (gates may arrive as expanded views, e.g. ``g_gamma``)."""
     return None if t is None else t.contiguous()
@@ -111,7 +117,8 @@ if HAVE_TRITON:
                      HAS_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_HT: tl.constexpr,
                      PREC: tl.constexpr, HAS_A: tl.constexpr = False, a=None,
                      STORE_GT: tl.constexpr = False, HAS_SIN: tl.constexpr = False,
-                     s_in=None, cg=None, HT_LAST: tl.constexpr = False):
+                     s_in=None, cg=None, HT_LAST: tl.constexpr = False,
+                     STORE_CHUNKS: tl.constexpr = False, hc=None, vn=None):
         """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H, NSEG)``.
 
         Program ``(i_v, i_bh, i_s)`` walks the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a
@@ -125,6 +132,9 @@ if HAVE_TRITON:
         every segment's start, ``h0 + exp(cg) * s_in`` with ``cg [NSEG + 1, B, H, K]`` the
         log decay from the walk's start to each segment's start (from the segment scan).
         HT_LAST: only the last segment stores its end state, into ``ht [B, H, K, V]``.
+        STORE_CHUNKS (for backward passes): every chunk's start state into
+        ``hc [B, NT, H, K, V]`` and the values the state update uses (the delta rule's
+        corrected ``v - w S``) into ``vn [B, T, H, V]``.
         """
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)
@@ -156,6 +166,10 @@ if HAVE_TRITON:
         b_gt = tl.zeros([BK], dtype=tl.float32)  # segment's summed log decay (STORE_GT)
 
         for t0 in range(t_lo, t_hi, BT):
+            if STORE_CHUNKS:
+                i_c = i_b * tl.cdiv(T, BT) + t0 // BT
+                p_hc = tl.make_block_ptr(hc + (i_c * H + i_h) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+                tl.store(p_hc, b_S.to(p_hc.dtype.element_ty), boundary_check=(0, 1))
             p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
             b_k = tl.load(p_k, boundary_check=(0, 1))
             if HAS_V:
@@ -167,6 +181,9 @@ if HAVE_TRITON:
                 p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
                 b_w = tl.load(p_w, boundary_check=(0, 1))
                 b_v = b_v - tl.dot(b_w, b_S.to(b_w.dtype), input_precision=PREC)
+            if STORE_CHUNKS:
+                p_vn = tl.make_block_ptr(vn + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+                tl.store(p_vn, b_v.to(p_vn.dtype.element_ty), boundary_check=(0, 1))
 
             # gates: in-chunk cumulative log decay G, the chunk total G_C (padding: g = 0)
             if GATE == 1:
@@ -314,7 +331,8 @@ def _tiles(k: Tensor, V: int, cfg: dict):
 
 
 def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_ht, scale,
-                 V, cfg, prec, a=None, s_in=None, cg=None, ht_last=False) -> None:
+                 V, cfg, prec, a=None, s_in=None, cg=None, ht_last=False, hc=None,
+                 vn=None) -> None:
     """One walker launch over ``n`` segments of ``seg`` tokens (see ``_walk_kernel``)."""
     B, T, H, K = k.shape
     BT, BK, BV, NV = _tiles(k, V, cfg)
@@ -330,7 +348,9 @@ def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_
         flags.update(HAS_SIN=True, s_in=s_in, cg=cg if cg is not None else s_in)
     if ht_last:
         flags.update(HT_LAST=True)
-    if use_autotune() and cfg.get("tune", True):
+    if hc is not None:  # chunk states and corrected values for a backward pass
+        flags.update(STORE_CHUNKS=True, hc=hc, vn=vn)
+    if use_autotune() and cfg.get("tune", True) and hc is None:
         grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * H, n)  # noqa: E731
         _walk_tuned[grid](*args, **flags)
     else:
@@ -341,7 +361,8 @@ def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_
 def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optional[Tensor] = None,
          gate: int = 0, w: Optional[Tensor] = None, h0: Optional[Tensor] = None,
          scale: float = 1.0, V: Optional[int] = None, out_dtype=torch.float32,
-         cfg: dict, prec: str, a: Optional[Tensor] = None, n_seg: int = 1):
+         cfg: dict, prec: str, a: Optional[Tensor] = None, n_seg: int = 1,
+         chunk_states: Optional[Tensor] = None, walked_v: Optional[Tensor] = None):
     """Run the walker: FUSED (``n_seg == 1``) or DECOUPLED over ``n_seg`` segments.
 
     DECOUPLED (the paper's appendix B.2 at segment granularity): every segment's summary from
@@ -361,6 +382,9 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
             autotuned with ``FORGE_DIST_AUTOTUNE=1``; the key excludes T).
         a: precomputed intra-chunk attention ``[B, T, H, BT]`` fp32 (vector decay).
         n_seg: segments for the decoupled schedule (1: fused).
+        chunk_states, walked_v: fused only, for backward passes: filled with every chunk's
+            start state ``[B, NT, H, K, V]`` and the values the state update used
+            ``[B, T, H, V]`` (the delta rule's ``v - w S``); pass both or neither.
     Returns:
         ``(o [B, T, H, V] in out_dtype or None, final state [B, H, K, V] fp32)``.
     """
@@ -377,8 +401,13 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
     if h0 is not None:
         h0 = h0.to(torch.float32).contiguous()
     common = dict(k=k, v=v, g=g, gate=gate, w=w, scale=scale, V=V, cfg=cfg, prec=prec)
+    if (chunk_states is None) != (walked_v is None):
+        raise ValueError("walk: chunk_states and walked_v go together")
+    if chunk_states is not None and n_seg != 1:
+        raise ValueError("walk: chunk_states needs the fused schedule (n_seg=1)")
     if n_seg == 1:
-        _launch_walk(1, seg, q=q, h0=h0, o=o, ht=ht, gt=None, store_ht=True, a=a, **common)
+        _launch_walk(1, seg, q=q, h0=h0, o=o, ht=ht, gt=None, store_ht=True, a=a,
+                     hc=chunk_states, vn=walked_v, **common)
         return o, ht
     hs = torch.empty(n_seg, B, H, K, V, dtype=torch.float32, device=k.device)
     gt = torch.empty(n_seg, B, H, K, dtype=torch.float32, device=k.device) if gate else None

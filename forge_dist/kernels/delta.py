@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ._common import (HAVE_TRITON, dot_precision, ensure, next_pow2,
+from ._common import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2,
                       sized_config, tl, triton, TritonWork, walk)
 from ..variants import delta_rule
 
@@ -84,18 +84,22 @@ if HAVE_TRITON:
         return tl.load(p, boundary_check=(0, 1)).to(tl.float32)
 
     @triton.jit
+    def _store_block(base, T, N: tl.constexpr, r0, c0, y, H: tl.constexpr, BC: tl.constexpr,
+                     BN: tl.constexpr):
+        """Store a ``[BC, BN]`` block at rows ``[r0, r0 + BC)``, columns from ``c0`` of a
+        head's ``[T, N]`` slice (token stride ``H * N``)."""
+        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (r0, c0), (BC, BN), (1, 0))
+        tl.store(p, y.to(p.dtype.element_ty), boundary_check=(0, 1))
+
+    @triton.jit
     def _store_rows(base, T, N: tl.constexpr, t0, c0, y0, y1, y2, y3, H: tl.constexpr,
                     BC: tl.constexpr, BN: tl.constexpr):
-        """Store four ``[BC, BN]`` row blocks at rows ``t0, t0 + BC, ...`` of a head's
-        ``[T, N]`` slice (token stride ``H * N``), columns from ``c0``."""
-        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (t0, c0), (BC, BN), (1, 0))
-        tl.store(p, y0.to(p.dtype.element_ty), boundary_check=(0, 1))
-        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (t0 + BC, c0), (BC, BN), (1, 0))
-        tl.store(p, y1.to(p.dtype.element_ty), boundary_check=(0, 1))
-        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (t0 + 2 * BC, c0), (BC, BN), (1, 0))
-        tl.store(p, y2.to(p.dtype.element_ty), boundary_check=(0, 1))
-        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (t0 + 3 * BC, c0), (BC, BN), (1, 0))
-        tl.store(p, y3.to(p.dtype.element_ty), boundary_check=(0, 1))
+        """Store four ``[BC, BN]`` row blocks at rows ``t0, t0 + BC, ...``, columns from
+        ``c0``."""
+        _store_block(base, T, N, t0, c0, y0, H, BC, BN)
+        _store_block(base, T, N, t0 + BC, c0, y1, H, BC, BN)
+        _store_block(base, T, N, t0 + 2 * BC, c0, y2, H, BC, BN)
+        _store_block(base, T, N, t0 + 3 * BC, c0, y3, H, BC, BN)
 
     @triton.jit
     def _lower_times(x00, x10, x11, x20, x21, x22, x30, x31, x32, x33, r0, r1, r2, r3,
@@ -113,8 +117,11 @@ if HAVE_TRITON:
     @triton.jit
     def _wy_kernel(k, v, g, beta, w, u, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   GATE: tl.constexpr, PREC: tl.constexpr):
-        """grid ``(NT, B * H)``; k, w [B, T, H, K]; v, u [B, T, H, V]; g, beta [B, T, H].
+                   GATE: tl.constexpr, PREC: tl.constexpr, STORE_X: tl.constexpr = False,
+                   xs=None):
+        """grid ``(NT, B * H)``; k, w [B, T, H, K]; v, u [B, T, H, V]; g, beta [B, T, H];
+        STORE_X (for the backward): the inverse into ``xs [B, T, H, BT]`` fp32, row ``i`` of
+        a chunk at its token ``i`` (the blocks above the diagonal are left untouched: zero).
 
         ``X = (I + A)^{-1}`` per chunk of ``BT = 64`` tokens, blocked in four 16-row blocks:
         the diagonal blocks by forward substitution on 16 x 16 (stable for aligned keys,
@@ -164,6 +171,15 @@ if HAVE_TRITON:
         x30 = -tl.dot(x33, tl.dot(a30, x00, input_precision=PREC)
                       + tl.dot(a31, x10, input_precision=PREC)
                       + tl.dot(a32, x20, input_precision=PREC), input_precision=PREC)
+        if STORE_X:
+            base_x = xs + (bos * H + i_h) * BT
+            _store_rows(base_x, T, BT, t0, 0, x00, x10, x20, x30, H, BC, BC)
+            _store_block(base_x, T, BT, t0 + BC, BC, x11, H, BC, BC)
+            _store_block(base_x, T, BT, t0 + 2 * BC, BC, x21, H, BC, BC)
+            _store_block(base_x, T, BT, t0 + 3 * BC, BC, x31, H, BC, BC)
+            _store_block(base_x, T, BT, t0 + 2 * BC, 2 * BC, x22, H, BC, BC)
+            _store_block(base_x, T, BT, t0 + 3 * BC, 2 * BC, x32, H, BC, BC)
+            _store_block(base_x, T, BT, t0 + 3 * BC, 3 * BC, x33, H, BC, BC)
         # W = X diag(b exp(G)) K, row block by row block
         w0, w1, w2, w3 = _lower_times(
             x00, x10, x11, x20, x21, x22, x30, x31, x32, x33,
@@ -184,20 +200,22 @@ if HAVE_TRITON:
             _store_rows(u + (bos * H + i_h) * V, T, V, t0, v0, u0, u1, u2, u3, H, BC, BV)
 
 
-def wy(k, v, g, beta, *, BT: int, prec: str, dtype):
-    """``(W [B, T, H, K], U [B, T, H, V])`` in ``dtype``; chunks of ``BT = 64`` tokens."""
+def wy(k, v, g, beta, *, BT: int, prec: str, dtype, store_x: bool = False):
+    """``(W [B, T, H, K], U [B, T, H, V])`` in ``dtype``; chunks of ``BT = 64`` tokens.
+    ``store_x``: also the per-chunk inverse ``X [B, T, H, BT]`` fp32 (a third result)."""
     if BT != 64:
         raise ValueError(f"wy: the blocked inverse works on chunks of 64 tokens, got BT={BT}")
     B, T, H, K = k.shape
     V = v.shape[-1]
     w = torch.empty(B, T, H, K, dtype=dtype, device=k.device)
     u = torch.empty(B, T, H, V, dtype=dtype, device=k.device)
+    xs = torch.zeros(B, T, H, BT, dtype=torch.float32, device=k.device) if store_x else None
     _wy_kernel[(triton.cdiv(T, BT), B * H)](
         k, v, g if g is not None else beta, beta, w, u, T, H=H, K=K, V=V, BT=BT,
         BK=next_pow2(K), BV=min(WY_CONFIG["BV"], next_pow2(V)),
-        GATE=0 if g is None else 1, PREC=prec, num_warps=WY_CONFIG["num_warps"],
-        num_stages=WY_CONFIG["num_stages"])
-    return w, u
+        GATE=0 if g is None else 1, PREC=prec, STORE_X=store_x, xs=xs,
+        num_warps=WY_CONFIG["num_warps"], num_stages=WY_CONFIG["num_stages"])
+    return (w, u, xs) if store_x else (w, u)
 
 
 def summary_precision() -> str:
@@ -273,6 +291,41 @@ class DeltaRuleWork(TritonWork):
             eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, H, K, K)
             _, M = walk(k, None, V=K, g=g, gate=gate, w=w, h0=eye, cfg=cfg, prec=prec)
         return delta, M
+
+    # Triton backward (kernels/delta_backward.py) -----------------------------------------
+    def _finish_bwd(self, S_in, tensors, do, dht):
+        from .delta_backward import delta_rule_backward
+
+        q, k, v, g, beta = (ensure(t) for t in tensors)
+        dq, dk, dv, dg, dbeta, dS = delta_rule_backward(q, k, v, g, beta, S_in, do, dht,
+                                                        self.scale)
+        return [dS, dq, dk, dv, grad_like(dg, tensors[3]), grad_like(dbeta, tensors[4])]
+
+    def _summary_bwd(self, tensors, ddelta, dM):
+        """``delta`` is the end state from a zero start and ``M`` the end state of the same
+        walk from ``I`` with no values; the state's columns are independent, so both run as
+        one backward over the values ``[v | 0]`` from ``[0 | I]``."""
+        from .delta_backward import delta_rule_backward
+
+        q, k, v, g, beta = (ensure(t) for t in tensors)
+        B, T, H, K = k.shape
+        V = v.shape[-1]
+        f32 = torch.float32
+        if ddelta is None:
+            ddelta = torch.zeros(B, H, K, V, dtype=f32, device=k.device)
+        if dM is None:
+            _, dk, dv, dg, dbeta, _ = delta_rule_backward(q, k, v, g, beta, None, None,
+                                                          ddelta, self.scale)
+        else:
+            values = torch.cat([v, torch.zeros(B, T, H, K, dtype=v.dtype, device=v.device)], -1)
+            S0 = torch.cat([torch.zeros(B, H, K, V, dtype=f32, device=k.device),
+                            torch.eye(K, dtype=f32, device=k.device).expand(B, H, K, K)], -1)
+            dST = torch.cat([ddelta.to(f32), dM.to(f32)], -1)
+            _, dk, dvals, dg, dbeta, _ = delta_rule_backward(q, k, values, g, beta, S0, None,
+                                                             dST, self.scale)
+            dv = dvals[..., :V]
+        return [torch.zeros_like(q), dk, dv, grad_like(dg, tensors[3]),
+                grad_like(dbeta, tensors[4])]
 
     def _summary_torch(self, tensors, need_M):
         q, k, v, g, beta = tensors

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (dot_precision, ensure, outputs_from_summary, sized_config, summarize,
+from ._common import (dot_precision, ensure, grad_like, outputs_from_summary, sized_config, summarize,
                       TritonWork, walk)
 from ..variants import decay_attention
 
@@ -22,11 +22,6 @@ FUSED_CONFIG = {"BT": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 def fused_config(K: int, V: int) -> dict:
     """The walker's tiles for this pattern and head dims."""
     return sized_config(FUSED_CONFIG, K)
-
-
-def _like(grad, ref):
-    """``grad`` in ``ref``'s dtype (``None`` when either is ``None``)."""
-    return None if grad is None or ref is None else grad.to(ref.dtype)
 
 
 class ScalarDecayWork(TritonWork):
@@ -71,7 +66,7 @@ class ScalarDecayWork(TritonWork):
             q, k, v, g, None if S_in is None else S_in.to(torch.float32).contiguous(),
             None if do is None else do.contiguous(),
             None if dht is None else dht.to(torch.float32).contiguous(), self.scale)
-        return [dS, dq, dk, dv, _like(dg, tensors[3])]
+        return [dS, dq, dk, dv, grad_like(dg, tensors[3])]
 
     def _summary_bwd(self, tensors, ddelta, dM):
         """Closed form, no walk: ``delta = sum_t exp(r_t) k_t v_t^T`` with
@@ -103,7 +98,7 @@ class ScalarDecayWork(TritonWork):
             dg = torch.cumsum(per_token, 1) - per_token  # sum over t < s
             if dM is not None:
                 dg = dg + (dM.to(f32) * gf.sum(dim=1).exp())[:, None, :]
-        return [torch.zeros_like(q), dk.to(k.dtype), dv.to(v.dtype), _like(dg, g)]
+        return [torch.zeros_like(q), dk.to(k.dtype), dv.to(v.dtype), grad_like(dg, g)]
 
     def _summary_torch(self, tensors, need_M):
         q, k, v, g = tensors

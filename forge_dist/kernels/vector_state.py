@@ -7,6 +7,21 @@ never positive), then ``o = exp(G) h + X`` and ``h`` moves to the chunk's last r
 DECOUPLED cuts the sequence into segments (summaries in parallel, a scan over segments, outputs
 in parallel from each segment's incoming state), as the matrix patterns do.
 The runtime stores the state as ``[B, 1, D, 1]``; M is ``[B, 1, D]``.
+
+Backward (:func:`hgrn_backward`).  With ``dh_t`` the gradient w.r.t. ``h_t``::
+
+    dh_t = do_t + exp(g_{t+1}) dh_{t+1}      (dh_{T-1} = do_{T-1} + dht)
+    dx_t = dh_t,   dg_t = dh_t exp(g_t) h_{t-1},   dS_in = exp(g_0) dh_0
+
+``dg`` is a product of three factors, so it keeps its relative precision at any gate (no
+difference of large terms).  Two passes: the chunk-start states ``h`` (``[NT, B, D]``, the
+DECOUPLED machinery with one segment per chunk: every chunk in parallel, then the scan),
+then one program per ``(batch, D tile)`` walks the chunks from the last, carrying ``dh``.
+Inside a chunk, ``dh`` is the same affine scan as the forward over the rows read in reverse
+order (the rows are addressed backwards: ``tl.associative_scan(reverse=True)`` is not
+reliable for a non-commutative combine on GPUs, triton-lang/triton#4362), and ``h_{t-1}``
+comes from a forward scan of the rows shifted by one, flipped (``tl.flip``) into the same
+reversed order.
 """
 from __future__ import annotations
 
@@ -99,6 +114,63 @@ if HAVE_TRITON:
         tl.store(ht + i_b * D + cols, b_h, mask=cmask)
         if STORE_CG:
             tl.store(cg + (NSEG * NB + i_b) * D + cols, b_c, mask=cmask)
+
+    @triton.jit
+    def _hgrn_bwd_kernel(x, g, do, hc, dht, dx, dg, dh0, T, D: tl.constexpr, BT: tl.constexpr,
+                         BD: tl.constexpr, HAS_DO: tl.constexpr, HAS_DHT: tl.constexpr,
+                         STORE_DH0: tl.constexpr):
+        """grid ``(cdiv(D, BD), B)``; x, g, do, dx [B, T, D]; dg [B, T, D] fp32; hc [NT, B, D]
+        fp32 the chunk-start states; dht, dh0 [B, D] fp32 (the final state's gradient in,
+        the incoming state's gradient out).  Chunks are walked from the last (module
+        docstring); inside one, row ``r`` is token ``c * BT + BT - 1 - r``."""
+        i_d, i_b = tl.program_id(0), tl.program_id(1)
+        NB = tl.num_programs(1)
+        cols = i_d * BD + tl.arange(0, BD)
+        rows = tl.arange(0, BT)
+        cmask = cols < D
+        base = i_b.to(tl.int64) * T * D
+        if HAS_DHT:
+            b_carry = tl.load(dht + i_b * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            b_carry = tl.zeros([BD], dtype=tl.float32)
+        NT = tl.cdiv(T, BT)
+        for i in range(NT):
+            c = NT - 1 - i
+            t_rev = c * BT + BT - 1 - rows  # reversed rows
+            t_fwd = c * BT + rows
+            m_rev = (t_rev < T)[:, None] & cmask[None, :]
+            # dh: rows reversed, a_r = g of the token after row r (row 0's comes with the carry)
+            m_next = ((t_rev + 1 < T) & (rows > 0))[:, None] & cmask[None, :]
+            b_a = tl.load(g + base + (t_rev + 1)[:, None] * D + cols[None, :], mask=m_next,
+                          other=0.0).to(tl.float32)
+            if HAS_DO:
+                b_do = tl.load(do + base + t_rev[:, None] * D + cols[None, :], mask=m_rev,
+                               other=0.0).to(tl.float32)
+            else:
+                b_do = tl.zeros([BT, BD], dtype=tl.float32)
+            b_do = tl.where((rows == 0)[:, None], b_do + b_carry[None, :], b_do)
+            _, b_dh = tl.associative_scan((b_a, b_do), axis=0, combine_fn=_affine)
+            # h_{t-1}: forward scan of the rows shifted by one token, from the chunk start
+            m_prev = ((t_fwd - 1 < T) & (rows > 0))[:, None] & cmask[None, :]
+            b_xp = tl.load(x + base + (t_fwd - 1)[:, None] * D + cols[None, :], mask=m_prev,
+                           other=0.0).to(tl.float32)
+            b_gp = tl.load(g + base + (t_fwd - 1)[:, None] * D + cols[None, :], mask=m_prev,
+                           other=0.0).to(tl.float32)
+            b_G, b_X = tl.associative_scan((b_gp, b_xp), axis=0, combine_fn=_affine)
+            b_hc = tl.load(hc + (c * NB + i_b) * D + cols, mask=cmask, other=0.0)
+            b_hprev = tl.flip(tl.exp(b_G) * b_hc[None, :] + b_X, 0)  # to reversed rows
+            b_g = tl.load(g + base + t_rev[:, None] * D + cols[None, :], mask=m_rev,
+                          other=0.0).to(tl.float32)
+            tl.store(dx + base + t_rev[:, None] * D + cols[None, :],
+                     b_dh.to(dx.dtype.element_ty), mask=m_rev)
+            tl.store(dg + base + t_rev[:, None] * D + cols[None, :],
+                     b_dh * tl.exp(b_g) * b_hprev, mask=m_rev)
+            # to the previous chunk: exp(g) dh of this chunk's first token (the last row)
+            b_first = tl.sum(tl.where((rows == BT - 1)[:, None], b_dh * tl.exp(b_g), 0.0),
+                             axis=0)
+            b_carry = b_first
+        if STORE_DH0:
+            tl.store(dh0 + i_b * D + cols, b_carry, mask=cmask)
 
 
 if HAVE_TRITON:
@@ -197,6 +269,54 @@ def hgrn_outputs(summ: SegmentStates, x, g, S_in, *, out_dtype):
     return o, ht
 
 
+BWD_CONFIG = {"BT": 64, "BD": 32, "num_warps": 4}
+
+
+def hgrn_backward(x, g, S_in, do, dht, *, BT: int = None, BD: int = None):
+    """Gradients of ``(o, final)`` of ``h_t = exp(g_t) h_{t-1} + x_t`` (module docstring).
+
+    Args:
+        x: ``[B, T, D]``; g: ``[B, T, D]`` log decays; S_in: incoming state ``[B, D]`` or
+            ``None``; do: gradient of ``o`` ``[B, T, D]`` or ``None``; dht: gradient of the
+            final state ``[B, D]`` or ``None``.  BT (power of two) and BD override the tiles.
+    Returns:
+        ``(dx [B, T, D] in x's dtype, dg [B, T, D] fp32, dS_in [B, D] fp32 or None)``.
+    """
+    B, T, D = x.shape
+    if g.shape != x.shape:
+        raise ValueError(f"g: expected shape {tuple(x.shape)} (like x), got {tuple(g.shape)}")
+    for name, t, shape in (("do", do, x.shape), ("S_in", S_in, (B, D)), ("dht", dht, (B, D))):
+        if t is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    BT = BT or BWD_CONFIG["BT"]
+    BD = BD or BWD_CONFIG["BD"]
+    if BT & (BT - 1):
+        raise ValueError(f"BT: expected a power of two, got {BT}")
+    x, g = x.contiguous(), g.contiguous()
+    f32 = torch.float32
+    NT = triton.cdiv(T, BT)
+    h0 = None if S_in is None else S_in.to(f32).contiguous()
+    # chunk-start states: each chunk from a zero start (in parallel), then the scan
+    hc = torch.empty(NT, B, D, dtype=f32, device=x.device)
+    gt = torch.empty(NT, B, D, dtype=f32, device=x.device)
+    ht = torch.empty(B, D, dtype=f32, device=x.device)
+    opts = dict(D=D, BT=BT, BD=BD, num_warps=BWD_CONFIG["num_warps"])
+    _hgrn_kernel[(triton.cdiv(D, BD), B, NT)](x, g, hc, hc, hc, gt, T, BT, HAS_H0=False,
+                                              STORE_O=False, STORE_GT=True, **opts)
+    _hgrn_scan_kernel[(triton.cdiv(D, BD), B)](hc, gt, h0 if h0 is not None else ht, ht, NT,
+                                               D=D, BD=BD, HAS_H0=h0 is not None,
+                                               num_warps=BWD_CONFIG["num_warps"])
+    dx = torch.empty_like(x)
+    dg = torch.empty(B, T, D, dtype=f32, device=x.device)
+    dS_in = torch.empty(B, D, dtype=f32, device=x.device) if S_in is not None else None
+    dht32 = None if dht is None else dht.to(f32).contiguous()
+    _hgrn_bwd_kernel[(triton.cdiv(D, BD), B)](
+        x, g, do.contiguous() if do is not None else x, hc,
+        dht32 if dht32 is not None else ht, dx, dg, dS_in if dS_in is not None else ht, T,
+        HAS_DO=do is not None, HAS_DHT=dht32 is not None, STORE_DH0=dS_in is not None, **opts)
+    return dx, dg, dS_in
+
+
 class VectorStateWork(TritonWork):
     """hgrn segment: ``x, g [B, T, D]``; states in the runtime layout ``[B, 1, D, 1]``."""
 
@@ -222,6 +342,27 @@ class VectorStateWork(TritonWork):
         self.segments = hgrn_summarize(x, g, n_seg=self._schedule_hgrn(x, with_summary=True))
         M = self.segments.total_log_decay().exp()[:, None] if need_M else None  # [B, 1, D]
         return self.segments.delta.reshape(B, 1, D, 1), M
+
+    # Triton backward ------------------------------------------------------------------------
+    def _finish_bwd(self, S_in, tensors, do, dht):
+        x, g = (ensure(t) for t in tensors)
+        B, T, D = x.shape
+        dx, dg, dS = hgrn_backward(x, g, None if S_in is None else S_in.reshape(B, D), do,
+                                   None if dht is None else dht.reshape(B, D))
+        dS = None if dS is None else dS.reshape(S_in.shape).to(S_in.dtype)
+        return [dS, dx, dg.to(tensors[1].dtype)]
+
+    def _summary_bwd(self, tensors, ddelta, dM):
+        """``delta`` is the final state from a zero start and ``M = exp(sum g)``: the same
+        backward with no output gradient, plus ``dM * M`` on every gate."""
+        x, g = (ensure(t) for t in tensors)
+        B, T, D = x.shape
+        dx, dg, _ = hgrn_backward(x, g, None, None,
+                                  None if ddelta is None else ddelta.reshape(B, D))
+        if dM is not None:
+            total = g.to(torch.float32).sum(dim=1)  # [B, D]
+            dg += (dM.reshape(B, D).to(torch.float32) * total.exp())[:, None]
+        return [dx, dg.to(tensors[1].dtype)]
 
     def _schedule_hgrn(self, x, with_summary: bool = False) -> int:
         B, T, D = x.shape

@@ -172,7 +172,8 @@ def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cf
         const = const + (("a", None),)
     # the sequence-parallel extras (folded incoming state, last-segment final) stay off here
     const = const + (("STORE_GT", gt is not None), ("HAS_SIN", False), ("s_in", None),
-                     ("cg", None), ("HT_LAST", False))
+                     ("cg", None), ("HT_LAST", False), ("STORE_CHUNKS", False), ("hc", None),
+                     ("vn", None))
     return Launch("walk", (_cdiv(V, BV), B * H, n), args, const, cfg["num_warps"],
                   cfg["num_stages"])
 
@@ -295,7 +296,8 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                  ("T", "i32", T)),
                 (("H", H), ("K", K), ("V", V), ("BT", BT), ("BK", _pow2(K)),
                  ("BV", min(delta.WY_CONFIG["BV"], _pow2(V))),
-                 ("GATE", 1 if gated else 0), ("PREC", wy_prec)),
+                 ("GATE", 1 if gated else 0), ("PREC", wy_prec), ("STORE_X", False),
+                 ("xs", None)),
                 delta.WY_CONFIG["num_warps"], delta.WY_CONFIG["num_stages"])
     walks = _walk(bufs, q="q", k="k", v="u", g=g, w="w", h0=h0, o="o", ht="ht", B=B, T=T, H=H,
                   K=K, V=V, gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec)

@@ -1,0 +1,253 @@
+"""Triton backward of the delta rule (forge_dist.kernels.delta_backward).
+
+Gradients of ``<o, do> + <S_T, dht>`` against torch.autograd through the fp64 token
+recurrence (forge_dist.variants.reference.gated_delta_rule_ref; ``g=None`` is DeltaNet).  On
+a CPU machine the kernels run under TRITON_INTERPRET=1 (conftest.py) at tiny shapes; the
+``gpu`` test runs bf16 at a real shape against fp32 autograd of the PyTorch chunk form.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from forge_dist.kernels.delta import DeltaRuleWork
+from forge_dist.kernels.delta_backward import delta_rule_backward
+from forge_dist.variants.reference import gated_delta_rule_ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("no CUDA and TRITON_INTERPRET unset", allow_module_level=True)
+
+
+def rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make(B, T, H, K, V, *, gate=True, s_in=True, dht=True, seed=0, device=DEV,
+         dtype=torch.float32, gate_scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)  # as GDN layers feed it
+    x = {"q": r(B, T, H, K), "k": k, "v": r(B, T, H, V),
+         "g": gate_scale * torch.nn.functional.logsigmoid(r(B, T, H) + 2) if gate else None,
+         "beta": torch.sigmoid(r(B, T, H)), "S_in": r(B, H, K, V) if s_in else None,
+         "do": r(B, T, H, V), "dht": r(B, H, K, V) if dht else None}
+    return {n: None if t is None else
+            t.to(device, dtype if n in ("q", "k", "v") else torch.float32)
+            for n, t in x.items()}
+
+
+NAMES = ("q", "k", "v", "g", "beta", "S_in")
+
+
+def fp64_grads(x, scale):
+    leaves = {n: None if x[n] is None else x[n].detach().double().cpu().requires_grad_(True)
+              for n in NAMES}
+    o, ST = gated_delta_rule_ref(leaves["q"], leaves["k"], leaves["v"], leaves["g"],
+                                 leaves["beta"], scale=scale, initial_state=leaves["S_in"],
+                                 output_final_state=True)
+    loss = (o * x["do"].double().cpu()).sum()
+    if x["dht"] is not None:
+        loss = loss + (ST * x["dht"].double().cpu()).sum()
+    loss.backward()
+    return [None if leaves[n] is None else leaves[n].grad for n in NAMES]
+
+
+def check(x, scale, tol=1e-4, **kw):
+    got = delta_rule_backward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["S_in"], x["do"],
+                              x["dht"], scale, **kw)
+    got = [got[0], got[1], got[2], got[3], got[4], got[5]]  # dq, dk, dv, dg, dbeta, dS_in
+    want = fp64_grads(x, scale)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dS_in"), got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.shape == b.shape, name
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) <= tol, (name, rel(a, b))
+    return got
+
+
+CASES = [  # (T, K, V, gate, S_in, dht)
+    (1, 16, 32, True, True, True),
+    (37, 32, 16, True, True, True),
+    (64, 16, 16, True, False, True),
+    (150, 16, 32, True, True, False),
+    (150, 32, 16, False, True, True),
+    (37, 16, 16, False, False, False),
+]
+
+
+@pytest.mark.parametrize("T,K,V,gate,s_in,dht", CASES,
+                         ids=[f"T{c[0]}-K{c[1]}-V{c[2]}-{'g' if c[3] else 'nog'}"
+                              f"{'-S' if c[4] else ''}{'-dht' if c[5] else ''}" for c in CASES])
+def test_matches_fp64_autograd(T, K, V, gate, s_in, dht):
+    x = make(1, T, 2, K, V, gate=gate, s_in=s_in, dht=dht, seed=T + K)
+    dq, dk, dv, dg, dbeta, dS = check(x, K ** -0.5)
+    assert dq.dtype == dk.dtype == dv.dtype == torch.float32
+    assert (dg is None) == (not gate) and (dS is None) == (not s_in)
+
+
+def test_several_tiles_and_batches():
+    """K and V split into several tiles in every kernel (the reverse walk's V tiles, the
+    dq/dk kernel's K tiles with dG summed over them, the WY backward's two K passes), B=2,
+    T not a multiple of the chunk."""
+    tiles = {"walk_BV": 16, "dqk_BK": 16, "dqk_BV": 16, "wy_BK": 16, "wy_BV": 16}
+    for gate in (True, False):
+        x = make(2, 100, 2, 48, 40, gate=gate, seed=5)
+        check(x, 0.2, tiles=tiles)
+
+
+def test_steep_gates_stay_finite():
+    """Log decays of -8..-20 per token: every exponent is a masked non-positive difference,
+    so nothing overflows; dg is the direct form (module docstring), so only finiteness and
+    the other gradients' accuracy are promised here."""
+    x = make(1, 70, 2, 16, 16, seed=7, gate_scale=8.0)
+    x["g"] = x["g"] - 8.0
+    dq, dk, dv, dg, dbeta, dS = delta_rule_backward(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["S_in"], x["do"], x["dht"], 0.25)
+    want = fp64_grads(x, 0.25)
+    for a in (dq, dk, dv, dg, dbeta, dS):
+        assert torch.isfinite(a).all()
+    for a, b in ((dq, want[0]), (dk, want[1]), (dv, want[2]), (dbeta, want[4]), (dS, want[5])):
+        assert rel(a, b) < 1e-4
+    assert (dg.double().cpu() - want[3]).abs().max() < 1e-3 * want[3].abs().max() + 1e-5
+
+
+def test_bad_input_is_named():
+    x = make(1, 8, 1, 16, 16)
+    with pytest.raises(ValueError, match="^beta: expected shape"):
+        delta_rule_backward(x["q"], x["k"], x["v"], x["g"], x["beta"][:, :4], None, x["do"],
+                            None, 0.25)
+    with pytest.raises(ValueError, match="^q, k, v: dtypes differ"):
+        delta_rule_backward(x["q"], x["k"], x["v"].double(), x["g"], x["beta"], None, x["do"],
+                            None, 0.25)
+
+
+def test_work_backward_uses_triton_and_matches_fp64(monkeypatch):
+    """The work's finish and summary (delta and the dense M) take the Triton backward (the
+    PyTorch recompute would raise here) and give the fp64 gradients."""
+    x = make(1, 40, 2, 16, 16, seed=11)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    S_in = x["S_in"].clone().requires_grad_(True)
+    work = DeltaRuleWork("gated_delta_rule", dict(leaves), 0.25, True)
+    monkeypatch.setattr(DeltaRuleWork, "_finish_torch", lambda *a: 1 / 0)
+    monkeypatch.setattr(DeltaRuleWork, "_summary_torch", lambda *a: 1 / 0)
+    delta, M = work.summary(True)
+    o, ht = work.finish(S_in)
+    gen = torch.Generator().manual_seed(3)
+    w = [torch.randn(t.shape, generator=gen).to(DEV) for t in (delta, M, o, ht)]
+    sum((a * b).sum() for a, b in zip((delta, M, o, ht), w)).backward()
+
+    ref = {n: x[n].detach().double().cpu().requires_grad_(True)
+           for n in ("q", "k", "v", "g", "beta")}
+    s_ref = x["S_in"].detach().double().cpu().requires_grad_(True)
+    args = (ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"])
+    o_r, ht_r = gated_delta_rule_ref(*args, scale=0.25, initial_state=s_ref,
+                                     output_final_state=True)
+    _, d_r = gated_delta_rule_ref(*args, scale=0.25, output_final_state=True)
+    eye = torch.eye(16, dtype=torch.float64).expand(1, 2, 16, 16)
+    _, M_r = gated_delta_rule_ref(ref["q"], ref["k"], torch.zeros(1, 40, 2, 16,
+                                  dtype=torch.float64), ref["g"], ref["beta"], scale=0.25,
+                                  initial_state=eye, output_final_state=True)
+    wd = [t.double().cpu() for t in w]
+    ((d_r * wd[0]).sum() + (M_r * wd[1]).sum() + (o_r * wd[2]).sum()
+     + (ht_r * wd[3]).sum()).backward()
+    for n in ("q", "k", "v", "g", "beta"):
+        assert rel(leaves[n].grad, ref[n].grad) < 1e-4, n
+    assert rel(S_in.grad, s_ref.grad) < 1e-4
+
+
+@pytest.mark.gpu
+def test_bf16_at_a_real_shape():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = make(1, 4096, 4, 128, 128, seed=1, dtype=torch.bfloat16, device="cuda")
+    got = delta_rule_backward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["S_in"], x["do"],
+                              x["dht"], 128 ** -0.5)
+    # fp32 autograd of the PyTorch chunk form
+    from forge_dist.variants import delta_rule
+
+    leaves = {n: x[n].float().requires_grad_(True) for n in NAMES}
+    summ = delta_rule.summarize(leaves["q"], leaves["k"], leaves["v"], leaves["g"],
+                                leaves["beta"], 128 ** -0.5, need_transition=False)
+    o_part, s_part = summ.readout(leaves["S_in"])
+    ((( summ.o_zero + o_part) * x["do"]).sum()
+     + ((summ.delta + s_part) * x["dht"]).sum()).backward()
+    for name, a in zip(NAMES, (got[0], got[1], got[2], got[3], got[4], got[5])):
+        assert rel(a, leaves[name].grad) < 2e-2, name
+
+
+def _specs(K=128, V=128, H=32):
+    """KernelSpecs of every launch of the backward at bf16 with the default tiles."""
+    from forge_dist.kernels import delta
+    from forge_dist.kernels.delta_backward import default_tiles
+    from forge_dist.runtime.programs import KernelSpec
+
+    t = default_tiles(K, V)
+    cfg = delta.fused_config(K, V)
+    bf, f32 = "*bf16", "*fp32"
+    ptr = lambda names, ty: tuple((n, ty.get(n, bf)) for n in names)  # noqa: E731
+    common = (("H", H), ("K", K), ("V", V), ("BT", 64))
+    mod = "forge_dist.kernels.delta_backward:"
+    fp32_names = {"g": f32, "beta": f32, "dht": f32, "dvn": f32, "dh0": f32, "dk_part": f32,
+                  "dw": f32, "dG": f32, "dbeta": f32, "dg": f32, "xs": f32, "h0": f32,
+                  "ht": f32, "gt": f32, "hc": bf, "vn": bf}
+    return [
+        KernelSpec("forge_dist.kernels.delta:_wy_kernel",
+                   ptr(("k", "v", "g", "beta", "w", "u"), fp32_names) + (("T", "i32"),
+                                                                        ("xs", f32)),
+                   common + (("BK", K), ("BV", 64), ("GATE", 1), ("PREC", "tf32"),
+                             ("STORE_X", True)), delta.WY_CONFIG["num_warps"], 1),
+        KernelSpec("forge_dist.kernels._common:_walk_kernel",
+                   ptr(("q", "k", "v", "g", "w", "h0", "o", "ht", "gt"), fp32_names)
+                   + (("T", "i32"), ("SEG", "i32"), ("scale", "fp32"), ("hc", bf), ("vn", bf)),
+                   common[:3] + (("BT", 64), ("BK", K), ("BV", cfg["BV"]), ("GATE", 1),
+                                 ("HAS_V", True), ("HAS_W", True), ("HAS_H0", True),
+                                 ("STORE_O", False), ("STORE_HT", True), ("PREC", "tf32x3"),
+                                 ("HAS_A", False), ("a", None), ("STORE_GT", False),
+                                 ("HAS_SIN", False), ("s_in", None), ("cg", None),
+                                 ("HT_LAST", False), ("STORE_CHUNKS", True)),
+                   cfg["num_warps"], cfg["num_stages"]),
+        KernelSpec(mod + "_dstates_kernel",
+                   ptr(("q", "k", "w", "g", "do", "dht", "dhc", "dvn", "dh0"), fp32_names)
+                   + (("T", "i32"), ("NT", "i32"), ("scale", "fp32")),
+                   common + (("BK", K), ("BV", t["walk_BV"]), ("GATE", True),
+                             ("HAS_DHT", True), ("STORE_DH0", True), ("PREC", "tf32x3")),
+                   t["walk_warps"], t["walk_stages"]),
+        KernelSpec(mod + "_dqk_kernel",
+                   ptr(("q", "k", "g", "hc", "dhc", "vn", "dvn", "do", "dq", "dk", "dw", "dG"),
+                       dict(fp32_names, dk=f32))
+                   + (("T", "i32"), ("NT", "i32"), ("NBT", "i32"), ("scale", "fp32")),
+                   common + (("BK", t["dqk_BK"]), ("BV", t["dqk_BV"]), ("GATE", True),
+                             ("PREC", "tf32x3")), t["dqk_warps"], t["dqk_stages"]),
+        KernelSpec(mod + "_wy_bwd_kernel",
+                   ptr(("k", "v", "g", "beta", "xs", "dvn", "dw", "dk_part", "dG", "dk", "dv",
+                        "dbeta", "dg"), fp32_names) + (("T", "i32"), ("NK", "i32"),
+                                                       ("NBT", "i32")),
+                   common + (("BK", t["wy_BK"]), ("BV", t["wy_BV"]), ("GATE", True),
+                             ("PREC", "tf32")), t["wy_warps"], 1),
+    ]
+
+
+def test_backward_kernels_compile_for_sm90(tmp_path):
+    """Every launch of the backward (incl. the WY kernel keeping X and the walker keeping the
+    chunk states) compiles for Hopper with Triton's own compiler and ptxas, no GPU needed,
+    within one SM's shared memory."""
+    import json
+
+    from forge_dist.runtime import aot
+
+    if aot.ptxas_version("cuda:90") is None:
+        pytest.skip("Triton's bundled ptxas is not available here")
+    specs = _specs()
+    rep = aot.compile_specs(specs, tmp_path / "cache")
+    assert sorted(rep["compiled"]) == sorted(s.key for s in specs), rep
+    kernels = json.loads((tmp_path / "cache" / "manifest.json").read_text())["kernels"]
+    for key, entry in kernels.items():
+        assert 0 < entry["shared"] <= 232448, entry

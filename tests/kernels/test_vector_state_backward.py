@@ -1,0 +1,167 @@
+"""Triton backward of the vector state (hgrn): forge_dist.kernels.vector_state.hgrn_backward.
+
+Gradients of ``<o, do> + <h_T, dht>`` against torch.autograd through the fp64 token
+recurrence (forge_dist.variants.reference.hgrn_ref).  On a CPU machine the kernels run under
+TRITON_INTERPRET=1 (conftest.py) at tiny shapes; the ``gpu`` test runs bf16 at the
+benchmark's width against fp32 autograd of the PyTorch chunk form.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from forge_dist.kernels.vector_state import VectorStateWork, hgrn_backward
+from forge_dist.variants.reference import hgrn_ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("no CUDA and TRITON_INTERPRET unset", allow_module_level=True)
+
+
+def rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make(B, T, D, *, s_in=True, do=True, dht=True, steep=False, seed=0, dtype=torch.float32,
+         device=DEV):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    g = torch.nn.functional.logsigmoid(r(B, T, D) + 2)
+    if steep:  # about -20 to -34 per token on half the channels, mild on the rest
+        g[..., ::2] = g[..., ::2] * 20 - 20
+    x = {"x": r(B, T, D), "g": g, "S_in": r(B, D) if s_in else None,
+         "do": r(B, T, D) if do else None, "dht": r(B, D) if dht else None}
+    return {n: None if t is None else t.to(device, dtype if n == "x" else torch.float32)
+            for n, t in x.items()}
+
+
+def fp64_grads(x):
+    leaves = {n: None if x[n] is None else x[n].detach().double().cpu().requires_grad_(True)
+              for n in ("x", "g", "S_in")}
+    o, hT = hgrn_ref(leaves["x"], leaves["g"], initial_state=leaves["S_in"],
+                     output_final_state=True)
+    loss = 0 * o.sum()
+    if x["do"] is not None:
+        loss = loss + (o * x["do"].double().cpu()).sum()
+    if x["dht"] is not None:
+        loss = loss + (hT * x["dht"].double().cpu()).sum()
+    loss.backward()
+    return {n: None if t is None else t.grad for n, t in leaves.items()}
+
+
+@pytest.mark.parametrize("T,BT,BD", [(37, 16, 8), (64, 16, 16), (5, 8, 8)])
+@pytest.mark.parametrize("s_in,do,dht", [(True, True, True), (False, True, False),
+                                         (True, False, True)])
+def test_matches_fp64_autograd(T, BT, BD, s_in, do, dht):
+    x = make(2, T, 20, s_in=s_in, do=do, dht=dht, seed=T)
+    dx, dg, dS = hgrn_backward(x["x"], x["g"], x["S_in"], x["do"], x["dht"], BT=BT, BD=BD)
+    ref = fp64_grads(x)
+    assert rel(dx, ref["x"]) < 1e-5
+    assert rel(dg, ref["g"]) < 1e-5
+    if s_in:
+        assert rel(dS, ref["S_in"]) < 1e-5
+    else:
+        assert dS is None
+
+
+def test_steep_gates_keep_relative_precision():
+    """At g ~ -20..-34 per token dg is ~1e-9 of x; its three-factor product keeps fp32's
+    relative precision per element (a difference form would lose it all)."""
+    x = make(1, 48, 16, steep=True, seed=3)
+    dx, dg, dS = hgrn_backward(x["x"], x["g"], x["S_in"], x["do"], x["dht"], BT=16, BD=16)
+    ref = fp64_grads(x)
+    assert torch.isfinite(dg).all() and torch.isfinite(dx).all()
+    steep = ref["g"][..., ::2]
+    assert steep.abs().max() < 1e-6  # the gradients really are tiny there
+    assert rel(dg[..., ::2], steep) < 1e-5
+    assert rel(dg, ref["g"]) < 1e-5 and rel(dx, ref["x"]) < 1e-5
+
+
+def test_bad_shapes_are_named():
+    x = make(1, 8, 4)
+    with pytest.raises(ValueError, match="^g: expected shape"):
+        hgrn_backward(x["x"], x["g"][:, :4], None, x["do"], None)
+    with pytest.raises(ValueError, match="^dht: expected shape"):
+        hgrn_backward(x["x"], x["g"], None, x["do"], x["dht"][:, :2])
+    with pytest.raises(ValueError, match="^BT: expected a power of two"):
+        hgrn_backward(x["x"], x["g"], None, x["do"], None, BT=12)
+
+
+def test_work_backward_uses_triton_and_matches_torch(monkeypatch):
+    """The work's finish and summary take the Triton backward (the PyTorch recompute would
+    raise here) and give autograd's gradients, incl. the transition M."""
+    x = make(2, 40, 12, seed=5)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("x", "g")}
+    S_in = x["S_in"].reshape(2, 1, 12, 1).clone().requires_grad_(True)
+    work = VectorStateWork("hgrn", dict(leaves), None, True)
+    monkeypatch.setattr(VectorStateWork, "_finish_torch", lambda *a: 1 / 0)
+    monkeypatch.setattr(VectorStateWork, "_summary_torch", lambda *a: 1 / 0)
+    delta, M = work.summary(True)
+    o, ht = work.finish(S_in)
+    gen = torch.Generator().manual_seed(9)
+    w = [torch.randn(t.shape, generator=gen).to(DEV) for t in (delta, M, o, ht)]
+    loss = sum((a * b).sum() for a, b in zip((delta, M, o, ht), w))
+    loss.backward()
+
+    ref = {n: x[n].detach().double().cpu().requires_grad_(True) for n in ("x", "g")}
+    s_ref = x["S_in"].detach().double().cpu().requires_grad_(True)
+    o_r, ht_r = hgrn_ref(ref["x"], ref["g"], initial_state=s_ref, output_final_state=True)
+    _, d_r = hgrn_ref(ref["x"], ref["g"], output_final_state=True)
+    M_r = ref["g"].sum(1).exp()
+    wd = [t.double().cpu() for t in w]
+    loss_r = ((d_r * wd[0].reshape(2, 12)).sum() + (M_r * wd[1].reshape(2, 12)).sum()
+              + (o_r * wd[2]).sum() + (ht_r * wd[3].reshape(2, 12)).sum())
+    loss_r.backward()
+    assert rel(leaves["x"].grad, ref["x"].grad) < 1e-5
+    assert rel(leaves["g"].grad, ref["g"].grad) < 1e-5
+    assert rel(S_in.grad.reshape(2, 12), s_ref.grad) < 1e-5
+
+
+@pytest.mark.gpu
+def test_bf16_at_benchmark_width():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = make(1, 8192, 4096, seed=1, dtype=torch.bfloat16, device="cuda")
+    dx, dg, dS = hgrn_backward(x["x"], x["g"], x["S_in"], x["do"], x["dht"])
+    # fp32 autograd of the PyTorch chunk form (the token loop is too slow at this size)
+    from forge_dist.variants import vector_state
+
+    xf = x["x"].float().requires_grad_(True)
+    gf = x["g"].clone().requires_grad_(True)
+    sf = x["S_in"].clone().requires_grad_(True)
+    summ = vector_state.summarize(xf, gf, need_transition=False)
+    o_part, s_part = summ.readout(sf[:, None, :, None])
+    o = summ.o_zero + o_part
+    hT = summ.delta.reshape(1, -1) + s_part.reshape(1, -1)
+    ((o * x["do"]).sum() + (hT * x["dht"]).sum()).backward()
+    assert rel(dx, xf.grad) < 1e-2
+    assert rel(dg, gf.grad) < 1e-2
+    assert rel(dS, sf.grad) < 1e-2
+
+
+def test_backward_kernel_compiles_for_sm90(tmp_path):
+    """The kernel compiles for Hopper (Triton's own compiler and ptxas, no GPU needed) at the
+    default tiles, within the shared memory of one SM."""
+    from forge_dist.runtime import aot
+    from forge_dist.runtime.programs import KernelSpec
+
+    if aot.ptxas_version("cuda:90") is None:
+        pytest.skip("Triton's bundled ptxas is not available here")
+    from forge_dist.kernels.vector_state import BWD_CONFIG
+
+    sig = (("x", "*bf16"), ("g", "*bf16"), ("do", "*bf16"), ("hc", "*fp32"), ("dht", "*fp32"),
+           ("dx", "*bf16"), ("dg", "*fp32"), ("dh0", "*fp32"), ("T", "i32"))
+    const = (("D", 4096), ("BT", BWD_CONFIG["BT"]), ("BD", BWD_CONFIG["BD"]), ("HAS_DO", True),
+             ("HAS_DHT", True), ("STORE_DH0", True))
+    spec = KernelSpec("forge_dist.kernels.vector_state:_hgrn_bwd_kernel", sig, const,
+                      BWD_CONFIG["num_warps"], 1)
+    rep = aot.compile_specs([spec], tmp_path / "cache")
+    assert rep["compiled"] == [spec.key], rep
+    import json
+    entry = json.loads((tmp_path / "cache" / "manifest.json").read_text())["kernels"][spec.key]
+    assert 0 <= entry["shared"] <= 232448, entry
