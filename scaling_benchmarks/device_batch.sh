@@ -16,6 +16,8 @@
 #   bash scaling_benchmarks/device_batch.sh ws2       # weak scaling fwd at 2 GPUs, B=4   (~3 min)
 #   bash scaling_benchmarks/device_batch.sh segtests  # GPU tests of the kept segment states
 #   bash scaling_benchmarks/device_batch.sh long      # longest GDN layer sequence, 2 GPUs (~3 min)
+#   bash scaling_benchmarks/device_batch.sh bwd       # Triton backward: GPU tests, fwdbwd vs FLA,
+#                                                     #   weak scaling fwdbwd at 2 GPUs (~9 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -28,7 +30,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long) ;; *) sed -n 2,20p "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd) ;; *) sed -n 2,20p "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
 
@@ -71,6 +73,17 @@ case "$stage" in
       --set 'passes=["fwd"]' --set warmup=1 --set repeats=3 --out "$OUT"
     step state_passing_4gpu 150 torchrun --nproc_per_node 4 scaling_benchmarks/state_passing.py \
       --out "$OUT" --iters 20 ;;
+  bwd)  # the Triton backward of every pattern: correctness at real shapes, then timings
+    step gpu_backward_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/kernels/test_scalar_backward.py tests/kernels/test_vector_backward.py \
+      tests/kernels/test_delta_backward.py tests/kernels/test_vector_state_backward.py
+    step single_fwdbwd 240 python3 scaling_benchmarks/single_device.py --out "$OUT" \
+      --passes fwdbwd --impls forge_dist/auto,fla --T 4096,16384,65536 --tag fwdbwd
+    step weak_scaling_2gpu_fwdbwd 150 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
+      --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
+      --set 'ops=["gla","gated_delta_rule","hgrn"]' --set 'passes=["fwdbwd"]' \
+      --set 'strategies=["lasp2","forge"]' --set warmup=1 --set repeats=3 \
+      --set state_pass=false --out "$OUT" ;;
   ws2)  # 2 GPUs, B=4: fwd+fwdbwd where the backward is Triton (scalar decay) or cheap (hgrn)
     step weak_scaling_2gpu 170 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
       --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \

@@ -6,8 +6,7 @@ x, g [1, T, 4096].  Implementations:
 * ``forge_dist`` -- the Triton kernels of :mod:`forge_dist.kernels`: ``auto`` (what the
   scheduler picks; ``scheduled`` / ``n_seg`` record it), ``fused`` and ``decoupled`` (every op
   but gated_delta_rule) forced; ``decoupled/nN`` rows sweep the segment count (``--sweep``).
-  Backward recomputes through the PyTorch chunk form (no Triton backward yet), so fwdbwd rows
-  are limited to T <= ``--max-bwd-T``.
+  Backward runs the Triton backward kernels of every pattern (``kernels/*_backward.py``).
 * ``forge_dsl`` -- the same ops written as three callables (:mod:`forge_dist.dsl.builtins`):
   lowered onto the walker where the lowering applies, else the DSL executor (``lowered``).
 * ``fla`` -- flash-linear-attention's chunk kernels (every import and call guarded).
@@ -206,7 +205,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="T in {4K, 64K}, fewer repetitions")
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--max-bwd-T", type=int, default=16384,
-                    help="largest T for forge_dist/torch fwdbwd (PyTorch-recompute backward)")
+                    help="largest T for the torch fwdbwd rows and the DSL forward rows")
     ap.add_argument("--max-torch-T", type=int, default=1024)
     ap.add_argument("--plot", default=None, help="only redraw the PNG of this results JSON")
     ap.add_argument("--sweep", default="2,4,8,16,32,64",
@@ -251,8 +250,7 @@ def main(argv=None):
                                                  "hgrn_D": D_HGRN})
     bw = copy_bandwidth(device)
     result["copy_bandwidth_GBps"] = bw / 1e9
-    result["notes"] = ("forge_dist fwdbwd: Triton forward + backward recomputed through the "
-                       "PyTorch chunk form (no Triton backward kernels yet)")
+    result["notes"] = "forge_dist fwdbwd: Triton forward and Triton backward kernels"
     out_dir = Path(args.out) if args.out else None
     errors = []
 
@@ -274,7 +272,7 @@ def main(argv=None):
                 if T <= args.max_torch_T:
                     impls += [("torch", None), ("torch_compile", None)]
                 for impl, strat in impls:
-                    if pas == "fwdbwd" and impl in ("forge_dist", "torch", "torch_compile") \
+                    if pas == "fwdbwd" and impl in ("torch", "torch_compile") \
                             and T > args.max_bwd_T:
                         continue
                     if impl == "fla" and not have_fla:

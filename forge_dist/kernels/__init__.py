@@ -16,8 +16,10 @@ Entry points for the runtime::
     o, final = work.finish(S_in)
 
 ``inputs`` holds the segment tensors by name (``q, k, v, g, beta``; hgrn ``x, g``).  The
-work objects are differentiable (forward in Triton, backward by recomputing the PyTorch chunk
-form).  :func:`forward` is a one-call convenience used by tests and benchmarks.
+work objects are differentiable, forward and backward in Triton (backward kernels:
+:mod:`.scalar_backward`, :mod:`.vector_backward`, :mod:`.delta_backward`, and
+:func:`.vector_state.hgrn_backward`; the summary's backward of the decay patterns is a closed
+form, :func:`._common.decay_summary_backward`).  :func:`forward` is a one-call convenience used by tests and benchmarks.
 """
 from __future__ import annotations
 

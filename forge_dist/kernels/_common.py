@@ -93,6 +93,49 @@ def grad_like(grad: Optional[Tensor], ref: Optional[Tensor]) -> Optional[Tensor]
     return None if grad is None or ref is None else grad.to(ref.dtype)
 
 
+def decay_summary_backward(k: Tensor, v: Tensor, g: Optional[Tensor],
+                           ddelta: Optional[Tensor], dM: Optional[Tensor]):
+    """Gradients of a shard summary with scalar or per-channel decay, in closed form (no walk).
+
+    ``delta = sum_t diag(c_t) k_t v_t^T`` with ``c_t = exp(r_t)``, ``r_t = g_{t+1} + ... + g_T``
+    (the decay after token t; per key channel when ``g`` is ``[B, T, H, K]``, one number
+    per head when ``g`` is ``[B, T, H]``, ``c = 1`` without ``g``), and ``M = exp(sum_t g_t)``::
+
+        dk_t = c_t * (ddelta v_t),   dv_t = ddelta^T (c_t * k_t),
+        dg_s = sum_{t < s} c_t * k_t * (ddelta v_t)  (summed over K for scalar gates)
+               + dM * M                               (every s)
+
+    ``r_t`` is a reverse cumulative sum shifted by one token and the sum over ``t < s`` a
+    cumulative sum shifted by one token, never a difference of two sums (which cancels: at a
+    steep ``g_t``, and an O(1) last term against an O(e^g) prefix).  Cost: two batched
+    matmuls.  Args: k ``[B, T, H, K]``, v ``[B, T, H, V]``, ddelta ``[B, H, K, V]`` or
+    ``None``, dM ``[B, H]`` / ``[B, H, K]`` or ``None``.  Returns ``(dk, dv, dg)`` in the
+    dtypes of k, v, g (``dg`` ``None`` without ``g``).
+    """
+    f32 = torch.float32
+    B, T, H, K = k.shape
+    kf, vf = k.to(f32), v.to(f32)
+    ddelta = (torch.zeros(B, H, K, v.shape[-1], dtype=f32, device=k.device) if ddelta is None
+              else ddelta.to(f32))
+    dk = torch.einsum("bthv,bhkv->bthk", vf, ddelta)  # ddelta v_t
+    if g is None:
+        return dk.to(k.dtype), torch.einsum("bthk,bhkv->bthv", kf, ddelta).to(v.dtype), None
+    gf = g.to(f32) if g.dim() == 4 else g.to(f32)[..., None]  # [B, T, H, K or 1]
+    zero = torch.zeros_like(gf[:, :1])
+    after = torch.flip(torch.cumsum(torch.flip(gf, [1]), 1), [1])  # g_t + ... + g_T
+    c = torch.cat([after[:, 1:], zero], 1).exp()  # exp(r_t)
+    dk = c * dk
+    dv = torch.einsum("bthk,bhkv->bthv", kf * c, ddelta)
+    per_token = kf * dk if g.dim() == 4 else (kf * dk).sum(-1, keepdim=True)
+    dg = torch.cat([zero, torch.cumsum(per_token, 1)[:, :-1]], 1)  # sum over t < s
+    if dM is not None:
+        total = gf.sum(dim=1)  # [B, H, K or 1]
+        dg = dg + (dM.to(f32).reshape(total.shape) * total.exp())[:, None]
+    if g.dim() == 3:
+        dg = dg[..., 0]
+    return dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype)
+
+
 def ensure(t: Optional[Tensor]) -> Optional[Tensor]:
     """Contiguous tensor (gates may arrive as expanded views, e.g. ``g_gamma``)."""
     return None if t is None else t.contiguous()
@@ -503,8 +546,9 @@ def outputs_from_summary(summ: SegmentStates, k: Tensor, v: Tensor, *, q: Tensor
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd glue.  Forward runs Triton; backward recomputes through the PyTorch chunk form of
-# forge_dist.variants (correct first; Triton backward kernels are future work).
+# Autograd glue.  Forward runs Triton; backward runs each pattern's Triton backward
+# (``_finish_bwd`` / ``_summary_bwd``), or, where a work returns None there, recomputes
+# through the PyTorch chunk form of forge_dist.variants.
 # --------------------------------------------------------------------------------------------
 
 def _leaves(tensors, needs):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (dot_precision, ensure, grad_like, outputs_from_summary, sized_config, summarize,
-                      TritonWork, walk)
+from ._common import (decay_summary_backward, dot_precision, ensure, grad_like,
+                      outputs_from_summary, sized_config, summarize, TritonWork, walk)
 from ..variants import decay_attention
 
 # Tile config for this pattern (one place).  BV trades parallelism (B*H*V/BV programs)
@@ -69,36 +69,10 @@ class ScalarDecayWork(TritonWork):
         return [dS, dq, dk, dv, grad_like(dg, tensors[3])]
 
     def _summary_bwd(self, tensors, ddelta, dM):
-        """Closed form, no walk: ``delta = sum_t exp(r_t) k_t v_t^T`` with
-        ``r_t = g_{t+1} + ... + g_T`` (the decay after token t), so with ``c_t = exp(r_t)``::
-
-            dk_t = c_t ddelta v_t,   dv_t = c_t ddelta^T k_t,
-            dg_s = sum_{t < s} c_t k_t^T ddelta v_t  (+ dM * M for every s, M = exp(sum g))
-
-        ``r_t`` is summed from the end (a reverse cumulative sum), never as a difference of
-        two long prefix sums, so it keeps its precision at any length.  q does not reach
-        the summary (dq = 0).  Cost: two batched matmuls over the segment.
-        """
+        """Closed form, no walk (:func:`._common.decay_summary_backward`); q does not reach
+        the summary (dq = 0)."""
         q, k, v, g = tensors
-        f32 = torch.float32
-        kf, vf = k.to(f32), v.to(f32)
-        if ddelta is None:
-            ddelta = torch.zeros(k.shape[0], k.shape[2], k.shape[3], v.shape[-1], dtype=f32,
-                                 device=k.device)
-        ddelta = ddelta.to(f32)
-        dk = torch.einsum("bthv,bhkv->bthk", vf, ddelta)  # ddelta v_t
-        dv = torch.einsum("bthk,bhkv->bthv", kf, ddelta)  # ddelta^T k_t
-        dg = None
-        if g is not None:
-            gf = g.to(f32)
-            after = torch.flip(torch.cumsum(torch.flip(gf, [1]), 1), [1]) - gf  # r_t
-            c = after.exp()[..., None]  # [B, T, H, 1]
-            dk, dv = dk * c, dv * c
-            per_token = (kf * dk).sum(-1)  # c_t k_t^T ddelta v_t, [B, T, H]
-            dg = torch.cumsum(per_token, 1) - per_token  # sum over t < s
-            if dM is not None:
-                dg = dg + (dM.to(f32) * gf.sum(dim=1).exp())[:, None, :]
-        return [torch.zeros_like(q), dk.to(k.dtype), dv.to(v.dtype), grad_like(dg, g)]
+        return [torch.zeros_like(q), *decay_summary_backward(k, v, g, ddelta, dM)]
 
     def _summary_torch(self, tensors, need_M):
         q, k, v, g = tensors

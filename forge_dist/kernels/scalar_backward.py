@@ -62,7 +62,8 @@ Kernels (three or four launches):
    ``(K tiles, V tiles, B * H)``; the tiles shrink (to 32) until there are 1.5 programs per
    SM (B=1, H=32, K=V=128 on 132 SMs: 32x64 tiles, 256 programs).
 2. ``_bwd_states_kernel`` -- the reverse walk for ``dh [B, NT, H, K, V]`` from ``dht`` and
-   ``dS_in`` at its end; same grid.
+   ``dS_in`` at its end; same grid.  Both walks also serve the vector-decay backward
+   (``GATE=2``, per-channel gates; see vector_backward.py).
 3. ``_dqkg_kernel`` -- chunk-parallel, grid ``(K tiles, NT, B * H)``; loops over V tiles,
    computes ``dq``, ``dk`` and the chunk-local ``dg`` (summed over K tiles when ``K > 128``).
    With one K tile (``K <= 128``) it also computes ``dv`` inside its V loop (``FUSE_DV``).
@@ -87,11 +88,31 @@ __all__ = ["scalar_decay_backward"]
 if HAVE_TRITON:
 
     @triton.jit
+    def vector_gate_chunk_t(g, bos, t0, T, i_h, i_k, H: tl.constexpr, K: tl.constexpr,
+                            BT: tl.constexpr, BK: tl.constexpr):
+        """Per-channel gates of one chunk and K tile, transposed (``[BK, BT]``), from
+        ``g [B, T, H, K]``: the in-chunk cumulative log decay ``G``, the decay after each
+        token ``r = G_C - G`` and the chunk total ``G_C [BK]`` (padding reads 0).
+
+        ``r`` is the reverse cumulative sum minus the token's own gate (all terms one sign),
+        not ``G_C - G``: its absolute error follows ``|g_t| + |r_t|`` instead of ``|G_C|``,
+        which matters at steep gates where ``G_C`` is hundreds.
+        """
+        p_gt = tl.make_block_ptr(g + (bos * H + i_h) * K, (K, T), (1, H * K),
+                                 (i_k * BK, t0), (BK, BT), (0, 1))
+        b_gt = tl.load(p_gt, boundary_check=(0, 1)).to(tl.float32)
+        b_rt = tl.cumsum(b_gt, axis=1, reverse=True) - b_gt
+        return tl.cumsum(b_gt, axis=1), b_rt, tl.sum(b_gt, axis=1)
+
+    @triton.jit
     def _fwd_states_kernel(k, v, g, h0, h, T, NT, H: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                            BV: tl.constexpr, GATE: tl.constexpr, HAS_H0: tl.constexpr,
                            PREC: tl.constexpr):
-        """Chunk-start states: ``h[b, c, h] = S`` before chunk ``c``; grid (NK, NV, B*H)."""
+        """Chunk-start states: ``h[b, c, h] = S`` before chunk ``c``; grid (NK, NV, B*H).
+
+        ``GATE``: 0 none, 1 scalar ``g [B, T, H]``, 2 per key channel ``g [B, T, H, K]``
+        (gla, see vector_backward.py)."""
         i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_b = (i_bh // H).to(tl.int64)
         i_h = i_bh % H
@@ -115,10 +136,14 @@ if HAVE_TRITON:
                                     (t0, i_v * BV), (BT, BV), (1, 0))
             b_kt = tl.load(p_kt, boundary_check=(0, 1))
             b_v = tl.load(p_v, boundary_check=(0, 1)).to(DT)
-            if GATE:
+            if GATE == 1:
                 b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
                 b_kt = (b_kt.to(tl.float32) * tl.exp(b_GC - b_G)[None, :]).to(DT)
                 b_S = b_S * tl.exp(b_GC)
+            elif GATE == 2:
+                _, b_rt, b_GC = vector_gate_chunk_t(g, bos, t0, T, i_h, i_k, H, K, BT, BK)
+                b_kt = (b_kt.to(tl.float32) * tl.exp(b_rt)).to(DT)
+                b_S = b_S * tl.exp(b_GC)[:, None]
             b_S += tl.dot(b_kt, b_v, input_precision=PREC)
 
     @triton.jit
@@ -128,7 +153,8 @@ if HAVE_TRITON:
                            HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                            PREC: tl.constexpr):
         """Reverse walk: ``dh[b, c, h]`` = gradient w.r.t. the state after chunk ``c``;
-        ``dh0`` the gradient w.r.t. the incoming state.  Grid (NK, NV, B*H)."""
+        ``dh0`` the gradient w.r.t. the incoming state.  Grid (NK, NV, B*H); ``GATE`` as in
+        ``_fwd_states_kernel``."""
         i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_b = (i_bh // H).to(tl.int64)
         i_h = i_bh % H
@@ -152,10 +178,14 @@ if HAVE_TRITON:
                                      (t0, i_v * BV), (BT, BV), (1, 0))
             b_qt = tl.load(p_qt, boundary_check=(0, 1))
             b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
-            if GATE:
+            if GATE == 1:
                 b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
                 b_qt = (b_qt.to(tl.float32) * tl.exp(b_G)[None, :]).to(DT)
                 b_dS = b_dS * tl.exp(b_GC)
+            elif GATE == 2:
+                b_Gt, _, b_GC = vector_gate_chunk_t(g, bos, t0, T, i_h, i_k, H, K, BT, BK)
+                b_qt = (b_qt.to(tl.float32) * tl.exp(b_Gt)).to(DT)
+                b_dS = b_dS * tl.exp(b_GC)[:, None]
             b_dS += tl.dot(b_qt, b_do, input_precision=PREC) * scale
         if STORE_DH0:
             p_0 = tl.make_block_ptr(dh0 + (i_b * H + i_h) * K * V, (K, V), (V, 1),
@@ -391,12 +421,13 @@ def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
     wgrid = (triton.cdiv(K, wBK), triton.cdiv(V, wBV), B * H)
     _fwd_states_kernel[wgrid](
         k, v, g32 if gate else dummy, h0 if h0 is not None else dummy, h, T, NT,
-        H=H, K=K, V=V, BT=BT, BK=wBK, BV=wBV, GATE=gate, HAS_H0=h0 is not None, PREC=prec,
+        H=H, K=K, V=V, BT=BT, BK=wBK, BV=wBV, GATE=int(gate), HAS_H0=h0 is not None,
+        PREC=prec,
         num_warps=cfg["walk_warps"], num_stages=cfg["walk_stages"])
     _bwd_states_kernel[wgrid](
         q, g32 if gate else dummy, do, dht if dht is not None else dummy, dh,
         dS_in if dS_in is not None else dummy, T, NT, scale,
-        H=H, K=K, V=V, BT=BT, BK=wBK, BV=wBV, GATE=gate, HAS_DHT=dht is not None,
+        H=H, K=K, V=V, BT=BT, BK=wBK, BV=wBV, GATE=int(gate), HAS_DHT=dht is not None,
         STORE_DH0=dS_in is not None, PREC=prec, num_warps=cfg["walk_warps"],
         num_stages=cfg["walk_stages"])
     fuse = cfg["fuse_dv"] and NKq == 1
