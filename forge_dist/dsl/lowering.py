@@ -8,7 +8,9 @@ prologues* of those inputs (feature maps, gate activations, scalings).  Steps:
 1. prologue extraction (graph analysis): in ``merge_mode``, the maximal chain of elementwise
    ops (``relu``, ``elu``, ``sigmoid``, ``x + 1.0``, ...) hanging off each of ``q, k, v, g``;
 2. template selection by the classified kind: identity -> ``linear_attn`` walker (no gate),
-   scalar -> ``simple_gla`` (GATE=1), diagonal -> ``gla`` (GATE=2);
+   scalar -> ``simple_gla`` (GATE=1), diagonal -> ``gla`` (GATE=2), dense ->
+   ``gated_delta_rule`` (WY kernel + walker; inputs ``q, k, v, beta`` and optionally ``g``),
+   vector state -> ``hgrn`` (inputs ``x, g``);
 3. translation validation: on random fp64 probes the user's program must equal the template
    applied to the prologue outputs (outputs and final state, ragged length, nonzero initial
    state), for the user's ``scale`` or 1.  Anything else stays on the executor, with the reason
@@ -17,9 +19,9 @@ prologues* of those inputs (feature maps, gate activations, scalings).  Steps:
 At run time on CUDA (or CPU tensors under ``TRITON_INTERPRET=1`` with
 ``FORGE_DIST_DSL_TRITON=1``) the prologue runs as PyTorch elementwise ops on the token tensors
 and the fused walker does the rest; gradients flow through the prologue by autograd and through
-the walker by the kernels' own autograd glue.  Not lowered: dense (delta-rule) transitions,
-vector states, prologues that are not elementwise chains of one input (e.g. RetNet's
-per-head constant decay) — those run on the executor.
+the walker by the kernels' own autograd glue (Triton backward kernels for every template).  Not
+lowered: prologues that are not elementwise chains of one input (e.g. RetNet's per-head
+constant decay), programs that are none of the five templates — those run on the executor.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ _ARITH = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add,
           torch.sub}
 _TEMPLATES = {Kind.IDENTITY: ("linear_attn", None), Kind.SCALAR: ("simple_gla", ""),
               Kind.DIAGONAL: ("gla", "K")}
+_GATES = ("g", "beta")  # inputs passed to the kernels in their own dtype (fp32 gates)
 
 
 def _elementwise_of(n: fx.Node, src: fx.Node) -> bool:
@@ -56,8 +59,14 @@ def _elementwise_of(n: fx.Node, src: fx.Node) -> bool:
     return n.op == "call_method" and n.target in _ELEMENTWISE_METHODS and len(n.args) == 1
 
 
-def _chain(gm: fx.GraphModule, name: str) -> List[fx.Node]:
-    node = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == name)
+def _chain(gms: List[fx.GraphModule], name: str) -> List[fx.Node]:
+    """The elementwise chain on input ``name`` in the first phase that reads it (merge_mode,
+    then chunk_mode: the delta rule's merge reads v and beta only through cached WY
+    factors); a lone placeholder (identity prologue) when no phase reads it."""
+    node = next((n for gm in gms for n in gm.graph.nodes
+                 if n.op == "placeholder" and n.target == name), None)
+    if node is None:
+        return [fx.Graph().placeholder(name)]
     chain = [node]
     while chain[-1].users:
         src = chain[-1]
@@ -104,54 +113,99 @@ class Lowering:
         from .. import kernels
 
         mapped = self.mapped(part)
-        mapped = {k: (t if k == "g" else t.to(part["q"].dtype)) for k, t in mapped.items()}
+        dtype = part["x" if self.template == "hgrn" else "q"].dtype
+        mapped = {k: (t if k in _GATES else t.to(dtype)) for k, t in mapped.items()}
         s = scale if self.scale_mode == "user" else 1.0
         return kernels.make_work(self.template, mapped, s, need_M, out_dtype=out_dtype)
 
 
-def lower(v) -> Tuple[Optional[Lowering], str]:
-    """``(Lowering, "")`` or ``(None, reason)`` for a compiled :class:`~.api.Variant`."""
+def _template(v) -> Tuple[Optional[str], Dict[str, str], str]:
+    """``(template, inputs it needs, "")`` for the variant's classified kind, or
+    ``(None, {}, reason)``."""
     if v.vector:
-        return None, "vector-state variants are not lowered yet (hgrn template unused)"
+        want = {"x": "D", "g": "D"}
+        return ("hgrn", want, "") if v.inputs == want else (
+            None, {}, f"the hgrn template needs inputs exactly {want}, got {v.inputs}")
     if v.kind is Kind.DENSE:
-        return None, "dense (delta-rule) transitions are not lowered yet"
+        want = {"q": "K", "k": "K", "v": "V", "beta": ""}
+        if "g" in v.inputs:
+            want = {"q": "K", "k": "K", "v": "V", "g": "", "beta": ""}
+        if v.inputs != want:
+            return None, {}, (f"the gated_delta_rule template needs inputs exactly {want} "
+                              f"(g optional), got {v.inputs}")
+        return "gated_delta_rule", want, ""
     template, g_dims = _TEMPLATES[v.kind]
     want = {"q": "K", "k": "K", "v": "V"}
     if g_dims is not None:
         want["g"] = g_dims
     if v.inputs != want:
-        return None, (f"the {template} template needs inputs exactly {want}, got {v.inputs}")
+        return None, {}, f"the {template} template needs inputs exactly {want}, got {v.inputs}"
+    return template, want, ""
+
+
+def lower(v) -> Tuple[Optional[Lowering], str]:
+    """``(Lowering, "")`` or ``(None, reason)`` for a compiled :class:`~.api.Variant`."""
+    template, want, reason = _template(v)
+    if template is None:
+        return None, reason
     prologues, texts = {}, {}
     for name in want:
-        prologues[name], texts[name] = _prologue(_chain(v.merge.gm, name))
+        prologues[name], texts[name] = _prologue(_chain([v.merge.gm, v.chunk.gm], name))
     for mode in ("user", "one"):
         low = Lowering(template, prologues, texts, mode)
         if _validate(v, low):
             return low, ""
-    return None, ("merge_mode is not the template's chunk form on elementwise prologues of "
-                  "q, k, v" + (", g" if g_dims is not None else "") +
-                  " (translation validation failed)")
+    return None, (f"merge_mode is not the {template} template's chunk form on elementwise "
+                  f"prologues of {', '.join(want)} (translation validation failed)")
+
+
+def _probes(v, gen) -> Dict[str, torch.Tensor]:
+    """Random fp64 inputs for the variant's declared dims (gates as log decays, other
+    per-head scalars in (0, 1) like beta)."""
+    B, T, H, K, V, D = 1, 11, 2, 3, 4, 3
+    sizes = {"K": K, "V": V, "D": D, "": None}
+    lead = (B, T) if v.vector else (B, T, H)
+    x = {}
+    for name, dim in v.inputs.items():
+        shape = lead + ((sizes[dim],) if dim else ())
+        r = 0.5 * torch.randn(*shape, generator=gen, dtype=torch.float64)
+        if name == "g":
+            r = F.logsigmoid(r + 2)
+        elif not dim:
+            r = torch.sigmoid(r)
+        x[name] = r
+    return x
+
+
+def _reference(template: str, mapped: Dict[str, torch.Tensor], scale: float):
+    """The PyTorch chunk form each Triton template is tested against (and that the kernels'
+    backward is checked with)."""
+    from ..variants import decay_attention, delta_rule, vector_state
+
+    if template == "hgrn":
+        return vector_state.summarize(mapped["x"], mapped["g"], need_transition=False,
+                                      chunk_size=4)
+    if template == "gated_delta_rule":
+        return delta_rule.summarize(mapped["q"], mapped["k"], mapped["v"], mapped.get("g"),
+                                    mapped["beta"], scale, need_transition=False, chunk_size=4)
+    return decay_attention.summarize(mapped["q"], mapped["k"], mapped["v"], mapped.get("g"),
+                                     scale, need_transition=False, chunk_size=4)
 
 
 def _validate(v, low: Lowering) -> bool:
-    """User program == template(prologues) on random fp64 probes.  The template side is the
-    PyTorch chunk form the Triton template is tested against (and recomputes for backward)."""
-    from ..variants import decay_attention
-
+    """User program == template(prologues) on random fp64 probes (outputs and final state,
+    ragged length, nonzero initial state)."""
     gen = torch.Generator().manual_seed(4321)
-    B, T, H, K, V = 1, 11, 2, 3, 4
-    rnd = lambda *s: 0.5 * torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    x = {"q": rnd(B, T, H, K), "k": rnd(B, T, H, K), "v": rnd(B, T, H, V)}
-    if "g" in v.inputs:
-        x["g"] = F.logsigmoid(rnd(B, T, H, *((K,) if v.inputs["g"] == "K" else ())) + 2)
-    S0 = rnd(B, H, K, V)
+    x = _probes(v, gen)
+    first = x["x" if v.vector else "q"]
+    S0 = 0.5 * torch.randn(*((first.shape[0], 1, first.shape[-1], 1) if v.vector else
+                             (first.shape[0], first.shape[2], x["k"].shape[-1],
+                              x["v"].shape[-1])), generator=gen, dtype=torch.float64)
     try:
         with torch.no_grad():
             mine = v.summarize(x, 0.7, False, chunk_size=4)
-            mapped = low.mapped(x)
-            theirs = decay_attention.summarize(
-                mapped["q"], mapped["k"], mapped["v"], mapped.get("g"),
-                0.7 if low.scale_mode == "user" else 1.0, need_transition=False, chunk_size=4)
+            theirs = _reference(low.template, low.mapped(x),
+                                0.7 if low.scale_mode == "user" else 1.0)
             a = mine.o_zero + mine.readout(S0)[0], mine.delta + mine.readout(S0)[1]
             b = theirs.o_zero + theirs.readout(S0)[0], theirs.delta + theirs.readout(S0)[1]
     except Exception:  # noqa: BLE001 - any failure means "not this template"

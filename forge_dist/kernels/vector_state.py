@@ -14,9 +14,14 @@ Backward (:func:`hgrn_backward`).  With ``dh_t`` the gradient w.r.t. ``h_t``::
     dx_t = dh_t,   dg_t = dh_t exp(g_t) h_{t-1},   dS_in = exp(g_0) dh_0
 
 ``dg`` is a product of three factors, so it keeps its relative precision at any gate (no
-difference of large terms).  Two passes: the chunk-start states ``h`` (``[NT, B, D]``, the
-DECOUPLED machinery with one segment per chunk: every chunk in parallel, then the scan),
-then one program per ``(batch, D tile)`` walks the chunks from the last, carrying ``dh``.
+difference of large terms).  First the chunk-start states ``h`` (``[NT, B, D]``, the
+DECOUPLED machinery with one segment per chunk: every chunk in parallel, then the scan);
+then one program per ``(batch, D tile)`` walks the chunks from the last, carrying ``dh``
+(``exp(g) dh`` of the first token of what lies to the right).  That carry is affine in the
+carry entering from the right, so the backward has the forward's DECOUPLED schedule too:
+each segment's outgoing carry from a zero start (segments in parallel), the forward's
+segment scan run over the segments in reverse order, then every segment's walk from its
+incoming carry.
 Inside a chunk, ``dh`` is the same affine scan as the forward over the rows read in reverse
 order (the rows are addressed backwards: ``tl.associative_scan(reverse=True)`` is not
 reliable for a non-commutative combine on GPUs, triton-lang/triton#4362), and ``h_{t-1}``
@@ -116,28 +121,36 @@ if HAVE_TRITON:
             tl.store(cg + (NSEG * NB + i_b) * D + cols, b_c, mask=cmask)
 
     @triton.jit
-    def _hgrn_bwd_kernel(x, g, do, hc, dht, dx, dg, dh0, T, D: tl.constexpr, BT: tl.constexpr,
-                         BD: tl.constexpr, HAS_DO: tl.constexpr, HAS_DHT: tl.constexpr,
-                         STORE_DH0: tl.constexpr):
-        """grid ``(cdiv(D, BD), B)``; x, g, do, dx [B, T, D]; dg [B, T, D] fp32; hc [NT, B, D]
-        fp32 the chunk-start states; dht, dh0 [B, D] fp32 (the final state's gradient in,
-        the incoming state's gradient out).  Chunks are walked from the last (module
-        docstring); inside one, row ``r`` is token ``c * BT + BT - 1 - r``."""
-        i_d, i_b = tl.program_id(0), tl.program_id(1)
+    def _hgrn_bwd_kernel(x, g, do, hc, cin, dx, dg, cout, gout, T, SEG, D: tl.constexpr,
+                         BT: tl.constexpr, BD: tl.constexpr, HAS_DO: tl.constexpr,
+                         HAS_CIN: tl.constexpr, GRADS: tl.constexpr):
+        """grid ``(cdiv(D, BD), B, NSEG)``: program ``(i_d, i_b, i_s)`` walks the chunks of
+        the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` from the last (module docstring); inside a
+        chunk, row ``r`` is token ``c * BT + BT - 1 - r``.
+
+        x, g, do, dx [B, T, D]; dg [B, T, D] fp32; hc [NT, B, D] fp32 the chunk-start
+        states; cin [NSEG, B, D] fp32 (HAS_CIN) the gradient entering each segment from its
+        right (``exp(g) dh`` of the next segment's first token; the last one: dht), else 0.
+        GRADS: store dx and dg.  Always: ``cout [NSEG, B, D]`` the gradient leaving the
+        segment to its left (``exp(g) dh`` of its first token) and ``gout [NSEG, B, D]`` the
+        segment's summed log decay (the reverse scan over segments needs both)."""
+        i_d, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         NB = tl.num_programs(1)
+        slot = i_s * NB + i_b
         cols = i_d * BD + tl.arange(0, BD)
         rows = tl.arange(0, BT)
         cmask = cols < D
         base = i_b.to(tl.int64) * T * D
-        if HAS_DHT:
-            b_carry = tl.load(dht + i_b * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_CIN:
+            b_carry = tl.load(cin + slot * D + cols, mask=cmask, other=0.0)
         else:
             b_carry = tl.zeros([BD], dtype=tl.float32)
-        NT = tl.cdiv(T, BT)
-        for i in range(NT):
-            c = NT - 1 - i
+        b_gsum = tl.zeros([BD], dtype=tl.float32)
+        c_lo = i_s * (SEG // BT)
+        n_c = tl.minimum(tl.cdiv(T, BT), c_lo + SEG // BT) - c_lo
+        for i in range(n_c):
+            c = c_lo + n_c - 1 - i
             t_rev = c * BT + BT - 1 - rows  # reversed rows
-            t_fwd = c * BT + rows
             m_rev = (t_rev < T)[:, None] & cmask[None, :]
             # dh: rows reversed, a_r = g of the token after row r (row 0's comes with the carry)
             m_next = ((t_rev + 1 < T) & (rows > 0))[:, None] & cmask[None, :]
@@ -150,27 +163,29 @@ if HAVE_TRITON:
                 b_do = tl.zeros([BT, BD], dtype=tl.float32)
             b_do = tl.where((rows == 0)[:, None], b_do + b_carry[None, :], b_do)
             _, b_dh = tl.associative_scan((b_a, b_do), axis=0, combine_fn=_affine)
-            # h_{t-1}: forward scan of the rows shifted by one token, from the chunk start
-            m_prev = ((t_fwd - 1 < T) & (rows > 0))[:, None] & cmask[None, :]
-            b_xp = tl.load(x + base + (t_fwd - 1)[:, None] * D + cols[None, :], mask=m_prev,
-                           other=0.0).to(tl.float32)
-            b_gp = tl.load(g + base + (t_fwd - 1)[:, None] * D + cols[None, :], mask=m_prev,
-                           other=0.0).to(tl.float32)
-            b_G, b_X = tl.associative_scan((b_gp, b_xp), axis=0, combine_fn=_affine)
-            b_hc = tl.load(hc + (c * NB + i_b) * D + cols, mask=cmask, other=0.0)
-            b_hprev = tl.flip(tl.exp(b_G) * b_hc[None, :] + b_X, 0)  # to reversed rows
             b_g = tl.load(g + base + t_rev[:, None] * D + cols[None, :], mask=m_rev,
                           other=0.0).to(tl.float32)
-            tl.store(dx + base + t_rev[:, None] * D + cols[None, :],
-                     b_dh.to(dx.dtype.element_ty), mask=m_rev)
-            tl.store(dg + base + t_rev[:, None] * D + cols[None, :],
-                     b_dh * tl.exp(b_g) * b_hprev, mask=m_rev)
+            if GRADS:
+                # h_{t-1}: forward scan of the rows shifted by one token, from the chunk start
+                t_fwd = c * BT + rows
+                m_prev = ((t_fwd - 1 < T) & (rows > 0))[:, None] & cmask[None, :]
+                b_xp = tl.load(x + base + (t_fwd - 1)[:, None] * D + cols[None, :],
+                               mask=m_prev, other=0.0).to(tl.float32)
+                b_gp = tl.load(g + base + (t_fwd - 1)[:, None] * D + cols[None, :],
+                               mask=m_prev, other=0.0).to(tl.float32)
+                b_G, b_X = tl.associative_scan((b_gp, b_xp), axis=0, combine_fn=_affine)
+                b_hc = tl.load(hc + (c * NB + i_b) * D + cols, mask=cmask, other=0.0)
+                b_hprev = tl.flip(tl.exp(b_G) * b_hc[None, :] + b_X, 0)  # to reversed rows
+                tl.store(dx + base + t_rev[:, None] * D + cols[None, :],
+                         b_dh.to(dx.dtype.element_ty), mask=m_rev)
+                tl.store(dg + base + t_rev[:, None] * D + cols[None, :],
+                         b_dh * tl.exp(b_g) * b_hprev, mask=m_rev)
+            b_gsum += tl.sum(b_g, axis=0)
             # to the previous chunk: exp(g) dh of this chunk's first token (the last row)
-            b_first = tl.sum(tl.where((rows == BT - 1)[:, None], b_dh * tl.exp(b_g), 0.0),
+            b_carry = tl.sum(tl.where((rows == BT - 1)[:, None], b_dh * tl.exp(b_g), 0.0),
                              axis=0)
-            b_carry = b_first
-        if STORE_DH0:
-            tl.store(dh0 + i_b * D + cols, b_carry, mask=cmask)
+        tl.store(cout + slot * D + cols, b_carry, mask=cmask)
+        tl.store(gout + slot * D + cols, b_gsum, mask=cmask)
 
 
 if HAVE_TRITON:
@@ -272,16 +287,22 @@ def hgrn_outputs(summ: SegmentStates, x, g, S_in, *, out_dtype):
 BWD_CONFIG = {"BT": 64, "BD": 32, "num_warps": 4}
 
 
-def hgrn_backward(x, g, S_in, do, dht, *, BT: int = None, BD: int = None):
+def hgrn_backward(x, g, S_in, do, dht, *, BT: int | None = None, BD: int | None = None,
+                  n_seg: int = 1):
     """Gradients of ``(o, final)`` of ``h_t = exp(g_t) h_{t-1} + x_t`` (module docstring).
 
     Args:
         x: ``[B, T, D]``; g: ``[B, T, D]`` log decays; S_in: incoming state ``[B, D]`` or
             ``None``; do: gradient of ``o`` ``[B, T, D]`` or ``None``; dht: gradient of the
             final state ``[B, D]`` or ``None``.  BT (power of two) and BD override the tiles.
+        n_seg: segments walked in parallel (DECOUPLED, as the forward): each segment's
+            outgoing gradient from a zero start, a reverse scan over the segments, then every
+            segment's gradients from its incoming one.  1: one walk over the whole sequence.
     Returns:
         ``(dx [B, T, D] in x's dtype, dg [B, T, D] fp32, dS_in [B, D] fp32 or None)``.
     """
+    from ._common import segment_length
+
     B, T, D = x.shape
     if g.shape != x.shape:
         raise ValueError(f"g: expected shape {tuple(x.shape)} (like x), got {tuple(g.shape)}")
@@ -293,29 +314,49 @@ def hgrn_backward(x, g, S_in, do, dht, *, BT: int = None, BD: int = None):
     if BT & (BT - 1):
         raise ValueError(f"BT: expected a power of two, got {BT}")
     x, g = x.contiguous(), g.contiguous()
+    do = None if do is None else do.contiguous()
     f32 = torch.float32
+    dev = x.device
     NT = triton.cdiv(T, BT)
     h0 = None if S_in is None else S_in.to(f32).contiguous()
+    opts = {"D": D, "BT": BT, "BD": BD, "num_warps": BWD_CONFIG["num_warps"]}
     # chunk-start states: each chunk from a zero start (in parallel), then the scan
-    hc = torch.empty(NT, B, D, dtype=f32, device=x.device)
-    gt = torch.empty(NT, B, D, dtype=f32, device=x.device)
-    ht = torch.empty(B, D, dtype=f32, device=x.device)
-    opts = dict(D=D, BT=BT, BD=BD, num_warps=BWD_CONFIG["num_warps"])
+    hc = torch.empty(NT, B, D, dtype=f32, device=dev)
+    gt = torch.empty(NT, B, D, dtype=f32, device=dev)
+    ht = torch.empty(B, D, dtype=f32, device=dev)
     _hgrn_kernel[(triton.cdiv(D, BD), B, NT)](x, g, hc, hc, hc, gt, T, BT, HAS_H0=False,
                                               STORE_O=False, STORE_GT=True, **opts)
     _hgrn_scan_kernel[(triton.cdiv(D, BD), B)](hc, gt, h0 if h0 is not None else ht, ht, NT,
                                                D=D, BD=BD, HAS_H0=h0 is not None,
                                                num_warps=BWD_CONFIG["num_warps"])
+    del gt
+    seg = segment_length(T, BT, n_seg)
+    n_seg = max(1, -(-T // seg))
+    grid = (triton.cdiv(D, BD), B, n_seg)
+    cout = torch.empty(n_seg, B, D, dtype=f32, device=dev)
+    gout = torch.empty(n_seg, B, D, dtype=f32, device=dev)
+    dht32 = None if dht is None else dht.to(f32).reshape(1, B, D).contiguous()
+    do_arg = do if do is not None else x
+    if n_seg == 1:
+        cin = dht32
+    else:
+        # each segment's outgoing gradient from a zero start, then the reverse scan over the
+        # segments (the forward's segment scan on the segments in reverse order)
+        _hgrn_bwd_kernel[grid](x, g, do_arg, hc, cout, x, hc, cout, gout, T, seg,
+                               HAS_DO=do is not None, HAS_CIN=False, GRADS=False, **opts)
+        cin = cout.flip(0).contiguous()
+        g_rev = gout.flip(0).contiguous()
+        _hgrn_scan_kernel[grid[:2]](cin, g_rev, dht32 if dht32 is not None else ht, ht, n_seg,
+                                    D=D, BD=BD, HAS_H0=dht32 is not None,
+                                    num_warps=BWD_CONFIG["num_warps"])
+        cin = cin.flip(0).contiguous()  # the gradient entering each segment from its right
     dx = torch.empty_like(x)
-    dg = torch.empty(B, T, D, dtype=f32, device=x.device)
-    dS_in = torch.empty(B, D, dtype=f32, device=x.device) if S_in is not None else None
-    dht32 = None if dht is None else dht.to(f32).contiguous()
-    _hgrn_bwd_kernel[(triton.cdiv(D, BD), B)](
-        x, g, do.contiguous() if do is not None else x, hc,
-        dht32 if dht32 is not None else ht, dx, dg, dS_in if dS_in is not None else ht, T,
-        HAS_DO=do is not None, HAS_DHT=dht32 is not None, STORE_DH0=dS_in is not None, **opts)
+    dg = torch.empty(B, T, D, dtype=f32, device=dev)
+    _hgrn_bwd_kernel[grid](x, g, do_arg, hc, cin if cin is not None else cout, dx, dg, cout,
+                           gout, T, seg, HAS_DO=do is not None, HAS_CIN=cin is not None,
+                           GRADS=True, **opts)
+    dS_in = cout[0].clone() if S_in is not None else None  # what leaves the first segment
     return dx, dg, dS_in
-
 
 class VectorStateWork(TritonWork):
     """hgrn segment: ``x, g [B, T, D]``; states in the runtime layout ``[B, 1, D, 1]``."""
@@ -348,7 +389,8 @@ class VectorStateWork(TritonWork):
         x, g = (ensure(t) for t in tensors)
         B, T, D = x.shape
         dx, dg, dS = hgrn_backward(x, g, None if S_in is None else S_in.reshape(B, D), do,
-                                   None if dht is None else dht.reshape(B, D))
+                                   None if dht is None else dht.reshape(B, D),
+                                   n_seg=self._schedule_hgrn(x))
         dS = None if dS is None else dS.reshape(S_in.shape).to(S_in.dtype)
         return [dS, dx, dg.to(tensors[1].dtype)]
 
@@ -358,7 +400,8 @@ class VectorStateWork(TritonWork):
         x, g = (ensure(t) for t in tensors)
         B, T, D = x.shape
         dx, dg, _ = hgrn_backward(x, g, None, None,
-                                  None if ddelta is None else ddelta.reshape(B, D))
+                                  None if ddelta is None else ddelta.reshape(B, D),
+                                  n_seg=self._schedule_hgrn(x))
         if dM is not None:
             total = g.to(torch.float32).sum(dim=1)  # [B, D]
             dg += (dM.reshape(B, D).to(torch.float32) * total.exp())[:, None]

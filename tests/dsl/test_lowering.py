@@ -12,9 +12,34 @@ def test_lowering_decisions():
     assert set(library.elu_linear_attn.lowering.texts["q"].split(" -> ")[1:]) == {"elu", "add"}
     assert builtins.simple_gla.lowering.template == "simple_gla"
     assert builtins.gla.lowering.template == "gla"
-    for v in (builtins.gated_delta_rule, builtins.hgrn, library.retnet, library.rg_lru):
+    assert builtins.gated_delta_rule.lowering.template == "gated_delta_rule"
+    assert builtins.hgrn.lowering.template == "hgrn"
+    for v in (library.retnet, library.rg_lru):  # not one of the five templates
         assert v.lowering is None and v.lowering_reason
         assert "graph executor" in v.describe()
+
+
+def test_dense_and_vector_programs_that_are_not_the_template_are_not_lowered():
+    """Same kinds and inputs as gated_delta_rule / hgrn, different math: validation refuses
+    (the delta rule without its correction of the state's contribution; hgrn reading out
+    the state one token late)."""
+    T = builtins.T
+
+    def gdn_merge(state, q, k, g, u, w, scale):
+        G = g.cumsum(-1)
+        A = (q @ T(k)) * dsl.helpers.segsum_exp(G)
+        return scale * (A @ u + (q * G.exp()[..., None]) @ state)  # no "- w @ state"
+    v = dsl.variant("not_gdn", chunk_mode=builtins._gdn_chunk, decay_mode=builtins._gdn_decay,
+                    merge_mode=gdn_merge, inputs=("q", "k", "v", "g", "beta"))
+    assert v.kind.value == "dense"
+    assert v.lowering is None and "validation failed" in v.lowering_reason
+
+    def hgrn_merge(state, h, g):
+        return h + (g.cumsum(-2) - g).exp() * state[..., None, :]
+    v = dsl.variant("not_hgrn", chunk_mode=builtins._hgrn_chunk,
+                    decay_mode=builtins._hgrn_decay, merge_mode=hgrn_merge, state="vector",
+                    inputs=("x", "g"), chunk_size=16)
+    assert v.lowering is None and "validation failed" in v.lowering_reason
 
 
 def test_not_the_template_is_not_lowered():
@@ -46,13 +71,31 @@ def triton_on_cpu(monkeypatch):
     return used
 
 
-@pytest.mark.parametrize("case", ["elu", "gla"])
+@pytest.mark.parametrize("case", ["elu", "gla", "gated_delta_rule", "hgrn"])
 def test_triton_template_path(triton_on_cpu, case):
     torch.manual_seed(0)
     B, T, H, K, V = 1, 21, 1, 16, 16
     q, k, v = (torch.randn(B, T, H, d, requires_grad=True) for d in (K, K, V))
     h0 = torch.randn(B, H, K, V, requires_grad=True)
-    if case == "elu":
+    if case == "gated_delta_rule":
+        k = torch.nn.functional.normalize(k.detach(), dim=-1).requires_grad_()
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H) + 2).requires_grad_()
+        beta = torch.rand(B, T, H).requires_grad_()
+        o, s = builtins.gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                         output_final_state=True)
+        leaves = [q, k, v, g, beta, h0]
+        mref = [t.detach().double().requires_grad_() for t in leaves]
+        o_r, s_r = ref.gated_delta_rule_ref(*mref[:5], initial_state=mref[5],
+                                            output_final_state=True)
+    elif case == "hgrn":
+        x = torch.randn(B, T, 24, requires_grad=True)
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, 24) + 2).requires_grad_()
+        h0 = torch.randn(B, 24, requires_grad=True)
+        o, s = builtins.hgrn(x, g, initial_state=h0, output_final_state=True)
+        leaves = [x, g, h0]
+        mref = [t.detach().double().requires_grad_() for t in leaves]
+        o_r, s_r = ref.hgrn_ref(*mref[:2], initial_state=mref[2], output_final_state=True)
+    elif case == "elu":
         o, s = library.elu_linear_attn(q, k, v, initial_state=h0, output_final_state=True)
         leaves = [q, k, v, h0]
         mref = [t.detach().double().requires_grad_() for t in leaves]

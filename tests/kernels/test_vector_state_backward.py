@@ -54,12 +54,16 @@ def fp64_grads(x):
     return {n: None if t is None else t.grad for n, t in leaves.items()}
 
 
-@pytest.mark.parametrize("T,BT,BD", [(37, 16, 8), (64, 16, 16), (5, 8, 8)])
+@pytest.mark.parametrize("T,BT,BD,n_seg", [(37, 16, 8, 1), (64, 16, 16, 1), (5, 8, 8, 1),
+                                           (37, 8, 8, 3), (64, 16, 16, 4), (5, 8, 8, 2)])
 @pytest.mark.parametrize("s_in,do,dht", [(True, True, True), (False, True, False),
                                          (True, False, True)])
-def test_matches_fp64_autograd(T, BT, BD, s_in, do, dht):
+def test_matches_fp64_autograd(T, BT, BD, n_seg, s_in, do, dht):
+    """One walk, and DECOUPLED over segments (the last case: more segments asked for than
+    chunks exist)."""
     x = make(2, T, 20, s_in=s_in, do=do, dht=dht, seed=T)
-    dx, dg, dS = hgrn_backward(x["x"], x["g"], x["S_in"], x["do"], x["dht"], BT=BT, BD=BD)
+    dx, dg, dS = hgrn_backward(x["x"], x["g"], x["S_in"], x["do"], x["dht"], BT=BT, BD=BD,
+                               n_seg=n_seg)
     ref = fp64_grads(x)
     assert rel(dx, ref["x"]) < 1e-5
     assert rel(dg, ref["g"]) < 1e-5
@@ -73,7 +77,8 @@ def test_steep_gates_keep_relative_precision():
     """At g ~ -20..-34 per token dg is ~1e-9 of x; its three-factor product keeps fp32's
     relative precision per element (a difference form would lose it all)."""
     x = make(1, 48, 16, steep=True, seed=3)
-    dx, dg, dS = hgrn_backward(x["x"], x["g"], x["S_in"], x["do"], x["dht"], BT=16, BD=16)
+    dx, dg, dS = hgrn_backward(x["x"], x["g"], x["S_in"], x["do"], x["dht"], BT=16, BD=16,
+                               n_seg=2)
     ref = fp64_grads(x)
     assert torch.isfinite(dg).all() and torch.isfinite(dx).all()
     steep = ref["g"][..., ::2]
@@ -154,10 +159,11 @@ def test_backward_kernel_compiles_for_sm90(tmp_path):
         pytest.skip("Triton's bundled ptxas is not available here")
     from forge_dist.kernels.vector_state import BWD_CONFIG
 
-    sig = (("x", "*bf16"), ("g", "*bf16"), ("do", "*bf16"), ("hc", "*fp32"), ("dht", "*fp32"),
-           ("dx", "*bf16"), ("dg", "*fp32"), ("dh0", "*fp32"), ("T", "i32"))
+    sig = (("x", "*bf16"), ("g", "*bf16"), ("do", "*bf16"), ("hc", "*fp32"), ("cin", "*fp32"),
+           ("dx", "*bf16"), ("dg", "*fp32"), ("cout", "*fp32"), ("gout", "*fp32"),
+           ("T", "i32"), ("SEG", "i32"))
     const = (("D", 4096), ("BT", BWD_CONFIG["BT"]), ("BD", BWD_CONFIG["BD"]), ("HAS_DO", True),
-             ("HAS_DHT", True), ("STORE_DH0", True))
+             ("HAS_CIN", True), ("GRADS", True))
     spec = KernelSpec("forge_dist.kernels.vector_state:_hgrn_bwd_kernel", sig, const,
                       BWD_CONFIG["num_warps"], 1)
     rep = aot.compile_specs([spec], tmp_path / "cache")
