@@ -17,7 +17,8 @@
 #   bash scaling_benchmarks/device_batch.sh segtests  # GPU tests of the kept segment states
 #   bash scaling_benchmarks/device_batch.sh long      # longest GDN layer sequence, 2 GPUs (~3 min)
 #   bash scaling_benchmarks/device_batch.sh bwd       # Triton backward: GPU tests, fwdbwd vs FLA,
-#                                                     #   weak scaling fwdbwd at 2 GPUs (~9 min)
+#                                                     #   DSL-lowered gdn/hgrn, weak scaling
+#                                                     #   fwdbwd at 2 GPUs (~10 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -79,6 +80,9 @@ case "$stage" in
       tests/kernels/test_delta_backward.py tests/kernels/test_vector_state_backward.py
     step single_fwdbwd 240 python3 scaling_benchmarks/single_device.py --out "$OUT" \
       --passes fwdbwd --impls forge_dist/auto,fla --T 4096,16384,65536 --tag fwdbwd
+    step single_dsl 150 python3 scaling_benchmarks/single_device.py --out "$OUT" \
+      --ops gated_delta_rule,hgrn --passes fwd --impls forge_dist/auto,forge_dsl \
+      --T 4096,65536 --tag dsl-lowered
     step weak_scaling_2gpu_fwdbwd 150 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
       --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
       --set 'ops=["gla","gated_delta_rule","hgrn"]' --set 'passes=["fwdbwd"]' \

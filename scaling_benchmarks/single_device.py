@@ -205,7 +205,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="T in {4K, 64K}, fewer repetitions")
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--max-bwd-T", type=int, default=16384,
-                    help="largest T for the torch fwdbwd rows and the DSL forward rows")
+                    help="largest T for the torch fwdbwd rows")
     ap.add_argument("--max-torch-T", type=int, default=1024)
     ap.add_argument("--plot", default=None, help="only redraw the PNG of this results JSON")
     ap.add_argument("--sweep", default="2,4,8,16,32,64",
@@ -266,8 +266,7 @@ def main(argv=None):
                         impls += [("forge_dist", f"decoupled/n{n}")
                                   for n in args.sweep.split(",") if n]
                 impls.append(("fla", None))
-                if pas == "fwd" and not args.no_dsl and (
-                        op in ("linear_attn", "simple_gla", "gla") or T <= args.max_bwd_T):
+                if pas == "fwd" and not args.no_dsl:  # every built-in lowers onto a template
                     impls.append(("forge_dsl", None))
                 if T <= args.max_torch_T:
                     impls += [("torch", None), ("torch_compile", None)]
