@@ -182,7 +182,7 @@ if HAVE_TRITON:
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)
         i_s = tl.program_id(2)
-        i_b = i_bh // H
+        i_b = (i_bh // H).to(tl.int64)  # token offsets pass 2**31 at long T
         i_h = i_bh % H
         bos = i_b * T
         DT = k.dtype.element_ty

@@ -130,7 +130,7 @@ if HAVE_TRITON:
         ``W = X diag(b exp(G)) K`` and ``U = X diag(b) V``.
         """
         i_t, i_bh = tl.program_id(0), tl.program_id(1)
-        i_b, i_h = i_bh // H, i_bh % H
+        i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets pass 2**31 at long T
         bos = i_b * T
         t0 = i_t * BT
         BC: tl.constexpr = BT // 4

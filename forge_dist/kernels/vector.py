@@ -33,7 +33,7 @@ if HAVE_TRITON:
                       BK: tl.constexpr):
         """grid ``(cdiv(T, BT), B * H)``; q, k, g [B, T, H, K]; a [B, T, H, BT] fp32 (unscaled)."""
         i_t, i_bh = tl.program_id(0), tl.program_id(1)
-        i_b, i_h = i_bh // H, i_bh % H
+        i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets pass 2**31 at long T
         bos = i_b * T
         t0 = i_t * BT
         rows = tl.arange(0, BT)

@@ -61,6 +61,7 @@ if HAVE_TRITON:
         cols = i_d * BD + tl.arange(0, BD)
         rows = tl.arange(0, BT)
         cmask = cols < D
+        base = i_b.to(tl.int64) * T * D  # passes 2**31 at long T
         if HAS_H0:
             b_h = tl.load(h0 + slot * D + cols, mask=cmask, other=0.0).to(tl.float32)
         else:
@@ -71,14 +72,14 @@ if HAVE_TRITON:
         b_gt = tl.zeros([BD], dtype=tl.float32)
         t_lo = i_s * SEG
         for t0 in range(t_lo, tl.minimum(T, t_lo + SEG), BT):
-            p_x = tl.make_block_ptr(x + i_b * T * D, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
-            p_g = tl.make_block_ptr(g + i_b * T * D, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
+            p_x = tl.make_block_ptr(x + base, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
+            p_g = tl.make_block_ptr(g + base, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
             b_x = tl.load(p_x, boundary_check=(0, 1)).to(tl.float32)
             b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)
             b_G, b_X = tl.associative_scan((b_g, b_x), axis=0, combine_fn=_affine)
             b_o = tl.exp(b_G) * b_h[None, :] + b_X
             if STORE_O:
-                p_o = tl.make_block_ptr(o + i_b * T * D, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
+                p_o = tl.make_block_ptr(o + base, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
                 tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
             # padded rows carry g = 0, x = 0: the last row holds the last real token's state
             b_h = tl.sum(tl.where((rows == BT - 1)[:, None], b_o, 0.0), axis=0)
@@ -174,7 +175,8 @@ if HAVE_TRITON:
                 b_gp = tl.load(g + base + (t_fwd - 1)[:, None] * D + cols[None, :],
                                mask=m_prev, other=0.0).to(tl.float32)
                 b_G, b_X = tl.associative_scan((b_gp, b_xp), axis=0, combine_fn=_affine)
-                b_hc = tl.load(hc + (c * NB + i_b) * D + cols, mask=cmask, other=0.0)
+                b_hc = tl.load(hc + (c * NB + i_b).to(tl.int64) * D + cols, mask=cmask,
+                               other=0.0)
                 b_hprev = tl.flip(tl.exp(b_G) * b_hc[None, :] + b_X, 0)  # to reversed rows
                 tl.store(dx + base + t_rev[:, None] * D + cols[None, :],
                          b_dh.to(dx.dtype.element_ty), mask=m_rev)
