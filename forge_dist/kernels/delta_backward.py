@@ -53,7 +53,7 @@ from torch import Tensor
 
 from ._common import HAVE_TRITON, dot_precision, next_pow2, scalar_gate_chunk, tl, triton
 
-__all__ = ["delta_rule_backward", "default_tiles"]
+__all__ = ["default_tiles", "delta_rule_backward", "kernel_specs"]
 
 BT_DELTA = 64  # the blocked WY inverse's chunk
 
@@ -411,3 +411,58 @@ def delta_rule_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta:
         BK=cfg["wy_BK"], BV=cfg["wy_BV"], GATE=gate, PREC=wy_prec,
         num_warps=cfg["wy_warps"])
     return dq, dk, dv, dg, dbeta, dS_in
+
+
+def kernel_specs(K: int = 128, V: int = 128, *, H: int = 32, dtype=torch.bfloat16) -> list:
+    """The :class:`~forge_dist.runtime.programs.KernelSpec` of every launch of
+    :func:`delta_rule_backward` at these dims with the default tiles, gated, with an incoming
+    state and a final-state gradient (for AOT compilation and the resource report), pointer
+    types as the launches pass them."""
+    from . import delta
+    from ..runtime.programs import KernelSpec, tl_type
+
+    t = default_tiles(K, V)
+    cfg = delta.fused_config(K, V)
+    io, f32 = "*" + tl_type(dtype), "*fp32"
+    st = "*" + tl_type(torch.float32 if dtype == torch.float32 else dtype)
+    prec, wy_prec = "tf32x3", ("tf32" if dtype != torch.float32 else "tf32x3")
+    ptr = lambda names, types: tuple((n, types.get(n, io)) for n in names)  # noqa: E731
+    types = {n: f32 for n in ("g", "beta", "dht", "dvn", "dh0", "dk_part", "dw", "dG", "dbeta",
+                              "dg", "xs", "h0", "ht", "gt")}
+    types.update(hc=st, vn=st, dhc=st)
+    dims = (("H", H), ("K", K), ("V", V), ("BT", BT_DELTA))
+    mod = "forge_dist.kernels"
+    return [
+        KernelSpec(f"{mod}.delta:_wy_kernel",
+                   ptr(("k", "v", "g", "beta", "w", "u"), types) + (("T", "i32"), ("xs", f32)),
+                   dims + (("BK", next_pow2(K)), ("BV", min(delta.WY_CONFIG["BV"], next_pow2(V))),
+                           ("GATE", 1), ("PREC", wy_prec), ("STORE_X", True)),
+                   delta.WY_CONFIG["num_warps"], delta.WY_CONFIG["num_stages"]),
+        KernelSpec(f"{mod}._common:_walk_kernel",
+                   ptr(("q", "k", "v", "g", "w", "h0", "o", "ht", "gt"), types)
+                   + (("T", "i32"), ("SEG", "i32"), ("scale", "fp32"), ("hc", st), ("vn", st)),
+                   dims + (("BK", next_pow2(K)), ("BV", min(cfg["BV"], next_pow2(V))),
+                           ("GATE", 1), ("HAS_V", True), ("HAS_W", True), ("HAS_H0", True),
+                           ("STORE_O", False), ("STORE_HT", True), ("PREC", prec),
+                           ("HAS_A", False), ("a", None), ("STORE_GT", False),
+                           ("HAS_SIN", False), ("s_in", None), ("cg", None),
+                           ("HT_LAST", False), ("STORE_CHUNKS", True)),
+                   cfg["num_warps"], cfg["num_stages"]),
+        KernelSpec(f"{mod}.delta_backward:_dstates_kernel",
+                   ptr(("q", "k", "w", "g", "do", "dht", "dhc", "dvn", "dh0"), types)
+                   + (("T", "i32"), ("NT", "i32"), ("scale", "fp32")),
+                   dims + (("BK", next_pow2(K)), ("BV", t["walk_BV"]), ("GATE", True),
+                           ("HAS_DHT", True), ("STORE_DH0", True), ("PREC", prec)),
+                   t["walk_warps"], t["walk_stages"]),
+        KernelSpec(f"{mod}.delta_backward:_dqk_kernel",
+                   ptr(("q", "k", "g", "hc", "dhc", "vn", "dvn", "do", "dq", "dk", "dw", "dG"),
+                       dict(types, dk=f32))
+                   + (("T", "i32"), ("NT", "i32"), ("NBT", "i32"), ("scale", "fp32")),
+                   dims + (("BK", t["dqk_BK"]), ("BV", t["dqk_BV"]), ("GATE", True),
+                           ("PREC", prec)), t["dqk_warps"], t["dqk_stages"]),
+        KernelSpec(f"{mod}.delta_backward:_wy_bwd_kernel",
+                   ptr(("k", "v", "g", "beta", "xs", "dvn", "dw", "dk_part", "dG", "dk", "dv",
+                        "dbeta", "dg"), types) + (("T", "i32"), ("NK", "i32"), ("NBT", "i32")),
+                   dims + (("BK", t["wy_BK"]), ("BV", t["wy_BV"]), ("GATE", True),
+                           ("PREC", wy_prec)), t["wy_warps"], 1),
+    ]

@@ -82,7 +82,7 @@ from torch import Tensor
 
 from ._common import HAVE_TRITON, dot_precision, next_pow2, scalar_gate_chunk, tl, triton
 
-__all__ = ["scalar_decay_backward"]
+__all__ = ["kernel_specs", "scalar_decay_backward"]
 
 
 if HAVE_TRITON:
@@ -445,3 +445,49 @@ def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
     if gate:
         dg = dg_part[0] if NKq == 1 else dg_part.sum(0)
     return dq, dk, dv, dg, dS_in
+
+
+def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16, *,
+                 B: int = 1, H: int = 32, gate: bool = True, BT: int = 64) -> list:
+    """The :class:`~forge_dist.runtime.programs.KernelSpec` of every launch of
+    :func:`scalar_decay_backward` at these dims with the default tiles (``device`` sizing as
+    a nominal 132-SM H100/H200), with an incoming state and a final-state gradient, for AOT
+    compilation and the resource report."""
+    from ..runtime.programs import KernelSpec, tl_type
+
+    cfg = default_tiles(B, H, K, V, torch.device("cpu"))
+    io, f32 = "*" + tl_type(dtype), "*fp32"
+    st = "*" + tl_type(torch.float32 if dtype == torch.float32 else dtype)
+    prec = "tf32x3"
+    dims = (("H", H), ("K", K), ("V", V), ("BT", BT))
+    mod = "forge_dist.kernels.scalar_backward"
+    walk = (("BK", cfg["walk_BK"]), ("BV", cfg["walk_BV"]), ("GATE", int(gate)))
+    NKq = triton.cdiv(K, cfg["dqk_BK"])
+    fuse = cfg["fuse_dv"] and NKq == 1
+    specs = [
+        KernelSpec(f"{mod}:_fwd_states_kernel",
+                   (("k", io), ("v", io), ("g", f32), ("h0", f32), ("h", st), ("T", "i32"),
+                    ("NT", "i32")),
+                   dims + walk + (("HAS_H0", True), ("PREC", prec)),
+                   cfg["walk_warps"], cfg["walk_stages"]),
+        KernelSpec(f"{mod}:_bwd_states_kernel",
+                   (("q", io), ("g", f32), ("do", io), ("dht", f32), ("dh", st), ("dh0", f32),
+                    ("T", "i32"), ("NT", "i32"), ("scale", "fp32")),
+                   dims + walk + (("HAS_DHT", True), ("STORE_DH0", True), ("PREC", prec)),
+                   cfg["walk_warps"], cfg["walk_stages"]),
+        KernelSpec(f"{mod}:_dqkg_kernel",
+                   (("q", io), ("k", io), ("v", io), ("g", f32), ("h", st), ("do", io),
+                    ("dh", st), ("dq", io), ("dk", io), ("dv", io), ("dg", f32), ("T", "i32"),
+                    ("NT", "i32"), ("NBT", "i32"), ("scale", "fp32")),
+                   dims + (("BK", cfg["dqk_BK"]), ("BV", cfg["dqk_BV"]), ("GATE", gate),
+                           ("FUSE_DV", fuse), ("PREC", prec)),
+                   cfg["dqk_warps"], cfg["dqk_stages"]),
+    ]
+    if not fuse:
+        specs.append(KernelSpec(
+            f"{mod}:_dv_kernel",
+            (("q", io), ("k", io), ("g", f32), ("do", io), ("dh", st), ("dv", io), ("T", "i32"),
+             ("NT", "i32"), ("scale", "fp32")),
+            dims + (("BK", cfg["dv_BK"]), ("BV", cfg["dv_BV"]), ("GATE", gate),
+                    ("PREC", prec)), cfg["dv_warps"], cfg["dv_stages"]))
+    return specs

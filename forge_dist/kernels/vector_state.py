@@ -360,6 +360,20 @@ def hgrn_backward(x, g, S_in, do, dht, *, BT: int | None = None, BD: int | None 
     dS_in = cout[0].clone() if S_in is not None else None  # what leaves the first segment
     return dx, dg, dS_in
 
+
+def backward_kernel_specs(D: int = 4096, dtype=torch.bfloat16) -> list:
+    """The :class:`~forge_dist.runtime.programs.KernelSpec` of :func:`hgrn_backward`'s own
+    kernel (both modes) at the default tiles, for AOT compilation and the resource report."""
+    from ..runtime.programs import KernelSpec, tl_type
+
+    io, f32 = "*" + tl_type(dtype), "*fp32"
+    sig = (("x", io), ("g", io), ("do", io), ("hc", f32), ("cin", f32), ("dx", io),
+           ("dg", f32), ("cout", f32), ("gout", f32), ("T", "i32"), ("SEG", "i32"))
+    return [KernelSpec("forge_dist.kernels.vector_state:_hgrn_bwd_kernel", sig,
+                       (("D", D), ("BT", BWD_CONFIG["BT"]), ("BD", BWD_CONFIG["BD"]),
+                        ("HAS_DO", True), ("HAS_CIN", True), ("GRADS", grads)),
+                       BWD_CONFIG["num_warps"], 1) for grads in (True, False)]
+
 class VectorStateWork(TritonWork):
     """hgrn segment: ``x, g [B, T, D]``; states in the runtime layout ``[B, 1, D, 1]``."""
 

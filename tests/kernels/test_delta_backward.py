@@ -183,69 +183,18 @@ def test_bf16_at_a_real_shape():
         assert rel(a, leaves[name].grad) < 2e-2, name
 
 
-def _specs(K=128, V=128, H=32):
-    """KernelSpecs of every launch of the backward at bf16 with the default tiles."""
-    from forge_dist.kernels import delta
-    from forge_dist.kernels.delta_backward import default_tiles
-    from forge_dist.runtime.programs import KernelSpec
-
-    t = default_tiles(K, V)
-    cfg = delta.fused_config(K, V)
-    bf, f32 = "*bf16", "*fp32"
-    ptr = lambda names, ty: tuple((n, ty.get(n, bf)) for n in names)  # noqa: E731
-    common = (("H", H), ("K", K), ("V", V), ("BT", 64))
-    mod = "forge_dist.kernels.delta_backward:"
-    fp32_names = {"g": f32, "beta": f32, "dht": f32, "dvn": f32, "dh0": f32, "dk_part": f32,
-                  "dw": f32, "dG": f32, "dbeta": f32, "dg": f32, "xs": f32, "h0": f32,
-                  "ht": f32, "gt": f32, "hc": bf, "vn": bf}
-    return [
-        KernelSpec("forge_dist.kernels.delta:_wy_kernel",
-                   ptr(("k", "v", "g", "beta", "w", "u"), fp32_names) + (("T", "i32"),
-                                                                        ("xs", f32)),
-                   common + (("BK", K), ("BV", 64), ("GATE", 1), ("PREC", "tf32"),
-                             ("STORE_X", True)), delta.WY_CONFIG["num_warps"], 1),
-        KernelSpec("forge_dist.kernels._common:_walk_kernel",
-                   ptr(("q", "k", "v", "g", "w", "h0", "o", "ht", "gt"), fp32_names)
-                   + (("T", "i32"), ("SEG", "i32"), ("scale", "fp32"), ("hc", bf), ("vn", bf)),
-                   common[:3] + (("BT", 64), ("BK", K), ("BV", cfg["BV"]), ("GATE", 1),
-                                 ("HAS_V", True), ("HAS_W", True), ("HAS_H0", True),
-                                 ("STORE_O", False), ("STORE_HT", True), ("PREC", "tf32x3"),
-                                 ("HAS_A", False), ("a", None), ("STORE_GT", False),
-                                 ("HAS_SIN", False), ("s_in", None), ("cg", None),
-                                 ("HT_LAST", False), ("STORE_CHUNKS", True)),
-                   cfg["num_warps"], cfg["num_stages"]),
-        KernelSpec(mod + "_dstates_kernel",
-                   ptr(("q", "k", "w", "g", "do", "dht", "dhc", "dvn", "dh0"), fp32_names)
-                   + (("T", "i32"), ("NT", "i32"), ("scale", "fp32")),
-                   common + (("BK", K), ("BV", t["walk_BV"]), ("GATE", True),
-                             ("HAS_DHT", True), ("STORE_DH0", True), ("PREC", "tf32x3")),
-                   t["walk_warps"], t["walk_stages"]),
-        KernelSpec(mod + "_dqk_kernel",
-                   ptr(("q", "k", "g", "hc", "dhc", "vn", "dvn", "do", "dq", "dk", "dw", "dG"),
-                       dict(fp32_names, dk=f32))
-                   + (("T", "i32"), ("NT", "i32"), ("NBT", "i32"), ("scale", "fp32")),
-                   common + (("BK", t["dqk_BK"]), ("BV", t["dqk_BV"]), ("GATE", True),
-                             ("PREC", "tf32x3")), t["dqk_warps"], t["dqk_stages"]),
-        KernelSpec(mod + "_wy_bwd_kernel",
-                   ptr(("k", "v", "g", "beta", "xs", "dvn", "dw", "dk_part", "dG", "dk", "dv",
-                        "dbeta", "dg"), fp32_names) + (("T", "i32"), ("NK", "i32"),
-                                                       ("NBT", "i32")),
-                   common + (("BK", t["wy_BK"]), ("BV", t["wy_BV"]), ("GATE", True),
-                             ("PREC", "tf32")), t["wy_warps"], 1),
-    ]
-
-
 def test_backward_kernels_compile_for_sm90(tmp_path):
     """Every launch of the backward (incl. the WY kernel keeping X and the walker keeping the
     chunk states) compiles for Hopper with Triton's own compiler and ptxas, no GPU needed,
     within one SM's shared memory."""
     import json
 
+    from forge_dist.kernels.delta_backward import kernel_specs
     from forge_dist.runtime import aot
 
     if aot.ptxas_version("cuda:90") is None:
         pytest.skip("Triton's bundled ptxas is not available here")
-    specs = _specs()
+    specs = kernel_specs(128, 128)
     rep = aot.compile_specs(specs, tmp_path / "cache")
     assert sorted(rep["compiled"]) == sorted(s.key for s in specs), rep
     kernels = json.loads((tmp_path / "cache" / "manifest.json").read_text())["kernels"]

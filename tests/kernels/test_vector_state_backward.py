@@ -152,22 +152,16 @@ def test_bf16_at_benchmark_width():
 def test_backward_kernel_compiles_for_sm90(tmp_path):
     """The kernel compiles for Hopper (Triton's own compiler and ptxas, no GPU needed) at the
     default tiles, within the shared memory of one SM."""
+    import json
+
+    from forge_dist.kernels.vector_state import backward_kernel_specs
     from forge_dist.runtime import aot
-    from forge_dist.runtime.programs import KernelSpec
 
     if aot.ptxas_version("cuda:90") is None:
         pytest.skip("Triton's bundled ptxas is not available here")
-    from forge_dist.kernels.vector_state import BWD_CONFIG
-
-    sig = (("x", "*bf16"), ("g", "*bf16"), ("do", "*bf16"), ("hc", "*fp32"), ("cin", "*fp32"),
-           ("dx", "*bf16"), ("dg", "*fp32"), ("cout", "*fp32"), ("gout", "*fp32"),
-           ("T", "i32"), ("SEG", "i32"))
-    const = (("D", 4096), ("BT", BWD_CONFIG["BT"]), ("BD", BWD_CONFIG["BD"]), ("HAS_DO", True),
-             ("HAS_CIN", True), ("GRADS", True))
-    spec = KernelSpec("forge_dist.kernels.vector_state:_hgrn_bwd_kernel", sig, const,
-                      BWD_CONFIG["num_warps"], 1)
-    rep = aot.compile_specs([spec], tmp_path / "cache")
-    assert rep["compiled"] == [spec.key], rep
-    import json
-    entry = json.loads((tmp_path / "cache" / "manifest.json").read_text())["kernels"][spec.key]
-    assert 0 <= entry["shared"] <= 232448, entry
+    specs = backward_kernel_specs(4096)
+    rep = aot.compile_specs(specs, tmp_path / "cache")
+    assert sorted(rep["compiled"]) == sorted(s.key for s in specs), rep
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    for entry in manifest["kernels"].values():
+        assert 0 <= entry["shared"] <= 232448, entry
