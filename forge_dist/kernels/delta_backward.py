@@ -41,7 +41,7 @@ Launches:
    state ``S [B, NT, H, K, V]`` and ``v' [B, T, H, V]``;
 3. ``_dstates_kernel``, grid ``(V tiles, B * H)``: the reverse walk, keeping ``dS'`` per
    chunk and ``dv'``, and giving the incoming state's gradient;
-4. ``_dqk_kernel``, chunk-parallel, grid ``(K tiles, NT, B * H)``: dq, the ``Aq``/``S'``
+4. ``_dqk_kernel``, chunk-parallel, grid ``(NT, K tiles, B * H)``: dq, the ``Aq``/``S'``
    parts of dk, dW, and per K tile the first part of ``dG``;
 5. ``_wy_bwd_kernel``, chunk-parallel, grid ``(NT, B * H)``: the WY and ``Aw`` parts, dv,
    dbeta, and dg (the in-chunk reverse cumulative sum).
@@ -127,11 +127,12 @@ if HAVE_TRITON:
     def _dqk_kernel(q, k, g, hc, dhc, vn, dvn, do, dq, dk, dw, dG, T, NT, NBT, scale,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
-        """Chunk-parallel; grid ``(cdiv(K, BK), NT, B * H)``.  Writes dq (final), the
+        """Chunk-parallel; grid ``(NT, cdiv(K, BK), B * H)``.  Writes dq (final), the
         ``Aq``/``S'`` parts of dk and dW = -dv' S^T (fp32 ``[B, T, H, K]``), and this K tile's
         share of ``dG`` (``dG [NK, B, T, H]`` fp32; ``dG_C`` folded into the chunk's last
         token, so that the reverse cumulative sum hands it to every token)."""
-        i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # chunks on axis 0: CUDA caps axes 1 and 2 at 65535 blocks (T = 4M at BT = 64)
+        i_t, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_b = (i_bh // H).to(tl.int64)
         i_h = i_bh % H
         bos = i_b * T
@@ -393,7 +394,7 @@ def delta_rule_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta:
     dk_part = torch.empty(B, T, H, K, dtype=f32, device=dev)
     dw = torch.empty(B, T, H, K, dtype=f32, device=dev)
     dG = torch.empty(NK, B, T, H, dtype=f32, device=dev) if gate else None
-    _dqk_kernel[(NK, NT, B * H)](
+    _dqk_kernel[(NT, NK, B * H)](
         q, k, g32 if gate else dummy, hc, dhc, vn, dvn, do, dq, dk_part, dw,
         dG if gate else dummy, T, NT, B * T, float(scale), H=H, K=K, V=V, BT=BT,
         BK=cfg["dqk_BK"], BV=cfg["dqk_BV"], GATE=gate, PREC=prec,

@@ -64,10 +64,10 @@ Kernels (three or four launches):
 2. ``_bwd_states_kernel`` -- the reverse walk for ``dh [B, NT, H, K, V]`` from ``dht`` and
    ``dS_in`` at its end; same grid.  Both walks also serve the vector-decay backward
    (``GATE=2``, per-channel gates; see vector_backward.py).
-3. ``_dqkg_kernel`` -- chunk-parallel, grid ``(K tiles, NT, B * H)``; loops over V tiles,
+3. ``_dqkg_kernel`` -- chunk-parallel, grid ``(NT, K tiles, B * H)``; loops over V tiles,
    computes ``dq``, ``dk`` and the chunk-local ``dg`` (summed over K tiles when ``K > 128``).
    With one K tile (``K <= 128``) it also computes ``dv`` inside its V loop (``FUSE_DV``).
-4. ``_dv_kernel`` -- only when ``K > 128``: chunk-parallel, grid ``(V tiles, NT, B * H)``,
+4. ``_dv_kernel`` -- only when ``K > 128``: chunk-parallel, grid ``(NT, V tiles, B * H)``,
    loops over K tiles.
 
 At B=1, H=32, T=32K the chunk-parallel kernels run 16K programs each; only the two walks
@@ -196,8 +196,8 @@ if HAVE_TRITON:
     def _dv_kernel(q, k, g, do, dh, dv, T, NT, scale, H: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    GATE: tl.constexpr, PREC: tl.constexpr):
-        """``dv = (k dh_c) e^{G_C - G} + scale (M o q k^T)^T do``; grid (NV, NT, B*H)."""
-        i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        """``dv = (k dh_c) e^{G_C - G} + scale (M o q k^T)^T do``; grid (NT, NV, B*H)."""
+        i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # chunks on axis 0
         i_b = (i_bh // H).to(tl.int64)
         i_h = i_bh % H
         bos = i_b * T
@@ -239,12 +239,13 @@ if HAVE_TRITON:
                      BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
                      FUSE_DV: tl.constexpr, PREC: tl.constexpr):
         """``dq``, ``dk`` of one K tile and that tile's share of the chunk-local ``dg``
-        (``dg [NK, B, T, H]``, summed over K tiles by the caller); grid (NK, NT, B*H).
+        (``dg [NK, B, T, H]``, summed over K tiles by the caller); grid (NT, NK, B*H).
 
         ``FUSE_DV`` (one K tile covers K): also ``dv``, tile by tile inside the V loop, which
         saves the dv kernel's second read of q, k, do and dh.
         """
-        i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # chunks on axis 0: CUDA caps axes 1 and 2 at 65535 blocks (T = 4M at BT = 64)
+        i_t, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_b = (i_bh // H).to(tl.int64)
         i_h = i_bh % H
         bos = i_b * T
@@ -432,11 +433,11 @@ def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
         num_stages=cfg["walk_stages"])
     fuse = cfg["fuse_dv"] and NKq == 1
     if not fuse:
-        _dv_kernel[(triton.cdiv(V, cfg["dv_BV"]), NT, B * H)](
+        _dv_kernel[(NT, triton.cdiv(V, cfg["dv_BV"]), B * H)](
             q, k, g32 if gate else dummy, do, dh, dv, T, NT, scale,
             H=H, K=K, V=V, BT=BT, BK=cfg["dv_BK"], BV=cfg["dv_BV"], GATE=gate, PREC=prec,
             num_warps=cfg["dv_warps"], num_stages=cfg["dv_stages"])
-    _dqkg_kernel[(NKq, NT, B * H)](
+    _dqkg_kernel[(NT, NKq, B * H)](
         q, k, v, g32 if gate else dummy, h, do, dh, dq, dk, dv,
         dg_part if gate else dummy, T, NT, B * T, scale,
         H=H, K=K, V=V, BT=BT, BK=cfg["dqk_BK"], BV=cfg["dqk_BV"], GATE=gate, FUSE_DV=fuse,

@@ -69,14 +69,14 @@ Kernels (three or four launches):
 
 1. ``_fwd_states_kernel`` (scalar_backward.py, ``GATE=2``) -- chunk-start states ``h``.
 2. ``_bwd_states_kernel`` (same, ``GATE=2``) -- the reverse walk for ``dh`` and ``dS_in``.
-3. ``_dqkg_kernel`` -- chunk-parallel, grid ``(K tiles, NT, B * H)``: the V loop forms
+3. ``_dqkg_kernel`` -- chunk-parallel, grid ``(NT, K tiles, B * H)``: the V loop forms
    ``dA``, the inter parts of ``dq``, ``dk`` and ``<h_c, dh_c>`` per channel; the column loop
    the intra parts, ``dg`` and this K tile's share of ``A``.  Everything but ``dA`` and
    ``A`` is per key channel, so K tiles are independent (``dg`` needs no cross-tile sum).
    With one K tile (``K <= 128`` at ``BT <= 32``) ``A`` is complete and ``dv`` follows in a
    second V loop (``FUSE_DV``, re-reading the ``dh`` tile the first loop just read, most
    likely from L2); otherwise the tile's ``A`` goes to ``a [NK, B, T, H, BT]`` fp32.
-4. ``_dv_kernel`` -- only with several K tiles: grid ``(V tiles, NT, B * H)``, sums the
+4. ``_dv_kernel`` -- only with several K tiles: grid ``(NT, V tiles, B * H)``, sums the
    ``A`` partials and loops over K tiles for ``dh_c^T (k * e^r)``.
 
 Compiled for sm_90 (``kernel_specs``, Triton 3.6, ptxas -v), default tiles, bf16: shared
@@ -107,12 +107,13 @@ if HAVE_TRITON:
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, FUSE_DV: tl.constexpr,
                      STORE_A: tl.constexpr, PREC: tl.constexpr):
-        """``dq``, ``dk``, ``dg`` of one K tile (module docstring); grid (NK, NT, B*H).
+        """``dq``, ``dk``, ``dg`` of one K tile (module docstring); grid (NT, NK, B*H).
 
         ``FUSE_DV``: this tile covers K, so ``A`` is complete: also ``dv``.  ``STORE_A``: store
         the tile's share of ``A`` into ``a [NK, B, T, H, BT]`` fp32 for ``_dv_kernel``.
         """
-        i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # chunks on axis 0: CUDA caps axes 1 and 2 at 65535 blocks
+        i_t, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_b = (i_bh // H).to(tl.int64)
         i_h = i_bh % H
         bos = i_b * T
@@ -223,8 +224,8 @@ if HAVE_TRITON:
                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, PREC: tl.constexpr):
         """``dv = dh_c^T (k * e^r) + scale A^T do`` with ``A`` the sum of the ``NA`` partials
-        in ``a [NA, B, T, H, BT]``; grid (NV, NT, B*H)."""
-        i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        in ``a [NA, B, T, H, BT]``; grid (NT, NV, B*H)."""
+        i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # chunks on axis 0
         i_b = (i_bh // H).to(tl.int64)
         i_h = i_bh % H
         bos = i_b * T
@@ -392,13 +393,13 @@ def vector_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S_in: Tens
     NK = triton.cdiv(K, cfg["dqk_BK"])
     fuse = bool(cfg["fuse_dv"]) and NK == 1
     a = None if fuse else torch.empty(NK, B, T, H, BT, dtype=torch.float32, device=dev)
-    _dqkg_kernel[(NK, NT, B * H)](
+    _dqkg_kernel[(NT, NK, B * H)](
         q, k, v, g32, h, do, dh, dq, dk, dv, dg, a if a is not None else dg,  # dg: unread
         T, NT, B * T, scale, H=H, K=K, V=V, BT=BT, BK=cfg["dqk_BK"], BV=cfg["dqk_BV"],
         FUSE_DV=fuse, STORE_A=not fuse, PREC=prec, num_warps=cfg["dqk_warps"],
         num_stages=cfg["dqk_stages"])
     if not fuse:
-        _dv_kernel[(triton.cdiv(V, cfg["dv_BV"]), NT, B * H)](
+        _dv_kernel[(NT, triton.cdiv(V, cfg["dv_BV"]), B * H)](
             k, g32, do, dh, a, dv, T, NT, B * T, NK, scale,
             H=H, K=K, V=V, BT=BT, BK=cfg["dv_BK"], BV=cfg["dv_BV"], PREC=prec,
             num_warps=cfg["dv_warps"], num_stages=cfg["dv_stages"])

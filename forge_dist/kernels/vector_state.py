@@ -50,13 +50,21 @@ if HAVE_TRITON:
     def _hgrn_kernel(x, g, h0, o, ht, gt, T, SEG, D: tl.constexpr, BT: tl.constexpr,
                      BD: tl.constexpr, HAS_H0: tl.constexpr, STORE_O: tl.constexpr,
                      STORE_GT: tl.constexpr = False, HAS_SIN: tl.constexpr = False,
-                     s_in=None, cg=None, HT_LAST: tl.constexpr = False):
-        """grid ``(cdiv(D, BD), B, NSEG)``; x, g, o [B, T, D]; h0, ht [NSEG, B, D] fp32 (each
+                     s_in=None, cg=None, HT_LAST: tl.constexpr = False,
+                     SEG_AXIS0: tl.constexpr = False):
+        """grid ``(cdiv(D, BD), B, NSEG)`` (SEG_AXIS0: ``(NSEG, B, cdiv(D, BD))``, for one
+        segment per chunk: CUDA caps grid axes 1 and 2 at 65535 blocks, axis 0 at 2**31 - 1);
+        x, g, o [B, T, D]; h0, ht [NSEG, B, D] fp32 (each
         segment of SEG tokens: its start and end state); gt [NSEG, B, D] fp32 the segment's
         summed log decay (STORE_GT).  HAS_SIN: ``s_in [B, D]`` enters the whole walk, each
         segment starts from ``h0 + exp(cg) * s_in`` (``cg [NSEG + 1, B, D]`` from the scan);
         HT_LAST: only the last segment stores its end state, into ``ht [B, D]``."""
-        i_d, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if SEG_AXIS0:
+            i_s, i_b, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+            n_s = tl.num_programs(0)
+        else:
+            i_d, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+            n_s = tl.num_programs(2)
         slot = i_s * tl.num_programs(1) + i_b
         cols = i_d * BD + tl.arange(0, BD)
         rows = tl.arange(0, BT)
@@ -86,7 +94,7 @@ if HAVE_TRITON:
             if STORE_GT:
                 b_gt += tl.sum(b_g, axis=0)
         if HT_LAST:
-            if i_s == tl.num_programs(2) - 1:
+            if i_s == n_s - 1:
                 tl.store(ht + i_b * D + cols, b_h, mask=cmask)
         else:
             tl.store(ht + slot * D + cols, b_h, mask=cmask)
@@ -151,7 +159,7 @@ if HAVE_TRITON:
         n_c = tl.minimum(tl.cdiv(T, BT), c_lo + SEG // BT) - c_lo
         for i in range(n_c):
             c = c_lo + n_c - 1 - i
-            t_rev = c * BT + BT - 1 - rows  # reversed rows
+            t_rev = (c * BT + BT - 1 - rows).to(tl.int64)  # reversed rows; * D passes 2**31
             m_rev = (t_rev < T)[:, None] & cmask[None, :]
             # dh: rows reversed, a_r = g of the token after row r (row 0's comes with the carry)
             m_next = ((t_rev + 1 < T) & (rows > 0))[:, None] & cmask[None, :]
@@ -168,7 +176,7 @@ if HAVE_TRITON:
                           other=0.0).to(tl.float32)
             if GRADS:
                 # h_{t-1}: forward scan of the rows shifted by one token, from the chunk start
-                t_fwd = c * BT + rows
+                t_fwd = (c * BT + rows).to(tl.int64)
                 m_prev = ((t_fwd - 1 < T) & (rows > 0))[:, None] & cmask[None, :]
                 b_xp = tl.load(x + base + (t_fwd - 1)[:, None] * D + cols[None, :],
                                mask=m_prev, other=0.0).to(tl.float32)
@@ -326,8 +334,9 @@ def hgrn_backward(x, g, S_in, do, dht, *, BT: int | None = None, BD: int | None 
     hc = torch.empty(NT, B, D, dtype=f32, device=dev)
     gt = torch.empty(NT, B, D, dtype=f32, device=dev)
     ht = torch.empty(B, D, dtype=f32, device=dev)
-    _hgrn_kernel[(triton.cdiv(D, BD), B, NT)](x, g, hc, hc, hc, gt, T, BT, HAS_H0=False,
-                                              STORE_O=False, STORE_GT=True, **opts)
+    _hgrn_kernel[(NT, B, triton.cdiv(D, BD))](x, g, hc, hc, hc, gt, T, BT, HAS_H0=False,
+                                              STORE_O=False, STORE_GT=True, SEG_AXIS0=True,
+                                              **opts)
     _hgrn_scan_kernel[(triton.cdiv(D, BD), B)](hc, gt, h0 if h0 is not None else ht, ht, NT,
                                                D=D, BD=BD, HAS_H0=h0 is not None,
                                                num_warps=BWD_CONFIG["num_warps"])
