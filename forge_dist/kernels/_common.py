@@ -141,7 +141,7 @@ def ensure(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
-scalar_gate_chunk = None  # defined below when Triton is installed
+scalar_gate_chunk = value_state_tiles = None  # defined below when Triton is installed
 if HAVE_TRITON:
 
     @triton.jit
@@ -151,6 +151,25 @@ if HAVE_TRITON:
         o_g = t0 + tl.arange(0, BT)
         b_g = tl.load(g + (bos + o_g) * H + i_h, mask=o_g < T, other=0.0).to(tl.float32)
         return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
+
+    @triton.jit
+    def value_state_tiles(v, do, h, dh, bos, i_h, t0, i_v, i_k, base_h, T, H: tl.constexpr,
+                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr):
+        """One V tile of a chunk, for the chunk-parallel backward kernels: values and output
+        gradients ``[BT, BV]`` (``[B, T, H, V]`` tensors, rows from token ``t0``) and the
+        chunk's state and state gradient read transposed, ``[BV, BK]`` (``[K, V]`` tiles at
+        ``base_h``).  As loaded: the callers cast to their dot dtype."""
+        p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV),
+                                (BT, BV), (1, 0))
+        p_do = tl.make_block_ptr(do + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV),
+                                 (BT, BV), (1, 0))
+        p_ht = tl.make_block_ptr(h + base_h, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK),
+                                 (0, 1))
+        p_dht = tl.make_block_ptr(dh + base_h, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK),
+                                  (0, 1))
+        return (tl.load(p_v, boundary_check=(0, 1)), tl.load(p_do, boundary_check=(0, 1)),
+                tl.load(p_ht, boundary_check=(0, 1)), tl.load(p_dht, boundary_check=(0, 1)))
 
     @triton.jit
     def _walk_kernel(q, k, v, g, w, h0, o, ht, gt, T, SEG, scale,
@@ -715,3 +734,38 @@ class TritonWork(SegmentWork):
 
     def _summary_fwd(self, tensors, need_M):  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class DecayAttentionWork(TritonWork):
+    """Base of the decay-attention works (scalar and per-channel decay): inputs
+    ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g`` or ``None``.  The backward is the
+    subclass's chunk backward (``chunk_backward``, same signature for both patterns) for
+    ``finish`` and the shared closed form for ``summary``."""
+
+    names = ("q", "k", "v", "g")
+    keeps_segments = True
+
+    @staticmethod
+    def chunk_backward(q, k, v, g, S_in, do, dht, scale):  # pragma: no cover - abstract
+        """``(dq, dk, dv, dg, dS_in)`` of the pattern's recurrence."""
+        raise NotImplementedError
+
+    def _finish_bwd(self, S_in, tensors, do, dht):
+        q, k, v, g = (ensure(t) for t in tensors)
+        dq, dk, dv, dg, dS = self.chunk_backward(
+            q, k, v, g, None if S_in is None else S_in.to(torch.float32).contiguous(),
+            None if do is None else do.contiguous(),
+            None if dht is None else dht.to(torch.float32).contiguous(), self.scale)
+        return [dS, dq, dk, dv, grad_like(dg, tensors[3])]
+
+    def _summary_bwd(self, tensors, ddelta, dM):
+        """Closed form, no walk (:func:`decay_summary_backward`); q does not reach the
+        summary (dq = 0)."""
+        q, k, v, g = tensors
+        return [torch.zeros_like(q), *decay_summary_backward(k, v, g, ddelta, dM)]
+
+    def _summary_torch(self, tensors, need_M):
+        from ..variants import decay_attention
+
+        q, k, v, g = tensors
+        return decay_attention.summarize(q, k, v, g, self.scale, need_transition=need_M)

@@ -7,12 +7,8 @@ Both schedules run the shared walker (:mod:`._common`): FUSED, one program per
 """
 from __future__ import annotations
 
-
-import torch
-
-from ._common import (decay_summary_backward, dot_precision, ensure, grad_like,
-                      outputs_from_summary, sized_config, summarize, TritonWork, walk)
-from ..variants import decay_attention
+from ._common import (DecayAttentionWork, dot_precision, ensure, outputs_from_summary,
+                      sized_config, summarize, walk)
 
 # Tile config for this pattern (one place).  BV trades parallelism (B*H*V/BV programs)
 # against re-reading q, k once per V tile.
@@ -24,12 +20,9 @@ def fused_config(K: int, V: int) -> dict:
     return sized_config(FUSED_CONFIG, K)
 
 
-class ScalarDecayWork(TritonWork):
+class ScalarDecayWork(DecayAttentionWork):
     """linear_attn / simple_gla segment: inputs ``q, k [B, T, H, K]``, ``v [B, T, H, V]``,
     ``g [B, T, H]`` or ``None``."""
-
-    names = ("q", "k", "v", "g")
-    keeps_segments = True
 
     def _prec(self):
         return dot_precision(self.in_dtype)
@@ -57,23 +50,9 @@ class ScalarDecayWork(TritonWork):
             M = self.segments.total_log_decay()[..., 0].exp()  # [B, H]
         return self.segments.delta, M
 
-    # Triton backward (kernels/scalar_backward.py) ------------------------------------------
-    def _finish_bwd(self, S_in, tensors, do, dht):
+    @staticmethod
+    def chunk_backward(*args):
+        """The Triton chunk backward (:func:`.scalar_backward.scalar_decay_backward`)."""
         from .scalar_backward import scalar_decay_backward
 
-        q, k, v, g = (ensure(t) for t in tensors)
-        dq, dk, dv, dg, dS = scalar_decay_backward(
-            q, k, v, g, None if S_in is None else S_in.to(torch.float32).contiguous(),
-            None if do is None else do.contiguous(),
-            None if dht is None else dht.to(torch.float32).contiguous(), self.scale)
-        return [dS, dq, dk, dv, grad_like(dg, tensors[3])]
-
-    def _summary_bwd(self, tensors, ddelta, dM):
-        """Closed form, no walk (:func:`._common.decay_summary_backward`); q does not reach
-        the summary (dq = 0)."""
-        q, k, v, g = tensors
-        return [torch.zeros_like(q), *decay_summary_backward(k, v, g, ddelta, dM)]
-
-    def _summary_torch(self, tensors, need_M):
-        q, k, v, g = tensors
-        return decay_attention.summarize(q, k, v, g, self.scale, need_transition=need_M)
+        return scalar_decay_backward(*args)

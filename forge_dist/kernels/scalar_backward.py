@@ -80,7 +80,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import HAVE_TRITON, dot_precision, next_pow2, scalar_gate_chunk, tl, triton
+from ._common import (HAVE_TRITON, dot_precision, next_pow2, scalar_gate_chunk, tl, triton,
+                      value_state_tiles)
 
 __all__ = ["kernel_specs", "scalar_decay_backward"]
 
@@ -277,19 +278,9 @@ if HAVE_TRITON:
         b_hdh = tl.zeros([BK], dtype=tl.float32)  # rows of <h_c, dh_c>
         base_h = ((i_b * NT + i_t) * H + i_h) * K * V
         for i_v in range(tl.cdiv(V, BV)):
-            p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1),
-                                    (t0, i_v * BV), (BT, BV), (1, 0))
-            p_do = tl.make_block_ptr(do + (bos * H + i_h) * V, (T, V), (H * V, 1),
-                                     (t0, i_v * BV), (BT, BV), (1, 0))
-            # h, dh tiles read transposed: [BV, BK]
-            p_ht = tl.make_block_ptr(h + base_h, (V, K), (1, V), (i_v * BV, i_k * BK),
-                                     (BV, BK), (0, 1))
-            p_dht = tl.make_block_ptr(dh + base_h, (V, K), (1, V), (i_v * BV, i_k * BK),
-                                      (BV, BK), (0, 1))
-            b_v = tl.load(p_v, boundary_check=(0, 1)).to(DT)
-            b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
-            b_ht = tl.load(p_ht, boundary_check=(0, 1))
-            b_dht = tl.load(p_dht, boundary_check=(0, 1))
+            b_v, b_do, b_ht, b_dht = value_state_tiles(v, do, h, dh, bos, i_h, t0, i_v, i_k,
+                                                       base_h, T, H, K, V, BT, BK, BV)
+            b_v, b_do = b_v.to(DT), b_do.to(DT)
             b_dA += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
             b_dq += tl.dot(b_do, b_ht.to(DT), input_precision=PREC)
             b_dk += tl.dot(b_v, b_dht.to(DT), input_precision=PREC)

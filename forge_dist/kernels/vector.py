@@ -12,10 +12,8 @@ import os
 
 import torch
 
-from ._common import (HAVE_TRITON, decay_summary_backward, dot_precision, ensure, grad_like,
-                      interpreting, next_pow2, outputs_from_summary, sized_config, summarize,
-                      tl, triton, TritonWork, walk)
-from ..variants import decay_attention
+from ._common import (HAVE_TRITON, DecayAttentionWork, dot_precision, ensure, interpreting,
+                      next_pow2, outputs_from_summary, sized_config, summarize, tl, triton, walk)
 
 FUSED_CONFIG = {"BT": 32, "BV": 64, "num_warps": 4, "num_stages": 2}
 INTRA_CONFIG = {"num_warps": 4}
@@ -71,11 +69,8 @@ def intra_attention(q, k, g, BT: int):
     return a
 
 
-class VectorDecayWork(TritonWork):
+class VectorDecayWork(DecayAttentionWork):
     """gla segment: ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``."""
-
-    names = ("q", "k", "v", "g")
-    keeps_segments = True
 
     def _finish_fwd(self, S_in, tensors):
         q, k, v, g = (ensure(t) for t in tensors)
@@ -98,23 +93,9 @@ class VectorDecayWork(TritonWork):
         M = self.segments.total_log_decay().exp() if need_M else None  # [B, H, K]
         return self.segments.delta, M
 
-    # Triton backward (kernels/vector_backward.py) ------------------------------------------
-    def _finish_bwd(self, S_in, tensors, do, dht):
+    @staticmethod
+    def chunk_backward(*args):
+        """The Triton chunk backward (:func:`.vector_backward.vector_decay_backward`)."""
         from .vector_backward import vector_decay_backward
 
-        q, k, v, g = (ensure(t) for t in tensors)
-        dq, dk, dv, dg, dS = vector_decay_backward(
-            q, k, v, g, None if S_in is None else S_in.to(torch.float32).contiguous(),
-            None if do is None else do.contiguous(),
-            None if dht is None else dht.to(torch.float32).contiguous(), self.scale)
-        return [dS, dq, dk, dv, grad_like(dg, tensors[3])]
-
-    def _summary_bwd(self, tensors, ddelta, dM):
-        """Closed form, no walk (:func:`._common.decay_summary_backward`); q does not reach
-        the summary (dq = 0)."""
-        q, k, v, g = tensors
-        return [torch.zeros_like(q), *decay_summary_backward(k, v, g, ddelta, dM)]
-
-    def _summary_torch(self, tensors, need_M):
-        q, k, v, g = tensors
-        return decay_attention.summarize(q, k, v, g, self.scale, need_transition=need_M)
+        return vector_decay_backward(*args)

@@ -7,8 +7,6 @@ a CPU machine the kernels run under TRITON_INTERPRET=1 (conftest.py) at tiny sha
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,14 +16,9 @@ from forge_dist.kernels.delta import DeltaRuleWork
 from forge_dist.kernels.delta_backward import delta_rule_backward
 from forge_dist.variants.reference import gated_delta_rule_ref
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("no CUDA and TRITON_INTERPRET unset", allow_module_level=True)
+from .backward_common import DEV, rel, require_kernels
 
-
-def rel(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
+require_kernels()
 
 
 def make(B, T, H, K, V, *, gate=True, s_in=True, dht=True, seed=0, device=DEV,

@@ -7,8 +7,6 @@ CPU machine the kernels run under TRITON_INTERPRET=1 (conftest.py) at tiny shape
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,14 +15,9 @@ pytest.importorskip("triton")
 from forge_dist.kernels.scalar_backward import scalar_decay_backward
 from forge_dist.variants.reference import simple_gla_ref
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("no CUDA and TRITON_INTERPRET unset", allow_module_level=True)
+from .backward_common import DEV, rel, require_kernels
 
-
-def rel(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
+require_kernels()
 
 
 def make(B, T, H, K, V, *, gate, s_in, dht, steep=False, seed=0, device=DEV,

@@ -11,7 +11,6 @@ by the ``gpu`` test.)
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -21,16 +20,11 @@ pytest.importorskip("triton")
 from forge_dist.kernels.vector_backward import kernel_specs, vector_decay_backward
 from forge_dist.variants.reference import gla_ref
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("no CUDA and TRITON_INTERPRET unset", allow_module_level=True)
+from .backward_common import DEV, rel, require_kernels
+
+require_kernels()
 
 SMEM_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
-
-
-def rel(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def make(B, T, H, K, V, *, s_in=True, dht=True, steep=False, seed=0, device=DEV,

@@ -7,8 +7,6 @@ benchmark's width against fp32 autograd of the PyTorch chunk form.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,14 +15,9 @@ pytest.importorskip("triton")
 from forge_dist.kernels.vector_state import VectorStateWork, hgrn_backward
 from forge_dist.variants.reference import hgrn_ref
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("no CUDA and TRITON_INTERPRET unset", allow_module_level=True)
+from .backward_common import DEV, rel, require_kernels
 
-
-def rel(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
+require_kernels()
 
 
 def make(B, T, D, *, s_in=True, do=True, dht=True, steep=False, seed=0, dtype=torch.float32,
