@@ -16,9 +16,9 @@
 #   bash scaling_benchmarks/device_batch.sh ws2       # weak scaling fwd at 2 GPUs, B=4   (~3 min)
 #   bash scaling_benchmarks/device_batch.sh segtests  # GPU tests of the kept segment states
 #   bash scaling_benchmarks/device_batch.sh long      # longest GDN layer sequence, 2 GPUs (~3 min)
-#   bash scaling_benchmarks/device_batch.sh bwd       # Triton backward: GPU tests, fwdbwd vs FLA,
-#                                                     #   DSL-lowered gdn/hgrn, weak scaling
-#                                                     #   fwdbwd at 2 GPUs (~10 min)
+#   bash scaling_benchmarks/device_batch.sh bwd       # Triton backward on one GPU: GPU tests,
+#                                                     #   fwdbwd vs FLA, DSL-lowered gdn/hgrn (~9 min)
+#   bash scaling_benchmarks/device_batch.sh wsbwd     # weak scaling fwdbwd at 2 GPUs (~3 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -31,9 +31,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd) ;; *) sed -n 2,20p "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd) ;; *) sed -n 2,21p "$0"; exit 2 ;; esac
 done
-[ $# -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,21p "$0"; exit 2; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
@@ -82,7 +82,8 @@ case "$stage" in
       --passes fwdbwd --impls forge_dist/auto,fla --T 4096,16384,65536 --tag fwdbwd
     step single_dsl 150 python3 scaling_benchmarks/single_device.py --out "$OUT" \
       --ops gated_delta_rule,hgrn --passes fwd --impls forge_dist/auto,forge_dsl \
-      --T 4096,65536 --tag dsl-lowered
+      --T 4096,65536 --tag dsl-lowered ;;
+  wsbwd)  # 2 GPUs: forward + backward, every strategy's backward through the Triton kernels
     step weak_scaling_2gpu_fwdbwd 150 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
       --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
       --set 'ops=["gla","gated_delta_rule","hgrn"]' --set 'passes=["fwdbwd"]' \
