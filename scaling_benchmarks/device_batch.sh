@@ -75,12 +75,12 @@ case "$stage" in
     step state_passing_4gpu 150 torchrun --nproc_per_node 4 scaling_benchmarks/state_passing.py \
       --out "$OUT" --iters 20 ;;
   bwd)  # the Triton backward of every pattern: correctness at real shapes, then timings
-    step gpu_backward_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    step gpu_backward_tests 190 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/kernels/test_scalar_backward.py tests/kernels/test_vector_backward.py \
       tests/kernels/test_delta_backward.py tests/kernels/test_vector_state_backward.py
     step single_fwdbwd 240 python3 scaling_benchmarks/single_device.py --out "$OUT" \
       --passes fwdbwd --impls forge_dist/auto,fla --T 4096,16384,65536 --tag fwdbwd
-    step single_dsl 150 python3 scaling_benchmarks/single_device.py --out "$OUT" \
+    step single_dsl 130 python3 scaling_benchmarks/single_device.py --out "$OUT" \
       --ops gated_delta_rule,hgrn --passes fwd --impls forge_dist/auto,forge_dsl \
       --T 4096,65536 --tag dsl-lowered ;;
   wsbwd)  # 2 GPUs: forward + backward, every strategy's backward through the Triton kernels
