@@ -5,10 +5,12 @@ For each op, T and pass (``fwd``, ``fwdbwd``) the call runs ``--iters`` times un
 iteration count, giving microseconds per call.  Same inputs as ``single_device.py``
 (B=1, H=32, K=V=128, bf16, fp32 gates; hgrn on ``[1, T, 4096]``).
 
-``--hgrn-sweep`` also times hgrn's forward and backward kernels over tile shapes
-(BT, BD, warps) and segment counts, the evidence behind ``vector_state``'s defaults.
+``--sweep hgrn,gated_delta_rule,simple_gla`` also times tile configurations (the evidence
+behind the defaults in ``kernels/*.py``): hgrn's forward and backward over (BT, BD, warps)
+and segment counts; gated_delta_rule's forward over the WY kernel's and the walker's tiles;
+the scalar-decay walker's V tile and warps (simple_gla forward).
 
-    python scaling_benchmarks/kernel_profile.py --ops gla,hgrn --T 16384 [--hgrn-sweep]
+    python scaling_benchmarks/kernel_profile.py --ops gla,hgrn --T 16384 [--sweep hgrn]
 """
 from __future__ import annotations
 
@@ -45,10 +47,50 @@ def kernel_times(fn, iters: int) -> dict:
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
-def hgrn_sweep(T: int, device) -> list:
-    """hgrn forward/backward times over tiles and segment counts (``do_bench`` medians)."""
+def _bench(fn) -> float:
     import triton.testing
 
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=5, rep=30)
+
+
+def config_sweep(op: str, T: int, device) -> list:
+    """Forward times of ``op`` (the ``forge_dist`` auto path) over the configs of its
+    kernels; each row names the config dict it changed and the values."""
+    from forge_dist.kernels import delta, scalar
+
+    if op == "gated_delta_rule":
+        trials = [("WY_CONFIG", dict(BV=bv, num_warps=nw)) for bv in (32, 64) for nw in (4, 8)]
+        trials += [("FUSED_CONFIG", dict(BV=bv, num_warps=nw))
+                   for bv in (32, 64, 128) for nw in (4, 8)]
+        mod = delta
+    else:
+        trials = [("FUSED_CONFIG", dict(BV=bv, num_warps=nw, num_stages=ns))
+                  for bv in (32, 64, 128) for nw in (4, 8) for ns in (2, 3)]
+        mod = scalar
+    inp = make_inputs(op, T, device)
+    rows = []
+    for name, change in trials:
+        cfg = getattr(mod, name)
+        saved = dict(cfg)
+        cfg.update(change)
+        row = {"op": op, "T": T, "config": name, **change}
+        try:
+            with torch.no_grad():
+                row["fwd_ms"] = _bench(forge_fn(op, inp, "auto")[0])
+        except Exception as e:  # noqa: BLE001 - a config that fails is recorded
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        finally:
+            cfg.clear()
+            cfg.update(saved)
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def hgrn_sweep(T: int, device) -> list:
+    """hgrn forward/backward times over tiles and segment counts (``do_bench`` medians)."""
     from forge_dist.kernels import vector_state as vs
 
     inp = make_inputs("hgrn", T, device)
@@ -57,27 +99,23 @@ def hgrn_sweep(T: int, device) -> list:
     rows = []
     base_f, base_b = dict(vs.FUSED_CONFIG), dict(vs.BWD_CONFIG)
     try:
-        for bt in (32, 64, 128):
-            for bd in (32, 64, 128):
-                if bt * bd > 8192:
-                    continue
-                for nw in (4, 8):
-                    for n_seg in (4, 16, 64, 256):
-                        vs.FUSED_CONFIG.update(BT=bt, BD=bd, num_warps=nw)
-                        vs.BWD_CONFIG.update(BT=bt, BD=bd, num_warps=nw)
-                        row = {"BT": bt, "BD": bd, "num_warps": nw, "n_seg": n_seg}
-                        try:
-                            f = lambda: vs.hgrn_forward(x, g, None, out_dtype=x.dtype,  # noqa: E731
-                                                        n_seg=n_seg)
-                            b = lambda: vs.hgrn_backward(x, g, None, do, None,  # noqa: E731
-                                                         n_seg=n_seg)
-                            f(), b()
-                            row["fwd_ms"] = triton.testing.do_bench(f, warmup=5, rep=30)
-                            row["bwd_ms"] = triton.testing.do_bench(b, warmup=5, rep=30)
-                        except Exception as e:  # noqa: BLE001 - a config that fails is recorded
-                            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                        print(row, flush=True)
-                        rows.append(row)
+        for bt, bd in ((64, 32), (32, 64), (64, 64), (128, 32), (32, 128), (64, 128)):
+            for nw in (4, 8):
+                for n_seg in (4, 16, 64, 256):
+                    vs.FUSED_CONFIG.update(BT=bt, BD=bd, num_warps=nw)
+                    vs.BWD_CONFIG.update(BT=bt, BD=bd, num_warps=nw)
+                    row = {"BT": bt, "BD": bd, "num_warps": nw, "n_seg": n_seg}
+                    try:
+                        f = lambda: vs.hgrn_forward(x, g, None, out_dtype=x.dtype,  # noqa: E731
+                                                    n_seg=n_seg)
+                        b = lambda: vs.hgrn_backward(x, g, None, do, None,  # noqa: E731
+                                                     n_seg=n_seg, dg_dtype=g.dtype)
+                        row["fwd_ms"] = _bench(f)
+                        row["bwd_ms"] = _bench(b)
+                    except Exception as e:  # noqa: BLE001 - a config that fails is recorded
+                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    print(row, flush=True)
+                    rows.append(row)
     finally:
         vs.FUSED_CONFIG.clear(), vs.FUSED_CONFIG.update(base_f)
         vs.BWD_CONFIG.clear(), vs.BWD_CONFIG.update(base_b)
@@ -91,7 +129,7 @@ def main(argv=None):
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--hgrn-sweep", action="store_true")
+    ap.add_argument("--sweep", default="", help="ops whose kernel configs to sweep")
     ap.add_argument("--sweep-T", type=int, default=65536)
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default=None)
@@ -127,8 +165,12 @@ def main(argv=None):
                                            "total_us": total, "kernels_us": per})
                     inp = fn = None
                     torch.cuda.empty_cache()
-    if args.hgrn_sweep:
-        result["hgrn_sweep"] = {"T": args.sweep_T, "rows": hgrn_sweep(args.sweep_T, device)}
+    result["sweeps"] = []
+    for op in (o for o in args.sweep.split(",") if o):
+        rows = (hgrn_sweep(args.sweep_T, device) if op == "hgrn" else
+                config_sweep(op, args.sweep_T, device))
+        result["sweeps"].append({"op": op, "T": args.sweep_T, "rows": rows})
+        results_io.write(result, Path(args.out) if args.out else None)  # a time limit keeps it
     if args.tag:
         result["benchmark"] = f"kernel_profile_{args.tag}"
     print(f"wrote {results_io.write(result, Path(args.out) if args.out else None)}")

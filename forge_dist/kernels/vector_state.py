@@ -137,7 +137,7 @@ if HAVE_TRITON:
         the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` from the last (module docstring); inside a
         chunk, row ``r`` is token ``c * BT + BT - 1 - r``.
 
-        x, g, do, dx [B, T, D]; dg [B, T, D] fp32; hc [NT, B, D] fp32 the chunk-start
+        x, g, do, dx [B, T, D]; dg [B, T, D] (any float dtype); hc [NT, B, D] fp32 the chunk-start
         states; cin [NSEG, B, D] fp32 (HAS_CIN) the gradient entering each segment from its
         right (``exp(g) dh`` of the next segment's first token; the last one: dht), else 0.
         GRADS: store dx and dg.  Always: ``cout [NSEG, B, D]`` the gradient leaving the
@@ -189,7 +189,7 @@ if HAVE_TRITON:
                 tl.store(dx + base + t_rev[:, None] * D + cols[None, :],
                          b_dh.to(dx.dtype.element_ty), mask=m_rev)
                 tl.store(dg + base + t_rev[:, None] * D + cols[None, :],
-                         b_dh * tl.exp(b_g) * b_hprev, mask=m_rev)
+                         (b_dh * tl.exp(b_g) * b_hprev).to(dg.dtype.element_ty), mask=m_rev)
             b_gsum += tl.sum(b_g, axis=0)
             # to the previous chunk: exp(g) dh of this chunk's first token (the last row)
             b_carry = tl.sum(tl.where((rows == BT - 1)[:, None], b_dh * tl.exp(b_g), 0.0),
@@ -298,7 +298,7 @@ BWD_CONFIG = {"BT": 64, "BD": 32, "num_warps": 4}
 
 
 def hgrn_backward(x, g, S_in, do, dht, *, BT: int | None = None, BD: int | None = None,
-                  n_seg: int = 1):
+                  n_seg: int = 1, dg_dtype: torch.dtype = torch.float32):
     """Gradients of ``(o, final)`` of ``h_t = exp(g_t) h_{t-1} + x_t`` (module docstring).
 
     Args:
@@ -308,8 +308,10 @@ def hgrn_backward(x, g, S_in, do, dht, *, BT: int | None = None, BD: int | None 
         n_seg: segments walked in parallel (DECOUPLED, as the forward): each segment's
             outgoing gradient from a zero start, a reverse scan over the segments, then every
             segment's gradients from its incoming one.  1: one walk over the whole sequence.
+        dg_dtype: dtype ``dg`` is stored in (computed in fp32; the op passes g's dtype, which
+            saves a full fp32 write and a conversion pass).
     Returns:
-        ``(dx [B, T, D] in x's dtype, dg [B, T, D] fp32, dS_in [B, D] fp32 or None)``.
+        ``(dx [B, T, D] in x's dtype, dg [B, T, D] in dg_dtype, dS_in [B, D] fp32 or None)``.
     """
     from ._common import segment_length
 
@@ -362,7 +364,7 @@ def hgrn_backward(x, g, S_in, do, dht, *, BT: int | None = None, BD: int | None 
                                     num_warps=BWD_CONFIG["num_warps"])
         cin = cin.flip(0).contiguous()  # the gradient entering each segment from its right
     dx = torch.empty_like(x)
-    dg = torch.empty(B, T, D, dtype=f32, device=dev)
+    dg = torch.empty(B, T, D, dtype=dg_dtype, device=dev)
     _hgrn_bwd_kernel[grid](x, g, do_arg, hc, cin if cin is not None else cout, dx, dg, cout,
                            gout, T, seg, HAS_DO=do is not None, HAS_CIN=cin is not None,
                            GRADS=True, **opts)
@@ -415,9 +417,9 @@ class VectorStateWork(TritonWork):
         B, T, D = x.shape
         dx, dg, dS = hgrn_backward(x, g, None if S_in is None else S_in.reshape(B, D), do,
                                    None if dht is None else dht.reshape(B, D),
-                                   n_seg=self._schedule_hgrn(x))
+                                   n_seg=self._schedule_hgrn(x), dg_dtype=tensors[1].dtype)
         dS = None if dS is None else dS.reshape(S_in.shape).to(S_in.dtype)
-        return [dS, dx, dg.to(tensors[1].dtype)]
+        return [dS, dx, dg]
 
     def _summary_bwd(self, tensors, ddelta, dM):
         """``delta`` is the final state from a zero start and ``M = exp(sum g)``: the same
