@@ -19,6 +19,8 @@
 #   bash scaling_benchmarks/device_batch.sh bwd       # Triton backward on one GPU: GPU tests,
 #                                                     #   fwdbwd vs FLA, DSL-lowered gdn/hgrn (~9 min)
 #   bash scaling_benchmarks/device_batch.sh wsbwd     # weak scaling fwdbwd at 2 GPUs (~3 min)
+#   bash scaling_benchmarks/device_batch.sh tuned     # gla kernel tests, per-kernel profile and
+#                                                     #   tile sweep, single-device fwd (~6 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -31,9 +33,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd) ;; *) sed -n 2,21p "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned) ;; *) sed -n 2,23p "$0"; exit 2 ;; esac
 done
-[ $# -gt 0 ] || { sed -n 2,21p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,23p "$0"; exit 2; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
@@ -83,6 +85,14 @@ case "$stage" in
     step single_dsl 130 python3 scaling_benchmarks/single_device.py --out "$OUT" \
       --ops gated_delta_rule,hgrn --passes fwd --impls forge_dist/auto,forge_dsl \
       --T 4096,65536 --tag dsl-lowered ;;
+  tuned)  # after a kernel or tile change: its tests compiled, where the time goes, the rows
+    step gla_kernel_tests 150 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider \
+      tests/kernels/test_kernels.py tests/kernels/test_vector_backward.py -k gla
+    step kernel_profile 100 env CUDA_VISIBLE_DEVICES=0 python3 scaling_benchmarks/kernel_profile.py \
+      --ops gla,gated_delta_rule,hgrn --passes fwd --T 16384 --sweep gla --tag tuned --out "$OUT"
+    step single_fwd 170 env CUDA_VISIBLE_DEVICES=0 python3 scaling_benchmarks/single_device.py \
+      --out "$OUT" --passes fwd --impls forge_dist/auto,fla --T 4096,16384,65536 --no-dsl \
+      --tag fwd-tuned ;;
   wsbwd)  # 2 GPUs: forward + backward, every strategy's backward through the Triton kernels
     step weak_scaling_2gpu_fwdbwd 150 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
       --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \

@@ -58,9 +58,12 @@ def _bench(fn) -> float:
 def config_sweep(op: str, T: int, device) -> list:
     """Forward times of ``op`` (the ``forge_dist`` auto path) over the configs of its
     kernels; each row names the config dict it changed and the values."""
-    from forge_dist.kernels import delta, scalar
+    from forge_dist.kernels import delta, scalar, vector
 
-    if op == "gated_delta_rule":
+    if op == "gla":  # the walker's chunk (the intra kernel's too) and V tile
+        trials = [("FUSED_CONFIG", dict(BT=bt, BV=bv)) for bt in (32, 64) for bv in (32, 64)]
+        mod = vector
+    elif op == "gated_delta_rule":
         trials = [("WY_CONFIG", dict(BV=bv, num_warps=nw)) for bv in (32, 64) for nw in (4, 8)]
         trials += [("FUSED_CONFIG", dict(BV=bv, num_warps=nw))
                    for bv in (32, 64, 128) for nw in (4, 8)]
@@ -165,14 +168,14 @@ def main(argv=None):
                                            "total_us": total, "kernels_us": per})
                     inp = fn = None
                     torch.cuda.empty_cache()
+    if args.tag:
+        result["benchmark"] = f"kernel_profile_{args.tag}"
     result["sweeps"] = []
     for op in (o for o in args.sweep.split(",") if o):
         rows = (hgrn_sweep(args.sweep_T, device) if op == "hgrn" else
                 config_sweep(op, args.sweep_T, device))
         result["sweeps"].append({"op": op, "T": args.sweep_T, "rows": rows})
         results_io.write(result, Path(args.out) if args.out else None)  # a time limit keeps it
-    if args.tag:
-        result["benchmark"] = f"kernel_profile_{args.tag}"
     print(f"wrote {results_io.write(result, Path(args.out) if args.out else None)}")
     return 0
 

@@ -182,16 +182,26 @@ def schedule(B: int, T: int, H: int, K: int, V: int, C: int, tv: int, *, elem_si
                     Schedule(strategy, info["n_seg"], info["reason"]))
 
 
+# The HGRN kernel is small (4 warps, ~100 registers, 2 KB shared): many of its programs are
+# resident per SM and its chunk loop is latency-bound, so it keeps gaining from segments long
+# after two programs per SM.  Measured on H200 at [1, 64K, 4096]: 4 / 16 / 64 / 256 segments
+# -> 3.12 / 2.88 / 2.59 / 2.64 ms forward, 11.6 / 9.1 / 8.3 / 8.3 ms backward
+# (results/kernel_profile_*).  32 resident programs per SM puts the optimum at 64 there.
+VECTOR_STATE_RESIDENT_PER_SM = 32
+
+
 def schedule_vector_state(B: int, T: int, D: int, C: int, td: int, *, elem_size: int = 2,
                           request: Optional[str] = None,
                           device: Optional[Device] = None,
                           with_summary: bool = False) -> Schedule:
     """The schedule of one vector-state (HGRN) call: ``B * cdiv(D, td)`` fused programs; the
-    segment summaries re-read x and g (as the summary of a sequence-parallel rank does)."""
+    segment summaries re-read x and g (as the summary of a sequence-parallel rank does).
+    Concurrency is ``VECTOR_STATE_RESIDENT_PER_SM`` programs per SM (a small kernel)."""
     dev = device or device_params()
+    dev = Device(dev.n_sm, dev.bandwidth, dev.n_sm * VECTOR_STATE_RESIDENT_PER_SM)
     n_c = max(1, math.ceil(T / C))
     p_fused = B * math.ceil(D / td)
-    if p_fused >= dev.n_sm:
+    if p_fused >= dev.max_concurrency:
         auto = Schedule(FUSED, 1, "fused saturates the SMs")
     else:
         tokens = B * T * D

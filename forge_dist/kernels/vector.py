@@ -1,10 +1,22 @@
 """Matrix state with vector (diagonal) decay: gla (``g [B, T, H, K]``), HGRN2.
 
-The shared walker with ``GATE=2``, FUSED or DECOUPLED over segments (see :mod:`.scheduler`).  Inside a chunk the attention
-``A_ij = sum_k q_ik k_jk exp(G_ik - G_jk)`` cannot be split into two bounded factors without
-a reference point, and any reference point overflows for steep gates; the walker therefore
-builds it column by column with the difference masked before the exponential, which keeps
-the chunk short (``BT = 16``).
+The shared walker with ``GATE=2``, FUSED or DECOUPLED over segments (see :mod:`.scheduler`).
+Inside a chunk the attention ``A_ij = sum_k q_ik k_jk exp(G_ik - G_jk)`` (``j <= i``) cannot
+be split into two bounded factors with one reference point for the whole chunk: at steep
+gates one of them overflows.  ``_intra_kernel`` therefore cuts the chunk into sub-blocks of
+``BC = 16`` rows:
+
+* a block below the diagonal (rows in block I, columns in an earlier block J) takes as
+  reference the row just before block I: ``q_i exp(G_i - G_ref)`` and ``k_j exp(G_ref - G_j)``
+  are both decays ``<= 1`` (each exponent a direct sum of the gates in between), so one
+  ``tl.dot`` forms the block and nothing can overflow; a factor underflows only where the
+  product is below ``e^-87`` anyway;
+* a diagonal block goes column by column, the decay ``sum_{j < s <= i} g_s`` summed directly
+  and masked before the exponential (exact to a few ulps of itself).
+
+Per token that is ``BC`` columns of elementwise work instead of ``BT`` (the whole chunk
+column by column, the previous kernel), plus tensor-core work for the rest.  Without the
+separate kernel (the interpreter, by default) the walker builds ``A`` column by column itself.
 """
 from __future__ import annotations
 
@@ -16,7 +28,7 @@ from ._common import (HAVE_TRITON, DecayAttentionWork, dot_precision, ensure, in
                       next_pow2, outputs_from_summary, sized_config, summarize, tl, triton, walk)
 
 FUSED_CONFIG = {"BT": 32, "BV": 64, "num_warps": 4, "num_stages": 2}
-INTRA_CONFIG = {"num_warps": 4}
+INTRA_CONFIG = {"BC": 16, "num_warps": 4}
 
 
 def fused_config(K: int, V: int) -> dict:
@@ -28,28 +40,64 @@ if HAVE_TRITON:
 
     @triton.jit
     def _intra_kernel(q, k, g, a, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr):
-        """grid ``(cdiv(T, BT), B * H)``; q, k, g [B, T, H, K]; a [B, T, H, BT] fp32 (unscaled)."""
+                      BK: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+        """grid ``(cdiv(T, BT), B * H)``; q, k, g [B, T, H, K]; a [B, T, H, BT] fp32 (unscaled).
+
+        The chunk is cut into sub-blocks of ``BC`` rows (module docstring): blocks below the
+        diagonal are one ``tl.dot`` each, both factors carrying a decay ``<= 1``; the
+        diagonal blocks go column by column, the decay summed directly and masked before the
+        exponential.  Blocks above the diagonal are stored as zeros (the walker reads all of A).
+        """
         i_t, i_bh = tl.program_id(0), tl.program_id(1)
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets pass 2**31 at long T
         bos = i_b * T
         t0 = i_t * BT
-        rows = tl.arange(0, BT)
+        DT = k.dtype.element_ty
+        rows = tl.arange(0, BC)
         cols_k = tl.arange(0, BK)
-        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-        p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-        b_q = tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
-        b_G = tl.cumsum(tl.load(p_g, boundary_check=(0, 1)).to(tl.float32), axis=0)
-        b_A = tl.zeros([BT, BT], dtype=tl.float32)
-        for j in tl.static_range(BT):
-            m_j = (cols_k < K) & (t0 + j < T)
-            k_j = tl.load(k + ((bos + t0 + j) * H + i_h) * K + cols_k, mask=m_j, other=0.0).to(tl.float32)
-            G_j = tl.sum(tl.where((rows == j)[:, None], b_G, 0.0), axis=0)
-            e = tl.exp(tl.where(rows[:, None] >= j, b_G - G_j[None, :], float("-inf")))
-            a_j = tl.sum(b_q * k_j[None, :] * e, axis=1)
-            b_A = tl.where(rows[None, :] == j, a_j[:, None], b_A)
-        p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-        tl.store(p_a, b_A, boundary_check=(0, 1))
+        base_qk = (bos * H + i_h) * K
+        for i_i in tl.static_range(BT // BC):
+            r0 = t0 + i_i * BC
+            p_q = tl.make_block_ptr(q + base_qk, (T, K), (H * K, 1), (r0, 0), (BC, BK), (1, 0))
+            p_g = tl.make_block_ptr(g + base_qk, (T, K), (H * K, 1), (r0, 0), (BC, BK), (1, 0))
+            b_q = tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
+            b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)  # padding: 0
+            # diagonal block: A_rc = sum_k q_rk k_ck exp(sum_{c < s <= r} g_sk), c <= r
+            b_A = tl.zeros([BC, BC], dtype=tl.float32)
+            for c in tl.static_range(BC):
+                m_c = (cols_k < K) & (r0 + c < T)
+                k_c = tl.load(k + base_qk + (r0 + c).to(tl.int64) * (H * K) + cols_k, mask=m_c,
+                              other=0.0).to(tl.float32)
+                b_D = tl.cumsum(tl.where(rows[:, None] > c, b_g, 0.0), axis=0)
+                b_e = tl.exp(tl.where(rows[:, None] >= c, b_D, float("-inf")))
+                a_c = tl.sum(b_q * k_c[None, :] * b_e, axis=1)
+                b_A = tl.where(rows[None, :] == c, a_c[:, None], b_A)
+            p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1),
+                                    (r0, i_i * BC), (BC, BC), (1, 0))
+            tl.store(p_a, b_A, boundary_check=(0, 1))
+            # blocks left of the diagonal, nearest first: the reference is the row before
+            # r0, so q carries exp(G_r - G_ref) and k exp(G_ref - G_c), both <= 1
+            b_qe = (b_q * tl.exp(tl.cumsum(b_g, axis=0))).to(DT)
+            b_between = tl.zeros([BK], dtype=tl.float32)  # g summed over blocks in between
+            for j in tl.static_range(i_i):
+                c0 = r0 - (j + 1) * BC
+                p_k = tl.make_block_ptr(k + base_qk, (T, K), (H * K, 1), (c0, 0), (BC, BK),
+                                        (1, 0))
+                p_gj = tl.make_block_ptr(g + base_qk, (T, K), (H * K, 1), (c0, 0), (BC, BK),
+                                         (1, 0))
+                b_gj = tl.load(p_gj, boundary_check=(0, 1)).to(tl.float32)
+                b_after = tl.cumsum(b_gj, axis=0, reverse=True) - b_gj  # sum_{s > c} in block
+                b_ke = (tl.load(p_k, boundary_check=(0, 1)).to(tl.float32)
+                        * tl.exp(b_after + b_between[None, :])).to(DT)
+                b_Aj = tl.dot(b_qe, tl.trans(b_ke), input_precision=PREC)
+                p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1),
+                                        (r0, i_i * BC - (j + 1) * BC), (BC, BC), (1, 0))
+                tl.store(p_a, b_Aj, boundary_check=(0, 1))
+                b_between += tl.sum(b_gj, axis=0)
+            for j in tl.static_range(i_i + 1, BT // BC):  # above the diagonal
+                p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1),
+                                        (r0, j * BC), (BC, BC), (1, 0))
+                tl.store(p_a, tl.zeros([BC, BC], dtype=tl.float32), boundary_check=(0, 1))
 
 
 def use_intra_kernel() -> bool:
@@ -64,8 +112,9 @@ def intra_attention(q, k, g, BT: int):
     """``A [B, T, H, BT]`` fp32: in-chunk vector-decay attention (rows of each chunk)."""
     B, T, H, K = q.shape
     a = torch.empty(B, T, H, BT, dtype=torch.float32, device=q.device)
-    _intra_kernel[(triton.cdiv(T, BT), B * H)](q, k, g, a, T, H=H, K=K, BT=BT, BK=next_pow2(K),
-                                               num_warps=INTRA_CONFIG["num_warps"])
+    _intra_kernel[(triton.cdiv(T, BT), B * H)](
+        q, k, g, a, T, H=H, K=K, BT=BT, BK=next_pow2(K), BC=min(INTRA_CONFIG["BC"], BT),
+        PREC=dot_precision(q.dtype), num_warps=INTRA_CONFIG["num_warps"])
     return a
 
 

@@ -266,7 +266,8 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                 "gla_intra", (_cdiv(T, BT), B * H, 1),
                 (("q", "buf", "q"), ("k", "buf", "k"), ("g", "buf", "g"), ("a", "buf", "a"),
                  ("T", "i32", T)),
-                (("H", H), ("K", K), ("BT", BT), ("BK", _pow2(K))),
+                (("H", H), ("K", K), ("BT", BT), ("BK", _pow2(K)),
+                 ("BC", min(vector.INTRA_CONFIG["BC"], BT)), ("PREC", prec)),
                 vector.INTRA_CONFIG["num_warps"], 3))  # 3: Triton's default num_stages
             a = "a"
         gate = 2 if variant == "gla" else (1 if gated else 0)
