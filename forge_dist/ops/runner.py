@@ -24,6 +24,7 @@ from .. import sp
 from ..sp import p2p
 from ..variants import transitions as tr
 from ..variants.base import SegmentWork, VariantSpec
+from ..variants.transitions import Kind
 from . import checks
 
 
@@ -135,10 +136,15 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
     # Phase 1: local work; only a non-last rank's carry needs a summary and its M.
     need_carry = size > 1 and rank < size - 1
     tail = segments[-1]
+    # Rank 0's tail that starts the sequence with no initial state starts from zero: its
+    # carry is the summary's delta alone, nobody reads its M, and M's gradient
+    # (lam(1) S_in(0)^T) is zero.  Skipping M saves a dense K x K walk for GDN.
+    tail_from_zero = rank == 0 and initial_state is None and tail is segments[0]
     works = []
     for seg in segments:
         part = {k: (None if t is None else t[:, seg.lo:seg.hi]) for k, t in inputs.items()}
-        works.append(make_work(part, need_carry and seg is tail and seg.continues))
+        works.append(make_work(part, need_carry and seg is tail and seg.continues
+                               and not tail_from_zero))
     done = {}  # segment index -> (o, final) for work finished before the state pass
 
     # Phase 2: the state pass carries the sequence open at the shard end to the next rank.
@@ -148,6 +154,9 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
         M_rank = None
         if not need_carry:
             carry = torch.zeros(rows, H, K, V, **opts)  # nobody reads the last rank's carry
+        elif tail.continues and tail_from_zero:
+            carry, _ = works[-1].summary(False)
+            M_rank = None if kind is Kind.IDENTITY else tr.zero(kind, rows, H, K, **opts)
         elif tail.continues:
             carry, M_tail = works[-1].summary(True)
             M_rank = tr.promote(spec.kind, kind, M_tail, rows, H, K, **opts)

@@ -8,8 +8,8 @@ On rank r, forward:
    records ``[code, peer, tile, epoch]`` for the host and poisons what it forwards);
 2. load the received tile, write it into ``S_in`` (for the local merge) and give rank r-1
    its credit (the receive slot may be reused);
-3. ``S_out = M S_in + dS`` for the tile (dense: a ``K x K`` by ``K x BV`` fp32 matmul,
-   IEEE precision);
+3. ``S_out = M S_in + dS`` for the tile (dense: a ``K x K`` by ``K x BV`` fp32 matmul in
+   row blocks of 32, 3xTF32 on the GPU);
 4. wait for rank r+1's credit of the previous call, then ``putmem_signal_block`` the tile
    into rank r+1's receive buffer with signal ``2 * epoch``.
 
@@ -54,12 +54,15 @@ def _forge_chain_kernel(
     K, V, stride_mi, stride_mj,
     KIND: tl.constexpr, SRC: tl.constexpr, SEND: tl.constexpr, WRITE_Y: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TRANSPORT: tl.constexpr, USE_CLOCK: tl.constexpr,
+    BJ: tl.constexpr = 32, PREC: tl.constexpr = "ieee",
 ):
     """One (b*h, k-tile, v-tile) per program; see the module docstring for the steps.
 
     first/d/x_out/y_out: ``[B, H, K, V]`` contiguous; m: ``[B, H]``, ``[B, H, K]`` or
     ``[B, H, K, K]`` (strides ``stride_mi``/``stride_mj`` over the last two, swapped for
     ``M^T``); recv/send: ``[n_tiles, BK * BV]``; sig/ack: ``[n_tiles]`` int64; err: ``[4]``.
+    Dense only: ``BJ`` is the row block of x per ``tl.dot``, ``PREC`` its input precision
+    (``"tf32x3"`` for fp32 states on the GPU, ``"ieee"`` otherwise).
     """
     pid = tl.program_id(0)
     n_k = tl.cdiv(K, BK)
@@ -75,12 +78,7 @@ def _forge_chain_kernel(
     tile_base = pid.to(tl.int64) * (BK * BV)
     poison = tl.full((), 0, tl.int64)
 
-    if SRC == 0:
-        x = tl.load(first_ptr + offs, mask=mask, other=0.0)
-    elif SRC == 1:
-        x = tl.zeros((BK, BV), dtype=d_ptr.dtype.element_ty)
-        tl.store(x_out_ptr + offs, x, mask=mask)
-    else:
+    if SRC == 2:
         target = 2 * epoch
         got = dev.wait_ge(sig_ptr + pid, target, limit, USE_CLOCK)
         timed_out = got < target
@@ -90,29 +88,54 @@ def _forge_chain_kernel(
         if poisoned:
             dev.record_error(err_ptr, dev.ERR_UPSTREAM, prev_pe, pid, epoch)
         poison = (timed_out | poisoned).to(tl.int64)
-        # .cg: the tile arrived over NVLink into L2; never serve it from a stale L1 line.
-        x = tl.load(recv_ptr + tile_base + tile_offs, mask=mask, other=0.0,
-                    cache_modifier=".cg")
-        tl.store(x_out_ptr + offs, x, mask=mask)
+
+    if KIND == 3:
+        # dense: BK covers all of K (M mixes rows).  y = M x + d is accumulated over row
+        # blocks of x (and column blocks of M) so that neither the K x K block of M nor the
+        # whole tile of x is held in registers: whole, they spilled ~18 KB per thread.
+        y = tl.zeros((BK, BV), dtype=tl.float32 if PREC != "ieee" else d_ptr.dtype.element_ty)
+        for j0 in tl.static_range(0, BK, BJ):
+            rj = j0 + tl.arange(0, BJ)
+            jmask = (rj[:, None] < K) & (rv[None, :] < V)
+            if SRC == 0:
+                xb = tl.load(first_ptr + bh * K * V + rj[:, None] * V + rv[None, :], mask=jmask,
+                             other=0.0)
+            elif SRC == 1:
+                xb = tl.zeros((BJ, BV), dtype=d_ptr.dtype.element_ty)
+                tl.store(x_out_ptr + bh * K * V + rj[:, None] * V + rv[None, :], xb, mask=jmask)
+            else:
+                # .cg: the tile arrived over NVLink into L2; never serve a stale L1 line.
+                xb = tl.load(recv_ptr + tile_base + rj[:, None] * BV + tl.arange(0, BV)[None, :],
+                             mask=jmask, other=0.0, cache_modifier=".cg")
+                tl.store(x_out_ptr + bh * K * V + rj[:, None] * V + rv[None, :], xb, mask=jmask)
+            if (SEND or WRITE_Y) and SRC != 1:
+                mm = tl.load(m_ptr + bh * K * K + rk[:, None] * stride_mi + rj[None, :] * stride_mj,
+                             mask=(rk[:, None] < K) & (rj[None, :] < K), other=0.0)
+                y += tl.dot(mm, xb, input_precision=PREC)
+    else:
+        if SRC == 0:
+            x = tl.load(first_ptr + offs, mask=mask, other=0.0)
+        elif SRC == 1:
+            x = tl.zeros((BK, BV), dtype=d_ptr.dtype.element_ty)
+            tl.store(x_out_ptr + offs, x, mask=mask)
+        else:
+            x = tl.load(recv_ptr + tile_base + tile_offs, mask=mask, other=0.0,
+                        cache_modifier=".cg")
+            tl.store(x_out_ptr + offs, x, mask=mask)
+        if KIND == 0:
+            y = x
+        elif KIND == 1:
+            y = tl.load(m_ptr + bh) * x
+        else:
+            m = tl.load(m_ptr + bh * K + rk, mask=rk < K, other=0.0)
+            y = m[:, None] * x
+
+    if SRC == 2:
         tl.debug_barrier()  # the whole tile is read before the slot is handed back
         dev.set_remote_signal(ack_ptr + pid, epoch, prev_pe, me, sig_rank_stride, TRANSPORT)
 
     if SEND or WRITE_Y:
-        d = tl.load(d_ptr + offs, mask=mask, other=0.0)
-        if KIND == 0:
-            y = x + d
-        elif KIND == 1:
-            m = tl.load(m_ptr + bh)
-            y = m * x + d
-        elif KIND == 2:
-            m = tl.load(m_ptr + bh * K + rk, mask=rk < K, other=0.0)
-            y = m[:, None] * x + d
-        else:
-            # dense: BK covers all of K (one k-tile), so this is the full row block of M.
-            rj = tl.arange(0, BK)
-            mm = tl.load(m_ptr + bh * K * K + rk[:, None] * stride_mi + rj[None, :] * stride_mj,
-                         mask=(rk[:, None] < K) & (rj[None, :] < K), other=0.0)
-            y = tl.dot(mm, x, input_precision="ieee") + d
+        y = (y + tl.load(d_ptr + offs, mask=mask, other=0.0)).to(d_ptr.dtype.element_ty)
         if WRITE_Y:
             tl.store(y_out_ptr + offs, y, mask=mask)
         if SEND:
@@ -207,6 +230,12 @@ def interpreted() -> bool:
     return not isinstance(_forge_chain_kernel, triton.runtime.JITFunction)
 
 
+def _dense_precision(d: torch.Tensor) -> str:
+    """fp32 states on the GPU: 3xTF32 tensor-core dots (fp32-level error, DESIGN.md section 2);
+    fp64 (and the interpreter) stay IEEE."""
+    return "tf32x3" if d.dtype == torch.float32 and d.is_cuda and not _interpreting() else "ieee"
+
+
 def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tensor],
                first: Optional[torch.Tensor], d: torch.Tensor, x_out: Optional[torch.Tensor],
                y_out: Optional[torch.Tensor], src: int, send: bool, prev: int, nxt: int,
@@ -247,8 +276,8 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
         where.pe(nxt) if nxt >= 0 else -1, epoch, limit, bk * bv * d.element_size(),
         ch.rank_stride, ch.sig_rank_stride, K, V, smi, smj,
         KIND=kind_code, SRC=src, SEND=send, WRITE_Y=y_out is not None, BK=bk, BV=bv,
-        TRANSPORT=where.transport, USE_CLOCK=use_clock,
-        num_warps=8 if kind_code == 3 and bk * bv >= 4096 else 4)
+        TRANSPORT=where.transport, USE_CLOCK=use_clock, BJ=min(32, bk),
+        PREC=_dense_precision(d), num_warps=8 if bk * bv >= 4096 else 4)
     what = "the incoming state" if direction == "fwd" else "the state gradient"
     ch.after_launch(where.rank, what, bound, p2p.StatePassTimeout)
 

@@ -96,11 +96,13 @@ def test_chains_match_fold(kind, P):
         assert _rel(got_b[r][1], want_b[r][1]) < 1e-5, r
 
 
-@pytest.mark.parametrize("kind,K,V", [(Kind.DENSE, 24, 40), (Kind.DIAGONAL, 80, 1),
-                                      (Kind.SCALAR, 20, 200)],
-                         ids=["dense-odd", "vector-state", "scalar-wide"])
+@pytest.mark.parametrize("kind,K,V", [(Kind.DENSE, 24, 40), (Kind.DENSE, 80, 24),
+                                      (Kind.DIAGONAL, 80, 1), (Kind.SCALAR, 20, 200)],
+                         ids=["dense-odd", "dense-row-blocks", "vector-state", "scalar-wide"])
 def test_odd_shapes_and_fp64(kind, K, V):
-    """Non-power-of-two heads, an HGRN-like ``[B, 1, D, 1]`` state, and fp64 states."""
+    """Non-power-of-two heads, an HGRN-like ``[B, 1, D, 1]`` state, and fp64 states.
+    ``dense-row-blocks``: K=80 pads to a 128-row tile that the dense combine walks in four
+    row blocks of 32, the last one partly masked."""
     P, B, H = 3, 1, 1 if V == 1 else 2
     gen = torch.Generator().manual_seed(7)
     world = SimWorld(P)
