@@ -22,8 +22,9 @@
 #   bash scaling_benchmarks/device_batch.sh tuned     # gla kernel tests, per-kernel profile and
 #                                                     #   tile sweep, single-device fwd (~6 min)
 #   bash scaling_benchmarks/device_batch.sh sp2       # 2 GPUs after a forge/runner change: forge
-#                                                     #   tests, state passing, weak scaling fwd (~9 min)
-#   bash scaling_benchmarks/device_batch.sh sp2b      # 2 GPUs: weak scaling fwdbwd, longest GDN (~9 min)
+#                                                     #   tests, state passing, GDN/hgrn weak scaling fwd (~9 min)
+#   bash scaling_benchmarks/device_batch.sh sp2c      # 2 GPUs: matrix-op weak scaling fwd, longest GDN (~9 min)
+#   bash scaling_benchmarks/device_batch.sh sp2b      # 2 GPUs: weak scaling fwdbwd, lasp2 + forge (~6 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -36,9 +37,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b) ;; *) sed -n 2,26p "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
-[ $# -gt 0 ] || { sed -n 2,26p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
@@ -112,22 +113,31 @@ case "$stage" in
       --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
       --set 'ops=["gla","gated_delta_rule"]' --set 'passes=["fwd"]' \
       --set 'strategies=["lasp2","forge"]' --set warmup=1 --set repeats=3 --out "$OUT" ;;
-  sp2)  # 2 GPUs: the forge kernel on real NVSHMEM, the inter-rank phase alone, then every op x
-        # strategy forward at the DESIGN.md shape (B=4, 32K tokens per GPU)
+  sp2)  # 2 GPUs: the forge kernel on real NVSHMEM, the inter-rank phase alone, then the
+        # forward of the ops with a dense (GDN) or vector (hgrn) state at the DESIGN.md shape
     step forge_multigpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m multigpu \
       tests/sp/test_forge_multigpu.py
     step state_passing 130 torchrun --nproc_per_node 2 scaling_benchmarks/state_passing.py \
       --out "$OUT" --iters 20
-    step weak_scaling_2gpu_fwd 260 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
+    step weak_scaling_2gpu_fwd_gdn_hgrn 240 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
       --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
-      --set 'passes=["fwd"]' --set warmup=1 --set repeats=3 --set state_pass=false --out "$OUT" ;;
-  sp2b)  # 2 GPUs: forward+backward of every op (lasp2 and forge), then the longest GDN layer
+      --set 'ops=["gated_delta_rule","hgrn"]' --set 'passes=["fwd"]' --set warmup=1 \
+      --set repeats=3 --set state_pass=false --out "$OUT"
+    for f in "$OUT"/weak_scaling_*_ws2.json; do [ -e "$f" ] && mv "$f" "${f%.json}_fwd-gdn-hgrn.json"; done ;;
+  sp2c)  # 2 GPUs: forward of the matrix-state ops (B=4, 32K tokens per GPU), longest GDN layer
+    step weak_scaling_2gpu_fwd_matrix 300 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
+      --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
+      --set 'ops=["linear_attn","simple_gla","gla"]' --set 'passes=["fwd"]' --set warmup=1 \
+      --set repeats=3 --set state_pass=false --out "$OUT"
+    for f in "$OUT"/weak_scaling_*_ws2.json; do [ -e "$f" ] && mv "$f" "${f%.json}_fwd-matrix.json"; done
+    step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
+      --out "$OUT" --lengths 1M 2M 4M --set timeout_s=60 ;;
+  sp2b)  # 2 GPUs: forward+backward of every op (lasp2 and forge)
     step weak_scaling_2gpu_fwdbwd 330 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
       --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
       --set 'passes=["fwdbwd"]' --set 'strategies=["lasp2","forge"]' --set warmup=1 \
       --set repeats=3 --set state_pass=false --set fla_cp=false --out "$OUT"
-    step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
-      --out "$OUT" --lengths 1M 2M 4M --set timeout_s=60 ;;
+    for f in "$OUT"/weak_scaling_*_ws2.json; do [ -e "$f" ] && mv "$f" "${f%.json}_fwdbwd.json"; done ;;
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;
