@@ -25,6 +25,7 @@
 #                                                     #   tests, state passing, GDN/hgrn weak scaling fwd (~9 min)
 #   bash scaling_benchmarks/device_batch.sh sp2c      # 2 GPUs: matrix-op weak scaling fwd, longest GDN (~9 min)
 #   bash scaling_benchmarks/device_batch.sh sp2b      # 2 GPUs: weak scaling fwdbwd, lasp2 + forge (~6 min)
+#   bash scaling_benchmarks/device_batch.sh sp2d      # 2 GPUs: forge tests, hgrn fwd scaling, longest GDN (~9 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -37,7 +38,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -115,7 +116,7 @@ case "$stage" in
       --set 'strategies=["lasp2","forge"]' --set warmup=1 --set repeats=3 --out "$OUT" ;;
   sp2)  # 2 GPUs: the forge kernel on real NVSHMEM, the inter-rank phase alone, then the
         # forward of the ops with a dense (GDN) or vector (hgrn) state at the DESIGN.md shape
-    step forge_multigpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m multigpu \
+    step forge_multigpu_tests 300 python3 -m pytest -q -p no:cacheprovider -m multigpu \
       tests/sp/test_forge_multigpu.py
     step state_passing 130 torchrun --nproc_per_node 2 scaling_benchmarks/state_passing.py \
       --out "$OUT" --iters 20
@@ -138,6 +139,16 @@ case "$stage" in
       --set 'passes=["fwdbwd"]' --set 'strategies=["lasp2","forge"]' --set warmup=1 \
       --set repeats=3 --set state_pass=false --set fla_cp=false --out "$OUT"
     for f in "$OUT"/weak_scaling_*_ws2.json; do [ -e "$f" ] && mv "$f" "${f%.json}_fwdbwd.json"; done ;;
+  sp2d)  # 2 GPUs: forge tests on real NVSHMEM, hgrn forward scaling, the longest GDN layer
+    step forge_multigpu_tests 300 python3 -m pytest -q -p no:cacheprovider -m multigpu \
+      tests/sp/test_forge_multigpu.py
+    step weak_scaling_2gpu_fwd_hgrn 70 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
+      --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
+      --set 'ops=["hgrn"]' --set 'passes=["fwd"]' --set 'strategies=["lasp2","forge"]' \
+      --set warmup=1 --set repeats=3 --set state_pass=false --out "$OUT"
+    for f in "$OUT"/weak_scaling_*_ws2.json; do [ -e "$f" ] && mv "$f" "${f%.json}_fwd-hgrn.json"; done
+    step long_sequence 190 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
+      --out "$OUT" --lengths 1M 2M 4M --set timeout_s=60 ;;
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;

@@ -25,12 +25,25 @@ def reports(tmp_path_factory):
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
            str(ROOT / "tests" / "comm" / "multigpu_worker.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
+    # The worker's lines go to the real stderr as they come (pytest's capture would hold
+    # them until the end, and a killed run would show nothing) and are kept for the report.
+    lines = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                sys.__stderr__.write(line)
+                sys.__stderr__.flush()
+            proc.wait(timeout=600)
+        except BaseException:
+            proc.kill()
+            raise
+    tail = "".join(lines)[-4000:]
     got = {}
     for r in range(WORLD):
         path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no report; rc={proc.returncode}\n" \
-                              f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert path.exists(), f"rank {r} wrote no report; rc={proc.returncode}\n{tail}"
         got[r] = json.loads(path.read_text())
     return got
 
