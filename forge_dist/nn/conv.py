@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .halo import halo_exchange
 from .shard import positions
@@ -50,18 +51,30 @@ class ShortConvolution(nn.Conv1d):
             group: sequence-parallel process group, or ``None``.
         """
         B, T, D = x.shape
-        K = self.kernel_size[0]
-        W = K - 1
+        W = self.kernel_size[0] - 1
         halo = halo_exchange(x, W, group)  # zeros on rank 0 / without a group
+        pos = None if cu_seqlens is None else positions(T, group, cu_seqlens, x.device)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            # Keep x and the halo, recompute the window, the taps and the activation in the
+            # backward: saves the concatenated window and the pre-activation (two copies of
+            # the activation per convolution).  The halo is exchanged outside, so the
+            # recomputation sends nothing.
+            return checkpoint(self._local, x, halo, pos, use_reentrant=False)
+        return self._local(x, halo, pos)
+
+    def _local(self, x: Tensor, halo: Tensor, pos: Optional[Tensor]) -> Tensor:
+        """The convolution of one shard given its halo: ``x [B, T, D]``, ``halo [B, K-1, D]``,
+        ``pos [T]`` (position in its packed sequence, or ``None``) -> ``[B, T, D]``."""
+        T, D = x.shape[1], x.shape[2]
+        W = self.kernel_size[0] - 1
         ext = torch.cat([halo, x], dim=1)  # [B, W + T, D]
         weight = self.weight.to(x.dtype)
-        if cu_seqlens is None:
+        if pos is None:
             y = F.conv1d(ext.transpose(1, 2), weight, None, groups=D).transpose(1, 2)
         else:
             # Tap j reads token t - j; it exists in t's sequence only when pos_in_seq >= j.
-            pos = positions(T, group, cu_seqlens, x.device)
             y = x * weight[:, 0, W]
-            for j in range(1, K):
+            for j in range(1, W + 1):
                 keep = (pos >= j).to(x.dtype)[None, :, None]
                 y = y + ext[:, W - j:W - j + T] * weight[:, 0, W - j] * keep
         if self.bias is not None:
