@@ -27,6 +27,7 @@
 #   bash scaling_benchmarks/device_batch.sh sp2b      # 2 GPUs: weak scaling fwdbwd, lasp2 + forge (~6 min)
 #   bash scaling_benchmarks/device_batch.sh sp2d      # 2 GPUs: forge tests, hgrn fwd scaling, longest GDN (~9 min)
 #   bash scaling_benchmarks/device_batch.sh sp2e      # 2 GPUs: longest GDN, fwdbwd scaling (~9 min)
+#   bash scaling_benchmarks/device_batch.sh sumbwd    # summary-backward GPU tests, scalar fwdbwd scaling (~5 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -39,7 +40,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -159,6 +160,16 @@ case "$stage" in
       --set 'passes=["fwdbwd"]' --set 'strategies=["lasp2","forge"]' --set warmup=1 \
       --set repeats=3 --set state_pass=false --set fla_cp=false --out "$OUT"
     for f in "$OUT"/weak_scaling_*_ws2.json; do [ -e "$f" ] && mv "$f" "${f%.json}_fwdbwd.json"; done ;;
+  sumbwd)  # 2 GPUs, after a summary-backward change: its GPU tests, scalar-decay fwdbwd scaling
+    step gpu_summary_backward_tests 100 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q \
+      -p no:cacheprovider -m gpu tests/kernels/test_summary_backward.py \
+      tests/kernels/test_scalar_backward.py
+    step weak_scaling_2gpu_fwdbwd_scalar 170 env CUDA_VISIBLE_DEVICES=0,1 bash launch/torchrun.sh \
+      --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
+      --set 'ops=["linear_attn","simple_gla"]' --set 'passes=["fwdbwd"]' \
+      --set 'strategies=["lasp2","forge"]' --set warmup=1 --set repeats=3 \
+      --set state_pass=false --set fla_cp=false --out "$OUT"
+    for f in "$OUT"/weak_scaling_*_ws2.json; do [ -e "$f" ] && mv "$f" "${f%.json}_fwdbwd-scalar.json"; done ;;
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;

@@ -108,7 +108,8 @@ def decay_summary_backward(k: Tensor, v: Tensor, g: Optional[Tensor],
     ``r_t`` is a reverse cumulative sum shifted by one token and the sum over ``t < s`` a
     cumulative sum shifted by one token, never a difference of two sums (which cancels: at a
     steep ``g_t``, and an O(1) last term against an O(e^g) prefix).  Cost: two batched
-    matmuls.  Args: k ``[B, T, H, K]``, v ``[B, T, H, V]``, ddelta ``[B, H, K, V]`` or
+    matmuls and a dozen fp32 passes: the reference and CPU form of
+    :func:`.summary_backward.decay_summary_backward_triton`, which the Triton works use.  Args: k ``[B, T, H, K]``, v ``[B, T, H, V]``, ddelta ``[B, H, K, V]`` or
     ``None``, dM ``[B, H]`` / ``[B, H, K]`` or ``None``.  Returns ``(dk, dv, dg)`` in the
     dtypes of k, v, g (``dg`` ``None`` without ``g``).
     """
@@ -759,10 +760,13 @@ class DecayAttentionWork(TritonWork):
         return [dS, dq, dk, dv, grad_like(dg, tensors[3])]
 
     def _summary_bwd(self, tensors, ddelta, dM):
-        """Closed form, no walk (:func:`decay_summary_backward`); q does not reach the
-        summary (dq = 0)."""
+        """Closed form, no walk, one Triton kernel
+        (:func:`.summary_backward.decay_summary_backward_triton`); q does not reach the
+        summary (its gradient is ``None``: nothing to add to the finish's ``dq``)."""
+        from .summary_backward import decay_summary_backward_triton
+
         q, k, v, g = tensors
-        return [torch.zeros_like(q), *decay_summary_backward(k, v, g, ddelta, dM)]
+        return [None, *decay_summary_backward_triton(k, v, g, ddelta, dM)]
 
     def _summary_torch(self, tensors, need_M):
         from ..variants import decay_attention

@@ -1,0 +1,186 @@
+"""Backward of a shard summary with scalar, per-channel or no decay, as one Triton kernel.
+
+The summary of a shard is ``delta = sum_t diag(c_t) k_t v_t^T`` and ``M = exp(sum_t g_t)``,
+with ``c_t = exp(r_t)`` and ``r_t = g_{t+1} + ... + g_T`` the decay after token ``t`` (a
+number per head for ``g [B, T, H]``, per key channel for ``g [B, T, H, K]``, ``c = 1``
+without ``g``).  Its gradients (see :func:`._common.decay_summary_backward`, the PyTorch
+form of the same closed form)::
+
+    dk_t = c_t * (ddelta v_t),   dv_t = ddelta^T (c_t * k_t),
+    dg_s = sum_{t < s} k_t . dk_t  (per channel for vector gates)  +  dM * M
+
+The PyTorch form materialises fp32 copies of ``k``, ``v`` and the products: about a dozen
+full passes over ``[B, T, H, K]`` fp32 tensors, ~10 ms at 4 x 32K tokens x 32 heads of 128
+on an H200, which made a rank's forward+backward 3x its single-GPU time.  Here one program
+per ``(chunk of BT tokens, batch x head)`` reads ``k, v`` once in their own dtype and writes
+``dk, dv`` in theirs, with ``ddelta`` in fp32 on tensor cores (3xTF32).  Two small PyTorch
+steps carry what crosses chunks: the decay of the later chunks (a reverse cumulative sum of
+the chunk totals of ``g``, before the kernel) and the ``k . dk`` sums of the earlier chunks
+(a cumulative sum of the per-chunk totals the kernel writes, added to ``dg`` after it).
+Both are shifted sums of their own terms, never differences of two long sums.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._common import HAVE_TRITON, dot_precision, next_pow2, tl, triton
+
+#: Tokens per program.
+CHUNK = 64
+#: Widest V tile (the fp32 ddelta tiles and their 3xTF32 splits live in shared memory).
+BV_MAX = 32
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["T"])
+    def _decay_summary_bwd_kernel(k, v, g, r_after, ddelta, dk, dv, dg_local, p_chunk, T,
+                                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                  GATE: tl.constexpr, PREC: tl.constexpr):
+        """``GATE``: 0 no decay, 1 scalar ``g [B, T, H]``, 2 per channel ``g [B, T, H, K]``.
+        ``r_after [B, NT, H(, K)]``: decay of the chunks after this one.  Writes ``dk, dv``,
+        ``dg_local`` (the in-chunk part of ``dg``, fp32) and ``p_chunk [B, NT, H(, K)]``
+        (this chunk's sum of ``k . dk``)."""
+        i_t, i_bh = tl.program_id(0), tl.program_id(1)
+        i_b, i_h = i_bh // H, i_bh % H
+        NT = tl.cdiv(T, BT)
+        bos = i_b.to(tl.int64) * T
+        o_t = i_t * BT + tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        m_t = o_t < T
+        m_k = o_k < K
+        rows = (bos + o_t).to(tl.int64) * H + i_h  # [BT] row index of (b, t, h)
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        # c_t = exp(r_t): the decay after t inside the chunk plus that of the later chunks
+        # The in-chunk decay after t is a reverse cumsum of the gates shifted by one token
+        # (loaded from row t + 1), not G_C - G_t: a steep g_t would cancel in the difference.
+        o_i = tl.arange(0, BT)
+        m_next = (o_t + 1 < T) & (o_i < BT - 1)
+        if GATE == 1:
+            b_gn = tl.load(g + rows + H, mask=m_next, other=0.0).to(tl.float32)
+            r_next = tl.load(r_after + (i_b * NT + i_t) * H + i_h).to(tl.float32)
+            b_c = tl.exp(tl.cumsum(b_gn, axis=0, reverse=True) + r_next)
+            b_kc = b_k * b_c[:, None]
+        elif GATE == 2:
+            b_gn = tl.load(g + (rows + H)[:, None] * K + o_k[None, :],
+                           mask=m_next[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            r_next = tl.load(r_after + ((i_b * NT + i_t) * H + i_h) * K + o_k, mask=m_k,
+                             other=0.0).to(tl.float32)
+            b_c = tl.exp(tl.cumsum(b_gn, axis=0, reverse=True) + r_next[None, :])
+            b_kc = b_k * b_c
+        else:
+            b_kc = b_k
+        b_kc = tl.where(m_tk, b_kc, 0.0)
+        acc = tl.zeros([BT, BK], dtype=tl.float32)  # ddelta v_t, summed over V tiles
+        base_d = i_bh.to(tl.int64) * K * V
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                          other=0.0).to(tl.float32)
+            b_d = tl.load(ddelta + base_d + o_k[:, None] * V + o_v[None, :],
+                          mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32
+            # the transposed tile read again (from L2) rather than converted on chip
+            b_dt = tl.load(ddelta + base_d + o_v[:, None] + o_k[None, :] * V,
+                           mask=m_v[:, None] & m_k[None, :], other=0.0)  # [BV, BK]
+            acc += tl.dot(b_v, b_dt, input_precision=PREC)
+            b_dv = tl.dot(b_kc, b_d, input_precision=PREC)
+            tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+                     mask=m_t[:, None] & m_v[None, :])
+        if GATE == 1:
+            b_dk = acc * b_c[:, None]
+        elif GATE == 2:
+            b_dk = acc * b_c
+        else:
+            b_dk = acc
+        tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        # sum over t < s inside the chunk as a masked sum (cumsum(p) - p would cancel)
+        before_s = o_i[:, None] > o_i[None, :]  # [s, t]
+        if GATE == 1:
+            p = tl.sum(b_k * b_dk, axis=1)  # [BT]
+            p = tl.where(m_t, p, 0.0)
+            tl.store(dg_local + rows, tl.sum(tl.where(before_s, p[None, :], 0.0), axis=1),
+                     mask=m_t)
+            tl.store(p_chunk + (i_b * NT + i_t) * H + i_h, tl.sum(p, axis=0))
+        elif GATE == 2:
+            p = tl.where(m_tk, b_k * b_dk, 0.0)  # [BT, BK]
+            b_lower = tl.where(before_s, 1.0, 0.0)
+            tl.store(dg_local + rows[:, None] * K + o_k[None, :],
+                     tl.dot(b_lower, p, input_precision=PREC), mask=m_tk)
+            tl.store(p_chunk + ((i_b * NT + i_t) * H + i_h) * K + o_k, tl.sum(p, axis=0),
+                     mask=m_k)
+
+
+def _chunk_totals(x: Tensor, T: int) -> Tensor:
+    """``x [B, T, H(, K)]`` fp32 -> per-chunk sums ``[B, NT, H(, K)]``."""
+    NT = -(-T // CHUNK)
+    pad = NT * CHUNK - T
+    if pad:
+        x = torch.cat([x, x.new_zeros((x.shape[0], pad) + tuple(x.shape[2:]))], dim=1)
+    return x.reshape((x.shape[0], NT, CHUNK) + tuple(x.shape[2:])).sum(dim=2)
+
+
+def decay_summary_backward_triton(k: Tensor, v: Tensor, g: Optional[Tensor],
+                                  ddelta: Optional[Tensor], dM: Optional[Tensor]):
+    """The closed-form summary backward on the GPU (or the interpreter).
+
+    Args: ``k [B, T, H, K]``, ``v [B, T, H, V]``, ``g`` ``[B, T, H]``, ``[B, T, H, K]`` or
+    ``None``, ``ddelta [B, H, K, V]`` or ``None``, ``dM`` ``[B, H]`` / ``[B, H, K]`` or
+    ``None``.  Returns ``(dk, dv, dg)`` in the dtypes of ``k, v, g`` (``dg`` ``None``
+    without ``g``).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    f32 = torch.float32
+    if ddelta is None:
+        ddelta = torch.zeros(B, H, K, V, dtype=f32, device=k.device)
+    k, v = k.contiguous(), v.contiguous()
+    ddelta = ddelta.to(f32).contiguous()
+    NT = -(-T // CHUNK)
+    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    if gate:
+        gf = g.to(f32).contiguous()
+        totals = _chunk_totals(gf, T)  # [B, NT, H(, K)]
+        # decay of the chunks after chunk i: sum over j > i (shifted reverse cumsum)
+        rev = torch.flip(torch.cumsum(torch.flip(totals, [1]), 1), [1])
+        r_after = torch.cat([rev[:, 1:], torch.zeros_like(rev[:, :1])], 1).contiguous()
+        dg_local = torch.empty(gf.shape, dtype=f32, device=k.device)
+        p_chunk = torch.empty(totals.shape, dtype=f32, device=k.device)
+    else:
+        gf = r_after = dg_local = p_chunk = ddelta  # unread placeholders
+    BK = max(16, next_pow2(K))
+    BV = min(BV_MAX, max(16, next_pow2(V)))
+    _decay_summary_bwd_kernel[(NT, B * H)](
+        k, v, gf, r_after, ddelta, dk, dv, dg_local, p_chunk, T, H=H, K=K, V=V, BT=CHUNK,
+        BK=BK, BV=BV, GATE=gate, PREC=dot_precision(f32), num_warps=8 if BK >= 256 else 4)
+    if not gate:
+        return dk, dv, None
+    # k . dk of the earlier chunks (shifted cumsum of the chunk totals), then dM * M
+    before = torch.cat([torch.zeros_like(p_chunk[:, :1]), torch.cumsum(p_chunk, 1)[:, :-1]], 1)
+    dg = dg_local + before.repeat_interleave(CHUNK, dim=1)[:, :T]
+    if dM is not None:
+        total = totals.sum(dim=1)  # [B, H(, K)]
+        dg = dg + (dM.to(f32).reshape(total.shape) * total.exp())[:, None]
+    return dk, dv, dg.to(g.dtype)
+
+
+def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16, *,
+                 H: int = 32) -> list:
+    """The :class:`~forge_dist.runtime.programs.KernelSpec` of each gate kind's launch at
+    these dims (for AOT compilation and the resource report)."""
+    from ..runtime.programs import KernelSpec, tl_type
+
+    io, f32 = "*" + tl_type(dtype), "*fp32"
+    BK = max(16, next_pow2(K))
+    BV = min(BV_MAX, max(16, next_pow2(V)))
+    sig = (("k", io), ("v", io), ("g", f32), ("r_after", f32), ("ddelta", f32), ("dk", io),
+           ("dv", io), ("dg_local", f32), ("p_chunk", f32), ("T", "i32"))
+    return [KernelSpec("forge_dist.kernels.summary_backward:_decay_summary_bwd_kernel", sig,
+                       (("H", H), ("K", K), ("V", V), ("BT", CHUNK), ("BK", BK), ("BV", BV),
+                        ("GATE", gate), ("PREC", "tf32x3")), 8 if BK >= 256 else 4, 1)
+            for gate in (0, 1, 2)]

@@ -1,0 +1,108 @@
+"""The shard summary's backward kernel (forge_dist.kernels.summary_backward) against
+autograd through the fp64 summary (``delta``, ``M``) of the PyTorch chunk form, for no,
+scalar and per-channel decay, T not a multiple of the chunk, K != V, and steep gates.
+Under TRITON_INTERPRET=1 on a CPU machine; the ``gpu`` test runs bf16 at a real shape."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from forge_dist.kernels._common import decay_summary_backward
+from forge_dist.kernels.summary_backward import CHUNK, decay_summary_backward_triton
+from forge_dist.variants import decay_attention
+
+from .backward_common import DEV, rel, require_kernels
+
+require_kernels()
+
+
+def inputs(B, T, H, K, V, gate, *, steep=False, seed=0, device=DEV, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    k, v = r(B, T, H, K), r(B, T, H, V)
+    g = None
+    if gate == "scalar":
+        g = torch.nn.functional.logsigmoid(r(B, T, H) + 3)
+    elif gate == "vector":
+        g = torch.nn.functional.logsigmoid(r(B, T, H, K) + 3)
+    if g is not None and steep:
+        g = g - 20 * (torch.rand(g.shape, generator=gen, dtype=torch.float64) < 0.05)
+    ddelta, dM = r(B, H, K, V), None
+    if gate is not None:
+        dM = r(B, H) if gate == "scalar" else r(B, H, K)
+    cast = lambda t, dt: None if t is None else t.to(device, dt)
+    return (cast(k, dtype), cast(v, dtype), cast(g, torch.float32), cast(ddelta, torch.float32),
+            cast(dM, torch.float32))
+
+
+def autograd_reference(k, v, g, ddelta, dM):
+    """Gradients of ``<delta, ddelta> + <M, dM>`` through the fp64 chunk-form summary."""
+    leaves = [t.detach().cpu().double().requires_grad_() if t is not None else None
+              for t in (k, v, g)]
+    q = torch.zeros_like(leaves[0])
+    s = decay_attention.summarize(q, leaves[0], leaves[1], leaves[2], 1.0,
+                                  need_transition=g is not None)
+    loss = (s.delta * ddelta.cpu().double()).sum()
+    if g is not None:
+        loss = loss + (s.transition.reshape(dM.shape) * dM.cpu().double()).sum()
+    wanted = [t for t in leaves if t is not None]
+    return torch.autograd.grad(loss, wanted)
+
+
+@pytest.mark.parametrize("gate", [None, "scalar", "vector"])
+@pytest.mark.parametrize("T", [CHUNK - 3, 2 * CHUNK + 5])
+def test_summary_backward_matches_autograd(gate, T):
+    k, v, g, ddelta, dM = inputs(2, T, 2, 16, 24, gate, seed=T)
+    got = decay_summary_backward_triton(k, v, g, ddelta, dM)
+    want = autograd_reference(k, v, g, ddelta, dM)
+    torch_form = decay_summary_backward(k, v, g, ddelta, dM)
+    names = ["dk", "dv", "dg"][:len(want)]
+    for name, a, w, t in zip(names, got, want, torch_form):
+        assert a.dtype == (g.dtype if name == "dg" else k.dtype)
+        assert rel(a, w) < 1e-5, (name, rel(a, w))
+        assert rel(a, t) < 1e-5, (name, rel(a, t))
+    if gate is None:
+        assert got[2] is None
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+def test_summary_backward_steep_gates(gate):
+    """Gates of about -20 on some tokens: decays underflow to zero, nothing overflows."""
+    k, v, g, ddelta, dM = inputs(1, 3 * CHUNK, 2, 16, 16, gate, steep=True, seed=7)
+    got = decay_summary_backward_triton(k, v, g, ddelta, dM)
+    want = autograd_reference(k, v, g, ddelta, dM)
+    torch_form = decay_summary_backward(k, v, g, ddelta, dM)
+    for a, w, t in zip(got, want, torch_form):
+        assert torch.isfinite(a).all()
+        assert rel(a, w) < 5e-5 and rel(a, w) < 3 * rel(t, w) + 1e-6, (rel(a, w), rel(t, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", [None, "scalar", "vector"])
+def test_summary_backward_bf16_real_shape(gate):
+    k, v, g, ddelta, dM = inputs(2, 4096 + 17, 4, 128, 128, gate, device="cuda",
+                                 dtype=torch.bfloat16)
+    got = decay_summary_backward_triton(k, v, g, ddelta, dM)
+    want = decay_summary_backward(k.float(), v.float(), g, ddelta, dM)
+    for a, w in zip(got, want):
+        assert rel(a, w) < 5e-3
+
+
+def test_summary_backward_compiles_for_hopper(tmp_path):
+    """Each gate kind's launch compiles for sm_90 (Triton's compiler and ptxas, no GPU) and
+    leaves room for two programs per SM."""
+    import json
+
+    from forge_dist.kernels.summary_backward import kernel_specs
+    from forge_dist.runtime import aot
+
+    if aot.ptxas_version("cuda:90") is None:
+        pytest.skip("Triton's bundled ptxas is not available here")
+    specs = kernel_specs(128, 128)
+    rep = aot.compile_specs(specs, tmp_path / "cache")
+    assert sorted(rep["compiled"]) == sorted(s.key for s in specs), rep
+    kernels = json.loads((tmp_path / "cache" / "manifest.json").read_text())["kernels"]
+    for entry in kernels.values():
+        assert 0 < entry["shared"] <= 232448 // 2, entry
