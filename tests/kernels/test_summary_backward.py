@@ -86,8 +86,10 @@ def test_summary_backward_bf16_real_shape(gate):
                                  dtype=torch.bfloat16)
     got = decay_summary_backward_triton(k, v, g, ddelta, dM)
     want = decay_summary_backward(k.float(), v.float(), g, ddelta, dM)
+    assert (got[2] is None) == (g is None)
     for a, w in zip(got, want):
-        assert rel(a, w) < 5e-3
+        if w is not None:
+            assert rel(a, w) < 5e-3
 
 
 def test_summary_backward_compiles_for_hopper(tmp_path):
