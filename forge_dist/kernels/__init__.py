@@ -19,7 +19,9 @@ Entry points for the runtime::
 work objects are differentiable, forward and backward in Triton (backward kernels:
 :mod:`.scalar_backward`, :mod:`.vector_backward`, :mod:`.delta_backward`, and
 :func:`.vector_state.hgrn_backward`; the summary's backward of the decay patterns is a closed
-form, :func:`._common.decay_summary_backward`).  :func:`forward` is a one-call convenience used by tests and benchmarks.
+form, one kernel in :mod:`.summary_backward`, with :func:`._common.decay_summary_backward` as
+its PyTorch reference).  :func:`forward` is a one-call convenience used by tests and
+benchmarks.
 """
 from __future__ import annotations
 
