@@ -109,7 +109,8 @@ def decay_summary_backward(k: Tensor, v: Tensor, g: Optional[Tensor],
     cumulative sum shifted by one token, never a difference of two sums (which cancels: at a
     steep ``g_t``, and an O(1) last term against an O(e^g) prefix).  Cost: two batched
     matmuls and a dozen fp32 passes: the reference and CPU form of
-    :func:`.summary_backward.decay_summary_backward_triton`, which the Triton works use.  Args: k ``[B, T, H, K]``, v ``[B, T, H, V]``, ddelta ``[B, H, K, V]`` or
+    :func:`.summary_backward.decay_summary_backward_triton`, which the Triton works use.
+    Args: k ``[B, T, H, K]``, v ``[B, T, H, V]``, ddelta ``[B, H, K, V]`` or
     ``None``, dM ``[B, H]`` / ``[B, H, K]`` or ``None``.  Returns ``(dk, dv, dg)`` in the
     dtypes of k, v, g (``dg`` ``None`` without ``g``).
     """

@@ -115,6 +115,12 @@ if HAVE_TRITON:
                      mask=m_k)
 
 
+def _tiles(K: int, V: int):
+    """``(BK, BV, num_warps)``: all of K in one tile, V in tiles of at most ``BV_MAX``."""
+    BK = max(16, next_pow2(K))
+    return BK, min(BV_MAX, max(16, next_pow2(V))), 8 if BK >= 256 else 4
+
+
 def _chunk_totals(x: Tensor, T: int) -> Tensor:
     """``x [B, T, H(, K)]`` fp32 -> per-chunk sums ``[B, NT, H(, K)]``."""
     NT = -(-T // CHUNK)
@@ -153,11 +159,10 @@ def decay_summary_backward_triton(k: Tensor, v: Tensor, g: Optional[Tensor],
         p_chunk = torch.empty(totals.shape, dtype=f32, device=k.device)
     else:
         gf = r_after = dg_local = p_chunk = ddelta  # unread placeholders
-    BK = max(16, next_pow2(K))
-    BV = min(BV_MAX, max(16, next_pow2(V)))
+    BK, BV, warps = _tiles(K, V)
     _decay_summary_bwd_kernel[(NT, B * H)](
         k, v, gf, r_after, ddelta, dk, dv, dg_local, p_chunk, T, H=H, K=K, V=V, BT=CHUNK,
-        BK=BK, BV=BV, GATE=gate, PREC=dot_precision(f32), num_warps=8 if BK >= 256 else 4)
+        BK=BK, BV=BV, GATE=gate, PREC=dot_precision(f32), num_warps=warps)
     if not gate:
         return dk, dv, None
     # k . dk of the earlier chunks (shifted cumsum of the chunk totals), then dM * M
@@ -176,11 +181,10 @@ def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16
     from ..runtime.programs import KernelSpec, tl_type
 
     io, f32 = "*" + tl_type(dtype), "*fp32"
-    BK = max(16, next_pow2(K))
-    BV = min(BV_MAX, max(16, next_pow2(V)))
+    BK, BV, warps = _tiles(K, V)
     sig = (("k", io), ("v", io), ("g", f32), ("r_after", f32), ("ddelta", f32), ("dk", io),
            ("dv", io), ("dg_local", f32), ("p_chunk", f32), ("T", "i32"))
     return [KernelSpec("forge_dist.kernels.summary_backward:_decay_summary_bwd_kernel", sig,
                        (("H", H), ("K", K), ("V", V), ("BT", CHUNK), ("BK", BK), ("BV", BV),
-                        ("GATE", gate), ("PREC", "tf32x3")), 8 if BK >= 256 else 4, 1)
+                        ("GATE", gate), ("PREC", "tf32x3")), warps, 1)
             for gate in (0, 1, 2)]
