@@ -8,6 +8,7 @@ gate) at T in {1K, 2K, 4K, 8K} through:
 * ``jit``      -- a plan (``forge_dist.runtime.plan``) launching through Triton's JIT;
 * ``static``   -- the same plan through the static dispatcher (AOT cubins, cuda.bindings);
 * ``static_ctypes`` -- the static dispatcher over libcuda through ctypes;
+* ``static_ctypes_out`` -- the same with a preallocated output (``run(..., out=o)``);
 * ``graph``    -- a CUDA graph of the static plan's run, replayed;
 * ``kernel``   -- GPU time alone (CUDA events around the graph replay of the launches).
 
@@ -38,7 +39,7 @@ from scaling_benchmarks import results_io  # noqa: E402
 
 B, H, K, V = 1, 32, 128, 128
 T_ALL = (1024, 2048, 4096, 8192)
-PATHS = ("ops", "jit", "static", "static_ctypes", "graph", "kernel")
+PATHS = ("ops", "jit", "static", "static_ctypes", "static_ctypes_out", "graph", "kernel")
 
 
 def make_inputs(T, device):
@@ -163,14 +164,18 @@ def main(argv=None) -> int:
             elif path == "jit":
                 pl = plan("simple_gla", backend="triton", **common)
                 fn = lambda: pl.run(q, k, v, g)  # noqa: E731
-            elif path in ("static", "static_ctypes"):
-                disp = Dispatcher(cache, CtypesDriver() if path == "static_ctypes" else None)
+            elif path in ("static", "static_ctypes", "static_ctypes_out"):
+                disp = Dispatcher(cache, None if path == "static" else CtypesDriver())
                 pl = plan("simple_gla", backend="static", dispatcher=disp, **common)
                 plans[(T, path)] = pl
-                fn = lambda: pl.run(q, k, v, g)  # noqa: E731
+                if path == "static_ctypes_out":
+                    o_buf = torch.empty(B, T, H, V, dtype=torch.bfloat16, device=device)
+                    fn = lambda: pl.run(q, k, v, g, out=o_buf)  # noqa: E731
+                else:
+                    fn = lambda: pl.run(q, k, v, g)  # noqa: E731
             else:  # graph / kernel: replay a graph of the static plan's run
-                pl = plans.get((T, "static")) or plan("simple_gla", backend="static",
-                                                      cache_dir=cache_dir, **common)
+                pl = (plans.get((T, "static")) or plans.get((T, "static_ctypes"))
+                      or plan("simple_gla", backend="static", cache_dir=cache_dir, **common))
                 out = torch.empty(B, T, H, V, dtype=torch.bfloat16, device=device)
                 for _ in range(3):
                     pl.run(q, k, v, g, out=out)

@@ -10,9 +10,13 @@ elements stored tile-major, so each tile is one contiguous put.  Per rank it hol
 * ``ack [n_tiles]`` int64 (symmetric): credits from the downstream neighbour, ``epoch`` of
   the last call whose tile it has copied out of its ``recv`` (a producer may not overwrite
   a slot its consumer has not read: it waits ``ack >= epoch - 1`` before putting);
-* ``err [4]`` int64 (local): ``[code, peer, tile, epoch]`` of the first failed wait.
+* ``err [4]`` int64 (local): ``[code, peer, tile, epoch]`` of the first failed wait;
+* ``counter [2]`` int64 (local): ``[epoch, programs done]``.
 
-``epoch`` counts calls on this channel; it only grows.
+``epoch`` counts calls on this channel; it only grows, and it lives on the device: every
+program of a call reads ``counter[0] + 1`` as its epoch, and the last program to finish
+stores it back (and zeroes ``counter[1]``).  The host passes only the counter's address, so
+a launch captured in a CUDA graph replays with a new epoch each time.
 """
 from __future__ import annotations
 
@@ -65,18 +69,31 @@ class Channel:
     err: Tensor
     rank_stride: int = 0      # elements between ranks' copies of recv/send (SIM only)
     sig_rank_stride: int = 0  # elements between ranks' copies of sig/ack (SIM only)
-    epoch: int = 0
+    counter: Optional[Tensor] = None  # [epoch, programs done] int64, on err's device
+    captured: bool = False  # launched inside a CUDA graph capture: errors are read by flush
     _err_host: Optional[Tensor] = None
     _err_event: Optional[object] = None
     _pending: list = field(default_factory=list)
 
-    def next_epoch(self) -> int:
-        self.epoch += 1
-        return self.epoch
+    def __post_init__(self):
+        if self.counter is None:
+            self.counter = torch.zeros(2, dtype=torch.int64, device=self.err.device)
+
+    @property
+    def epoch(self) -> int:
+        """Calls completed on this channel (reads the device counter: a sync on the GPU)."""
+        return int(self.counter[0])
 
     # -- error flag ----------------------------------------------------------------------
     def after_launch(self, rank: int, what: str, bound_s: float, exc_type) -> None:
-        """Check (sync mode, or always on the CPU) or schedule a check of the error flag."""
+        """Check (sync mode, or always on the CPU) or schedule a check of the error flag.
+
+        Inside a CUDA graph capture nothing is checked or scheduled (a capture may neither
+        sync nor query events); the channel is marked, and :meth:`poll` with ``wait`` (or
+        ``forge_dist.sp.forge.flush``) after the replays reads the flag directly."""
+        if self.err.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.captured = True
+            return
         if self.err.device.type != "cuda" or check_mode() == "sync":
             if self.err.device.type == "cuda":
                 torch.cuda.current_stream(self.err.device).synchronize()
@@ -92,6 +109,11 @@ class Channel:
 
     def poll(self, rank: int, what: str, bound_s: float, exc_type, wait: bool = False) -> None:
         """Raise if a finished call left an error; ``wait`` blocks for the last call."""
+        if wait and self.captured:  # graph replays schedule no check: read the flag now
+            torch.cuda.current_stream(self.err.device).synchronize()
+            self._err_event = None
+            self._raise_if_set(self.err.cpu(), rank, what, bound_s, exc_type)
+            return
         event = self._err_event
         if event is None:
             return

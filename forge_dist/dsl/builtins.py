@@ -76,7 +76,7 @@ def _gdn_chunk(k, v, g, beta):
     solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False,  # noqa: E731
                                                       unitriangular=True)
     u = cache("u", solve(beta[..., None] * v))
-    w = cache("w", solve((beta * G.exp())[..., None] * k))
+    cache("w", solve((beta * G.exp())[..., None] * k))  # read by the decay mode
     kt = cache("kt", k * (G[..., -1:] - G).exp()[..., None])
     return T(kt) @ u
 

@@ -9,13 +9,12 @@
 * :mod:`.dispatcher`: load cubins and launch them through the CUDA driver API.
 * :mod:`.compile_cli`: ``forge-dist compile --config FILE [--cache-dir DIR] [--target T]``.
 
-Notes on CUDA graphs: single-rank plans are capturable (see :mod:`.plan`).  A
-sequence-parallel forge plan is not yet replay-safe: the forge chain kernel receives its
-channel epoch as a host scalar (``Channel.next_epoch()``), so every replay of a captured
-call reuses the captured epoch; from the second replay on, a rank's wait for
-``signal >= 2 * epoch`` is already satisfied by the previous replay and it may read a
-stale tile.  The fix (a device-side epoch counter) belongs in ``forge_dist/sp/forge.py``;
-``tests/runtime/test_gpu.py::test_forge_graph_replays`` checks it with changing inputs.
+Notes on CUDA graphs: single-rank plans are capturable (see :mod:`.plan`), and so are
+sequence-parallel forge plans: the forge chain kernel reads its channel epoch from a device
+counter that it advances itself (:mod:`forge_dist.comm.channel`), so each replay waits for
+that replay's signals.  Run the plan once eagerly before capturing (the forge channel is
+allocated at plan time; the first run warms Triton) and call ``forge_dist.sp.forge.flush()``
+after replays to surface a timeout.
 """
 from .plan import Plan, PlanError, plan
 

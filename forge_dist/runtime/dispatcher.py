@@ -280,7 +280,7 @@ class BoundLaunch:
     """
 
     __slots__ = ("fn", "grid", "block_x", "shared", "pack", "names", "fixed", "driver",
-                 "kernel")
+                 "kernel", "_slots")
 
     def __init__(self, driver_, fn, kernel: str, grid, num_warps: int, shared: int,
                  types: Sequence[str], slots: Sequence[Tuple[str, Any]]):
@@ -294,12 +294,20 @@ class BoundLaunch:
         # names[i] is a buffer name for pointer slots and None for fixed scalars
         self.names = [v if kind == "buf" else None for kind, v in slots]
         self.fixed = [None if kind == "buf" else v for kind, v in slots] + [0, 0]
+        self._slots = [(i, n) for i, n in enumerate(self.names) if n is not None]
+
+    def bake(self, ptrs: Dict[str, int]) -> None:
+        """Fix the pointers of buffers that never change (a plan's workspaces), so that a
+        launch only writes the per-call ones."""
+        for i, n in self._slots:
+            if n in ptrs:
+                self.fixed[i] = ptrs[n]
+        self._slots = [(i, n) for i, n in self._slots if n not in ptrs]
 
     def values(self, ptrs: Dict[str, int]) -> List[Any]:
         vals = list(self.fixed)
-        for i, n in enumerate(self.names):
-            if n is not None:
-                vals[i] = ptrs[n]
+        for i, n in self._slots:
+            vals[i] = ptrs[n]
         return vals
 
     def launch(self, ptrs: Dict[str, int], stream: int) -> None:

@@ -24,8 +24,8 @@ Backends (``backend=``):
 its outputs (``torch.empty``, which capture serves from the graph's pool; pass ``out=`` to
 reuse a buffer), never reads a device value on the host, never synchronises, and launches on
 the current stream.  A plan's workspaces are reused by every call, so one plan must not run
-concurrently on two streams.  Sequence-parallel plans over NVSHMEM (forge) are not yet
-replay-safe: see the module notes in ``forge_dist/runtime/__init__.py``.
+concurrently on two streams.  Sequence-parallel plans with strategy ``forge`` are
+capturable too (device-side epochs; see ``forge_dist/runtime/__init__.py``).
 """
 from __future__ import annotations
 
@@ -88,6 +88,9 @@ class _Exec:
                                  f"jit ({dispatcher.cache.stale(spec.key)})")
             self.stream = stream_fn(device.index or 0)
         self._ws_ptrs = {n: t.data_ptr() for n, t in self.workspaces.items()}
+        for b in self.bound:  # workspaces live as long as the plan: their pointers are fixed
+            if b is not None:
+                b.bake(self._ws_ptrs)
         self._jit_calls = []
         for ln, fn in zip(program.launches, self.kernels):
             kw = dict(ln.constexprs)
@@ -100,9 +103,7 @@ class _Exec:
             b = self.bound[i]
             if b is not None:
                 if ptrs is None:
-                    ptrs = dict(self._ws_ptrs)
-                    for n, t in tensors.items():
-                        ptrs[n] = t.data_ptr()
+                    ptrs = {n: t.data_ptr() for n, t in tensors.items()}
                 b.launch(ptrs, self.stream())
                 continue
             call = {}
@@ -150,8 +151,14 @@ class Plan:
             raise PlanError(f"run: expected {len(names)} inputs ({', '.join(names)}), got "
                             f"{len(inputs)}")
         tensors: Dict[str, Tensor] = {}
+        device, static, shapes, dtypes = self.device, self.static, self.shapes, self.dtypes
         for n, t in zip(names, inputs):
-            self._check(n, t, self.shapes[n], self.dtypes[n])
+            # the common case in one expression (this runs on every call); any miss goes
+            # through _check, which names what is wrong
+            if not (isinstance(t, Tensor) and t.shape == shapes[n] and t.dtype == dtypes[n]
+                    and t.device == device and t.is_contiguous()
+                    and not (static and t.data_ptr() % 16)):
+                self._check(n, t, shapes[n], dtypes[n])
             tensors[n] = t
         if self.initial_state:
             if initial_state is None:
@@ -176,7 +183,10 @@ class Plan:
     __call__ = run
 
     def _run_local(self, tensors, h0, o):
-        ht = torch.empty(self.ht_shape, dtype=torch.float32, device=self.device)
+        if self.output_final_state:
+            ht = torch.empty(self.ht_shape, dtype=torch.float32, device=self.device)
+        else:  # nobody sees it: the plan's scratch
+            ht = self._ht_scratch
         tensors["o"], tensors["ht"] = o, ht
         if h0 is not None:
             tensors["h0"] = h0
@@ -395,8 +405,11 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              out_dtype=dtype, execution=prog.execution, notes=notes, rank=rank, size=size,
              group=group, strategy=None, strategy_obj=None, kind=_KIND.get(op),
              finish_exec=finish_exec, summary_exec=summary_exec, channels=None,
-             static=backend == "static", delta=None, zeros=None)
+             static=backend == "static", delta=None, zeros=None, _ht_scratch=None)
 
+    if size == 1 and backend != "torch" and not output_final_state:
+        # the kernels write a final state nobody returns: one scratch for every run
+        p._ht_scratch = torch.empty(p.ht_shape, dtype=torch.float32, device=device)
     if size > 1:
         _plan_sp(p, strategy, simulated, B, T, H, K, V, dtype, gated)
     return p

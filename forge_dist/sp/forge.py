@@ -18,6 +18,12 @@ rank P-1 down to 0 with ``M^T``, writing ``lam(r+1)`` (received) and ``lam(r)`` 
 No host synchronisation: the host launches one kernel and returns; the error flag is read
 lazily (``FORGE_DIST_FORGE_CHECK=lazy``, default) or right after the kernel (``sync``).
 
+CUDA graphs: the epoch is read from a device counter that the kernel itself advances
+(:mod:`forge_dist.comm.channel`), so a captured call replays with a fresh epoch every time
+and never accepts the previous replay's signal.  Make one eager call per state shape before
+capturing (it allocates the channel), and call :func:`flush` after replays to surface a
+timeout (a capture schedules no error check).
+
 Passing a :class:`forge_dist.comm.sim.SimRank` as ``group`` runs the same kernel over the
 simulated transport (all ranks in one process, launched in chain order by the caller).
 
@@ -45,12 +51,12 @@ _KIND_CODE = {Kind.IDENTITY: 0, Kind.SCALAR: 1, Kind.DIAGONAL: 2, Kind.DENSE: 3}
 _SRC_FIRST, _SRC_ZERO, _SRC_RECV = 0, 1, 2
 
 
-@triton.jit(do_not_specialize=["me", "prev_pe", "next_pe", "epoch", "limit", "nbytes",
+@triton.jit(do_not_specialize=["me", "prev_pe", "next_pe", "limit", "nbytes",
                                "rank_stride", "sig_rank_stride"])
 def _forge_chain_kernel(
     first_ptr, d_ptr, m_ptr, x_out_ptr, y_out_ptr,
-    recv_ptr, send_ptr, sig_ptr, ack_ptr, err_ptr,
-    me, prev_pe, next_pe, epoch, limit, nbytes, rank_stride, sig_rank_stride,
+    recv_ptr, send_ptr, sig_ptr, ack_ptr, err_ptr, counter_ptr,
+    me, prev_pe, next_pe, limit, nbytes, rank_stride, sig_rank_stride,
     K, V, stride_mi, stride_mj,
     KIND: tl.constexpr, SRC: tl.constexpr, SEND: tl.constexpr, WRITE_Y: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TRANSPORT: tl.constexpr, USE_CLOCK: tl.constexpr,
@@ -60,7 +66,8 @@ def _forge_chain_kernel(
 
     first/d/x_out/y_out: ``[B, H, K, V]`` contiguous; m: ``[B, H]``, ``[B, H, K]`` or
     ``[B, H, K, K]`` (strides ``stride_mi``/``stride_mj`` over the last two, swapped for
-    ``M^T``); recv/send: ``[n_tiles, BK * BV]``; sig/ack: ``[n_tiles]`` int64; err: ``[4]``.
+    ``M^T``); recv/send: ``[n_tiles, BK * BV]``; sig/ack: ``[n_tiles]`` int64; err: ``[4]``;
+    counter: ``[2]`` int64 ``[epoch of the last call, programs of this call done]``.
     Dense only: ``BJ`` is the row block of x per ``tl.dot``, ``PREC`` its input precision
     (``"tf32x3"`` for fp32 states on the GPU, ``"ieee"`` otherwise).
     """
@@ -77,6 +84,9 @@ def _forge_chain_kernel(
     tile_offs = tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
     tile_base = pid.to(tl.int64) * (BK * BV)
     poison = tl.full((), 0, tl.int64)
+    # The epoch lives on the device (a CUDA graph replays the same arguments): every program
+    # reads it before it counts itself done below, so none can see the bumped value.
+    epoch = tl.load(counter_ptr, cache_modifier=".cg") + 1
 
     if SRC == 2:
         target = 2 * epoch
@@ -107,6 +117,7 @@ def _forge_chain_kernel(
                 # .cg: the tile arrived over NVLink into L2; never serve a stale L1 line.
                 xb = tl.load(recv_ptr + tile_base + rj[:, None] * BV + tl.arange(0, BV)[None, :],
                              mask=jmask, other=0.0, cache_modifier=".cg")
+                xb = tl.where(poison != 0, float("nan"), xb).to(xb.dtype)
                 tl.store(x_out_ptr + bh * K * V + rj[:, None] * V + rv[None, :], xb, mask=jmask)
             if (SEND or WRITE_Y) and SRC != 1:
                 mm = tl.load(m_ptr + bh * K * K + rk[:, None] * stride_mi + rj[None, :] * stride_mj,
@@ -121,6 +132,8 @@ def _forge_chain_kernel(
         else:
             x = tl.load(recv_ptr + tile_base + tile_offs, mask=mask, other=0.0,
                         cache_modifier=".cg")
+            # a tile that never came (or came poisoned) is NaN, never the previous call's
+            x = tl.where(poison != 0, float("nan"), x).to(x.dtype)
             tl.store(x_out_ptr + offs, x, mask=mask)
         if KIND == 0:
             y = x
@@ -147,6 +160,12 @@ def _forge_chain_kernel(
                                 mask, nbytes, sig_ptr + pid, 2 * epoch + poison, next_pe, me,
                                 rank_stride, sig_rank_stride, TRANSPORT)
             dev.quiet(TRANSPORT)
+
+    # The last program to finish publishes this call's epoch for the next launch.
+    done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:
+        tl.store(counter_ptr, epoch)
+        tl.store(counter_ptr + 1, 0)
 
 
 _NVSHMEM_KERNEL = None
@@ -207,7 +226,12 @@ class _Where:
 _CHANNELS: dict = {}
 
 
-def _channel(where: _Where, direction: str, like: torch.Tensor, kind: Kind):
+def _channel(where: _Where, direction: str, like: torch.Tensor, kind: Kind,
+             allocate: bool = True):
+    """This rank's channel for ``(direction, shape, dtype, device, group)`` and its tile.
+
+    A new key allocates symmetric buffers (a collective); ``allocate=False`` (inside a CUDA
+    graph capture, where a collective cannot run) raises instead."""
     B, H, K, V = like.shape
     bk, bv = tile_shape(kind, K, V)
     n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv)
@@ -216,6 +240,12 @@ def _channel(where: _Where, direction: str, like: torch.Tensor, kind: Kind):
         return where.sim.channels(key, n_tiles, bk * bv, like.dtype)[where.rank], bk, bv
     gkey = key + (getattr(where.group, "group_name", None) or id(where.group),)
     if gkey not in _CHANNELS:
+        if not allocate:
+            raise RuntimeError(
+                f"forge: the first call with state shape {tuple(like.shape)} "
+                f"({direction}, {like.dtype}) allocates symmetric buffers, a collective that "
+                "cannot run inside a CUDA graph capture; make one call eagerly (a warm-up "
+                "step) on every rank before capturing")
         _CHANNELS[gkey] = chan.make_nvshmem_channel(n_tiles, bk * bv, like.dtype, like.device,
                                                     where.group)
     return _CHANNELS[gkey], bk, bv
@@ -242,16 +272,10 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
                transpose: bool) -> None:
     if d.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"forge: states must be float32 or float64, got {d.dtype}")
-    if d.is_cuda and torch.cuda.is_current_stream_capturing():
-        # The epoch is a host number baked into the launch: a replayed graph would wait on
-        # an old epoch and could read a stale tile.  Refuse loudly until the epoch lives on
-        # the device (bumped by a captured add_ before each launch).
-        raise RuntimeError("strategy='forge' cannot be captured in a CUDA graph yet (its "
-                           "signal epochs are host-side); use strategy='lasp2' inside graphs")
     d = d.contiguous()
     B, H, K, V = d.shape
-    ch, bk, bv = _channel(where, direction, d, kind)
-    epoch = ch.next_epoch()
+    capturing = d.is_cuda and torch.cuda.is_current_stream_capturing()
+    ch, bk, bv = _channel(where, direction, d, kind, allocate=not capturing)
     if M is None or kind is Kind.IDENTITY:
         kind_code, m_arg, smi, smj = 0, d, 0, 0
     else:
@@ -271,9 +295,9 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
     _kernel(where.transport)[(n_tiles,)](
         first if first is not None else dummy, d, m_arg,
         x_out if x_out is not None else dummy, y_out if y_out is not None else dummy,
-        ch.recv, ch.send, ch.sig, ch.ack, ch.err,
+        ch.recv, ch.send, ch.sig, ch.ack, ch.err, ch.counter,
         where.pe(where.rank), where.pe(prev) if prev >= 0 else -1,
-        where.pe(nxt) if nxt >= 0 else -1, epoch, limit, bk * bv * d.element_size(),
+        where.pe(nxt) if nxt >= 0 else -1, limit, bk * bv * d.element_size(),
         ch.rank_stride, ch.sig_rank_stride, K, V, smi, smj,
         KIND=kind_code, SRC=src, SEND=send, WRITE_Y=y_out is not None, BK=bk, BV=bv,
         TRANSPORT=where.transport, USE_CLOCK=use_clock, BJ=min(32, bk),
@@ -286,6 +310,27 @@ def flush(wait: bool = True) -> None:
     """Raise :class:`StatePassTimeout` if a finished forge call left an error (lazy mode)."""
     for ch in _CHANNELS.values():
         ch.poll(-1, "a state tile", p2p.timeout_seconds(), p2p.StatePassTimeout, wait=wait)
+
+
+_RETIRED: list = []  # channels dropped by reset(): never freed (a free is a collective)
+
+
+def reset(group=None) -> None:
+    """Forget every forge channel (of ``group``, or all): the next call allocates fresh ones.
+
+    After a :class:`StatePassTimeout` the ranks' channels are out of step (one rank made a
+    call its peer never made), so every later call would time out too.  Call this on every
+    rank of the group (the next call's allocation is a collective, like any first call),
+    after the ranks have agreed to go on (for example with a barrier on a fresh process
+    group).  Pending error records are dropped; the old symmetric buffers stay allocated, so
+    a peer's late put lands in memory nobody reads.
+    """
+    name = None if group is None else (getattr(group, "group_name", None) or id(group))
+    for key in list(_CHANNELS):
+        if name is None or key[-1] == name:
+            ch = _CHANNELS.pop(key)
+            ch._err_event = None
+            _RETIRED.append(ch)
 
 
 class Forge(Strategy):

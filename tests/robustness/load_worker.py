@@ -160,7 +160,7 @@ def state_pass_bytes(me, kinds=("scalar", "dense")):
 
 
 def _state_pass_bytes(me, kind: str, B=1, H=4, K=32, V=32):
-    rank, P = me.rank, me.size
+    rank = me.rank
     kind = Kind(kind)
     gen = torch.Generator().manual_seed(rank)
     M = {Kind.SCALAR: torch.rand(B, H, generator=gen),

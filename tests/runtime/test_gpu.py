@@ -4,9 +4,8 @@
   plan through Triton's JIT; a CUDA graph of a static plan replays correctly with inputs
   changing between replays; both driver bindings (cuda.bindings, ctypes) work.
 * ``multigpu``: 1000 CUDA-graph replays of a 2-rank forge step (forge_graph_worker.py under
-  torchrun), each with different inputs than the one before, all correct.  This needs the
-  forge chain's epoch on the device (see forge_dist/runtime/__init__.py): it is expected to
-  fail until forge_dist/sp/forge.py keeps the epoch in device memory.
+  torchrun), each with different inputs than the one before, all correct; then 1000 more
+  back to back without host sync (the chain's epoch lives on the device).
 """
 import json
 import os
@@ -133,10 +132,8 @@ def test_graph_replays_with_changing_inputs(cache_dir, backend):
 
 
 @pytest.mark.multigpu
-@pytest.mark.xfail(strict=True, reason="forge's signal epochs are host-side; capture is "
-                   "refused until they live on the device (see sp/forge.py)")
 def test_forge_graph_replays(tmp_path):
-    """1000 graph replays of a 2-rank forge plan step, inputs changing every replay."""
+    """2 x 1000 graph replays of a 2-rank forge plan step, inputs changing every replay."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
     env.pop("TRITON_INTERPRET", None)
