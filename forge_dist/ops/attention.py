@@ -114,13 +114,21 @@ def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
                          gate_flags=gate_flags,
                          grad=needs_grad({"q": q, "k": k, "v": v, **gates}, initial_state))
     compute = torch.float64 if dtype == torch.float64 else torch.float32
+    # fp16 inputs run the kernels in fp32: the kernels feed chunk states to the tensor-core
+    # dots in the input dtype, and a state (a sum of k v^T over many tokens) can pass fp16's
+    # 65504 where the output is finite.  bf16 has fp32's range and stays the fast path.
+    upcast = dtype == torch.float16 and _use_kernels(device)
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    work_dtype = torch.float32 if upcast else dtype
     inputs = {"q": q, "k": k, "v": v, **gates}
     make_work = _work_factory(spec, lambda part, need: summarize(part, scale, need), scale,
-                              device, dtype)
-    return run(spec, inputs, make_work, (H, K, V),
-               B=B, T_local=T, initial_state=initial_state,
-               output_final_state=output_final_state, cu=cu, group=group, strategy=strat,
-               out_dtype=dtype, compute_dtype=compute, device=device)
+                              device, work_dtype)
+    o, final = run(spec, inputs, make_work, (H, K, V),
+                   B=B, T_local=T, initial_state=initial_state,
+                   output_final_state=output_final_state, cu=cu, group=group, strategy=strat,
+                   out_dtype=work_dtype, compute_dtype=compute, device=device)
+    return (o.to(dtype) if upcast else o), final
 
 
 @checks.collective

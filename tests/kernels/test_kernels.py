@@ -406,3 +406,28 @@ def test_delta_rule_aligned_keys(variant, noise):
     o, ht = kernels.forward("gated_delta_rule", inp, None, None)
     ro, rh = reference(variant, inp, None)
     assert rel(o, ro) <= 1e-4 and rel(ht, rh) <= 1e-4, (rel(o, ro), rel(ht, rh))
+
+
+@pytest.mark.parametrize("variant", ["linear_attn", "simple_gla", "gla"])
+def test_fp16_inputs_whose_states_pass_fp16_range(monkeypatch, variant):
+    """k v^T ~ 1e6 per token: a chunk state passes fp16's 65504 while the output (q / 1000)
+    fits.  The ops run fp16 inputs through the kernels in fp32 (else the state operand of
+    the output dot, cast to the input dtype, is inf)."""
+    from forge_dist import ops
+    monkeypatch.setenv("FORGE_DIST_KERNELS", "triton")
+    if DEV == "cpu" and not kernels.interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 1, 96, 1, 16, 16
+    q = (torch.randn(B, T, H, K, generator=gen) / 1000).half()
+    k = (torch.randn(B, T, H, K, generator=gen) * 1000 / K ** 0.5).half()
+    v = (torch.randn(B, T, H, V, generator=gen) * 1000).half()
+    g = {"linear_attn": (), "simple_gla": (-0.01 * torch.rand(B, T, H, generator=gen),),
+         "gla": (-0.01 * torch.rand(B, T, H, K, generator=gen),)}[variant]
+    o, s = getattr(ops, variant)(*(x.to(DEV) for x in (q, k, v) + g), output_final_state=True)
+    o_ref, s_ref = call_reference(variant, dict(
+        q=q.double(), k=k.double(), v=v.double(), **({"g": g[0].double()} if g else {})),
+        output_final_state=True)
+    assert o.dtype == torch.float16 and torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert o_ref.abs().max() < 60000 and s_ref.abs().max() > 65504  # the case it is about
+    assert rel(o.cpu(), o_ref) < 5e-3 and rel(s.cpu(), s_ref) < 1e-4

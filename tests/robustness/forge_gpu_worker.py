@@ -58,6 +58,7 @@ SHAPES = [
 def check(name):
     def deco(fn):
         def run(*a, **k):
+            print(f"[rank {dist.get_rank()}] {name}: start", flush=True)
             t = time.time()
             try:
                 out = fn(*a, **k) or {}
@@ -142,6 +143,7 @@ def load(group, device, n_calls):
             now = time.time()
             windows.append({"calls": i + 1, "s": round(now - t, 4),
                             "allocated_mib": round(torch.cuda.memory_allocated() / 2**20, 3)})
+            print(f"[rank {r}] load: {windows[-1]}", flush=True)
             t = now
     torch.cuda.synchronize()
     forge.flush(wait=True)
