@@ -29,6 +29,7 @@
 #   bash scaling_benchmarks/device_batch.sh sp2e      # 2 GPUs: longest GDN, fwdbwd scaling (~9 min)
 #   bash scaling_benchmarks/device_batch.sh sumbwd    # summary-backward GPU tests, scalar fwdbwd scaling (~5 min)
 #   bash scaling_benchmarks/device_batch.sh robust    # 2 GPUs: forge load/faults/determinism, GPU numerics (~9 min)
+#   bash scaling_benchmarks/device_batch.sh faults    # 2 GPUs: robust without the numerics; "rt": runtime tests + launch overhead
 #   bash scaling_benchmarks/device_batch.sh graph     # 2 GPUs: 2 x 1000 CUDA-graph replays of a forge plan (~1 min)
 #   bash scaling_benchmarks/device_batch.sh rt2       # 2 GPUs: per-kernel SP profile, forge tests, runtime
 #                                                     #   GPU tests, launch overhead (~9 min)
@@ -44,7 +45,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|graph|rt2) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -62,18 +63,21 @@ step() {  # step NAME SECONDS COMMAND...
 
 for stage in "$@"; do
 case "$stage" in
-  robust)  # issue 9 on the GPU (-s: the worker's lines reach the log as they come)
+  robust|faults)  # issue 9 on the GPU (-s: the worker's lines reach the log as they come)
     step forge_robust 300 env FORGE_DIST_REPORT_DIR="$OUT" python3 -m pytest -q -s -p no:cacheprovider \
       tests/robustness/test_forge_gpu.py
-    step numerics_gpu 200 python3 -m pytest -v -p no:cacheprovider -m gpu --durations=8 \
+    [ "$stage" = faults ] || step numerics_gpu 200 python3 -m pytest -v -p no:cacheprovider -m gpu --durations=8 \
       tests/robustness/test_numerics_gpu.py ;;
   graph)  # the forge plan inside CUDA graphs (issue 8)
     step forge_graph 150 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py -k forge_graph ;;
   rt2)  # where the SP fwd+bwd time goes, forge regression tests, the runtime on the GPU
     step sp_profile 120 torchrun --nproc_per_node 2 scaling_benchmarks/sp_profile.py \
       --ops linear_attn,simple_gla --strategies lasp2,forge --out "$OUT"
+    ;;&
+  rt|rt2)
     step gpu_runtime_tests 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime -k "not forge_graph"
-    step launch_overhead 100 python3 scaling_benchmarks/launch_overhead.py --out "$OUT"
+    step launch_overhead 100 python3 scaling_benchmarks/launch_overhead.py --out "$OUT" ;;&
+  rt2)
     step forge_multigpu 240 python3 -m pytest -q -s -p no:cacheprovider tests/sp/test_forge_multigpu.py ;;
   kernels)
     step gpu_kernel_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels ;;

@@ -71,6 +71,7 @@ class Channel:
     sig_rank_stride: int = 0  # elements between ranks' copies of sig/ack (SIM only)
     counter: Optional[Tensor] = None  # [epoch, programs done] int64, on err's device
     captured: bool = False  # launched inside a CUDA graph capture: errors are read by flush
+    who: Optional[tuple] = None  # (rank, what) of the last launch, for errors read by flush
     _err_host: Optional[Tensor] = None
     _err_event: Optional[object] = None
     _pending: list = field(default_factory=list)
@@ -91,6 +92,7 @@ class Channel:
         Inside a CUDA graph capture nothing is checked or scheduled (a capture may neither
         sync nor query events); the channel is marked, and :meth:`poll` with ``wait`` (or
         ``forge_dist.sp.forge.flush``) after the replays reads the flag directly."""
+        self.who = (rank, what)
         if self.err.is_cuda and torch.cuda.is_current_stream_capturing():
             self.captured = True
             return
@@ -127,6 +129,8 @@ class Channel:
     def _raise_if_set(self, err_host: Tensor, rank, what, bound_s, exc_type) -> None:
         if int(err_host[0]) == 0:
             return
+        if rank < 0 and self.who is not None:  # read by flush: name the launch's rank
+            rank, what = self.who
         msg = describe_error(err_host.tolist(), rank, what, bound_s)
         self.err.zero_()  # the next call starts clean (its kernel may still time out again)
         raise exc_type(msg)

@@ -55,6 +55,18 @@ SHAPES = [
 ]
 
 
+def _then_recover(fn):
+    """Run a fault scenario; whatever it raised, every rank still resets and checks one
+    call (so a failed scenario does not leave its peers waiting in the next one)."""
+    def run(group, device):
+        try:
+            result = fn(group, device)
+        finally:
+            _recover(group, device)
+        return result + "; recovered after reset"
+    return run
+
+
 def check(name):
     def deco(fn):
         def run(*a, **k):
@@ -272,8 +284,7 @@ def stall_fwd(group, device):
                                     [f"rank {r} gave up", f"from rank {r - 1}", "tile",
                                      "incoming state"] if r == 1 else [f"rank {r}"])
         result = f"raised after {took:.2f}s: {msg}"
-    _recover(group, device)
-    return result + "; recovered after reset"
+    return result
 
 
 def stall_bwd(group, device):
@@ -293,8 +304,7 @@ def stall_bwd(group, device):
     else:
         took, msg = _expect_timeout(run, [f"rank {r}"])
         result = f"raised after {took:.2f}s: {msg}"
-    _recover(group, device)
-    return result + "; recovered after reset"
+    return result
 
 
 class _HalfGrid:
@@ -335,8 +345,7 @@ def cut_mid_stream(group, device):
     else:
         took, msg = _expect_timeout(lambda: _fwd(group, device), [f"rank {r}"])
         result = f"raised after {took:.2f}s: {msg}"
-    _recover(group, device)
-    return result + "; recovered after reset"
+    return result
 
 
 def crash(group, device, out_dir):
@@ -380,9 +389,9 @@ def main():
         check("determinism")(determinism)(group, device)
         dist.barrier(group)
         os.environ["FORGE_DIST_TIMEOUT"] = str(BOUND_S)
-        check("stall_fwd")(stall_fwd)(group, device)
-        check("stall_bwd")(stall_bwd)(group, device)
-        check("cut_mid_stream")(cut_mid_stream)(group, device)
+        check("stall_fwd")(_then_recover(stall_fwd))(group, device)
+        check("stall_bwd")(_then_recover(stall_bwd))(group, device)
+        check("cut_mid_stream")(_then_recover(cut_mid_stream))(group, device)
         check("crash")(crash)(group, device, out_dir)
     _write(out_dir, dist.get_rank())
     os._exit(0)  # no teardown: a peer is gone and NVSHMEM's finalize would wait for it
