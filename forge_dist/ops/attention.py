@@ -24,7 +24,7 @@ from ..sp import p2p
 from ..variants import decay_attention, delta_rule, vector_state
 from ..variants.base import ChunkFormWork, VariantSpec
 from ..variants.transitions import Kind
-from . import checks
+from . import checks, planned
 from .runner import needs_grad, run
 
 LINEAR_ATTN = VariantSpec("linear_attn", Kind.IDENTITY)
@@ -108,6 +108,12 @@ def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
     device = checks.same_device({"q": q, "k": k, "v": v, **gates,
                                  "initial_state": initial_state})
     scale = checks.scale(scale, K)
+    short = planned.matrix_call(spec.name, q, k, v, gates, scale=scale,
+                                initial_state=initial_state,
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                group=group, use_kernels=_use_kernels(device))
+    if short is not None:  # no grad, one GPU: a cached plan (forge_dist/ops/planned.py)
+        return short
     cu, strat = _prepare(spec, B=B, T=T, dims={"H": H, "K": K, "V": V}, device=device,
                          dtype=dtype, initial_state=initial_state, state_rows_dims=(H, K, V),
                          cu_seqlens=cu_seqlens, group=group, strategy=strategy,
@@ -253,6 +259,11 @@ def hgrn(x: Tensor, g: Tensor, *, initial_state: Optional[Tensor] = None,
     B, T, D = x.shape
     checks.tensor("g", g, [B, T, D])
     device = checks.same_device({"x": x, "g": g, "initial_state": initial_state})
+    short = planned.hgrn_call(x, g, initial_state=initial_state,
+                              output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                              group=group, use_kernels=_use_kernels(device))
+    if short is not None:
+        return short
     cu, strat = _prepare(HGRN, B=B, T=T, dims={"D": D}, device=device, dtype=x.dtype,
                          initial_state=initial_state, state_rows_dims=(D,),
                          cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=5,

@@ -1,6 +1,7 @@
 """A small LRU of plans keyed by their signature, for ops that call the same shapes again.
 
-Usage (what ``forge_dist.ops`` would do on its no-grad path)::
+Usage (what ``forge_dist.ops`` does on its no-grad, single-device path,
+:mod:`forge_dist.ops.planned`)::
 
     from forge_dist.runtime import cache
     p = cache.get("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=q.dtype, device=q.device,

@@ -1,0 +1,101 @@
+"""The ops' short path: a no-grad call on one GPU runs a cached plan.
+
+A forward that needs no gradient, on one device (``group=None``), without ``cu_seqlens``,
+does not need the runner, the autograd function or the cross-rank checks: the plan of that
+call signature (:mod:`forge_dist.runtime.cache`) checks its tensors and launches the same
+kernels.  At T = 1K-8K the ops path costs 240-380 us of host time per call on an H200
+against ~20 us for a plan (``scaling_benchmarks/results/launch_overhead_*``), which is what
+inference and evaluation loops pay.
+
+Anything else (gradients, sequence parallelism, varlen, fp16 and fp64 inputs, non-contiguous
+tensors, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside the kernels' range) takes the
+general path, as does a call the planner refuses.  ``FORGE_DIST_OPS_PLANS=0`` turns the
+short path off.  Results match the general path to fp32 rounding (both run the Triton
+kernels; the plan may split the sequence into segments differently), not bit for bit.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def enabled() -> bool:
+    """``FORGE_DIST_OPS_PLANS`` (``1`` default, ``0`` off)."""
+    raw = os.environ.get("FORGE_DIST_OPS_PLANS", "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"FORGE_DIST_OPS_PLANS: expected 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_shape,
+              group, cu_seqlens, use_kernels: bool) -> bool:
+    if group is not None or cu_seqlens is not None or not use_kernels or not enabled():
+        return False
+    from .checks import check_finite_enabled
+
+    if check_finite_enabled():
+        return False
+    tensors = list(inputs.values()) + ([initial_state] if initial_state is not None else [])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if not all(t.is_contiguous() for t in tensors):
+        return False
+    if initial_state is not None and (initial_state.dtype != torch.float32
+                                      or tuple(initial_state.shape) != state_shape):
+        return False
+    return True
+
+
+def _run(op: str, names, inputs: Dict[str, Tensor], initial_state, output_final_state,
+         **plan_kw) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    from ..runtime import PlanError, cache
+
+    try:
+        p = cache.get(op, initial_state=initial_state is not None,
+                      output_final_state=bool(output_final_state), **plan_kw)
+    except PlanError:
+        return None  # a shape or dtype the planner does not cover: the general path runs it
+    return p.run(*[inputs[n] for n in names], initial_state=initial_state)
+
+
+def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optional[Tensor]],
+                *, scale: float, initial_state, output_final_state, cu_seqlens, group,
+                use_kernels: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    """``(o, final_state)`` through a cached plan, or ``None`` when the call is not eligible
+    (the caller then runs the general path).  Arguments are already checked by the op."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if q.dtype not in _DTYPES or not (16 <= K <= 256 and 16 <= V <= 256):
+        return None
+    present = {n: t for n, t in gates.items() if t is not None}
+    gate_dtypes = {t.dtype for t in present.values()}
+    if len(gate_dtypes) > 1 or gate_dtypes - {torch.float32, q.dtype}:
+        return None
+    inputs = {"q": q, "k": k, "v": v, **present}
+    if not _eligible(inputs, initial_state, (B, H, K, V), group, cu_seqlens, use_kernels):
+        return None
+    names = ["q", "k", "v"] + [n for n in ("g", "beta") if n in present]
+    kw = dict(B=B, T=T, H=H, K=K, V=V, dtype=q.dtype, scale=scale, device=q.device)
+    if op in ("simple_gla", "gated_delta_rule"):
+        kw["gated"] = "g" in present
+    if present:
+        kw["gate_dtype"] = next(iter(gate_dtypes))
+    return _run(op, names, inputs, initial_state, output_final_state, **kw)
+
+
+def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seqlens, group,
+              use_kernels: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    """As :func:`matrix_call`, for ``hgrn`` (``x, g [B, T, D]``, state ``[B, D]``)."""
+    B, T, D = x.shape
+    if x.dtype not in _DTYPES or g.dtype != x.dtype:
+        return None
+    inputs = {"x": x, "g": g}
+    if not _eligible(inputs, initial_state, (B, D), group, cu_seqlens, use_kernels):
+        return None
+    return _run("hgrn", ["x", "g"], inputs, initial_state, output_final_state, B=B, T=T, D=D,
+                dtype=x.dtype, gate_dtype=g.dtype, device=x.device)
