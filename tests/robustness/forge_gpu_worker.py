@@ -287,14 +287,23 @@ def stall_fwd(group, device):
     return result
 
 
-def stall_bwd(group, device):
+def _backward_after_a_good_one(group, device):
+    """One good backward chain on every rank (it allocates the channel, a collective), then
+    the function that makes the next one."""
     r, P = dist.get_rank(group), dist.get_world_size(group)
     d, M = _small(device)
-    run = lambda: forge.FORGE.backward_chain(Kind.SCALAR, M if r < P - 1 else None,  # noqa: E731
-                                             d, group, None)
+
+    def run():
+        return forge.FORGE.backward_chain(Kind.SCALAR, M if r < P - 1 else None, d, group,
+                                          None)
     run()
     torch.cuda.synchronize()
     dist.barrier(group)
+    return r, P, run
+
+
+def stall_bwd(group, device):
+    r, P, run = _backward_after_a_good_one(group, device)
     if r == P - 1:
         result = f"rank {r} skipped its backward"
     elif r == P - 2:
@@ -349,13 +358,7 @@ def cut_mid_stream(group, device):
 
 
 def crash(group, device, out_dir):
-    r, P = dist.get_rank(group), dist.get_world_size(group)
-    d, M = _small(device)
-    run = lambda: forge.FORGE.backward_chain(Kind.SCALAR, M if r < P - 1 else None,  # noqa: E731
-                                             d, group, None)
-    run()
-    torch.cuda.synchronize()
-    dist.barrier(group)
+    r, P, run = _backward_after_a_good_one(group, device)
     if r == P - 1:
         RESULTS["crash"] = {"ok": True, "detail": f"rank {r} exits before its backward"}
         _write(out_dir, r)

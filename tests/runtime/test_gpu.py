@@ -7,10 +7,7 @@
   torchrun), each with different inputs than the one before, all correct; then 1000 more
   back to back without host sync (the chain's epoch lives on the device).
 """
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -134,14 +131,8 @@ def test_graph_replays_with_changing_inputs(cache_dir, backend):
 @pytest.mark.multigpu
 def test_forge_graph_replays(tmp_path):
     """2 x 1000 graph replays of a 2-rank forge plan step, inputs changing every replay."""
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           str(ROOT / "tests" / "runtime" / "forge_graph_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
-    for r in range(2):
-        path = tmp_path / f"rank{r}.json"
-        assert path.exists(), f"rank {r}: no report\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        rep = json.loads(path.read_text())
+    from tests.torchrun_workers import run_workers
+
+    reports, _ = run_workers(ROOT / "tests" / "runtime" / "forge_graph_worker.py", tmp_path, 2)
+    for r, rep in reports.items():
         assert rep["ok"], f"rank {r}: {rep['detail']}"
