@@ -9,7 +9,8 @@ inference and evaluation loops pay.
 
 Anything else (gradients, sequence parallelism, varlen, fp16 and fp64 inputs, non-contiguous
 tensors, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside the kernels' range) takes the
-general path, as does a call the planner refuses.  ``FORGE_DIST_OPS_PLANS=0`` turns the
+general path, as does a call the planner refuses.  Plans are cached per CUDA stream (a
+plan's workspaces are reused by every run, so two streams must not share one).  ``FORGE_DIST_OPS_PLANS=0`` turns the
 short path off.  Results match the general path to fp32 rounding (both run the Triton
 kernels; the plan may split the sequence into segments differently), not bit for bit.
 """
@@ -22,6 +23,14 @@ import torch
 from torch import Tensor
 
 _DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _raw_stream(index: int) -> int:
+    """The current CUDA stream's handle (what Triton's launcher reads; cheap)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def enabled() -> bool:
@@ -55,8 +64,10 @@ def _run(op: str, names, inputs: Dict[str, Tensor], initial_state, output_final_
          **plan_kw) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     from ..runtime import PlanError, cache
 
+    device = plan_kw["device"]
+    stream = _raw_stream(device.index) if device.type == "cuda" else 0
     try:
-        p = cache.get(op, initial_state=initial_state is not None,
+        p = cache.get(op, stream=stream, initial_state=initial_state is not None,
                       output_final_state=bool(output_final_state), **plan_kw)
     except PlanError:
         return None  # a shape or dtype the planner does not cover: the general path runs it

@@ -55,9 +55,13 @@ def key(op: str, **kw) -> Tuple:
     return (op,) + tuple(sorted((k, _norm(v)) for k, v in kw.items()))
 
 
-def get(op: str, **kw) -> Plan:
-    """The cached plan for this signature, planning it on a miss (LRU eviction)."""
-    k = key(op, **kw)
+def get(op: str, stream: int = 0, **kw) -> Plan:
+    """The cached plan for this signature, planning it on a miss (LRU eviction).
+
+    ``stream`` (a raw CUDA stream handle, part of the key only) keeps calls on different
+    streams on different plans: a plan's workspaces are reused by every run, so two streams
+    running one plan at the same time would race on them."""
+    k = key(op, **kw) + (("stream", int(stream)),)
     with _LOCK:
         p = _PLANS.get(k)
         if p is not None:

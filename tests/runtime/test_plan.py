@@ -233,6 +233,8 @@ def test_plan_cache_lru(monkeypatch):
     assert cache.get("simple_gla", T=128, **kw) is not b
     assert cache.key("gla", T=1, dtype=torch.bfloat16) != cache.key("gla", T=1,
                                                                      dtype=torch.float16)
+    a = cache.get("simple_gla", T=64, **kw)
+    assert cache.get("simple_gla", T=64, stream=7, **kw) is not a  # one plan per stream
     cache.clear()
 
 
