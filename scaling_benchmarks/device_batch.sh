@@ -31,6 +31,8 @@
 #   bash scaling_benchmarks/device_batch.sh robust    # 2 GPUs: forge load/faults/determinism, GPU numerics (~9 min)
 #   bash scaling_benchmarks/device_batch.sh faults    # 2 GPUs: robust without the numerics; "rt": runtime tests + launch overhead
 #   bash scaling_benchmarks/device_batch.sh graph     # 2 GPUs: 2 x 1000 CUDA-graph replays of a forge plan (~1 min)
+#   bash scaling_benchmarks/device_batch.sh onegpu    # 1 GPU: summary-backward tests + timing, runtime GPU
+#                                                     #   tests, launch overhead, GPU numerics (~8 min)
 #   bash scaling_benchmarks/device_batch.sh rt2       # 2 GPUs: per-kernel SP profile, forge tests, runtime
 #                                                     #   GPU tests, launch overhead (~9 min)
 # Several stages run in order: device_batch.sh kernels single runtime
@@ -45,7 +47,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -70,6 +72,16 @@ case "$stage" in
       tests/robustness/test_numerics_gpu.py ;;
   graph)  # the forge plan inside CUDA graphs (issue 8)
     step forge_graph 150 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py -k forge_graph ;;
+  onegpu)
+    step gpu_summary_backward_tests 120 python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+      tests/kernels/test_summary_backward.py tests/kernels/test_scalar_backward.py
+    step summary_backward_bench 120 python3 scaling_benchmarks/summary_backward_bench.py \
+      --out "$OUT" --tiles 32,4 32,8 128,8
+    step gpu_runtime_tests 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/runtime \
+      tests/ops -k "not forge_graph"
+    step launch_overhead 120 python3 scaling_benchmarks/launch_overhead.py --out "$OUT"
+    step gpu_numerics 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+      tests/robustness/test_numerics_gpu.py ;;
   rt2)  # where the SP fwd+bwd time goes, forge regression tests, the runtime on the GPU
     step sp_profile 120 torchrun --nproc_per_node 2 scaling_benchmarks/sp_profile.py \
       --ops linear_attn,simple_gla --strategies lasp2,forge --out "$OUT"

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import NVSHMEM, SIM
 
-ERR_RECV_TIMEOUT, ERR_CREDIT_TIMEOUT, ERR_UPSTREAM = 1, 2, 3
+ERR_RECV_TIMEOUT, ERR_CREDIT_TIMEOUT, ERR_UPSTREAM, ERR_AHEAD = 1, 2, 3, 4
 
 
 def check_mode() -> str:
@@ -54,6 +54,11 @@ def describe_error(err, rank: int, what: str, bound_s: float) -> str:
     if code == ERR_UPSTREAM:
         return (f"rank {rank}: rank {peer} forwarded tile {tile} of {what} poisoned, because "
                 f"a rank before it timed out (call {epoch})")
+    if code == ERR_AHEAD:
+        return (f"rank {rank}: the signal of {what} tile {tile} from rank {peer} already "
+                f"belongs to a later call than this one (call {epoch}): this rank fell behind "
+                f"by more than the bound and its tile may have been overwritten; the tile is "
+                f"NaN. Call forge.reset() on every rank {hint}")
     return f"rank {rank}: unknown forge error code {code} (peer {peer}, tile {tile})"
 
 
@@ -112,7 +117,8 @@ class Channel:
     def poll(self, rank: int, what: str, bound_s: float, exc_type, wait: bool = False) -> None:
         """Raise if a finished call left an error; ``wait`` blocks for the last call."""
         if wait and self.captured:  # graph replays schedule no check: read the flag now
-            torch.cuda.current_stream(self.err.device).synchronize()
+            # a graph may be replayed on any stream: wait for the whole device
+            torch.cuda.synchronize(self.err.device)
             self._err_event = None
             self._raise_if_set(self.err.cpu(), rank, what, bound_s, exc_type)
             return

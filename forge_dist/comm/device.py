@@ -71,6 +71,7 @@ ERR_NONE = tl.constexpr(0)
 ERR_RECV_TIMEOUT = tl.constexpr(1)    # no data signal from the upstream peer
 ERR_CREDIT_TIMEOUT = tl.constexpr(2)  # downstream peer never freed its receive slot
 ERR_UPSTREAM = tl.constexpr(3)        # upstream peer forwarded a poisoned tile
+ERR_AHEAD = tl.constexpr(4)           # the signal is already a later call's (lagged)
 
 
 @triton.jit

@@ -21,17 +21,20 @@ Both are shifted sums of their own terms, never differences of two long sums.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ._common import HAVE_TRITON, dot_precision, next_pow2, tl, triton
+from ._common import HAVE_TRITON, dot_precision, interpreting, next_pow2, tl, triton
 
 #: Tokens per program.
 CHUNK = 64
 #: Widest V tile (the fp32 ddelta tiles and their 3xTF32 splits live in shared memory).
 BV_MAX = 32
+#: Widest V tile with bf16 operands.
+BV_MAX_LOWP = 64
 
 if HAVE_TRITON:
 
@@ -39,8 +42,11 @@ if HAVE_TRITON:
     def _decay_summary_bwd_kernel(k, v, g, r_after, ddelta, dk, dv, dg_local, p_chunk, T,
                                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                  GATE: tl.constexpr, PREC: tl.constexpr):
+                                  GATE: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+                                  INTERP: tl.constexpr = False):
         """``GATE``: 0 no decay, 1 scalar ``g [B, T, H]``, 2 per channel ``g [B, T, H, K]``.
+        ``LOWP``: ``ddelta`` arrives in ``k``'s dtype (bf16) and the two products over ``V``
+        run on bf16 operands with fp32 accumulation; otherwise fp32 operands at ``PREC``.
         ``r_after [B, NT, H(, K)]``: decay of the chunks after this one.  Writes ``dk, dv``,
         ``dg_local`` (the in-chunk part of ``dg``, fp32) and ``p_chunk [B, NT, H(, K)]``
         (this chunk's sum of ``k . dk``)."""
@@ -75,15 +81,22 @@ if HAVE_TRITON:
         else:
             b_kc = b_k
         b_kc = tl.where(m_tk, b_kc, 0.0)
+        if LOWP:
+            b_kc = b_kc.to(k.dtype.element_ty)
+            if INTERP:
+                b_kc = b_kc.to(tl.float32)
         acc = tl.zeros([BT, BK], dtype=tl.float32)  # ddelta v_t, summed over V tiles
         base_d = i_bh.to(tl.int64) * K * V
         for i_v in range(0, tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
             b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                          other=0.0).to(tl.float32)
+                          other=0.0)
             b_d = tl.load(ddelta + base_d + o_k[:, None] * V + o_v[None, :],
-                          mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32
+                          mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
+            if INTERP or not LOWP:
+                b_v = b_v.to(tl.float32)
+                b_d = b_d.to(tl.float32)
             # transposed on chip: a strided re-read of the transposed tile from L2 used one
             # 4-byte word per 32-byte sector and was most of this kernel's time on an H200
             acc += tl.dot(b_v, tl.trans(b_d), input_precision=PREC)
@@ -114,10 +127,31 @@ if HAVE_TRITON:
                      mask=m_k)
 
 
-def _tiles(K: int, V: int):
-    """``(BK, BV, num_warps)``: all of K in one tile, V in tiles of at most ``BV_MAX``."""
+def _tiles(K: int, V: int, lowp: bool = False):
+    """``(BK, BV, num_warps)``: all of K in one tile, V in tiles of at most ``BV_MAX``
+    (``BV_MAX_LOWP`` for bf16 operands, whose tiles take half the registers).
+    ``FORGE_DIST_SUMBWD_TILES="BV,warps"`` overrides (for tuning sweeps)."""
     BK = max(16, next_pow2(K))
+    env = os.environ.get("FORGE_DIST_SUMBWD_TILES")
+    if env:
+        bv, warps = (int(x) for x in env.split(","))
+        return BK, bv, warps
+    if lowp:  # 8 warps: no spills at K = V = 128 for any gate (ptxas, sm_90)
+        return BK, min(BV_MAX_LOWP, max(16, next_pow2(V))), 8
     return BK, min(BV_MAX, max(16, next_pow2(V))), 8 if BK >= 256 else 4
+
+
+def low_precision_operands(dtype: torch.dtype) -> bool:
+    """bf16 ``k, v``: the products run on bf16 operands (``ddelta`` rounded to bf16, fp32
+    accumulation), as a chunk kernel's backward does with its state gradient.  3xTF32 on
+    fp32 operands cost ~6x the tensor-core time and made this kernel compute-bound (9.4 ms
+    of a rank's 13 ms forward+backward at 4 x 32K tokens, ``results/sp_profile_*``).  fp16
+    and fp32 keep fp32 operands (a state gradient may exceed fp16's range).
+    ``FORGE_DIST_SUMBWD_LOWP=0`` keeps fp32 operands for bf16 too."""
+    raw = os.environ.get("FORGE_DIST_SUMBWD_LOWP", "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"FORGE_DIST_SUMBWD_LOWP: expected 0 or 1, got {raw!r}")
+    return dtype == torch.bfloat16 and raw == "1"
 
 
 def _chunk_totals(x: Tensor, T: int) -> Tensor:
@@ -144,7 +178,8 @@ def decay_summary_backward_triton(k: Tensor, v: Tensor, g: Optional[Tensor],
     if ddelta is None:
         ddelta = torch.zeros(B, H, K, V, dtype=f32, device=k.device)
     k, v = k.contiguous(), v.contiguous()
-    ddelta = ddelta.to(f32).contiguous()
+    lowp = low_precision_operands(k.dtype)
+    ddelta = ddelta.to(k.dtype if lowp else f32).contiguous()
     NT = -(-T // CHUNK)
     gate = 0 if g is None else (1 if g.dim() == 3 else 2)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -158,10 +193,11 @@ def decay_summary_backward_triton(k: Tensor, v: Tensor, g: Optional[Tensor],
         p_chunk = torch.empty(totals.shape, dtype=f32, device=k.device)
     else:
         gf = r_after = dg_local = p_chunk = ddelta  # unread placeholders
-    BK, BV, warps = _tiles(K, V)
+    BK, BV, warps = _tiles(K, V, lowp)
     _decay_summary_bwd_kernel[(NT, B * H)](
         k, v, gf, r_after, ddelta, dk, dv, dg_local, p_chunk, T, H=H, K=K, V=V, BT=CHUNK,
-        BK=BK, BV=BV, GATE=gate, PREC=dot_precision(f32), num_warps=warps)
+        BK=BK, BV=BV, GATE=gate, PREC=dot_precision(f32), LOWP=lowp, INTERP=interpreting(),
+        num_warps=warps)
     if not gate:
         return dk, dv, None
     # k . dk of the earlier chunks (shifted cumsum of the chunk totals), then dM * M
@@ -180,10 +216,13 @@ def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16
     from ..runtime.programs import KernelSpec, tl_type
 
     io, f32 = "*" + tl_type(dtype), "*fp32"
-    BK, BV, warps = _tiles(K, V)
-    sig = (("k", io), ("v", io), ("g", f32), ("r_after", f32), ("ddelta", f32), ("dk", io),
+    lowp = dtype == torch.bfloat16
+    BK, BV, warps = _tiles(K, V, lowp)
+    sig = (("k", io), ("v", io), ("g", f32), ("r_after", f32), ("ddelta", io if lowp else f32),
+           ("dk", io),
            ("dv", io), ("dg_local", f32), ("p_chunk", f32), ("T", "i32"))
     return [KernelSpec("forge_dist.kernels.summary_backward:_decay_summary_bwd_kernel", sig,
                        (("H", H), ("K", K), ("V", V), ("BT", CHUNK), ("BK", BK), ("BV", BV),
-                        ("GATE", gate), ("PREC", "tf32x3")), warps, 1)
+                        ("GATE", gate), ("PREC", "tf32x3"), ("LOWP", lowp), ("INTERP", False)),
+                       warps, 1)
             for gate in (0, 1, 2)]

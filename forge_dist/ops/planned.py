@@ -8,8 +8,8 @@ against ~20 us for a plan (``scaling_benchmarks/results/launch_overhead_*``), wh
 inference and evaluation loops pay.
 
 Anything else (gradients, sequence parallelism, varlen, fp16 and fp64 inputs, non-contiguous
-tensors, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside the kernels' range) takes the
-general path, as does a call the planner refuses.  Plans are cached per CUDA stream (a
+tensors, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside the kernels' range, calls inside
+a CUDA graph capture) takes the general path, as does a call the planner refuses.  Plans are cached per CUDA stream (a
 plan's workspaces are reused by every run, so two streams must not share one).  ``FORGE_DIST_OPS_PLANS=0`` turns the
 short path off.  Results match the general path to fp32 rounding (both run the Triton
 kernels; the plan may split the sequence into segments differently), not bit for bit.
@@ -53,6 +53,10 @@ def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     if not all(t.is_contiguous() for t in tensors):
+        return False
+    # Inside a CUDA graph capture a new plan's workspaces would come from the graph's pool
+    # and then be reused by eager calls: the general path allocates per call instead.
+    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     if initial_state is not None and (initial_state.dtype != torch.float32
                                       or tuple(initial_state.shape) != state_shape):

@@ -93,11 +93,17 @@ def _forge_chain_kernel(
         got = dev.wait_ge(sig_ptr + pid, target, limit, USE_CLOCK)
         timed_out = got < target
         poisoned = got == target + 1
+        # The producer can run at most one call ahead only after this rank's credit, so a
+        # signal past ``target + 1`` means this call lagged past the bound and the slot may
+        # hold a later call's tile: never accept it.
+        ahead = got > target + 1
         if timed_out:
             dev.record_error(err_ptr, dev.ERR_RECV_TIMEOUT, prev_pe, pid, epoch)
         if poisoned:
             dev.record_error(err_ptr, dev.ERR_UPSTREAM, prev_pe, pid, epoch)
-        poison = (timed_out | poisoned).to(tl.int64)
+        if ahead:
+            dev.record_error(err_ptr, dev.ERR_AHEAD, prev_pe, pid, epoch)
+        poison = (got != target).to(tl.int64)
 
     if KIND == 3:
         # dense: BK covers all of K (M mixes rows).  y = M x + d is accumulated over row
@@ -154,14 +160,21 @@ def _forge_chain_kernel(
         if SEND:
             credit = dev.wait_ge(ack_ptr + pid, epoch - 1, limit, USE_CLOCK)
             if credit < epoch - 1:
+                # The slot may still be read by the lagging consumer: leave the data alone
+                # and send only the poisoned signal (a zero-byte put).  A consumer still
+                # on the previous call sees it as "ahead" and fails instead of reading on.
                 dev.record_error(err_ptr, dev.ERR_CREDIT_TIMEOUT, next_pe, pid, epoch)
-                poison = tl.full((), 1, tl.int64)
-            dev.put_tile_signal(recv_ptr + tile_base, send_ptr + tile_base, tile_offs, y,
-                                mask, nbytes, sig_ptr + pid, 2 * epoch + poison, next_pe, me,
-                                rank_stride, sig_rank_stride, TRANSPORT)
+                dev.set_remote_signal(sig_ptr + pid, 2 * epoch + 1, next_pe, me,
+                                      sig_rank_stride, TRANSPORT)
+            else:
+                dev.put_tile_signal(recv_ptr + tile_base, send_ptr + tile_base, tile_offs, y,
+                                    mask, nbytes, sig_ptr + pid, 2 * epoch + poison, next_pe,
+                                    me, rank_stride, sig_rank_stride, TRANSPORT)
             dev.quiet(TRANSPORT)
 
-    # The last program to finish publishes this call's epoch for the next launch.
+    # The last program to finish publishes this call's epoch for the next launch.  The
+    # barrier keeps every thread's reads of the counter and puts ahead of the count.
+    tl.debug_barrier()
     done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel")
     if done == tl.num_programs(0) - 1:
         tl.store(counter_ptr, epoch)
@@ -307,8 +320,12 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
 
 
 def flush(wait: bool = True) -> None:
-    """Raise :class:`StatePassTimeout` if a finished forge call left an error (lazy mode)."""
-    for ch in _CHANNELS.values():
+    """Raise :class:`StatePassTimeout` if a finished forge call left an error (lazy mode).
+
+    Channels dropped by :func:`reset` are read too when a CUDA graph captured on them may
+    still be replayed (a replay keeps the channels it was captured with)."""
+    live = list(_CHANNELS.values())
+    for ch in live + [c for c in _RETIRED if c.captured]:
         ch.poll(-1, "a state tile", p2p.timeout_seconds(), p2p.StatePassTimeout, wait=wait)
 
 
@@ -323,13 +340,15 @@ def reset(group=None) -> None:
     rank of the group (the next call's allocation is a collective, like any first call),
     after the ranks have agreed to go on (for example with a barrier on a fresh process
     group).  Pending error records are dropped; the old symmetric buffers stay allocated, so
-    a peer's late put lands in memory nobody reads.
+    a peer's late put lands in memory nobody reads.  A CUDA graph captured before the reset
+    still replays on the old channels; :func:`flush` keeps reading their error flags.
     """
     name = None if group is None else (getattr(group, "group_name", None) or id(group))
     for key in list(_CHANNELS):
         if name is None or key[-1] == name:
             ch = _CHANNELS.pop(key)
             ch._err_event = None
+            ch.err.zero_()  # the records of calls before the reset are dropped, not re-raised
             _RETIRED.append(ch)
 
 

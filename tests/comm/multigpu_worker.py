@@ -55,7 +55,9 @@ def check(name):
 
 
 def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    """Relative error; a NaN or inf anywhere reads as inf, so ``max`` and ``>`` catch it."""
+    e = float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    return e if e == e else float("inf")
 
 
 def summaries(kind, P, B, H, K, V, seed, device):

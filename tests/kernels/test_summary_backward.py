@@ -108,3 +108,18 @@ def test_summary_backward_compiles_for_hopper(tmp_path):
     kernels = json.loads((tmp_path / "cache" / "manifest.json").read_text())["kernels"]
     for entry in kernels.values():
         assert 0 < entry["shared"] <= 232448 // 2, entry
+
+
+@pytest.mark.parametrize("gate", [None, "scalar", "vector"])
+def test_summary_backward_bf16_operands(gate):
+    """bf16 k, v take the bf16-operand path (ddelta rounded to bf16, fp32 accumulation):
+    errors at bf16 rounding against the fp64 autograd reference, at a small shape."""
+    from forge_dist.kernels.summary_backward import low_precision_operands
+
+    assert low_precision_operands(torch.bfloat16) and not low_precision_operands(torch.float16)
+    k, v, g, ddelta, dM = inputs(1, CHUNK + 9, 2, 32, 32, gate, seed=3, dtype=torch.bfloat16)
+    got = decay_summary_backward_triton(k, v, g, ddelta, dM)
+    want = autograd_reference(k, v, g, ddelta, dM)
+    for a, w in zip(got, want):
+        assert a.dtype in (torch.bfloat16, torch.float32)
+        assert rel(a, w) < 1e-2, rel(a, w)

@@ -110,3 +110,43 @@ def test_after_a_timeout_a_fresh_world_is_correct_and_the_failed_one_stays_faile
     got = [_fwd(fresh, r, Ms, ds, S0) for r in range(P)]
     for g, w in zip(got, _fold(Ms, ds, S0)):
         assert torch.equal(g, w)
+
+
+def test_consumer_that_lags_past_the_bound_never_takes_a_later_calls_tile():
+    """Rank 0 makes calls 1 and 2 before rank 1 makes call 1.  Call 2's credit wait runs out
+    (rank 1 has not read call 1's tile), so rank 0 reports it and sends only the poisoned
+    signal of call 2, leaving call 1's tile in place.  Rank 1's call 1 then sees a signal of a
+    later call and fails with NaN instead of returning either call's tile as its own."""
+    P = 2
+    world = SimWorld(P)
+    Ms, ds, S0 = _data(P)
+    _fwd(world, 0, Ms, ds, S0)  # call 1: tile sent
+    S0_next = torch.randn_like(S0)
+    with pytest.raises(StatePassTimeout,
+                       match=r"rank 0 gave up after [\d.]+s waiting for rank 1 to free its "
+                             r"receive slot for the incoming state tile 0 \(call 2\)"):
+        _fwd(world, 0, Ms, ds, S0_next)
+    slot = _channel(world, "fwd", 1).recv.clone()
+    with pytest.raises(StatePassTimeout,
+                       match=r"rank 1: the signal of the incoming state tile 0 from rank 0 "
+                             r"already belongs to a later call than this one \(call 1\)"):
+        _fwd(world, 1, Ms, ds, S0)
+    # the poisoned signal carried no data: call 1's tile is where it was
+    assert torch.equal(_channel(world, "fwd", 1).recv, slot)
+
+
+def test_lagging_consumer_gets_nan_not_a_tile():
+    """The same lag, seen through the output: every element of the stale call's S_in is NaN,
+    and the failed call still counts on the channel (the epochs stay in step)."""
+    P = 2
+    world = SimWorld(P)
+    Ms, ds, S0 = _data(P)
+    _fwd(world, 0, Ms, ds, S0)
+    with pytest.raises(StatePassTimeout):
+        _fwd(world, 0, Ms, ds, torch.randn_like(S0))
+    S_in = torch.full_like(S0, 7.0)
+    with pytest.raises(StatePassTimeout):
+        forge._run_chain(forge._Where(world[1]), "fwd", Kind.SCALAR, None, None, ds[1], S_in,
+                         None, forge._SRC_RECV, False, 0, -1, transpose=False)
+    assert torch.isnan(S_in).all()
+    assert int(_channel(world, "fwd", 1).counter[0]) == 1
