@@ -81,7 +81,6 @@ def copy_bandwidth(device):
     a = torch.empty(n, dtype=torch.float32, device=device)
     b = torch.empty_like(a)
     ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200)
-    del a, b
     return 2 * n * 4 / (ms * 1e-3)
 
 
