@@ -34,7 +34,7 @@ CHUNK = 64
 #: Widest V tile (the fp32 ddelta tiles and their 3xTF32 splits live in shared memory).
 BV_MAX = 32
 #: Widest V tile with bf16 operands.
-BV_MAX_LOWP = 64
+BV_MAX_LOWP = 32
 
 if HAVE_TRITON:
 
@@ -110,6 +110,11 @@ if HAVE_TRITON:
         else:
             b_dk = acc
         tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        if GATE != 0:
+            # k again (an L1/L2 hit) rather than an fp32 copy held live through the V loop,
+            # which cost registers and a third of the scalar-gate kernel's speed
+            b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk,
+                          other=0.0).to(tl.float32)
         # sum over t < s inside the chunk as a masked sum (cumsum(p) - p would cancel)
         before_s = o_i[:, None] > o_i[None, :]  # [s, t]
         if GATE == 1:
@@ -136,8 +141,8 @@ def _tiles(K: int, V: int, lowp: bool = False):
     if env:
         bv, warps = (int(x) for x in env.split(","))
         return BK, bv, warps
-    if lowp:  # 8 warps: no spills at K = V = 128 for any gate (ptxas, sm_90)
-        return BK, min(BV_MAX_LOWP, max(16, next_pow2(V))), 8
+    if lowp:  # fastest of 32/64/128 x 4/8 warps on an H200 (results/summary_backward_*)
+        return BK, min(BV_MAX_LOWP, max(16, next_pow2(V))), 4
     return BK, min(BV_MAX, max(16, next_pow2(V))), 8 if BK >= 256 else 4
 
 
@@ -200,13 +205,25 @@ def decay_summary_backward_triton(k: Tensor, v: Tensor, g: Optional[Tensor],
         num_warps=warps)
     if not gate:
         return dk, dv, None
-    # k . dk of the earlier chunks (shifted cumsum of the chunk totals), then dM * M
-    before = torch.cat([torch.zeros_like(p_chunk[:, :1]), torch.cumsum(p_chunk, 1)[:, :-1]], 1)
-    dg = dg_local + before.repeat_interleave(CHUNK, dim=1)[:, :T]
+    # What each chunk's tokens add to dg: k . dk of the earlier chunks (a shifted cumsum of
+    # the chunk totals) and dM * M.  Added in place, broadcast over the chunk's tokens: a
+    # materialised [B, T, H, K] fp32 copy per term cost ~5 ms for gla at 4 x 32K tokens.
+    per_chunk = torch.cat([torch.zeros_like(p_chunk[:, :1]), torch.cumsum(p_chunk, 1)[:, :-1]],
+                          1)
     if dM is not None:
         total = totals.sum(dim=1)  # [B, H(, K)]
-        dg = dg + (dM.to(f32).reshape(total.shape) * total.exp())[:, None]
-    return dk, dv, dg.to(g.dtype)
+        per_chunk += (dM.to(f32).reshape(total.shape) * total.exp())[:, None]
+    _add_per_chunk_(dg_local, per_chunk, T)
+    return dk, dv, dg_local.to(g.dtype)
+
+
+def _add_per_chunk_(x: Tensor, per_chunk: Tensor, T: int) -> None:
+    """``x [B, T, ...] += per_chunk [B, NT, ...]``, each chunk's value on its CHUNK tokens."""
+    full = T // CHUNK
+    if full:
+        x[:, :full * CHUNK].unflatten(1, (full, CHUNK)).add_(per_chunk[:, :full, None])
+    if T % CHUNK:
+        x[:, full * CHUNK:].add_(per_chunk[:, full:full + 1])
 
 
 def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16, *,
