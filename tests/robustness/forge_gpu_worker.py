@@ -17,6 +17,8 @@ Checks, in this order:
   waiting neighbour raises ``StatePassTimeout`` naming itself, the peer, a tile and the call
   within the bound (2 s + slack); then every rank calls ``forge.reset()`` and the next call
   is correct again;
+* ``lag``: rank 1 makes its call 2 only after rank 0's call 3 gave up waiting for its
+  credit; rank 1 must raise (the signal is a later call's), not take a tile;
 * ``crash``: the last rank writes its report and exits in the middle of the job (before
   its backward); rank P-2 names it within the bound.  Nothing runs after this check.
 """
@@ -287,6 +289,30 @@ def stall_fwd(group, device):
     return result
 
 
+def lag(group, device):
+    """Rank 1 falls more than the bound behind: rank 0 makes calls 2 and 3 first.  Call 3's
+    credit wait runs out (rank 0 names rank 1); rank 1's late call 2 then finds a later
+    call's signal and must fail ("already belongs to a later call"), never return a tile."""
+    r = dist.get_rank(group)
+    _fwd(group, device)  # call 1 on every rank (allocates the channel)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    if r == 0:
+        _fwd(group, device)  # call 2: its credit (call 1's) is there
+        took, msg = _expect_timeout(lambda: _fwd(group, device),
+                                    ["rank 0 gave up", "rank 1 to free its receive slot"])
+        result = f"call 3 raised after {took:.2f}s: {msg}"
+    dist.barrier(group)  # rank 1 wakes only after rank 0's call 3 gave up
+    if r == 1:
+        took, msg = _expect_timeout(lambda: _fwd(group, device),
+                                    ["rank 1", "from rank 0", "already belongs to a later call"])
+        result = f"late call 2 raised after {took:.2f}s: {msg}"
+    elif r > 1:
+        took, msg = _expect_timeout(lambda: _fwd(group, device), [f"rank {r}"])
+        result = f"raised after {took:.2f}s: {msg}"
+    return result
+
+
 def _backward_after_a_good_one(group, device):
     """One good backward chain on every rank (it allocates the channel, a collective), then
     the function that makes the next one."""
@@ -395,6 +421,7 @@ def main():
         check("stall_fwd")(_then_recover(stall_fwd))(group, device)
         check("stall_bwd")(_then_recover(stall_bwd))(group, device)
         check("cut_mid_stream")(_then_recover(cut_mid_stream))(group, device)
+        check("lag")(_then_recover(lag))(group, device)
         check("crash")(crash)(group, device, out_dir)
     _write(out_dir, dist.get_rank())
     os._exit(0)  # no teardown: a peer is gone and NVSHMEM's finalize would wait for it

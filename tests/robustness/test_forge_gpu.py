@@ -16,7 +16,7 @@ from tests.torchrun_workers import ROOT, run_workers
 
 WORLD = 2
 CHECKS = ["available", "load", "determinism", "stall_fwd", "stall_bwd", "cut_mid_stream",
-          "crash"]
+          "lag", "crash"]
 
 pytestmark = [pytest.mark.multigpu,
               pytest.mark.skipif(torch.cuda.device_count() < WORLD,
