@@ -9,6 +9,10 @@ gate) at T in {1K, 2K, 4K, 8K} through:
 * ``static``   -- the same plan through the static dispatcher (AOT cubins, cuda.bindings);
 * ``static_ctypes`` -- the static dispatcher over libcuda through ctypes;
 * ``static_ctypes_out`` -- the same with a preallocated output (``run(..., out=o)``);
+* ``static_bound`` -- the static plan bound to fixed buffers once (``plan.bind``), then
+  called: no per-call checks or packing, only the driver launches;
+* ``raw_launch`` -- the floor of any Python-issued launch: the plan's one cubin launched by
+  a bare ``cuLaunchKernel`` through ctypes with its parameters packed beforehand;
 * ``graph``    -- a CUDA graph of the static plan's run, replayed;
 * ``kernel``   -- GPU time alone (CUDA events around the graph replay of the launches).
 
@@ -39,7 +43,8 @@ from scaling_benchmarks import results_io  # noqa: E402
 
 B, H, K, V = 1, 32, 128, 128
 T_ALL = (1024, 2048, 4096, 8192)
-PATHS = ("ops", "jit", "static", "static_ctypes", "static_ctypes_out", "graph", "kernel")
+PATHS = ("ops", "jit", "static", "static_ctypes", "static_ctypes_out", "static_bound",
+         "raw_launch", "graph", "kernel")
 
 
 def make_inputs(T, device):
@@ -173,6 +178,17 @@ def main(argv=None) -> int:
                     fn = lambda: pl.run(q, k, v, g, out=o_buf)  # noqa: E731
                 else:
                     fn = lambda: pl.run(q, k, v, g)  # noqa: E731
+            elif path in ("static_bound", "raw_launch"):
+                pl = plans[(T, "static_ctypes_out")]
+                bound = pl.bind(q, k, v, g)
+                fn = bound
+                if path == "raw_launch":
+                    if len(bound._steps) != 1 or type(bound._steps[0][1]) is not tuple:
+                        raise RuntimeError("raw_launch needs a plan of one cubin launch")
+                    launch, head, pack = bound._steps[0]
+                    stream = pl.finish_exec.stream()
+                    args = (*head, stream, pack.params_address)
+                    fn = lambda: launch(*args)  # noqa: E731
             else:  # graph / kernel: replay a graph of the static plan's run
                 pl = (plans.get((T, "static")) or plans.get((T, "static_ctypes"))
                       or plan("simple_gla", backend="static", cache_dir=cache_dir, **common))

@@ -115,6 +115,39 @@ class _Exec:
             launch(**call, **kw)
 
 
+class BoundRun:
+    """A plan's launches bound to fixed buffers (:meth:`Plan.bind`); call it to launch."""
+
+    def __init__(self, exe: "_Exec", tensors: Dict[str, Tensor], outputs):
+        self._tensors = tensors  # keeps the bound buffers alive
+        self.outputs = outputs
+        ptrs = {n: t.data_ptr() for n, t in tensors.items()}
+        steps = []
+        for i, (launch, args, kw) in enumerate(exe._jit_calls):
+            b = exe.bound[i]
+            if b is not None:
+                # each bound launch keeps its own packed copy (a plan's packs are shared
+                # with its run()), so run() between calls cannot change what we launch
+                pack = type(b.pack)(b.pack.types)
+                pack.pack(b.values(ptrs))
+                steps.append((b.driver.launch, (b.fn, b.grid, b.block_x, b.shared), pack))
+            else:
+                call = {name: (tensors[value] if value in tensors else exe.workspaces[value])
+                        if kind == "buf" else value for name, kind, value in args}
+                steps.append((launch, call, kw))
+        self._steps = steps
+        self._stream = exe.stream
+
+    def __call__(self):
+        """Launch on the current stream; returns ``outputs``."""
+        for fn, a, b in self._steps:
+            if type(a) is tuple:
+                fn(*a, self._stream(), b.params_address)
+            else:
+                fn(**a, **b)
+        return self.outputs
+
+
 class Plan:
     """A planned op call; make one with :func:`plan`."""
 
@@ -181,6 +214,49 @@ class Plan:
         return self._run_sp(tensors, initial_state, o)
 
     __call__ = run
+
+    def bind(self, *inputs: Tensor, initial_state: Optional[Tensor] = None,
+             out: Optional[Tensor] = None, final_state: Optional[Tensor] = None) -> "BoundRun":
+        """Check these buffers once and return a call that launches on them: ``BoundRun()``.
+
+        For loops that keep their tensors and refill them in place (decoding, evaluation,
+        benchmarks), as a CUDA graph would, without a capture: each call packs nothing
+        and only launches the plan's kernels on the current stream (cubins through the driver;
+        a launch without a cubin goes through the JIT).  Single-device plans; a
+        sequence-parallel plan is replayed through a CUDA graph instead.
+
+        Args: as :meth:`run`; ``out`` ``[B, T, H, V]`` and ``final_state`` (the plan's
+        state shape, fp32) are allocated here when not given.  The returned object keeps
+        every tensor alive; ``BoundRun.outputs`` is ``(o, final_state or None)``.
+        """
+        if self.size != 1:
+            raise PlanError("bind: single-device plans only (capture a sequence-parallel "
+                            "plan's run in a CUDA graph to replay it)")
+        if self.backend == "torch":
+            raise PlanError("bind: the torch backend has no launches to bind; use run()")
+        if len(inputs) != len(self.input_names):
+            raise PlanError(f"bind: expected {len(self.input_names)} inputs "
+                            f"({', '.join(self.input_names)}), got {len(inputs)}")
+        tensors: Dict[str, Tensor] = {}
+        for n, t in zip(self.input_names, inputs):
+            self._check(n, t, self.shapes[n], self.dtypes[n])
+            tensors[n] = t
+        if self.initial_state != (initial_state is not None):
+            raise PlanError(f"initial_state: the plan was made with "
+                            f"initial_state={self.initial_state}")
+        if initial_state is not None:
+            self._check("initial_state", initial_state, self.state_shape, torch.float32)
+            tensors["h0"] = initial_state
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        self._check("out", out, self.out_shape, self.out_dtype)
+        if final_state is None:
+            final_state = (torch.empty(self.ht_shape, dtype=torch.float32, device=self.device)
+                           if self.output_final_state else self._ht_scratch)
+        self._check("final_state", final_state, tuple(self.ht_shape), torch.float32)
+        tensors["o"], tensors["ht"] = out, final_state
+        return BoundRun(self.finish_exec, tensors,
+                        (out, final_state if self.output_final_state else None))
 
     def _run_local(self, tensors, h0, o):
         if self.output_final_state:

@@ -1,7 +1,7 @@
 """Static dispatcher and plans on real GPUs (skipped without them).
 
 * ``gpu``: every variant's static plan (AOT cubins through the CUDA driver) equals the same
-  plan through Triton's JIT; a CUDA graph of a static plan replays correctly with inputs
+  plan through Triton's JIT, and so does its bound run (``plan.bind``); a CUDA graph of a static plan replays correctly with inputs
   changing between replays; both driver bindings (cuda.bindings, ctypes) work.
 * ``multigpu``: 1000 CUDA-graph replays of a 2-rank forge step (forge_graph_worker.py under
   torchrun), each with different inputs than the one before, all correct; then 1000 more
@@ -83,6 +83,29 @@ def test_static_equals_jit(cache_dir, op, execution):
     assert _rel(os_, oj) < 1e-3 and _rel(hs, hj) < 1e-4
     ro, rh = ps._run_torch(dict(zip(ps.input_names, [t.float() for t in x])), None)
     assert _rel(os_, ro) < 5e-3 and _rel(hs, rh) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,execution", [("simple_gla", "fused"), ("gla", None)])
+def test_bound_static_run_equals_run(cache_dir, op, execution):
+    """``plan.bind`` on the static backend launches the same cubins as ``run``; refilled
+    inputs give the new result."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the AOT config targets sm_90")
+    p = _plan(op, execution, "static", cache_dir)
+    x1, x2 = _inputs(op, seed=1), _inputs(op, seed=2)
+    bufs = [t.clone() for t in x1]
+    bound = p.bind(*bufs)
+    o, h = bound()
+    r1 = p.run(*x1)
+    torch.cuda.synchronize()
+    assert torch.equal(o, r1[0]) and torch.equal(h, r1[1])
+    for b, t in zip(bufs, x2):
+        b.copy_(t)
+    o, h = bound()
+    r2 = p.run(*x2)
+    torch.cuda.synchronize()
+    assert torch.equal(o, r2[0]) and torch.equal(h, r2[1])
 
 
 @pytest.mark.gpu

@@ -73,6 +73,58 @@ def test_plan_matches_kernels_and_reference(op, execution, h0):
     assert _rel(o, ro) < 1e-5 and _rel(ht, rh) < 1e-5
 
 
+@pytest.mark.parametrize("op", ["simple_gla", "hgrn"])
+def test_bound_run_follows_its_buffers(op):
+    """``plan.bind(...)`` checks once and launches on the bound buffers: equal to ``run``,
+    and after the inputs are refilled in place the next call follows the new values."""
+    first, second = _inputs(op, seed=1), _inputs(op, seed=2)
+    if op == "hgrn":
+        p = plan(op, B=B, T=T, D=40, dtype=torch.float32, device="cpu", initial_state=True,
+                 output_final_state=True)
+        h0 = torch.randn(B, 40)
+    else:
+        p = plan(op, B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+                 initial_state=True, output_final_state=True)
+        h0 = torch.randn(B, H, K, V)
+    names = p.input_names
+    bufs = [first[n].clone() for n in names]
+    h0_buf = h0.clone()
+    bound = p.bind(*bufs, initial_state=h0_buf)
+    o, ht = bound()
+    want = p.run(*[first[n] for n in names], initial_state=h0)
+    assert torch.equal(o, want[0]) and torch.equal(ht, want[1])
+    for buf, n in zip(bufs, names):
+        buf.copy_(second[n])
+    h0_buf.mul_(-1)
+    o2, ht2 = bound()
+    assert o2 is o  # the bound output buffer, rewritten
+    want2 = p.run(*[second[n] for n in names], initial_state=-h0)
+    assert torch.equal(o2, want2[0]) and torch.equal(ht2, want2[1])
+
+
+def test_bind_errors():
+    inp = _inputs("simple_gla")
+    p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
+    q, k, v, g = (inp[n] for n in p.input_names)
+    with pytest.raises(PlanError, match=r"bind: expected 4 inputs"):
+        p.bind(q, k, v)
+    with pytest.raises(PlanError, match=r"k: the plan was made for shape"):
+        p.bind(q, k[:, :10], v, g)
+    with pytest.raises(PlanError, match=r"initial_state: the plan was made with "
+                                        r"initial_state=False"):
+        p.bind(q, k, v, g, initial_state=torch.zeros(B, H, K, V))
+    with pytest.raises(PlanError, match=r"out: the plan was made for dtype"):
+        p.bind(q, k, v, g, out=torch.empty(B, T, H, V, dtype=torch.float64))
+    sp = plan("simple_gla", B=B, T=64, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+              group=SimWorld(2)[0], strategy="forge")
+    with pytest.raises(PlanError, match=r"bind: single-device plans only"):
+        sp.bind(*[t[:, :64].contiguous() for t in (q, k, v, g)])
+    tp = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+              backend="torch")
+    with pytest.raises(PlanError, match=r"torch backend"):
+        tp.bind(q, k, v, g)
+
+
 def test_torch_backend_matches_ops():
     inp = _inputs("simple_gla")
     p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
