@@ -43,7 +43,7 @@ if HAVE_TRITON:
                                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                   GATE: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-                                  INTERP: tl.constexpr = False):
+                                  INTERP: tl.constexpr = False, ACC: tl.constexpr = False):
         """``GATE``: 0 no decay, 1 scalar ``g [B, T, H]``, 2 per channel ``g [B, T, H, K]``.
         ``LOWP``: ``ddelta`` arrives in ``k``'s dtype (bf16) and the two products over ``V``
         run on bf16 operands with fp32 accumulation; otherwise fp32 operands at ``PREC``.
@@ -101,15 +101,23 @@ if HAVE_TRITON:
             # 4-byte word per 32-byte sector and was most of this kernel's time on an H200
             acc += tl.dot(b_v, tl.trans(b_d), input_precision=PREC)
             b_dv = tl.dot(b_kc, b_d, input_precision=PREC)
-            tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
-                     mask=m_t[:, None] & m_v[None, :])
+            p_dv = dv + rows[:, None] * V + o_v[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            if ACC:
+                b_dv += tl.load(p_dv, mask=m_tv, other=0.0).to(tl.float32)
+            tl.store(p_dv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
         if GATE == 1:
             b_dk = acc * b_c[:, None]
         elif GATE == 2:
             b_dk = acc * b_c
         else:
             b_dk = acc
-        tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        p_dk = dk + rows[:, None] * K + o_k[None, :]
+        if ACC:
+            tl.store(p_dk, (b_dk + tl.load(p_dk, mask=m_tk, other=0.0).to(tl.float32)).to(
+                dk.dtype.element_ty), mask=m_tk)
+        else:
+            tl.store(p_dk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
         if GATE != 0:
             # k again (an L1/L2 hit) rather than an fp32 copy held live through the V loop,
             # which cost registers and a third of the scalar-gate kernel's speed
@@ -120,14 +128,19 @@ if HAVE_TRITON:
         if GATE == 1:
             p = tl.sum(b_k * b_dk, axis=1)  # [BT]
             p = tl.where(m_t, p, 0.0)
-            tl.store(dg_local + rows, tl.sum(tl.where(before_s, p[None, :], 0.0), axis=1),
-                     mask=m_t)
+            b_dgl = tl.sum(tl.where(before_s, p[None, :], 0.0), axis=1)
+            if ACC:
+                b_dgl += tl.load(dg_local + rows, mask=m_t, other=0.0)
+            tl.store(dg_local + rows, b_dgl, mask=m_t)
             tl.store(p_chunk + (i_b * NT + i_t) * H + i_h, tl.sum(p, axis=0))
         elif GATE == 2:
             p = tl.where(m_tk, b_k * b_dk, 0.0)  # [BT, BK]
             b_lower = tl.where(before_s, 1.0, 0.0)
-            tl.store(dg_local + rows[:, None] * K + o_k[None, :],
-                     tl.dot(b_lower, p, input_precision=PREC), mask=m_tk)
+            b_dgl = tl.dot(b_lower, p, input_precision=PREC)
+            if ACC:
+                b_dgl += tl.load(dg_local + rows[:, None] * K + o_k[None, :], mask=m_tk,
+                                 other=0.0)
+            tl.store(dg_local + rows[:, None] * K + o_k[None, :], b_dgl, mask=m_tk)
             tl.store(p_chunk + ((i_b * NT + i_t) * H + i_h) * K + o_k, tl.sum(p, axis=0),
                      mask=m_k)
 
@@ -168,14 +181,35 @@ def _chunk_totals(x: Tensor, T: int) -> Tensor:
     return x.reshape((x.shape[0], NT, CHUNK) + tuple(x.shape[2:])).sum(dim=2)
 
 
+def accumulable(grads, k: Tensor, v: Tensor, g: Optional[Tensor]) -> bool:
+    """Whether ``grads = (dk, dv, dg)`` (the finish's) can take this backward's gradients
+    in place: contiguous, of ``k``'s / ``v``'s shape and dtype, ``dg`` fp32 of ``g``'s
+    shape (or both ``None``)."""
+    if grads is None:
+        return False
+    dk, dv, dg = grads
+    ok = all(isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype
+             and a.device == b.device and a.is_contiguous() for a, b in ((dk, k), (dv, v)))
+    if g is None:
+        return ok and dg is None
+    return (ok and isinstance(dg, Tensor) and dg.shape == g.shape
+            and dg.dtype == torch.float32 and dg.is_contiguous())
+
+
 def decay_summary_backward_triton(k: Tensor, v: Tensor, g: Optional[Tensor],
-                                  ddelta: Optional[Tensor], dM: Optional[Tensor]):
+                                  ddelta: Optional[Tensor], dM: Optional[Tensor],
+                                  accumulate_into=None):
     """The closed-form summary backward on the GPU (or the interpreter).
 
     Args: ``k [B, T, H, K]``, ``v [B, T, H, V]``, ``g`` ``[B, T, H]``, ``[B, T, H, K]`` or
     ``None``, ``ddelta [B, H, K, V]`` or ``None``, ``dM`` ``[B, H]`` / ``[B, H, K]`` or
     ``None``.  Returns ``(dk, dv, dg)`` in the dtypes of ``k, v, g`` (``dg`` ``None``
     without ``g``).
+
+    ``accumulate_into``: ``(dk, dv, dg)`` that already hold other gradients of the same
+    tensors (the finish's, see :func:`accumulable`): the kernel adds into them in place,
+    which saves the separate ``+`` autograd would run over ``[B, T, H, K]``, and returns
+    them.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -187,14 +221,20 @@ def decay_summary_backward_triton(k: Tensor, v: Tensor, g: Optional[Tensor],
     ddelta = ddelta.to(k.dtype if lowp else f32).contiguous()
     NT = -(-T // CHUNK)
     gate = 0 if g is None else (1 if g.dim() == 3 else 2)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    acc = accumulable(accumulate_into, k, v, g)
+    if accumulate_into is not None and not acc:
+        raise ValueError("decay_summary_backward_triton: accumulate_into does not match k, v, "
+                         "g (see accumulable())")
+    dk, dv = (accumulate_into[0], accumulate_into[1]) if acc else (torch.empty_like(k),
+                                                                   torch.empty_like(v))
     if gate:
         gf = g.to(f32).contiguous()
         totals = _chunk_totals(gf, T)  # [B, NT, H(, K)]
         # decay of the chunks after chunk i: sum over j > i (shifted reverse cumsum)
         rev = torch.flip(torch.cumsum(torch.flip(totals, [1]), 1), [1])
         r_after = torch.cat([rev[:, 1:], torch.zeros_like(rev[:, :1])], 1).contiguous()
-        dg_local = torch.empty(gf.shape, dtype=f32, device=k.device)
+        dg_local = (accumulate_into[2] if acc
+                    else torch.empty(gf.shape, dtype=f32, device=k.device))
         p_chunk = torch.empty(totals.shape, dtype=f32, device=k.device)
     else:
         gf = r_after = dg_local = p_chunk = ddelta  # unread placeholders
@@ -202,7 +242,7 @@ def decay_summary_backward_triton(k: Tensor, v: Tensor, g: Optional[Tensor],
     _decay_summary_bwd_kernel[(NT, B * H)](
         k, v, gf, r_after, ddelta, dk, dv, dg_local, p_chunk, T, H=H, K=K, V=V, BT=CHUNK,
         BK=BK, BV=BV, GATE=gate, PREC=dot_precision(f32), LOWP=lowp, INTERP=interpreting(),
-        num_warps=warps)
+        ACC=acc, num_warps=warps)
     if not gate:
         return dk, dv, None
     # What each chunk's tokens add to dg: k . dk of the earlier chunks (a shifted cumsum of
@@ -214,7 +254,7 @@ def decay_summary_backward_triton(k: Tensor, v: Tensor, g: Optional[Tensor],
         total = totals.sum(dim=1)  # [B, H(, K)]
         per_chunk += (dM.to(f32).reshape(total.shape) * total.exp())[:, None]
     _add_per_chunk_(dg_local, per_chunk, T)
-    return dk, dv, dg_local.to(g.dtype)
+    return dk, dv, dg_local if acc else dg_local.to(g.dtype)
 
 
 def _add_per_chunk_(x: Tensor, per_chunk: Tensor, T: int) -> None:
@@ -240,6 +280,7 @@ def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16
            ("dv", io), ("dg_local", f32), ("p_chunk", f32), ("T", "i32"))
     return [KernelSpec("forge_dist.kernels.summary_backward:_decay_summary_bwd_kernel", sig,
                        (("H", H), ("K", K), ("V", V), ("BT", CHUNK), ("BK", BK), ("BV", BV),
-                        ("GATE", gate), ("PREC", "tf32x3"), ("LOWP", lowp), ("INTERP", False)),
+                        ("GATE", gate), ("PREC", "tf32x3"), ("LOWP", lowp), ("INTERP", False),
+                        ("ACC", False)),
                        warps, 1)
             for gate in (0, 1, 2)]

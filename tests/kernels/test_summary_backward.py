@@ -123,3 +123,70 @@ def test_summary_backward_bf16_operands(gate):
     for a, w in zip(got, want):
         assert a.dtype in (torch.bfloat16, torch.float32)
         assert rel(a, w) < 1e-2, rel(a, w)
+
+
+@pytest.mark.parametrize("gate", [None, "scalar", "vector"])
+def test_summary_backward_accumulates_into_given_gradients(gate):
+    """``accumulate_into``: the kernel adds into the finish's gradients in place, giving
+    exactly what the separate sum would."""
+    k, v, g, ddelta, dM = inputs(1, 2 * CHUNK + 7, 2, 16, 24, gate, seed=11)
+    plain = decay_summary_backward_triton(k, v, g, ddelta, dM)
+    base = [torch.randn_like(k), torch.randn_like(v),
+            None if g is None else torch.randn_like(g)]
+    into = [None if t is None else t.clone() for t in base]
+    got = decay_summary_backward_triton(k, v, g, ddelta, dM, accumulate_into=into)
+    for a, t, p, b in zip(got, into, plain, base):
+        if b is None:
+            assert a is None
+            continue
+        assert a is t  # the given tensor, updated in place
+        torch.testing.assert_close(a, b + p, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="accumulate_into does not match"):
+        decay_summary_backward_triton(k, v, g, ddelta, dM,
+                                      accumulate_into=[base[0].double(), base[1], base[2]])
+
+
+@pytest.mark.parametrize("variant", ["linear_attn", "simple_gla", "gla"])
+def test_work_backward_fuses_the_summary_gradients_into_the_finish_ones(variant, monkeypatch):
+    """A work whose summary and finish both reach the loss (what a rank of a sequence-
+    parallel call does): the summary's backward adds into the finish's k, v, g gradients
+    instead of returning its own, and the input gradients equal the unfused ones."""
+    from forge_dist import kernels
+    from forge_dist.kernels import summary_backward as sb
+
+    gen = torch.Generator().manual_seed(4)
+    B, T, H, K, V = 1, CHUNK + 20, 2, 16, 16
+    base = {"q": torch.randn(B, T, H, K, generator=gen), "k": torch.randn(B, T, H, K, generator=gen),
+            "v": torch.randn(B, T, H, V, generator=gen), "g": None}
+    if variant == "simple_gla":
+        base["g"] = -torch.rand(B, T, H, generator=gen) * 0.3
+    elif variant == "gla":
+        base["g"] = -torch.rand(B, T, H, K, generator=gen) * 0.3
+    S_in = torch.randn(B, H, K, V, generator=gen)
+    w_o, w_d = torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen)
+    calls = []
+    real = sb.decay_summary_backward_triton
+
+    def spy(*a, accumulate_into=None, **kw):
+        calls.append(accumulate_into is not None)
+        return real(*a, accumulate_into=accumulate_into, **kw)
+
+    monkeypatch.setattr(sb, "decay_summary_backward_triton", spy)
+
+    def grads(fuse):
+        leaves = {n: None if t is None else t.clone().requires_grad_() for n, t in base.items()}
+        work = kernels.make_work(variant, leaves, None, variant != "linear_attn")
+        delta, M = work.summary(variant != "linear_attn")
+        if not fuse:
+            work._fuse_grads = False
+        o, _ = work.finish(S_in)
+        loss = (o * w_o).sum() + (delta * w_d).sum() + (0 if M is None else M.sum())
+        loss.backward()
+        return [t.grad for t in leaves.values() if t is not None]
+
+    fused = grads(True)
+    assert calls == [True], calls
+    plain = grads(False)
+    assert calls == [True, False], calls
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
