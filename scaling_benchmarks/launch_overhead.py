@@ -187,8 +187,8 @@ def main(argv=None) -> int:
                         raise RuntimeError("raw_launch needs a plan of one cubin launch")
                     launch, head, pack = bound._steps[0]
                     stream = pl.finish_exec.stream()
-                    args = (*head, stream, pack.params_address)
-                    fn = lambda: launch(*args)  # noqa: E731
+                    launch_args = (*head, stream, pack.params_address)
+                    fn = lambda: launch(*launch_args)  # noqa: E731
             else:  # graph / kernel: replay a graph of the static plan's run
                 pl = (plans.get((T, "static")) or plans.get((T, "static_ctypes"))
                       or plan("simple_gla", backend="static", cache_dir=cache_dir, **common))
