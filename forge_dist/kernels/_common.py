@@ -759,6 +759,18 @@ class DecayAttentionWork(TritonWork):
         """``(dq, dk, dv, dg, dS_in)`` of the pattern's recurrence."""
         raise NotImplementedError
 
+    def _summary_segments(self) -> int:  # pragma: no cover - abstract
+        """The segment count the summary would use (the scheduler's choice)."""
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """As :meth:`TritonWork.prepare`, but only when the summary would run segments: with
+        one, the finish walks from ``S_in`` and never reads the kept states, so computing them
+        (a full read of k and v on the last rank) would be wasted."""
+        if self.segments is None and self._summary_segments() == 1:
+            return
+        super().prepare()
+
     def summary(self, need_transition: bool):
         out = super().summary(need_transition)
         # the summary's backward will run (after the finish's): let the finish keep its

@@ -40,10 +40,14 @@ class ScalarDecayWork(DecayAttentionWork):
         return walk(k, v, q=q, g=g, gate=gate, h0=S_in, scale=self.scale,
                     out_dtype=self.out_dtype, cfg=cfg, prec=self._prec(), n_seg=n_seg)
 
+    def _summary_segments(self) -> int:
+        k, v = self.tensors[1], self.tensors[2]
+        return self._schedule(k, v, fused_config(k.shape[-1], v.shape[-1]), with_summary=True)
+
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g = (ensure(t) for t in tensors)
         cfg = fused_config(k.shape[-1], v.shape[-1])
-        n_seg = self._schedule(k, v, cfg, with_summary=True)
+        n_seg = self._summary_segments()
         self.segments = summarize(k, v, g=g, gate=0 if g is None else 1, cfg=cfg,
                                   prec=self._prec(), n_seg=n_seg)
         M = None

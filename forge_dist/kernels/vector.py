@@ -133,10 +133,15 @@ class VectorDecayWork(DecayAttentionWork):
         return walk(k, v, q=q, g=g, gate=2, h0=S_in, scale=self.scale, out_dtype=self.out_dtype,
                     cfg=cfg, prec=dot_precision(self.in_dtype), a=a, n_seg=n_seg)
 
+    def _summary_segments(self) -> int:
+        k, v = self.tensors[1], self.tensors[2]
+        return self._schedule(k, v, fused_config(k.shape[-1], v.shape[-1]),
+                              gate_elems=k.shape[-1], with_summary=True)
+
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g = (ensure(t) for t in tensors)
         cfg = fused_config(k.shape[-1], v.shape[-1])
-        n_seg = self._schedule(k, v, cfg, gate_elems=k.shape[-1], with_summary=True)
+        n_seg = self._summary_segments()
         self.segments = summarize(k, v, g=g, gate=2, cfg=cfg, prec=dot_precision(self.in_dtype),
                                   n_seg=n_seg)
         M = self.segments.total_log_decay().exp() if need_M else None  # [B, H, K]
