@@ -225,16 +225,16 @@ _HOST_GROUPS: Dict[object, object] = {}
 
 
 def signature_exchange() -> str:
-    """``FORGE_DIST_SIGNATURE_EXCHANGE``: ``host`` (default) or ``device``.
+    """``FORGE_DIST_SIGNATURE_EXCHANGE``: ``device`` (default) or ``host``.
 
-    ``host``: a NCCL group's signature goes through a gloo group of the same ranks (made at
-    the first call, by exactly the ranks of the group), so the check neither waits for the
-    GPU to drain its queue (``.tolist()`` of a NCCL result is a stream sync) nor launches
-    anything: measured 0.39-0.49 ms per call the other way on 2 x H200
-    (``check_ms`` in ``results/weak_scaling_*``), and in a training loop the sync would
-    also stall the host until every queued kernel finished.  ``device``: through the
-    group itself."""
-    mode = os.environ.get("FORGE_DIST_SIGNATURE_EXCHANGE", "host")
+    ``device``: through the group itself (NCCL: a tiny all-gather whose ``.tolist()`` waits
+    for the stream).  ``host``: a NCCL group's signature goes through a gloo group of the
+    same ranks (made at the first call, by exactly the ranks of the group): no stream sync
+    and no launch, so a deep GPU queue is not drained per call; but on 2 x H200 it measured
+    0.6-1.1 ms per call against 0.39-0.49 ms through NCCL at an idle GPU (``check_ms`` of
+    ``results/weak_scaling_NVIDIA-H200x2_2026-11-24_fwd-gloo-check.json`` vs
+    ``..._fwd-fwdbwd-decay.json``), hence not the default."""
+    mode = os.environ.get("FORGE_DIST_SIGNATURE_EXCHANGE", "device")
     if mode not in ("host", "device"):
         raise ValueError(f"FORGE_DIST_SIGNATURE_EXCHANGE: expected host or device, got {mode!r}")
     return mode

@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming the argument and what was expected, before any
 communication, on every rank (DESIGN.md section 9; issue 2's list)."""
+import os
+
 import pytest
 import torch
 
@@ -152,6 +154,7 @@ def _gather_through_host_group(group, what):
     from forge_dist.ops import checks
 
     checks._is_nccl = lambda grp: grp is group
+    os.environ["FORGE_DIST_SIGNATURE_EXCHANGE"] = "host"
     first = _mismatch(group, what)
     made = len(checks._HOST_GROUPS)
     second = _mismatch(group, what)
