@@ -47,11 +47,6 @@ try:  # the only place (with comm.nvshmem) that touches PyTorch's private NVSHME
 except Exception:  # noqa: BLE001 - old torch
     _nv = _NoNvshmem
 
-try:
-    from triton.language.extra.cuda import globaltimer as _globaltimer
-except Exception:  # noqa: BLE001
-    _globaltimer = None
-
 # NVSHMEM 3.4 header values (nvshmem_constants.h); PyTorch's docstrings give other numbers.
 SIGNAL_SET = tl.constexpr(9)
 SIGNAL_ADD = tl.constexpr(10)
@@ -118,8 +113,17 @@ def read_signal(sig_ptr):
 
 @triton.jit
 def _now(USE_CLOCK: tl.constexpr):
+    """The clock, the same value in every thread of the program: each thread reads its own
+    ``%globaltimer``, and the max over a block-wide tensor makes the timeout decision of
+    :func:`wait_ge` uniform (threads leaving the poll loop on different iterations would
+    split the block's barriers and put calls)."""
     if USE_CLOCK:
-        return _globaltimer().to(tl.int64)
+        # 1024 elements: every thread of any block owns some, each read by its own thread
+        # (a splat of one scalar read would be folded away as already uniform)
+        per_thread = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
+                                               [tl.zeros((1024,), tl.int32)], dtype=tl.int64,
+                                               is_pure=False, pack=1)
+        return tl.max(per_thread, axis=0)
     else:
         return tl.full((), 0, tl.int64)
 

@@ -777,11 +777,15 @@ class DecayAttentionWork(TritonWork):
         super().prepare()
 
     def summary(self, need_transition: bool):
-        out = super().summary(need_transition)
-        # the summary's backward will run (after the finish's): let the finish keep its
-        # k, v, g gradients for it to add into (see _summary_bwd)
-        self._fuse_grads = out[0].requires_grad
-        return out
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in self.tensors):
+            # Private aliases: autograd then meets the finish's and the summary's gradients
+            # in the aliases' own nodes, which nothing else feeds, so the tensor the finish
+            # returns is the one passed on (see _summary_bwd).  With the caller's tensors a
+            # third consumer of k (or q is k) could make autograd sum into a new tensor.
+            self.tensors = [None if t is None else t.view_as(t) for t in self.tensors]
+            self._fuse_grads = True
+        return super().summary(need_transition)
 
     def _finish_bwd(self, S_in, tensors, do, dht):
         q, k, v, g = (ensure(t) for t in tensors)
@@ -790,8 +794,11 @@ class DecayAttentionWork(TritonWork):
             None if do is None else do.contiguous(),
             None if dht is None else dht.to(torch.float32).contiguous(), self.scale)
         grads = [dS, dq, dk, dv, grad_like(dg, tensors[3])]
-        if getattr(self, "_fuse_grads", False):
-            self._finish_grads = (tensors, grads[2:])
+        task = torch._C._current_graph_task_id()
+        self._finish_grads = None
+        if getattr(self, "_fuse_grads", False) and getattr(self, "_summary_task", None) != task:
+            # the summary's backward of this same backward pass (graph task) may add into these
+            self._finish_grads = (task, tensors, grads[2:])
         return grads
 
     def _summary_bwd(self, tensors, ddelta, dM):
@@ -809,8 +816,11 @@ class DecayAttentionWork(TritonWork):
         q, k, v, g = tensors
         handed = getattr(self, "_finish_grads", None)
         self._finish_grads = None
-        if handed is not None and all(a is b for a, b in zip(handed[0], tensors)):
-            target = handed[1]
+        task = torch._C._current_graph_task_id()
+        self._summary_task = task  # a finish backward after this one keeps nothing for it
+        if (handed is not None and handed[0] == task
+                and all(a is b for a, b in zip(handed[1], tensors))):
+            target = handed[2]
             kc, vc, gc = (ensure(t) for t in (k, v, g))
             if accumulable(target, kc, vc, gc) and _same_shapes(target, (k, v, g)):
                 decay_summary_backward_triton(kc, vc, gc, ddelta, dM, accumulate_into=target)

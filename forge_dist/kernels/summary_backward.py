@@ -273,7 +273,7 @@ def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16
     from ..runtime.programs import KernelSpec, tl_type
 
     io, f32 = "*" + tl_type(dtype), "*fp32"
-    lowp = dtype == torch.bfloat16
+    lowp = low_precision_operands(dtype)
     BK, BV, warps = _tiles(K, V, lowp)
     sig = (("k", io), ("v", io), ("g", f32), ("r_after", f32), ("ddelta", io if lowp else f32),
            ("dk", io),

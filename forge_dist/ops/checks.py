@@ -195,15 +195,19 @@ def across_ranks(grp, device: torch.device, fields: Dict[str, int]) -> None:
     if size == 1:
         _state.exchanged = True
         return
+    import torch.distributed as dist
 
     if len(fields) > _SIGNATURE_LEN - 1:
         raise AssertionError(f"across_ranks: at most {_SIGNATURE_LEN - 1} fields")
     layout = zlib.crc32("|".join(fields).encode())
     values = [layout] + list(fields.values())
     values += [0] * (_SIGNATURE_LEN - len(values))
-    exchange_group, sig_device = _signature_group(grp, device)
+    # NCCL: on the device (tried: a gloo group of the same ranks, which avoids the stream
+    # sync of .tolist() but measured 0.6-1.1 ms per call against 0.39-0.49 ms on 2 x H200,
+    # results/weak_scaling_NVIDIA-H200x2_2026-11-24_fwd-gloo-check.json)
+    sig_device = device if dist.get_backend(grp) == "nccl" else torch.device("cpu")
     mine = torch.tensor(values, dtype=torch.int64, device=sig_device)
-    everyone = [row.tolist() for row in p2p.all_gather(mine, exchange_group)]
+    everyone = [row.tolist() for row in p2p.all_gather(mine, grp)]
     _state.exchanged = True
     for r, row in enumerate(everyone):
         if row[0] == _REJECTED:
@@ -219,49 +223,6 @@ def across_ranks(grp, device: torch.device, fields: Dict[str, int]) -> None:
             if a != b:
                 raise ValueError(f"{name}: every rank must pass the same value, but rank 0 "
                                  f"has {a} and rank {r} has {b}")
-
-
-_HOST_GROUPS: Dict[object, object] = {}
-
-
-def signature_exchange() -> str:
-    """``FORGE_DIST_SIGNATURE_EXCHANGE``: ``device`` (default) or ``host``.
-
-    ``device``: through the group itself (NCCL: a tiny all-gather whose ``.tolist()`` waits
-    for the stream).  ``host``: a NCCL group's signature goes through a gloo group of the
-    same ranks (made at the first call, by exactly the ranks of the group): no stream sync
-    and no launch, so a deep GPU queue is not drained per call; but on 2 x H200 it measured
-    0.6-1.1 ms per call against 0.39-0.49 ms through NCCL at an idle GPU (``check_ms`` of
-    ``results/weak_scaling_NVIDIA-H200x2_2026-11-24_fwd-gloo-check.json`` vs
-    ``..._fwd-fwdbwd-decay.json``), hence not the default."""
-    mode = os.environ.get("FORGE_DIST_SIGNATURE_EXCHANGE", "device")
-    if mode not in ("host", "device"):
-        raise ValueError(f"FORGE_DIST_SIGNATURE_EXCHANGE: expected host or device, got {mode!r}")
-    return mode
-
-
-def _is_nccl(grp) -> bool:
-    import torch.distributed as dist
-
-    return dist.get_backend(grp) == "nccl"
-
-
-def _signature_group(grp, device: torch.device):
-    """``(group, device)`` that the signature all-gather runs on (see signature_exchange)."""
-    import torch.distributed as dist
-
-    if not _is_nccl(grp):
-        return grp, torch.device("cpu")
-    if signature_exchange() == "device":
-        return grp, device
-    key = getattr(grp, "group_name", None) or id(grp)
-    if key not in _HOST_GROUPS:
-        ranks = dist.get_process_group_ranks(grp)
-        # only the group's own ranks take part (they all make this call, at their first
-        # op call on the group), so a subgroup needs nothing from the other ranks
-        _HOST_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo",
-                                           use_local_synchronization=True)
-    return _HOST_GROUPS[key], torch.device("cpu")
 
 
 def dtype_code(dtype: torch.dtype) -> int:

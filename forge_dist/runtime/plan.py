@@ -120,6 +120,7 @@ class BoundRun:
 
     def __init__(self, exe: "_Exec", tensors: Dict[str, Tensor], outputs):
         self._tensors = tensors  # keeps the bound buffers alive
+        self._exe = exe  # and the plan's workspaces, whose pointers the packs hold
         self.outputs = outputs
         ptrs = {n: t.data_ptr() for n, t in tensors.items()}
         steps = []
@@ -241,6 +242,9 @@ class Plan:
         for n, t in zip(self.input_names, inputs):
             self._check(n, t, self.shapes[n], self.dtypes[n])
             tensors[n] = t
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            raise PlanError("bind: plans are forward-only; bind tensors that need no gradient "
+                            "(or call it under torch.no_grad())")
         if self.initial_state != (initial_state is not None):
             raise PlanError(f"initial_state: the plan was made with "
                             f"initial_state={self.initial_state}")

@@ -123,6 +123,19 @@ def test_summary_backward_bf16_operands(gate):
     for a, w in zip(got, want):
         assert a.dtype in (torch.bfloat16, torch.float32)
         assert rel(a, w) < 1e-2, rel(a, w)
+    # the fp32-operand path (FORGE_DIST_SUMBWD_LOWP=0) gives other bits: the bf16 one ran
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FORGE_DIST_SUMBWD_LOWP", "0")
+        exact = decay_summary_backward_triton(k, v, g, ddelta, dM)
+    assert not torch.equal(got[0], exact[0])
+    assert rel(exact[0], want[0]) < rel(got[0], want[0])
+    # and it adds into given bf16 gradients as well
+    base = [torch.randn_like(k), torch.randn_like(v), None if g is None else torch.randn_like(g)]
+    into = [None if t is None else t.clone() for t in base]
+    fused = decay_summary_backward_triton(k, v, g, ddelta, dM, accumulate_into=into)
+    for a, b, p in zip(fused, base, got):
+        if b is not None:
+            assert rel(a, b.float() + p.float()) < 1e-2
 
 
 @pytest.mark.parametrize("gate", [None, "scalar", "vector"])
@@ -147,10 +160,15 @@ def test_summary_backward_accumulates_into_given_gradients(gate):
 
 
 @pytest.mark.parametrize("variant", ["linear_attn", "simple_gla", "gla"])
-def test_work_backward_fuses_the_summary_gradients_into_the_finish_ones(variant, monkeypatch):
+@pytest.mark.parametrize("case", ["plain", "q_is_k", "k_used_after", "two_backwards"])
+def test_work_backward_fuses_the_summary_gradients_into_the_finish_ones(variant, case,
+                                                                         monkeypatch):
     """A work whose summary and finish both reach the loss (what a rank of a sequence-
     parallel call does): the summary's backward adds into the finish's k, v, g gradients
-    instead of returning its own, and the input gradients equal the unfused ones."""
+    instead of returning its own, and the input gradients equal the unfused ones, also when
+    q is k, when k has a consumer made after the finish (autograd then sums k's gradients
+    itself) and when the two parts are backpropagated by separate backward calls (no fusion
+    across calls)."""
     from forge_dist import kernels
     from forge_dist.kernels import summary_backward as sb
 
@@ -175,18 +193,28 @@ def test_work_backward_fuses_the_summary_gradients_into_the_finish_ones(variant,
 
     def grads(fuse):
         leaves = {n: None if t is None else t.clone().requires_grad_() for n, t in base.items()}
-        work = kernels.make_work(variant, leaves, None, variant != "linear_attn")
+        inputs = dict(leaves)
+        if case == "q_is_k":
+            inputs["q"] = inputs["k"]
+        work = kernels.make_work(variant, inputs, None, variant != "linear_attn")
         delta, M = work.summary(variant != "linear_attn")
         if not fuse:
             work._fuse_grads = False
         o, _ = work.finish(S_in)
-        loss = (o * w_o).sum() + (delta * w_d).sum() + (0 if M is None else M.sum())
-        loss.backward()
-        return [t.grad for t in leaves.values() if t is not None]
+        part_o = (o * w_o).sum()
+        part_d = (delta * w_d).sum() + (0 if M is None else M.sum())
+        if case == "k_used_after":
+            part_o = part_o + (inputs["k"] * inputs["k"]).sum()
+        if case == "two_backwards":
+            part_o.backward()
+            part_d.backward()
+        else:
+            (part_o + part_d).backward()
+        return [t.grad for n, t in leaves.items() if t is not None and t.grad is not None]
 
     fused = grads(True)
-    assert calls == [True], calls
+    assert calls == [case != "two_backwards"], calls
     plain = grads(False)
-    assert calls == [True, False], calls
+    assert len(fused) == len(plain)
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
