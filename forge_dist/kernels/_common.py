@@ -743,13 +743,6 @@ class TritonWork(SegmentWork):
         raise NotImplementedError
 
 
-def _same_shapes(grads, tensors) -> bool:
-    """Gradients autograd passes on unchanged: same shape and dtype as their inputs."""
-    return all((a is None and b is None) or (a is not None and b is not None
-                                             and a.shape == b.shape and a.dtype == b.dtype)
-               for a, b in zip(grads, tensors))
-
-
 class DecayAttentionWork(TritonWork):
     """Base of the decay-attention works (scalar and per-channel decay): inputs
     ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g`` or ``None``.  The backward is the
@@ -822,7 +815,9 @@ class DecayAttentionWork(TritonWork):
                 and all(a is b for a, b in zip(handed[1], tensors))):
             target = handed[2]
             kc, vc, gc = (ensure(t) for t in (k, v, g))
-            if accumulable(target, kc, vc, gc) and _same_shapes(target, (k, v, g)):
+            # accumulable() also means autograd passes them on as they are: the finish
+            # returned them in k's, v's and g's shapes and dtypes (grad_like)
+            if accumulable(target, kc, vc, gc):
                 decay_summary_backward_triton(kc, vc, gc, ddelta, dM, accumulate_into=target)
                 return [None, None, None, None]
         return [None, *decay_summary_backward_triton(k, v, g, ddelta, dM)]

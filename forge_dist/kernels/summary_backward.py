@@ -31,10 +31,9 @@ from ._common import HAVE_TRITON, dot_precision, interpreting, next_pow2, tl, tr
 
 #: Tokens per program.
 CHUNK = 64
-#: Widest V tile (the fp32 ddelta tiles and their 3xTF32 splits live in shared memory).
+#: Widest V tile (the fp32 ddelta tiles and their 3xTF32 splits live in shared memory; with
+#: bf16 operands 32 was also the fastest of 32 / 64 / 128, results/summary_backward_*_sweep).
 BV_MAX = 32
-#: Widest V tile with bf16 operands.
-BV_MAX_LOWP = 32
 
 if HAVE_TRITON:
 
@@ -113,7 +112,7 @@ if HAVE_TRITON:
         else:
             b_dk = acc
         p_dk = dk + rows[:, None] * K + o_k[None, :]
-        if ACC:
+        if ACC:  # b_dk itself stays this summary's own: the k . dk sums below need it
             tl.store(p_dk, (b_dk + tl.load(p_dk, mask=m_tk, other=0.0).to(tl.float32)).to(
                 dk.dtype.element_ty), mask=m_tk)
         else:
@@ -146,17 +145,15 @@ if HAVE_TRITON:
 
 
 def _tiles(K: int, V: int, lowp: bool = False):
-    """``(BK, BV, num_warps)``: all of K in one tile, V in tiles of at most ``BV_MAX``
-    (``BV_MAX_LOWP`` for bf16 operands, whose tiles take half the registers).
+    """``(BK, BV, num_warps)``: all of K in one tile, V in tiles of at most ``BV_MAX``; 8
+    warps only for fp32 operands at K = 256 (bf16 operands: 4 warps were the fastest).
     ``FORGE_DIST_SUMBWD_TILES="BV,warps"`` overrides (for tuning sweeps)."""
     BK = max(16, next_pow2(K))
     env = os.environ.get("FORGE_DIST_SUMBWD_TILES")
     if env:
         bv, warps = (int(x) for x in env.split(","))
         return BK, bv, warps
-    if lowp:  # fastest of 32/64/128 x 4/8 warps on an H200 (results/summary_backward_*)
-        return BK, min(BV_MAX_LOWP, max(16, next_pow2(V))), 4
-    return BK, min(BV_MAX, max(16, next_pow2(V))), 8 if BK >= 256 else 4
+    return BK, min(BV_MAX, max(16, next_pow2(V))), 8 if BK >= 256 and not lowp else 4
 
 
 def low_precision_operands(dtype: torch.dtype) -> bool:
@@ -276,11 +273,9 @@ def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16
     lowp = low_precision_operands(dtype)
     BK, BV, warps = _tiles(K, V, lowp)
     sig = (("k", io), ("v", io), ("g", f32), ("r_after", f32), ("ddelta", io if lowp else f32),
-           ("dk", io),
-           ("dv", io), ("dg_local", f32), ("p_chunk", f32), ("T", "i32"))
+           ("dk", io), ("dv", io), ("dg_local", f32), ("p_chunk", f32), ("T", "i32"))
     return [KernelSpec("forge_dist.kernels.summary_backward:_decay_summary_bwd_kernel", sig,
                        (("H", H), ("K", K), ("V", V), ("BT", CHUNK), ("BK", BK), ("BV", BV),
                         ("GATE", gate), ("PREC", "tf32x3"), ("LOWP", lowp), ("INTERP", False),
-                        ("ACC", False)),
-                       warps, 1)
+                        ("ACC", False)), warps, 1)
             for gate in (0, 1, 2)]

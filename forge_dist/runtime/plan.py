@@ -124,8 +124,7 @@ class BoundRun:
         self.outputs = outputs
         ptrs = {n: t.data_ptr() for n, t in tensors.items()}
         steps = []
-        for i, (launch, args, kw) in enumerate(exe._jit_calls):
-            b = exe.bound[i]
+        for (launch, args, kw), b in zip(exe._jit_calls, exe.bound):
             if b is not None:
                 # each bound launch keeps its own packed copy (a plan's packs are shared
                 # with its run()), so run() between calls cannot change what we launch
@@ -171,6 +170,19 @@ class Plan:
         if self.static and t.data_ptr() % 16:
             raise PlanError(f"{name}: data pointer not 16-byte aligned (the cubins assume it)")
 
+    def _check_state_and_grad(self, inputs, initial_state) -> None:
+        """``initial_state`` as the plan was made, and no input that needs a gradient."""
+        if self.initial_state:
+            if initial_state is None:
+                raise PlanError("initial_state: the plan was made with initial_state=True; "
+                                "pass it (or make a plan without)")
+            self._check("initial_state", initial_state, self.state_shape, torch.float32)
+        elif initial_state is not None:
+            raise PlanError("initial_state: the plan was made with initial_state=False")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            raise PlanError("plans are forward-only; use forge_dist.ops (differentiable) "
+                            "for training, or run under torch.no_grad()")
+
     def run(self, *inputs: Tensor, initial_state: Optional[Tensor] = None,
             out: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         """Launch the planned call; returns ``(o, final_state or None)``.
@@ -194,16 +206,7 @@ class Plan:
                     and not (static and t.data_ptr() % 16)):
                 self._check(n, t, shapes[n], dtypes[n])
             tensors[n] = t
-        if self.initial_state:
-            if initial_state is None:
-                raise PlanError("initial_state: the plan was made with initial_state=True; "
-                                "pass it (or make a plan without)")
-            self._check("initial_state", initial_state, self.state_shape, torch.float32)
-        elif initial_state is not None:
-            raise PlanError("initial_state: the plan was made with initial_state=False")
-        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            raise PlanError("plan.run is forward-only; use forge_dist.ops (differentiable) "
-                            "for training, or run under torch.no_grad()")
+        self._check_state_and_grad(inputs, initial_state)
         if self.backend == "torch":
             return self._run_torch(tensors, initial_state)
         if out is not None:
@@ -242,14 +245,8 @@ class Plan:
         for n, t in zip(self.input_names, inputs):
             self._check(n, t, self.shapes[n], self.dtypes[n])
             tensors[n] = t
-        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            raise PlanError("bind: plans are forward-only; bind tensors that need no gradient "
-                            "(or call it under torch.no_grad())")
-        if self.initial_state != (initial_state is not None):
-            raise PlanError(f"initial_state: the plan was made with "
-                            f"initial_state={self.initial_state}")
+        self._check_state_and_grad(inputs, initial_state)
         if initial_state is not None:
-            self._check("initial_state", initial_state, self.state_shape, torch.float32)
             tensors["h0"] = initial_state
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)

@@ -324,8 +324,7 @@ def flush(wait: bool = True) -> None:
 
     Channels dropped by :func:`reset` are read too when a CUDA graph captured on them may
     still be replayed (a replay keeps the channels it was captured with)."""
-    live = list(_CHANNELS.values())
-    for ch in live + [c for c in _RETIRED if c.captured]:
+    for ch in [*_CHANNELS.values(), *(c for c in _RETIRED if c.captured)]:
         ch.poll(-1, "a state tile", p2p.timeout_seconds(), p2p.StatePassTimeout, wait=wait)
 
 

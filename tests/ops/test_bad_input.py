@@ -142,4 +142,3 @@ def _gather_for(group, what):
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     return everyone
-
