@@ -60,17 +60,22 @@ def config_sweep(op: str, T: int, device) -> list:
     kernels; each row names the config dict it changed and the values."""
     from forge_dist.kernels import delta, scalar, vector
 
-    if op == "gla":  # the walker's chunk (the intra kernel's too) and V tile
-        trials = [("FUSED_CONFIG", dict(BT=bt, BV=bv)) for bt in (32, 64) for bv in (32, 64)]
+    walker = [dict(BT=bt, BV=bv, num_warps=nw, num_stages=ns)
+              for bt, bv, nw, ns in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2),
+                                     (64, 128, 8, 2), (32, 64, 4, 2), (32, 64, 4, 3),
+                                     (32, 128, 8, 2))]
+    if op == "gla":  # the walker's tiles and pipeline; the gate kernel's slice and warps
+        trials = [("FUSED_CONFIG", c) for c in walker]
+        trials += [("GATE_CONFIG", dict(BKS=bks, num_warps=nw, num_stages=ns))
+                   for bks, nw, ns in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 3))]
         mod = vector
-    elif op == "gated_delta_rule":
-        trials = [("WY_CONFIG", dict(BV=bv, num_warps=nw)) for bv in (32, 64) for nw in (4, 8)]
-        trials += [("FUSED_CONFIG", dict(BV=bv, num_warps=nw))
-                   for bv in (32, 64, 128) for nw in (4, 8)]
-        mod = delta
-    else:
+    elif op == "gated_delta_rule":  # the walker (the WY kernel: scaling_benchmarks/wy_probe.py)
         trials = [("FUSED_CONFIG", dict(BV=bv, num_warps=nw, num_stages=ns))
-                  for bv in (32, 64, 128) for nw in (4, 8) for ns in (2, 3)]
+                  for bv, nw, ns in ((32, 4, 2), (32, 4, 1), (16, 4, 1), (16, 2, 2),
+                                     (16, 2, 1), (32, 2, 2), (64, 4, 1))]
+        mod = delta
+    else:  # linear_attn / simple_gla: the scalar walker
+        trials = [("FUSED_CONFIG", c) for c in walker]
         mod = scalar
     inp = make_inputs(op, T, device)
     rows = []
@@ -92,8 +97,13 @@ def config_sweep(op: str, T: int, device) -> list:
     return rows
 
 
-def hgrn_sweep(T: int, device) -> list:
-    """hgrn forward/backward times over tiles and segment counts (``do_bench`` medians)."""
+HGRN_TILES = ((64, 32), (32, 64), (64, 64), (128, 32), (32, 128), (64, 128))
+
+
+def hgrn_sweep(T: int, device, configs=None, segments=(4, 16, 64, 256),
+               backward: bool = True) -> list:
+    """hgrn forward/backward times over tiles and segment counts (``do_bench`` medians);
+    ``configs``: ``(BT, BD, num_warps)`` triples (default: ``HGRN_TILES`` x 4, 8 warps)."""
     from forge_dist.kernels import vector_state as vs
 
     inp = make_inputs("hgrn", T, device)
@@ -102,23 +112,23 @@ def hgrn_sweep(T: int, device) -> list:
     rows = []
     base_f, base_b = dict(vs.FUSED_CONFIG), dict(vs.BWD_CONFIG)
     try:
-        for bt, bd in ((64, 32), (32, 64), (64, 64), (128, 32), (32, 128), (64, 128)):
-            for nw in (4, 8):
-                for n_seg in (4, 16, 64, 256):
-                    vs.FUSED_CONFIG.update(BT=bt, BD=bd, num_warps=nw)
-                    vs.BWD_CONFIG.update(BT=bt, BD=bd, num_warps=nw)
-                    row = {"BT": bt, "BD": bd, "num_warps": nw, "n_seg": n_seg}
-                    try:
-                        f = lambda: vs.hgrn_forward(x, g, None, out_dtype=x.dtype,  # noqa: E731
-                                                    n_seg=n_seg)
-                        b = lambda: vs.hgrn_backward(x, g, None, do, None,  # noqa: E731
-                                                     n_seg=n_seg, dg_dtype=g.dtype)
-                        row["fwd_ms"] = _bench(f)
+        for bt, bd, nw in configs or [(bt, bd, nw) for bt, bd in HGRN_TILES for nw in (4, 8)]:
+            for n_seg in segments:
+                vs.FUSED_CONFIG.update(BT=bt, BD=bd, num_warps=nw)
+                vs.BWD_CONFIG.update(BD=bd, num_warps=nw)
+                row = {"BT": bt, "BD": bd, "num_warps": nw, "n_seg": n_seg}
+                try:
+                    f = lambda: vs.hgrn_forward(x, g, None, out_dtype=x.dtype,  # noqa: E731
+                                                n_seg=n_seg)
+                    b = lambda: vs.hgrn_backward(x, g, None, do, None,  # noqa: E731
+                                                 n_seg=n_seg, dg_dtype=g.dtype)
+                    row["fwd_ms"] = _bench(f)
+                    if backward:
                         row["bwd_ms"] = _bench(b)
-                    except Exception as e:  # noqa: BLE001 - a config that fails is recorded
-                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    print(row, flush=True)
-                    rows.append(row)
+                except Exception as e:  # noqa: BLE001 - a config that fails is recorded
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                print(row, flush=True)
+                rows.append(row)
     finally:
         vs.FUSED_CONFIG.clear(), vs.FUSED_CONFIG.update(base_f)
         vs.BWD_CONFIG.clear(), vs.BWD_CONFIG.update(base_b)
@@ -134,6 +144,10 @@ def main(argv=None):
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--sweep", default="", help="ops whose kernel configs to sweep")
     ap.add_argument("--sweep-T", type=int, default=65536)
+    ap.add_argument("--hgrn-configs", default="",
+                    help="hgrn sweep tiles as BTxBDxWARPS,... (default: the built-in grid)")
+    ap.add_argument("--hgrn-segments", default="4,16,64,256")
+    ap.add_argument("--hgrn-no-bwd", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
@@ -172,7 +186,10 @@ def main(argv=None):
         result["benchmark"] = f"kernel_profile_{args.tag}"
     result["sweeps"] = []
     for op in (o for o in args.sweep.split(",") if o):
-        rows = (hgrn_sweep(args.sweep_T, device) if op == "hgrn" else
+        hcfg = [tuple(int(x) for x in c.split("x")) for c in args.hgrn_configs.split(",") if c]
+        rows = (hgrn_sweep(args.sweep_T, device, hcfg or None,
+                           [int(n) for n in args.hgrn_segments.split(",")],
+                           backward=not args.hgrn_no_bwd) if op == "hgrn" else
                 config_sweep(op, args.sweep_T, device))
         result["sweeps"].append({"op": op, "T": args.sweep_T, "rows": rows})
         results_io.write(result, Path(args.out) if args.out else None)  # a time limit keeps it

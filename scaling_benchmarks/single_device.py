@@ -7,6 +7,9 @@ x, g [1, T, 4096].  Implementations:
   scheduler picks; ``scheduled`` / ``n_seg`` record it), ``fused`` and ``decoupled`` (every op
   but gated_delta_rule) forced; ``decoupled/nN`` rows sweep the segment count (``--sweep``).
   Backward runs the Triton backward kernels of every pattern (``kernels/*_backward.py``).
+* ``ops`` -- the public functions (``forge_dist.ops.*``, what users call): argument checks,
+  the plan cache for no-grad calls, the autograd runner otherwise; host overhead included,
+  like FLA's rows.
 * ``forge_dsl`` -- the same ops written as three callables (:mod:`forge_dist.dsl.builtins`):
   lowered onto the walker where the lowering applies, else the DSL executor (``lowered``).
 * ``fla`` -- flash-linear-attention's chunk kernels (every import and call guarded).
@@ -104,6 +107,17 @@ def forge_fn(op, inp, execution):
                     reason=getattr(work, "execution_reason", ""))
         return o
     return run, lambda: dict(last)
+
+
+def ops_fn(op, inp):
+    """The public op (``forge_dist.ops``): checks, plan cache (no-grad calls) or autograd
+    runner, then the same kernels as the ``forge_dist`` rows."""
+    from forge_dist import ops
+    fn = getattr(ops, op)
+    if op == "hgrn":
+        return lambda: fn(inp["x"], inp["g"])[0]
+    args = [inp[n] for n in ("q", "k", "v", "g", "beta") if n in inp]
+    return lambda: fn(*args)[0]
 
 
 def dsl_fn(op, inp):
@@ -264,7 +278,7 @@ def main(argv=None):
                             str(T) in args.sweep_T.split(","):
                         impls += [("forge_dist", f"decoupled/n{n}")
                                   for n in args.sweep.split(",") if n]
-                impls.append(("fla", None))
+                impls += [("ops", None), ("fla", None)]
                 if pas == "fwd" and not args.no_dsl:  # every built-in lowers onto a template
                     impls.append(("forge_dsl", None))
                 if T <= args.max_torch_T:
@@ -282,7 +296,8 @@ def main(argv=None):
         keep = set(args.impls.split(","))
         plan = [p for p in plan if p[3] in keep or f"{p[3]}/{p[4]}" in keep]
     # slow-to-compile baselines last, so a time limit cuts them first
-    order = {"forge_dist": 0, "fla": 0, "forge_dsl": 1, "torch": 1, "torch_compile": 2}
+    order = {"forge_dist": 0, "ops": 0, "fla": 0, "forge_dsl": 1, "torch": 1,
+             "torch_compile": 2}
     plan.sort(key=lambda p: (order[p[3]], p[2] != "fwd"))
 
     path = None
@@ -296,6 +311,8 @@ def main(argv=None):
                 os.environ.pop("FORGE_DIST_SEGMENTS", None)
             if impl == "forge_dist":
                 fn, info = forge_fn(op, inp, strat)
+            elif impl == "ops":
+                fn = ops_fn(op, inp)
             elif impl == "forge_dsl":
                 fn, strat = dsl_fn(op, inp)
             elif impl == "fla":
@@ -339,30 +356,26 @@ def main(argv=None):
 
 
 def print_table(result):
-    """forge_dist (scheduler's choice) vs FLA per op, T and pass, with the forced strategies,
-    the best segment count of the sweep and the DSL re-expression."""
+    """Per op, T and pass: the kernels (scheduler's choice), the public op, the DSL
+    re-expression and FLA, with FLA's time over ours (kernels and public op) and the HBM
+    roofline fraction of the kernels."""
     rows = result["rows"]
     keys = sorted({(r["op"], r["T"], r["pass"]) for r in rows},
                   key=lambda k: (OPS.index(k[0]), k[2], k[1]))
-    print(f"{'op':18s} {'T':>7s} {'pass':7s} {'auto':>8s} {'sched':>9s} {'fused':>8s} "
-          f"{'decoup':>8s} {'sweep':>12s} {'dsl':>8s} {'fla':>8s} {'fla/auto':>8s} "
+    print(f"{'op':18s} {'T':>7s} {'pass':7s} {'kernels':>8s} {'sched':>9s} {'ops':>8s} "
+          f"{'dsl':>8s} {'fla':>8s} {'fla/kern':>8s} {'fla/ops':>8s} {'dsl/ops':>8s} "
           f"{'roofline':>8s}")
     for op, T, pas in keys:
         sel = [r for r in rows if (r["op"], r["T"], r["pass"]) == (op, T, pas)]
         get = lambda impl, s=None: next((r for r in sel if r["impl"] == impl  # noqa: E731
                                          and (s is None or r.get("strategy") == s)), None)
-        a, f, d = get("forge_dist", "auto"), get("forge_dist", "fused"), get("forge_dist", "decoupled")
-        fl, dsl = get("fla"), get("forge_dsl")
-        sw = [r for r in sel if (r.get("strategy") or "").startswith("decoupled/n")]
-        best_sw = min(sw, key=lambda r: r["ms"], default=None)
+        a, po, fl, dsl = get("forge_dist", "auto"), get("ops"), get("fla"), get("forge_dsl")
         fmt = lambda r: f"{r['ms']:8.3f}" if r else f"{'-':>8s}"  # noqa: E731
+        ratio = lambda x, y: f"{x['ms'] / y['ms']:8.2f}" if (x and y) else f"{'-':>8s}"  # noqa: E731
         sched = f"{a['scheduled'][:3]}/{a.get('n_seg', 1)}" if a and "scheduled" in a else "-"
-        swt = (f"{best_sw['ms']:.3f}@{best_sw['strategy'].split('/n')[1]}" if best_sw else "-")
-        ratio = f"{fl['ms'] / a['ms']:8.2f}" if (fl and a) else f"{'-':>8s}"
         roof = f"{a['roofline_frac']:8.2f}" if a and "roofline_frac" in a else f"{'-':>8s}"
-        print(f"{op:18s} {T:7d} {pas:7s} {fmt(a)} {sched:>9s} {fmt(f)} {fmt(d)} {swt:>12s} "
-              f"{fmt(dsl)} {fmt(fl)} {ratio} {roof}")
-
+        print(f"{op:18s} {T:7d} {pas:7s} {fmt(a)} {sched:>9s} {fmt(po)} {fmt(dsl)} {fmt(fl)} "
+              f"{ratio(fl, a)} {ratio(fl, po)} {ratio(dsl, po)} {roof}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,8 +10,10 @@ tile ``S [BK, BV]`` on chip and walks the chunks of ``BT`` tokens in order, per 
 
 with ``G`` the in-chunk cumulative log decay (a scalar per token, or a K-vector per token).
 Every exponent is a non-positive difference: the ``i < j`` entries are masked *before* the
-exponential, so gates of -20 per token cannot overflow.  With ``STORE_O=False`` the same
-kernel is the summary kernel (final state from a zero or given start, no outputs).
+exponential, so gates of -20 per token cannot overflow.  A per-channel decay arrives with
+its in-chunk factors already applied and ``A`` precomputed (:mod:`.vector`), so the walker
+only decays the state by ``exp(G_C)``.  With ``STORE_O=False`` the same kernel is the
+summary kernel (final state from a zero or given start, no outputs).
 """
 from __future__ import annotations
 
@@ -182,13 +184,19 @@ if HAVE_TRITON:
                      PREC: tl.constexpr, HAS_A: tl.constexpr = False, a=None,
                      STORE_GT: tl.constexpr = False, HAS_SIN: tl.constexpr = False,
                      s_in=None, cg=None, HT_LAST: tl.constexpr = False,
-                     STORE_CHUNKS: tl.constexpr = False, hc=None, vn=None):
+                     STORE_CHUNKS: tl.constexpr = False, hc=None, vn=None,
+                     SCAN_IN: tl.constexpr = False):
         """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H, NSEG)``.
 
         Program ``(i_v, i_bh, i_s)`` walks the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a
         multiple of BT; one segment, ``SEG >= T``, is the plain fused walk).
-        q, k [B, T, H, K]; v [B, T, H, V]; g: none (GATE=0), [B, T, H] (GATE=1) or
-        [B, T, H, K] (GATE=2); w [B, T, H, K] (HAS_W); h0, ht [NSEG, B, H, K, V] fp32 (the
+        q, k [B, T, H, K]; v [B, T, H, V]; g: none (GATE=0), [B, T, H] (GATE=1) or, for a
+        per-channel decay (GATE=2), the chunks' total log decays ``G_C [B, NT, H, K]`` with
+        q, k already carrying their in-chunk decays (``q * exp(G)``, ``k * exp(G_C - G)``)
+        and the in-chunk attention in ``a [B, T, H, BT]`` (all from
+        :func:`.vector.gate_chunks`); HAS_A: that attention (``A_ij`` of the module
+        docstring, unscaled, zero above the diagonal) read from ``a`` instead of formed
+        per V tile (always for GATE=2); w [B, T, H, K] (HAS_W); h0, ht [NSEG, B, H, K, V] fp32 (the
         segment's start and end state); gt [NSEG, B, H, K] fp32: the segment's summed log
         decay (STORE_GT; broadcast over K for scalar gates); o [B, T, H, V].
         ``HAS_V=False`` means v = 0 (transition-only walks).
@@ -196,6 +204,11 @@ if HAVE_TRITON:
         every segment's start, ``h0 + exp(cg) * s_in`` with ``cg [NSEG + 1, B, H, K]`` the
         log decay from the walk's start to each segment's start (from the segment scan).
         HT_LAST: only the last segment stores its end state, into ``ht [B, H, K, V]``.
+        SCAN_IN: the segment scan folded into the output walks: ``h0`` holds every segment's
+        end state from a zero start and ``gt`` their summed log decays (the summary launch's
+        outputs), and each program folds the segments before its own (and ``s_in``,
+        HAS_SIN, before the first) into its start state: no scan launch, and no
+        ``[NSEG, B, H, K, V]`` pass between the two walks.
         STORE_CHUNKS (for backward passes): every chunk's start state into
         ``hc [B, NT, H, K, V]`` and the values the state update uses (the delta rule's
         corrected ``v - w S``) into ``vn [B, T, H, V]``.
@@ -208,6 +221,7 @@ if HAVE_TRITON:
         bos = i_b * T
         DT = k.dtype.element_ty
         i_sbh = i_s * tl.num_programs(1) + i_bh  # this segment's state slot
+        NT = tl.cdiv(T, BT)
         t_lo = i_s * SEG
         t_hi = tl.minimum(T, t_lo + SEG)
 
@@ -215,11 +229,24 @@ if HAVE_TRITON:
         causal = rows[:, None] >= rows[None, :]
 
         p_h = tl.make_block_ptr(h0 + i_sbh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        if HAS_H0:
+        if SCAN_IN:
+            b_S = tl.zeros([BK, BV], dtype=tl.float32)
+            if HAS_SIN:
+                p_si = tl.make_block_ptr(s_in + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+                b_S = tl.load(p_si, boundary_check=(0, 1)).to(tl.float32)
+            o_kc = tl.arange(0, BK)
+            for j in range(0, i_s):
+                i_jbh = j * tl.num_programs(1) + i_bh
+                if GATE != 0:
+                    b_c = tl.load(gt + i_jbh * K + o_kc, mask=o_kc < K, other=0.0)
+                    b_S = b_S * tl.exp(b_c)[:, None]
+                p_hj = tl.make_block_ptr(h0 + i_jbh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+                b_S += tl.load(p_hj, boundary_check=(0, 1))
+        elif HAS_H0:
             b_S = tl.load(p_h, boundary_check=(0, 1)).to(tl.float32)
         else:
             b_S = tl.zeros([BK, BV], dtype=tl.float32)
-        if HAS_SIN:
+        if HAS_SIN and not SCAN_IN:
             p_si = tl.make_block_ptr(s_in + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
             b_si = tl.load(p_si, boundary_check=(0, 1)).to(tl.float32)
             if GATE != 0:
@@ -236,65 +263,60 @@ if HAVE_TRITON:
                 tl.store(p_hc, b_S.to(p_hc.dtype.element_ty), boundary_check=(0, 1))
             p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
             b_k = tl.load(p_k, boundary_check=(0, 1))
+            # values in the operand dtype: an fp32 copy would hold 32 more registers per
+            # thread through the chunk (the delta rule's correction makes its own)
             if HAS_V:
                 p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-                b_v = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32)
+                b_v = tl.load(p_v, boundary_check=(0, 1))
             else:
-                b_v = tl.zeros([BT, BV], dtype=tl.float32)
+                b_v = tl.zeros([BT, BV], dtype=DT)
             if HAS_W:
                 p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
                 b_w = tl.load(p_w, boundary_check=(0, 1))
-                b_v = b_v - tl.dot(b_w, b_S.to(b_w.dtype), input_precision=PREC)
+                b_v = b_v.to(tl.float32) - tl.dot(b_w, b_S.to(b_w.dtype), input_precision=PREC)
             if STORE_CHUNKS:
                 p_vn = tl.make_block_ptr(vn + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
                 tl.store(p_vn, b_v.to(p_vn.dtype.element_ty), boundary_check=(0, 1))
 
             # gates: in-chunk cumulative log decay G, the chunk total G_C (padding: g = 0)
             if GATE == 1:
+                # a scalar gate per token scales rows: (k * d)^T v = k^T (d * v) and
+                # (q * e)^T S = e * (q^T S), so the decays go onto the [BT, BV] value and
+                # output tiles instead of the [BT, BK] key and query tiles (half the
+                # elementwise work at BK = 2 BV, and k, q stay the loaded 16-bit tiles)
                 b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
-                b_kd = (b_k.to(tl.float32) * tl.exp(b_GC - b_G)[:, None]).to(DT)
-            elif GATE == 2:
-                p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-                b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)
-                b_G = tl.cumsum(b_g, axis=0)
-                b_GC = tl.sum(b_g, axis=0)
-                b_kd = (b_k.to(tl.float32) * tl.exp(b_GC[None, :] - b_G)).to(DT)
+                b_kd = b_k
+                b_v_upd = (b_v.to(tl.float32) * tl.exp(b_GC - b_G)[:, None]).to(DT)
+            elif GATE == 2:  # pre-gated inputs: only the chunk's total decay is left
+                o_kc = tl.arange(0, BK)
+                b_GC = tl.load(g + ((i_b * NT + t0 // BT) * H + i_h) * K + o_kc,
+                               mask=o_kc < K, other=0.0)
+                b_kd = b_k
             else:
                 b_kd = b_k
             b_vd = b_v.to(DT)
+            if GATE != 1:
+                b_v_upd = b_vd
 
             if STORE_O:
                 p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
                 b_q = tl.load(p_q, boundary_check=(0, 1))
-                if GATE == 1:
-                    b_qg = (b_q.to(tl.float32) * tl.exp(b_G)[:, None]).to(DT)
-                    b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-                    b_A = b_A * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
-                elif GATE == 2 and HAS_A:
-                    # intra-chunk attention from the parallel kernel (vector.py), [T, H, BT]
-                    b_qg = (b_q.to(tl.float32) * tl.exp(b_G)).to(DT)
+                if HAS_A:  # the in-chunk attention precomputed (once, not per V tile)
+                    b_qg = b_q  # GATE 1: its decay exp(G) scales the output rows below
                     p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
                     b_A = tl.load(p_a, boundary_check=(0, 1))
-                elif GATE == 2:
-                    b_qf = b_q.to(tl.float32)
-                    b_kf = b_k.to(tl.float32)
-                    b_qg = (b_qf * tl.exp(b_G)).to(DT)
-                    # column-by-column vector-decay attention: exp(G_i - G_j) per key dim,
-                    # masked before exp, so no reference point can overflow
-                    b_A = tl.zeros([BT, BT], dtype=tl.float32)
-                    for j in tl.static_range(BT):
-                        sel = (rows == j)[:, None]
-                        k_j = tl.sum(tl.where(sel, b_kf, 0.0), axis=0)
-                        G_j = tl.sum(tl.where(sel, b_G, 0.0), axis=0)
-                        e = tl.exp(tl.where(rows[:, None] >= j, b_G - G_j[None, :], float("-inf")))
-                        a_j = tl.sum(b_qf * k_j[None, :] * e, axis=1)
-                        b_A = tl.where(rows[None, :] == j, a_j[:, None], b_A)
+                elif GATE == 1:
+                    b_qg = b_q  # its decay exp(G) scales the output rows below
+                    b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+                    b_A = b_A * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
                 else:
                     b_qg = b_q
                     b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
                     b_A = tl.where(causal, b_A, 0.0)
                 # inter-chunk (chunk-start state) + intra-chunk
                 b_o = tl.dot(b_qg, b_S.to(DT), input_precision=PREC)
+                if GATE == 1:
+                    b_o = b_o * tl.exp(b_G)[:, None]
                 b_o += tl.dot(b_A.to(DT), b_vd, input_precision=PREC)
                 p_o = tl.make_block_ptr(o + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
                 tl.store(p_o, (b_o * scale).to(p_o.dtype.element_ty), boundary_check=(0, 1))
@@ -305,7 +327,7 @@ if HAVE_TRITON:
             elif GATE == 2:
                 b_S = b_S * tl.exp(b_GC)[:, None]
                 b_gt += b_GC
-            b_S += tl.dot(tl.trans(b_kd), b_vd, input_precision=PREC)
+            b_S += tl.dot(tl.trans(b_kd), b_v_upd, input_precision=PREC)
 
         if STORE_HT:
             if HT_LAST:
@@ -396,7 +418,7 @@ def _tiles(k: Tensor, V: int, cfg: dict):
 
 def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_ht, scale,
                  V, cfg, prec, a=None, s_in=None, cg=None, ht_last=False, hc=None,
-                 vn=None) -> None:
+                 vn=None, scan_in=False) -> None:
     """One walker launch over ``n`` segments of ``seg`` tokens (see ``_walk_kernel``)."""
     B, T, H, K = k.shape
     BT, BK, BV, NV = _tiles(k, V, cfg)
@@ -407,9 +429,13 @@ def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_
     flags = dict(H=H, K=K, V=V, BT=BT, BK=BK, GATE=gate, HAS_V=v is not None,
                  HAS_W=w is not None, HAS_H0=h0 is not None, STORE_O=q is not None,
                  STORE_HT=store_ht, PREC=prec, HAS_A=a is not None and q is not None,
-                 a=a if q is not None else None, STORE_GT=gt is not None)
+                 a=a if q is not None else None, STORE_GT=gt is not None and not scan_in)
+    if scan_in:
+        flags["SCAN_IN"] = True
     if s_in is not None:  # folded-in incoming state (and, gated, its decay per segment)
-        flags.update(HAS_SIN=True, s_in=s_in, cg=cg if cg is not None else s_in)
+        flags.update(HAS_SIN=True, s_in=s_in)
+        if not scan_in:  # SCAN_IN decays s_in through the summaries' own gt
+            flags["cg"] = cg if cg is not None else s_in
     if ht_last:
         flags.update(HT_LAST=True)
     if hc is not None:  # chunk states and corrected values for a backward pass
@@ -430,9 +456,10 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
     """Run the walker: FUSED (``n_seg == 1``) or DECOUPLED over ``n_seg`` segments.
 
     DECOUPLED (the paper's appendix B.2 at segment granularity): every segment's summary from
-    a zero start in parallel (``(V tiles, B * H, n_seg)`` programs), a scan over the segments
-    (``_segment_scan_kernel``), then every segment's outputs in parallel from its incoming
-    state.  It re-reads k and v once more than FUSED but multiplies the parallelism by
+    a zero start in parallel (``(V tiles, B * H, n_seg)`` programs), then every segment's
+    outputs in parallel, each program folding the summaries of the segments before its own
+    into its start state (the scan over segments, ``SCAN_IN``; without outputs the scan runs
+    alone, ``_segment_scan_kernel``).  It re-reads k and v once more than FUSED but multiplies the parallelism by
     ``n_seg``; the scheduler weighs the two.  Segments need a diagonal or scalar transition,
     so the delta rule (``w``) walks fused.
 
@@ -481,13 +508,14 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
     hs = torch.empty(n_seg, B, H, K, V, dtype=torch.float32, device=k.device)
     gt = torch.empty(n_seg, B, H, K, dtype=torch.float32, device=k.device) if gate else None
     _launch_walk(n_seg, seg, q=None, h0=None, o=None, ht=hs, gt=gt, store_ht=True, **common)
+    if q is not None:  # the output walks fold the segment scan in (SCAN_IN): two launches
+        _launch_walk(n_seg, seg, q=q, h0=hs, o=o, ht=ht, gt=gt, store_ht=True, a=a, s_in=h0,
+                     ht_last=True, scan_in=True, **common)
+        return o, ht
     _segment_scan_kernel[(NV, B * H)](hs, gt if gt is not None else hs,
                                       h0 if h0 is not None else ht, ht, n_seg, K=K, V=V, BK=BK,
                                       BV=BV, GATED=gate != 0, HAS_H0=h0 is not None,
                                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if q is not None:
-        _launch_walk(n_seg, seg, q=q, h0=hs, o=o, ht=ht, gt=None, store_ht=False, a=a,
-                     **common)
     return o, ht
 
 

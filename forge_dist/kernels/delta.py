@@ -1,11 +1,13 @@
 """Delta rule (dense transitions): gated_delta_rule (``g [B, T, H]``) and DeltaNet (``g=None``).
 
-Two launches (see :mod:`forge_dist.variants.delta_rule` for the chunk equations):
+Two stages (see :mod:`forge_dist.variants.delta_rule` for the chunk equations):
 
-1. ``_wy_kernel``, per chunk in parallel: the unit lower-triangular inverse
-   ``Tm = (I + diag(b) Lmat)^{-1}``, blocked: forward substitution on 16-row diagonal blocks
-   (stable for aligned keys), the blocks below on tensor cores; then
-   ``W = Tm diag(b exp(G)) K`` and ``U = Tm diag(b) V`` on tensor cores;
+1. the WY factors, per chunk of 64 tokens in parallel (``_wy_kernel``, :func:`wy`): the unit
+   lower-triangular inverse ``X = (I + A)^{-1}``, ``A = diag(b) Lmat``, blocked (forward
+   substitution on the four 16-row diagonal blocks, stable for aligned keys; the blocks below
+   them by block substitution on tensor cores), stored as ``X [B, T, H, 64]``; then
+   ``W = X diag(b exp(G)) K`` and ``U = X diag(b) V``, one ``[64, 64] x [64, N]`` product per
+   tile;
 2. the shared fused walker with the WY correction ``v' = U - W S``.
 
 The summary's dense transition ``M`` is the same walk started from ``S = I`` with ``U = 0``
@@ -23,27 +25,45 @@ from ._common import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2,
                       sized_config, tl, triton, TritonWork, walk)
 from ..variants import delta_rule
 
-# BV=32: twice the programs of 64 (B*H*V/BV), 10 % faster at 16K and 64K tokens on H200
-# (results/kernel_profile_*); 128 or 8 warps are slower.
+# The walker reads the in-chunk attention the WY launch formed (HAS_A).  Measured on H200 at
+# T=64K, B=1, H=32, K=V=128 bf16, whole forward (results/kernel_profile_gdn_*_2026-11-24):
+# BV=32, 4 warps, 2 stages 4.28 ms; 1 stage 5.75; BV=16 with 2 warps 4.16, with 4 warps and
+# 1 stage 5.54; BV=64 6.07.
 FUSED_CONFIG = {"BT": 64, "BV": 32, "num_warps": 4, "num_stages": 2}
-WY_CONFIG = {"BV": 64, "num_warps": 4, "num_stages": 1}
+
+# The WY factors (``wy``).  fused: one launch runs both phases (the program writes X and
+# reads it back); else two launches: the inverse with ``solve_warps`` and ``solve_stages``
+# (its 16 x 16 substitution is latency bound: one warp, many programs per SM), then W and U
+# with ``num_warps`` and ``num_stages``.  solve_BK: the K tile of the k k^T sums (16-bit
+# elements; fp32 keys take half); BK, BV: the W, U tiles.  x_dtype "input": bf16 inputs keep
+# X in bf16 and form W, U from bf16 operands (fp32 accumulation, as FLA does); "fp32": X in
+# fp32 and TF32 products.  fp16 and fp32 inputs, and the backward's X, are always fp32.
+# Measured on H200 at T=64K, B=1, H=32, K=V=128 bf16 (results/wy_probe_*_2026-11-24.json):
+# solve 0.59 ms with 2 stages (0.73 with 1), apply 0.68 ms with 128-wide tiles (0.74 at 64);
+# one fused launch 3.3 ms; the previous single kernel 4.7 ms; FLA's kk^T + solve + W, U 1.54.
+WY_CONFIG = {"fused": False, "solve_warps": 1, "solve_stages": 2, "solve_BK": 32,
+             "x_dtype": "input", "BK": 128, "BV": 128, "num_warps": 4, "num_stages": 1}
+WY_BT = 64  # the blocked inverse's chunk: four 16-row blocks
 
 
 def fused_config(K: int, V: int) -> dict:
-    """The fused walker's tiles for this pattern and head dims."""
-    return sized_config(FUSED_CONFIG, K)
+    """The fused walker's tiles for this pattern and head dims (at K = 256 one pipeline
+    stage: q, k and w tiles of two stages need 238 KB of shared memory, over sm_90's 227 KB
+    per block)."""
+    cfg = sized_config(FUSED_CONFIG, K)
+    if next_pow2(K) >= 256:
+        cfg["num_stages"] = 1
+    return cfg
 
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _wy_rows(k, g, beta, bos, r0, T, i_h, g_off, H: tl.constexpr, K: tl.constexpr,
-                 BC: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr):
-        """Rows ``[r0, r0 + BC)`` of a chunk: keys ``[BC, BK]``, beta ``[BC]``, the cumulative
-        log decay ``G [BC]`` continuing from ``g_off`` (the chunk's sum before r0), and the
-        sum through the block's last row."""
-        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (r0, 0), (BC, BK), (1, 0))
-        b_k = tl.load(p_k, boundary_check=(0, 1))
+    def _wy_gates(g, beta, bos, r0, T, i_h, g_off, H: tl.constexpr, BC: tl.constexpr,
+                  GATE: tl.constexpr):
+        """Rows ``[r0, r0 + BC)`` of a chunk: beta ``[BC]``, the cumulative log decay
+        ``G [BC]`` continuing from ``g_off`` (the chunk's sum before r0), and the sum through
+        the block's last row.  Padding past ``T`` reads beta = 0, g = 0."""
         o_t = r0 + tl.arange(0, BC)
         b_b = tl.load(beta + (bos + o_t) * H + i_h, mask=o_t < T, other=0.0).to(tl.float32)
         if GATE == 1:
@@ -53,171 +73,319 @@ if HAVE_TRITON:
         else:
             b_G = tl.zeros([BC], dtype=tl.float32)
             g_end = g_off
-        return b_k, b_b, b_G, g_end
+        return b_b, b_G, g_end
 
     @triton.jit
-    def _wy_block(ki, bi, Gi, kj, Gj, PREC: tl.constexpr, GATE: tl.constexpr):
-        """``A_ij = diag(b_i) (k_i k_j^T * exp(G_i - G_j))`` for a block strictly below the
-        diagonal (every row after every column, so the exponent is never positive)."""
-        a = tl.dot(ki, tl.trans(kj), input_precision=PREC)
-        if GATE == 1:
-            a = a * tl.exp(Gi[:, None] - Gj[None, :])
-        return a * bi[:, None]
-
-    @triton.jit
-    def _unit_lower_inverse(a, BC: tl.constexpr):
-        """``(I + a)^{-1}`` of a strictly lower ``[BC, BC]`` block by forward substitution,
-        row by row: ``x_i = e_i - a_i X`` (rows before i are final when row i is formed)."""
-        rows = tl.arange(0, BC)
-        x = tl.zeros([BC, BC], dtype=tl.float32)
-        for i in tl.static_range(BC):
-            sel = rows == i
-            a_i = tl.sum(tl.where(sel[:, None], a, 0.0), axis=0)
-            x_i = tl.where(sel, 1.0, 0.0) - tl.sum(a_i[:, None] * x, axis=0)
-            x = tl.where(sel[:, None], x_i[None, :], x)
-        return x
-
-    @triton.jit
-    def _load_rows(base, T, N: tl.constexpr, r0, c0, H: tl.constexpr, BC: tl.constexpr,
+    def _load_tile(base, T, N: tl.constexpr, r0, c0, H: tl.constexpr, BR: tl.constexpr,
                    BN: tl.constexpr):
-        """Rows ``[r0, r0 + BC)``, columns ``[c0, c0 + BN)`` of a head's ``[T, N]`` slice
-        (token stride ``H * N``), as fp32."""
-        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (r0, c0), (BC, BN), (1, 0))
-        return tl.load(p, boundary_check=(0, 1)).to(tl.float32)
+        """Rows ``[r0, r0 + BR)``, columns ``[c0, c0 + BN)`` of a head's ``[T, N]`` slice
+        (token stride ``H * N``), as stored (zero padding)."""
+        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (r0, c0), (BR, BN), (1, 0))
+        return tl.load(p, boundary_check=(0, 1))
 
     @triton.jit
-    def _store_block(base, T, N: tl.constexpr, r0, c0, y, H: tl.constexpr, BC: tl.constexpr,
-                     BN: tl.constexpr):
-        """Store a ``[BC, BN]`` block at rows ``[r0, r0 + BC)``, columns from ``c0`` of a
-        head's ``[T, N]`` slice (token stride ``H * N``)."""
-        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (r0, c0), (BC, BN), (1, 0))
+    def _store_tile(base, T, N: tl.constexpr, r0, c0, y, H: tl.constexpr, BR: tl.constexpr,
+                    BN: tl.constexpr):
+        """Store ``y [BR, BN]`` at rows ``[r0, r0 + BR)``, columns from ``c0`` of a head's
+        ``[T, N]`` slice (token stride ``H * N``), in the buffer's dtype."""
+        p = tl.make_block_ptr(base, (T, N), (H * N, 1), (r0, c0), (BR, BN), (1, 0))
         tl.store(p, y.to(p.dtype.element_ty), boundary_check=(0, 1))
 
     @triton.jit
-    def _store_rows(base, T, N: tl.constexpr, t0, c0, y0, y1, y2, y3, H: tl.constexpr,
-                    BC: tl.constexpr, BN: tl.constexpr):
-        """Store four ``[BC, BN]`` row blocks at rows ``t0, t0 + BC, ...``, columns from
-        ``c0``."""
-        _store_block(base, T, N, t0, c0, y0, H, BC, BN)
-        _store_block(base, T, N, t0 + BC, c0, y1, H, BC, BN)
-        _store_block(base, T, N, t0 + 2 * BC, c0, y2, H, BC, BN)
-        _store_block(base, T, N, t0 + 3 * BC, c0, y3, H, BC, BN)
+    def _store_block_row(base_x, T, r0, y0, y1, y2, y3, H: tl.constexpr, BC: tl.constexpr):
+        """Rows ``[r0, r0 + BC)`` of a chunk's ``X`` (``[T, 4 BC]`` slice of
+        ``xs [B, T, H, 4 BC]``) from its four ``[BC, BC]`` blocks."""
+        _store_tile(base_x, T, 4 * BC, r0, 0, y0, H, BC, BC)
+        _store_tile(base_x, T, 4 * BC, r0, BC, y1, H, BC, BC)
+        _store_tile(base_x, T, 4 * BC, r0, 2 * BC, y2, H, BC, BC)
+        _store_tile(base_x, T, 4 * BC, r0, 3 * BC, y3, H, BC, BC)
 
     @triton.jit
-    def _lower_times(x00, x10, x11, x20, x21, x22, x30, x31, x32, x33, r0, r1, r2, r3,
-                     PREC: tl.constexpr):
-        """``X R`` for a block lower-triangular ``X`` (4 x 4 blocks) and ``R`` given as its
-        four row blocks; returns the four row blocks of the product."""
-        y0 = tl.dot(x00, r0, input_precision=PREC)
-        y1 = tl.dot(x10, r0, input_precision=PREC) + tl.dot(x11, r1, input_precision=PREC)
-        y2 = (tl.dot(x20, r0, input_precision=PREC) + tl.dot(x21, r1, input_precision=PREC)
-              + tl.dot(x22, r2, input_precision=PREC))
-        y3 = (tl.dot(x30, r0, input_precision=PREC) + tl.dot(x31, r1, input_precision=PREC)
-              + tl.dot(x32, r2, input_precision=PREC) + tl.dot(x33, r3, input_precision=PREC))
-        return y0, y1, y2, y3
+    def _off_block(kk, bi, Gi, Gj, GATE: tl.constexpr):
+        """``A_ij = diag(b_i) (k_i k_j^T * exp(G_i - G_j))`` from ``kk = k_i k_j^T`` for a
+        block strictly below the diagonal (every row after every column: the exponent is
+        never positive)."""
+        if GATE == 1:
+            kk = kk * tl.exp(Gi[:, None] - Gj[None, :])
+        return kk * bi[:, None]
 
     @triton.jit
-    def _wy_kernel(k, v, g, beta, w, u, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   GATE: tl.constexpr, PREC: tl.constexpr, STORE_X: tl.constexpr = False,
-                   xs=None):
-        """grid ``(NT, B * H)``; k, w [B, T, H, K]; v, u [B, T, H, V]; g, beta [B, T, H];
-        STORE_X (for the backward): the inverse into ``xs [B, T, H, BT]`` fp32, row ``i`` of
-        a chunk at its token ``i`` (the blocks above the diagonal are left untouched: zero).
+    def _diag_block_t(kk, b, G, BC: tl.constexpr, GATE: tl.constexpr):
+        """A diagonal block's ``A_ii`` *transposed*, ``[BC, BC]``: ``at[m, i] = b_i (k_i . k_m)
+        exp(G_i - G_m)`` for ``m < i``, else 0.  ``kk = k_i k_i^T`` is symmetric, so the
+        transpose costs nothing, and the substitution reads rows of ``A_ii`` as columns of
+        ``at`` in the layout its update needs."""
+        rows = tl.arange(0, BC)
+        upper = rows[:, None] < rows[None, :]
+        if GATE == 1:  # masked before exp: the exponent of a kept entry is never positive
+            kk = kk * tl.exp(tl.where(upper, G[None, :] - G[:, None], float("-inf")))
+        else:
+            kk = tl.where(upper, kk, 0.0)
+        return kk * b[None, :]
 
-        ``X = (I + A)^{-1}`` per chunk of ``BT = 64`` tokens, blocked in four 16-row blocks:
-        the diagonal blocks by forward substitution on 16 x 16 (stable for aligned keys,
-        where a product of powers of A cancels catastrophically), the blocks below them by
-        ``X_ij = -X_ii sum_{j <= m < i} A_im X_mj`` on tensor cores.  Then
-        ``W = X diag(b exp(G)) K`` and ``U = X diag(b) V``.
+    @triton.jit
+    def _unit_lower_inverse4(t0, t1, t2, t3, BC: tl.constexpr):
+        """``(I + A_b)^{-1}`` of four strictly lower ``[BC, BC]`` blocks given transposed
+        (``t_b = A_b^T``), by forward substitution ``x_i = e_i - sum_{m < i} A_im x_m``
+        (rows before i are final when row i is formed; row i of x is still e_i).
+
+        Row i of ``A_b`` is column i of ``t_b``: it comes out of the reduction indexed like
+        the rows of x, so a step needs no layout change (no shared-memory round trip).  The
+        four chains are independent and interleaved; the loop is not unrolled, so one
+        step's rows are live at a time (registers)."""
+        rows = tl.arange(0, BC)
+        eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+        x0, x1, x2, x3 = eye, eye, eye, eye
+        for i in range(1, BC):
+            col = rows[None, :] == i
+            row = rows[:, None] == i
+            a0 = tl.sum(tl.where(col, t0, 0.0), axis=1)
+            a1 = tl.sum(tl.where(col, t1, 0.0), axis=1)
+            a2 = tl.sum(tl.where(col, t2, 0.0), axis=1)
+            a3 = tl.sum(tl.where(col, t3, 0.0), axis=1)
+            x0 -= tl.where(row, tl.sum(a0[:, None] * x0, axis=0)[None, :], 0.0)
+            x1 -= tl.where(row, tl.sum(a1[:, None] * x1, axis=0)[None, :], 0.0)
+            x2 -= tl.where(row, tl.sum(a2[:, None] * x2, axis=0)[None, :], 0.0)
+            x3 -= tl.where(row, tl.sum(a3[:, None] * x3, axis=0)[None, :], 0.0)
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _wy_solve(k, g, beta, xs, bos, t0, T, i_h, H: tl.constexpr, K: tl.constexpr,
+                  BT: tl.constexpr, SBK: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
+        """One chunk's ``X = (I + A)^{-1}`` into ``xs`` (rows of the chunk at their tokens,
+        all 64 columns: the blocks above the diagonal are written as zeros).
+
+        Blocked in four 16-row blocks: ``A``'s ten lower blocks from k k^T sums over K tiles
+        (16-bit keys: 16-bit operands, exact products); the diagonal blocks of X by forward
+        substitution (stable for aligned keys, where a product of powers of A cancels
+        catastrophically); the blocks below by two levels of the 2 x 2 block inverse
+        ``[[X_00, 0], [-X_11 A_10 X_00, X_11]]`` (pairs of 16-row blocks, then the two
+        halves), i.e. block substitution ``X_ij = -X_ii sum_{j <= m < i} A_im X_mj`` with the
+        sums grouped for a shorter dependency chain, fp32 operands at ``PREC``.  Stored in
+        xs's dtype."""
+        BC: tl.constexpr = BT // 4
+        zero = tl.full((), 0.0, tl.float32)
+        b0, G0, s0 = _wy_gates(g, beta, bos, t0, T, i_h, zero, H, BC, GATE)
+        b1, G1, s1 = _wy_gates(g, beta, bos, t0 + BC, T, i_h, s0, H, BC, GATE)
+        b2, G2, s2 = _wy_gates(g, beta, bos, t0 + 2 * BC, T, i_h, s1, H, BC, GATE)
+        b3, G3, s3 = _wy_gates(g, beta, bos, t0 + 3 * BC, T, i_h, s2, H, BC, GATE)
+        base_k = k + (bos * H + i_h) * K
+        # the diagonal blocks first, the blocks below after the substitution (a second pass
+        # over k, from L2): fewer accumulators live at once (registers)
+        kk00 = tl.zeros([BC, BC], dtype=tl.float32)
+        kk11 = tl.zeros([BC, BC], dtype=tl.float32)
+        kk22 = tl.zeros([BC, BC], dtype=tl.float32)
+        kk33 = tl.zeros([BC, BC], dtype=tl.float32)
+        for c0 in range(0, K, SBK):
+            k0 = _load_tile(base_k, T, K, t0, c0, H, BC, SBK)
+            k1 = _load_tile(base_k, T, K, t0 + BC, c0, H, BC, SBK)
+            k2 = _load_tile(base_k, T, K, t0 + 2 * BC, c0, H, BC, SBK)
+            k3 = _load_tile(base_k, T, K, t0 + 3 * BC, c0, H, BC, SBK)
+            kk00 = tl.dot(k0, tl.trans(k0), kk00, input_precision=PREC)
+            kk11 = tl.dot(k1, tl.trans(k1), kk11, input_precision=PREC)
+            kk22 = tl.dot(k2, tl.trans(k2), kk22, input_precision=PREC)
+            kk33 = tl.dot(k3, tl.trans(k3), kk33, input_precision=PREC)
+        x00, x11, x22, x33 = _unit_lower_inverse4(
+            _diag_block_t(kk00, b0, G0, BC, GATE), _diag_block_t(kk11, b1, G1, BC, GATE),
+            _diag_block_t(kk22, b2, G2, BC, GATE), _diag_block_t(kk33, b3, G3, BC, GATE), BC)
+        kk10 = tl.zeros([BC, BC], dtype=tl.float32)
+        kk20 = tl.zeros([BC, BC], dtype=tl.float32)
+        kk21 = tl.zeros([BC, BC], dtype=tl.float32)
+        kk30 = tl.zeros([BC, BC], dtype=tl.float32)
+        kk31 = tl.zeros([BC, BC], dtype=tl.float32)
+        kk32 = tl.zeros([BC, BC], dtype=tl.float32)
+        for c0 in range(0, K, SBK):
+            k0 = _load_tile(base_k, T, K, t0, c0, H, BC, SBK)
+            k1 = _load_tile(base_k, T, K, t0 + BC, c0, H, BC, SBK)
+            k2 = _load_tile(base_k, T, K, t0 + 2 * BC, c0, H, BC, SBK)
+            k3 = _load_tile(base_k, T, K, t0 + 3 * BC, c0, H, BC, SBK)
+            kk10 = tl.dot(k1, tl.trans(k0), kk10, input_precision=PREC)
+            kk20 = tl.dot(k2, tl.trans(k0), kk20, input_precision=PREC)
+            kk21 = tl.dot(k2, tl.trans(k1), kk21, input_precision=PREC)
+            kk30 = tl.dot(k3, tl.trans(k0), kk30, input_precision=PREC)
+            kk31 = tl.dot(k3, tl.trans(k1), kk31, input_precision=PREC)
+            kk32 = tl.dot(k3, tl.trans(k2), kk32, input_precision=PREC)
+        a10 = _off_block(kk10, b1, G1, G0, GATE)
+        a20 = _off_block(kk20, b2, G2, G0, GATE)
+        a21 = _off_block(kk21, b2, G2, G1, GATE)
+        a30 = _off_block(kk30, b3, G3, G0, GATE)
+        a31 = _off_block(kk31, b3, G3, G1, GATE)
+        a32 = _off_block(kk32, b3, G3, G2, GATE)
+        # 32-row halves: [[x00, 0], [x10, x11]] and [[x22, 0], [x32, x33]]
+        x10 = -tl.dot(x11, tl.dot(a10, x00, input_precision=PREC), input_precision=PREC)
+        x32 = -tl.dot(x33, tl.dot(a32, x22, input_precision=PREC), input_precision=PREC)
+        # the lower-left half: -X_hi (A_lo X_lo), with A_lo = [[a20, a21], [a30, a31]]
+        p00 = tl.dot(a21, x10, tl.dot(a20, x00, input_precision=PREC), input_precision=PREC)
+        p01 = tl.dot(a21, x11, input_precision=PREC)
+        p10 = tl.dot(a31, x10, tl.dot(a30, x00, input_precision=PREC), input_precision=PREC)
+        p11 = tl.dot(a31, x11, input_precision=PREC)
+        x20 = -tl.dot(x22, p00, input_precision=PREC)
+        x21 = -tl.dot(x22, p01, input_precision=PREC)
+        x30 = -tl.dot(x33, p10, tl.dot(x32, p00, input_precision=PREC), input_precision=PREC)
+        x31 = -tl.dot(x33, p11, tl.dot(x32, p01, input_precision=PREC), input_precision=PREC)
+        base_x = xs + (bos * H + i_h) * BT
+        nil = tl.zeros([BC, BC], dtype=tl.float32)  # above the diagonal
+        _store_block_row(base_x, T, t0, x00, nil, nil, nil, H, BC)
+        _store_block_row(base_x, T, t0 + BC, x10, x11, nil, nil, H, BC)
+        _store_block_row(base_x, T, t0 + 2 * BC, x20, x21, x22, nil, H, BC)
+        _store_block_row(base_x, T, t0 + 3 * BC, x30, x31, x32, x33, H, BC)
+
+    @triton.jit
+    def _wy_apply(k, v, g, beta, w, u, xs, bos, t0, T, i_h, H: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  GATE: tl.constexpr, PREC: tl.constexpr, STORE_A: tl.constexpr, q, a):
+        """One chunk's ``W = X diag(b exp(G)) K`` and ``U = X diag(b) V`` from its
+        ``X [BT, BT]`` in ``xs``: one ``[BT, BT] x [BT, N]`` product per tile, operands in
+        X's dtype (a bf16 X: bf16 operands, fp32 accumulation).  STORE_A: also the output
+        walk's in-chunk attention ``A_ij = q_i . k_j exp(G_i - G_j)`` (``j <= i``, unscaled)
+        into ``a [B, T, H, BT]`` in q's dtype, from the k tiles this loop reads anyway, so the
+        walker does not form it again in each of its V tiles."""
+        zero = tl.full((), 0.0, tl.float32)
+        b_b, b_G, _ = _wy_gates(g, beta, bos, t0, T, i_h, zero, H, BT, GATE)
+        b_x = _load_tile(xs + (bos * H + i_h) * BT, T, BT, t0, 0, H, BT, BT)
+        XT = b_x.dtype
+        b_bk = b_b * tl.exp(b_G) if GATE == 1 else b_b
+        base_k = k + (bos * H + i_h) * K
+        base_w = w + (bos * H + i_h) * K
+        if STORE_A:
+            b_qk = tl.zeros([BT, BT], dtype=tl.float32)
+        for c0 in range(0, K, BK):
+            b_k = _load_tile(base_k, T, K, t0, c0, H, BT, BK)
+            b_r = (b_k.to(tl.float32) * b_bk[:, None]).to(XT)
+            _store_tile(base_w, T, K, t0, c0, tl.dot(b_x, b_r, input_precision=PREC), H, BT, BK)
+            if STORE_A:
+                b_q = _load_tile(q + (bos * H + i_h) * K, T, K, t0, c0, H, BT, BK)
+                b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        if STORE_A:
+            rows = tl.arange(0, BT)
+            causal = rows[:, None] >= rows[None, :]
+            if GATE == 1:  # masked before the exponential: never positive
+                b_qk = b_qk * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
+            else:
+                b_qk = tl.where(causal, b_qk, 0.0)
+            _store_tile(a + (bos * H + i_h) * BT, T, BT, t0, 0, b_qk, H, BT, BT)
+        base_v = v + (bos * H + i_h) * V
+        base_u = u + (bos * H + i_h) * V
+        for c0 in range(0, V, BV):
+            b_r = (_load_tile(base_v, T, V, t0, c0, H, BT, BV).to(tl.float32)
+                   * b_b[:, None]).to(XT)
+            _store_tile(base_u, T, V, t0, c0, tl.dot(b_x, b_r, input_precision=PREC), H, BT, BV)
+
+    @triton.jit
+    def _wy_kernel(k, v, g, beta, w, u, xs, T, H: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   SBK: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
+                   SOLVE: tl.constexpr, APPLY: tl.constexpr, STORE_A: tl.constexpr = False,
+                   q=None, a=None):
+        """grid ``(NT, B * H)``, one chunk of ``BT = 64`` tokens per program; k, w
+        [B, T, H, K]; v, u [B, T, H, V]; g, beta [B, T, H]; xs [B, T, H, BT] (fp32 or bf16):
+        the chunk's inverse ``X``, row ``i`` at its token ``i``.
+
+        SOLVE: ``X = (I + A)^{-1}`` into xs (:func:`_wy_solve`); APPLY: W and U from xs
+        (:func:`_wy_apply`; STORE_A: with the output walk's attention from q [B, T, H, K]
+        into a [B, T, H, BT]).  Both in one launch: the program reads back its own X after a
+        barrier (a CTA's global writes are visible to its threads after ``bar.sync``).
         """
         i_t, i_bh = tl.program_id(0), tl.program_id(1)
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets pass 2**31 at long T
         bos = i_b * T
         t0 = i_t * BT
-        BC: tl.constexpr = BT // 4
-        rows = tl.arange(0, BC)
-        strict = rows[:, None] > rows[None, :]
-        zero = tl.full((), 0.0, tl.float32)
-        k0, b0, G0, s0 = _wy_rows(k, g, beta, bos, t0, T, i_h, zero, H, K, BC, BK, GATE)
-        k1, b1, G1, s1 = _wy_rows(k, g, beta, bos, t0 + BC, T, i_h, s0, H, K, BC, BK, GATE)
-        k2, b2, G2, s2 = _wy_rows(k, g, beta, bos, t0 + 2 * BC, T, i_h, s1, H, K, BC, BK, GATE)
-        k3, b3, G3, s3 = _wy_rows(k, g, beta, bos, t0 + 3 * BC, T, i_h, s2, H, K, BC, BK, GATE)
-        # diagonal blocks: strictly lower part of diag(b) (k k^T * exp(G_i - G_j))
-        d0 = tl.dot(k0, tl.trans(k0), input_precision=PREC)
-        d1 = tl.dot(k1, tl.trans(k1), input_precision=PREC)
-        d2 = tl.dot(k2, tl.trans(k2), input_precision=PREC)
-        d3 = tl.dot(k3, tl.trans(k3), input_precision=PREC)
-        if GATE == 1:
-            d0 = d0 * tl.exp(tl.where(strict, G0[:, None] - G0[None, :], float("-inf")))
-            d1 = d1 * tl.exp(tl.where(strict, G1[:, None] - G1[None, :], float("-inf")))
-            d2 = d2 * tl.exp(tl.where(strict, G2[:, None] - G2[None, :], float("-inf")))
-            d3 = d3 * tl.exp(tl.where(strict, G3[:, None] - G3[None, :], float("-inf")))
-        x00 = _unit_lower_inverse(tl.where(strict, d0, 0.0) * b0[:, None], BC)
-        x11 = _unit_lower_inverse(tl.where(strict, d1, 0.0) * b1[:, None], BC)
-        x22 = _unit_lower_inverse(tl.where(strict, d2, 0.0) * b2[:, None], BC)
-        x33 = _unit_lower_inverse(tl.where(strict, d3, 0.0) * b3[:, None], BC)
-        a10 = _wy_block(k1, b1, G1, k0, G0, PREC, GATE)
-        a20 = _wy_block(k2, b2, G2, k0, G0, PREC, GATE)
-        a21 = _wy_block(k2, b2, G2, k1, G1, PREC, GATE)
-        a30 = _wy_block(k3, b3, G3, k0, G0, PREC, GATE)
-        a31 = _wy_block(k3, b3, G3, k1, G1, PREC, GATE)
-        a32 = _wy_block(k3, b3, G3, k2, G2, PREC, GATE)
-        x10 = -tl.dot(x11, tl.dot(a10, x00, input_precision=PREC), input_precision=PREC)
-        x21 = -tl.dot(x22, tl.dot(a21, x11, input_precision=PREC), input_precision=PREC)
-        x20 = -tl.dot(x22, tl.dot(a20, x00, input_precision=PREC)
-                      + tl.dot(a21, x10, input_precision=PREC), input_precision=PREC)
-        x32 = -tl.dot(x33, tl.dot(a32, x22, input_precision=PREC), input_precision=PREC)
-        x31 = -tl.dot(x33, tl.dot(a31, x11, input_precision=PREC)
-                      + tl.dot(a32, x21, input_precision=PREC), input_precision=PREC)
-        x30 = -tl.dot(x33, tl.dot(a30, x00, input_precision=PREC)
-                      + tl.dot(a31, x10, input_precision=PREC)
-                      + tl.dot(a32, x20, input_precision=PREC), input_precision=PREC)
-        if STORE_X:
-            base_x = xs + (bos * H + i_h) * BT
-            _store_rows(base_x, T, BT, t0, 0, x00, x10, x20, x30, H, BC, BC)
-            _store_block(base_x, T, BT, t0 + BC, BC, x11, H, BC, BC)
-            _store_block(base_x, T, BT, t0 + 2 * BC, BC, x21, H, BC, BC)
-            _store_block(base_x, T, BT, t0 + 3 * BC, BC, x31, H, BC, BC)
-            _store_block(base_x, T, BT, t0 + 2 * BC, 2 * BC, x22, H, BC, BC)
-            _store_block(base_x, T, BT, t0 + 3 * BC, 2 * BC, x32, H, BC, BC)
-            _store_block(base_x, T, BT, t0 + 3 * BC, 3 * BC, x33, H, BC, BC)
-        # W = X diag(b exp(G)) K, row block by row block
-        w0, w1, w2, w3 = _lower_times(
-            x00, x10, x11, x20, x21, x22, x30, x31, x32, x33,
-            k0.to(tl.float32) * (b0 * tl.exp(G0))[:, None],
-            k1.to(tl.float32) * (b1 * tl.exp(G1))[:, None],
-            k2.to(tl.float32) * (b2 * tl.exp(G2))[:, None],
-            k3.to(tl.float32) * (b3 * tl.exp(G3))[:, None], PREC)
-        _store_rows(w + (bos * H + i_h) * K, T, K, t0, 0, w0, w1, w2, w3, H, BC, BK)
-        # U = X diag(b) V, per V tile
-        base_v = v + (bos * H + i_h) * V
-        for v0 in range(0, V, BV):
-            u0, u1, u2, u3 = _lower_times(
-                x00, x10, x11, x20, x21, x22, x30, x31, x32, x33,
-                _load_rows(base_v, T, V, t0, v0, H, BC, BV) * b0[:, None],
-                _load_rows(base_v, T, V, t0 + BC, v0, H, BC, BV) * b1[:, None],
-                _load_rows(base_v, T, V, t0 + 2 * BC, v0, H, BC, BV) * b2[:, None],
-                _load_rows(base_v, T, V, t0 + 3 * BC, v0, H, BC, BV) * b3[:, None], PREC)
-            _store_rows(u + (bos * H + i_h) * V, T, V, t0, v0, u0, u1, u2, u3, H, BC, BV)
+        if SOLVE:
+            _wy_solve(k, g, beta, xs, bos, t0, T, i_h, H, K, BT, SBK, GATE, PREC)
+        if SOLVE and APPLY:
+            tl.debug_barrier()
+        if APPLY:
+            _wy_apply(k, v, g, beta, w, u, xs, bos, t0, T, i_h, H, K, V, BT, BK, BV, GATE,
+                      PREC, STORE_A, q, a)
 
 
-def wy(k, v, g, beta, *, BT: int, prec: str, dtype, store_x: bool = False):
-    """``(W [B, T, H, K], U [B, T, H, V])`` in ``dtype``; chunks of ``BT = 64`` tokens.
-    ``store_x``: also the per-chunk inverse ``X [B, T, H, BT]`` fp32 (a third result)."""
-    if BT != 64:
+def wy_x_dtype(dtype: torch.dtype, store_x: bool = False, cfg: dict = None) -> torch.dtype:
+    """The dtype of the WY inverse ``X`` for inputs of ``dtype`` (see ``WY_CONFIG``)."""
+    cfg = WY_CONFIG if cfg is None else cfg
+    if cfg["x_dtype"] not in ("input", "fp32"):
+        raise ValueError("WY_CONFIG['x_dtype']: expected 'input' or 'fp32', got "
+                         f"{cfg['x_dtype']!r}")
+    if store_x or dtype != torch.bfloat16 or cfg["x_dtype"] == "fp32":
+        return torch.float32
+    return dtype
+
+
+def wy_launches(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype, gated: bool,
+                prec: str, cfg: dict = None, store_a: bool = False) -> list:
+    """The launches of :func:`wy` for inputs of ``dtype``,
+    ``[(grid, constexprs, num_warps, num_stages)]``, every one with the runtime arguments
+    ``(k, v, g, beta, w, u, xs, T)`` and, where ``STORE_A`` (``store_a``: the launch that
+    forms W and U also forms the output walk's attention), ``(q, a)`` after them
+    (``runtime.programs`` mirrors them for ahead-of-time plans)."""
+    cfg = WY_CONFIG if cfg is None else cfg
+    grid = (-(-T // WY_BT), B * H, 1)
+    # solve_BK counts 16-bit elements: fp32 keys take half as many (the same bytes, registers)
+    wide = torch.empty((), dtype=dtype).element_size() > 2
+    sbk = cfg["solve_BK"] // 2 if wide else cfg["solve_BK"]
+    const = dict(H=H, K=K, V=V, BT=WY_BT, BK=min(cfg["BK"], next_pow2(K)),
+                 BV=min(cfg["BV"], next_pow2(V)), SBK=max(16, min(sbk, next_pow2(K))),
+                 GATE=1 if gated else 0, PREC=prec)
+    # q and a are pointers where STORE_A, else None constexprs
+    plain = dict(STORE_A=False, q=None, a=None)
+    apply = dict(STORE_A=True) if store_a else plain
+    if cfg["fused"]:
+        return [(grid, dict(const, SOLVE=True, APPLY=True, **apply), cfg["num_warps"],
+                 cfg["num_stages"])]
+    return [(grid, dict(const, SOLVE=True, APPLY=False, **plain), cfg["solve_warps"],
+             cfg["solve_stages"]),
+            (grid, dict(const, SOLVE=False, APPLY=True, **apply), cfg["num_warps"],
+             cfg["num_stages"])]
+
+
+def wy_kernel_specs(K: int = 128, V: int = 128, *, H: int = 32, dtype=torch.bfloat16,
+                    gated: bool = True, prec: str = None, store_x: bool = False,
+                    store_a: bool = False) -> list:
+    """The :class:`~forge_dist.runtime.programs.KernelSpec` of every launch of :func:`wy` for
+    inputs of ``dtype`` (fp32 gates; ``store_x``: the backward's fp32 X), for AOT compilation
+    and the resource report.  ``prec``: the dots' precision, by default what the forward
+    and backward pass (TF32 for 16-bit inputs, 3xTF32 for fp32)."""
+    from ..runtime.programs import KernelSpec, tl_type
+
+    if prec is None:
+        prec = "tf32x3" if dtype == torch.float32 else "tf32"
+    io = "*" + tl_type(dtype)
+    xs = "*" + tl_type(wy_x_dtype(dtype, store_x))
+    sig = (("k", io), ("v", io), ("g", "*fp32"), ("beta", "*fp32"), ("w", io), ("u", io),
+           ("xs", xs), ("T", "i32"))
+    return [KernelSpec(f"{__name__}:_wy_kernel",
+                       sig + ((("q", io), ("a", io)) if const["STORE_A"] else ()),
+                       tuple(const.items()), nw, ns)
+            for _, const, nw, ns in wy_launches(1, 256, H, K, V, dtype=dtype, gated=gated,
+                                                prec=prec, store_a=store_a)]
+
+
+def wy(k, v, g, beta, *, BT: int, prec: str, dtype, store_x: bool = False, q=None):
+    """``(W [B, T, H, K], U [B, T, H, V])`` in ``dtype``; chunks of ``BT = 64`` tokens; k, v
+    ``[B, T, H, K|V]``, g (log decays, or ``None``) and beta ``[B, T, H]``.  The per-chunk
+    inverse ``X [B, T, H, BT]`` passes through a buffer (:func:`wy_x_dtype`); ``store_x``
+    keeps it in fp32 and returns it as a third result (zero above each chunk's diagonal).
+    ``q [B, T, H, K]``: also the output walk's in-chunk attention ``A [B, T, H, BT]`` in q's
+    dtype (unscaled, zero above the diagonal) as a third result (not with ``store_x``)."""
+    if BT != WY_BT:
         raise ValueError(f"wy: the blocked inverse works on chunks of 64 tokens, got BT={BT}")
+    if store_x and q is not None:
+        raise ValueError("wy: store_x (the backward's X) and q (the forward's attention) "
+                         "are not asked for together")
     B, T, H, K = k.shape
     V = v.shape[-1]
     w = torch.empty(B, T, H, K, dtype=dtype, device=k.device)
     u = torch.empty(B, T, H, V, dtype=dtype, device=k.device)
-    xs = torch.zeros(B, T, H, BT, dtype=torch.float32, device=k.device) if store_x else None
-    _wy_kernel[(triton.cdiv(T, BT), B * H)](
-        k, v, g if g is not None else beta, beta, w, u, T, H=H, K=K, V=V, BT=BT,
-        BK=next_pow2(K), BV=min(WY_CONFIG["BV"], next_pow2(V)),
-        GATE=0 if g is None else 1, PREC=prec, STORE_X=store_x, xs=xs,
-        num_warps=WY_CONFIG["num_warps"], num_stages=WY_CONFIG["num_stages"])
-    return (w, u, xs) if store_x else (w, u)
+    xs = torch.empty(B, T, H, BT, dtype=wy_x_dtype(k.dtype, store_x), device=k.device)
+    a = None if q is None else torch.empty(B, T, H, BT, dtype=q.dtype, device=k.device)
+    for grid, const, num_warps, num_stages in wy_launches(B, T, H, K, V, dtype=k.dtype,
+                                                          gated=g is not None, prec=prec,
+                                                          store_a=q is not None):
+        extra = dict(q=q, a=a) if const["STORE_A"] else {}
+        _wy_kernel[grid](k, v, g if g is not None else beta, beta, w, u, xs, T, **const,
+                         **extra, num_warps=num_warps, num_stages=num_stages)
+    if store_x:
+        return w, u, xs
+    return (w, u) if q is None else (w, u, a)
 
 
 def summary_precision() -> str:
@@ -246,13 +414,14 @@ class DeltaRuleWork(TritonWork):
         super().__init__(*args, **kwargs)
         self._wy = None
 
-    def _wy_factors(self, k, v, g, beta, cfg):
-        """``(W, U)`` in the input dtype: bf16/fp16 inputs use TF32 for the WY products,
-        fp32 inputs stay fp32 (3xTF32)."""
+    def _wy_factors(self, q, k, v, g, beta, cfg):
+        """``(W, U, A)`` in the input dtype, ``A`` the output walk's in-chunk attention
+        (formed with W: the outputs follow on the same work, also after a summary):
+        bf16/fp16 inputs use TF32 for the WY products, fp32 inputs stay fp32 (3xTF32)."""
         if self._wy is None:
             low = k.dtype in (torch.float16, torch.bfloat16)
             prec = "tf32" if low and dot_precision(k.dtype) != "ieee" else dot_precision(k.dtype)
-            self._wy = wy(k, v, g, beta, BT=cfg["BT"], prec=prec, dtype=k.dtype)
+            self._wy = wy(k, v, g, beta, BT=cfg["BT"], prec=prec, dtype=k.dtype, q=q)
         return self._wy
 
     def release(self) -> None:
@@ -263,17 +432,17 @@ class DeltaRuleWork(TritonWork):
         """The WY factors before the incoming state arrives (they need no state)."""
         if self._wy is None:
             with torch.no_grad():
-                _, k, v, g, beta = (ensure(None if t is None else t.detach())
+                q, k, v, g, beta = (ensure(None if t is None else t.detach())
                                     for t in self.tensors)
-                self._wy_factors(k, v, g, beta, fused_config(k.shape[-1], v.shape[-1]))
+                self._wy_factors(q, k, v, g, beta, fused_config(k.shape[-1], v.shape[-1]))
 
     def _finish_fwd(self, S_in, tensors):
         q, k, v, g, beta = (ensure(t) for t in tensors)
         cfg = fused_config(k.shape[-1], v.shape[-1])
         self.execution, self.execution_reason = "fused", "decoupled not built for this pattern"
-        w, u = self._wy_factors(k, v, g, beta, cfg)
+        w, u, a = self._wy_factors(q, k, v, g, beta, cfg)
         return walk(k, u, q=q, g=g, gate=0 if g is None else 1, w=w, h0=S_in, scale=self.scale,
-                    out_dtype=self.out_dtype, cfg=cfg, prec=dot_precision(k.dtype))
+                    out_dtype=self.out_dtype, cfg=cfg, prec=dot_precision(k.dtype), a=a)
 
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g, beta = (ensure(t) for t in tensors)
@@ -284,7 +453,7 @@ class DeltaRuleWork(TritonWork):
             w, u = wy(k, v, g, beta, BT=cfg["BT"], prec=prec, dtype=torch.float32)
         else:  # the forward's operands: the WY factors are shared with finish()
             prec = dot_precision(k.dtype)
-            w, u = self._wy_factors(k, v, g, beta, cfg)
+            w, u, _ = self._wy_factors(q, k, v, g, beta, cfg)
         gate = 0 if g is None else 1
         _, delta = walk(k, u, g=g, gate=gate, w=w, cfg=cfg, prec=prec)
         M = None

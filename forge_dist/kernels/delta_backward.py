@@ -425,11 +425,7 @@ def kernel_specs(K: int = 128, V: int = 128, *, H: int = 32, dtype=torch.bfloat1
     dims = (("H", H), ("K", K), ("V", V), ("BT", BT_DELTA))
     mod = "forge_dist.kernels"
     return [
-        KernelSpec(f"{mod}.delta:_wy_kernel",
-                   ptr(("k", "v", "g", "beta", "w", "u"), types) + (("T", "i32"), ("xs", f32)),
-                   dims + (("BK", next_pow2(K)), ("BV", min(delta.WY_CONFIG["BV"], next_pow2(V))),
-                           ("GATE", 1), ("PREC", wy_prec), ("STORE_X", True)),
-                   delta.WY_CONFIG["num_warps"], delta.WY_CONFIG["num_stages"]),
+        *delta.wy_kernel_specs(K, V, H=H, dtype=dtype, prec=wy_prec, store_x=True),
         KernelSpec(f"{mod}._common:_walk_kernel",
                    ptr(("q", "k", "v", "g", "w", "h0", "o", "ht", "gt"), types)
                    + (("T", "i32"), ("SEG", "i32"), ("scale", "fp32"), ("hc", st), ("vn", st)),
@@ -438,7 +434,7 @@ def kernel_specs(K: int = 128, V: int = 128, *, H: int = 32, dtype=torch.bfloat1
                            ("STORE_O", False), ("STORE_HT", True), ("PREC", prec),
                            ("HAS_A", False), ("a", None), ("STORE_GT", False),
                            ("HAS_SIN", False), ("s_in", None), ("cg", None),
-                           ("HT_LAST", False), ("STORE_CHUNKS", True)),
+                           ("HT_LAST", False), ("STORE_CHUNKS", True), ("SCAN_IN", False)),
                    cfg["num_warps"], cfg["num_stages"]),
         KernelSpec(f"{mod}.delta_backward:_dstates_kernel",
                    ptr(("q", "k", "w", "g", "do", "dht", "dhc", "dvn", "dh0"), types)

@@ -182,12 +182,15 @@ def schedule(B: int, T: int, H: int, K: int, V: int, C: int, tv: int, *, elem_si
                     Schedule(strategy, info["n_seg"], info["reason"]))
 
 
-# The HGRN kernel is small (4 warps, ~100 registers, 2 KB shared): many of its programs are
-# resident per SM and its chunk loop is latency-bound, so it keeps gaining from segments long
-# after two programs per SM.  Measured on H200 at [1, 64K, 4096]: 4 / 16 / 64 / 256 segments
-# -> 3.12 / 2.88 / 2.59 / 2.64 ms forward, 11.6 / 9.1 / 8.3 / 8.3 ms backward
-# (results/kernel_profile_*).  32 resident programs per SM puts the optimum at 64 there.
+# The HGRN kernel is small (2 warps, few registers, no shared memory): many of its programs
+# are resident per SM and each walks its tokens one per step, latency-bound, so it keeps
+# gaining from segments long after two programs per SM.  Measured on H200 at [1, 64K, 4096]
+# bf16 with one token per step and 256 channels per program: 64 / 256 / 1024 segments ->
+# 1.23 / 0.73 / 1.25 ms forward (results/kernel_profile_hgrnsweep_*); 32 resident programs
+# per SM puts the optimum at 256 there.  A segment keeps at least
+# VECTOR_STATE_MIN_TOKENS tokens: the scan over segments walks them one by one.
 VECTOR_STATE_RESIDENT_PER_SM = 32
+VECTOR_STATE_MIN_TOKENS = 256
 
 
 def schedule_vector_state(B: int, T: int, D: int, C: int, td: int, *, elem_size: int = 2,
@@ -207,7 +210,9 @@ def schedule_vector_state(B: int, T: int, D: int, C: int, td: int, *, elem_size:
         tokens = B * T * D
         best, _ = best_segments(p_fused, n_c, base=3 * tokens * elem_size,
                                 extra=2 * tokens * elem_size, state=B * D * 4, device=dev,
-                                with_summary=with_summary)
+                                with_summary=with_summary,
+                                min_chunks=max(MIN_CHUNKS_PER_SEGMENT,
+                                               VECTOR_STATE_MIN_TOKENS // max(1, C)))
         auto = (Schedule(FUSED, 1, "fused estimated faster") if best == 1 else
                 Schedule(DECOUPLED, best, f"decoupled over {best} segments estimated faster"))
     return _resolve(request, n_c, auto)

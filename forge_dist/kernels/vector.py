@@ -1,137 +1,249 @@
 """Matrix state with vector (diagonal) decay: gla (``g [B, T, H, K]``), HGRN2.
 
-The shared walker with ``GATE=2``, FUSED or DECOUPLED over segments (see :mod:`.scheduler`).
-Inside a chunk the attention ``A_ij = sum_k q_ik k_jk exp(G_ik - G_jk)`` (``j <= i``) cannot
-be split into two bounded factors with one reference point for the whole chunk: at steep
-gates one of them overflows.  ``_intra_kernel`` therefore cuts the chunk into sub-blocks of
-``BC = 16`` rows:
+Two steps.  :func:`gate_chunks` (``_gate_kernel``, one program per chunk and head) reads
+q, k, g once and writes everything that depends on the per-channel gates::
+
+    qg = q * exp(G)            kd = k * exp(G_C - G)       gc = G_C   [B, NT, H, K] fp32
+    A_ij = sum_k q_ik k_jk exp(G_ik - G_jk)   (j <= i, [B, T, H, BT])
+
+with ``G`` the in-chunk cumulative log decay and ``G_C`` the chunk's total; both factors of
+``qg`` and ``kd`` are decays ``<= 1``.  Then the shared walker (``GATE=2``, FUSED or
+DECOUPLED over segments, see :mod:`.scheduler`) runs on ``qg, kd, v, A, gc`` exactly as for
+a scalar decay: ``o = qg S + A v``, ``S = diag(exp(G_C)) S + kd^T v``, with no exponentials
+per element left in the sequential walk.
+
+``A`` cannot use one reference point per chunk in general: ``q_i exp(G_i)`` and
+``k_j exp(-G_j)`` overflow once the chunk's total decay passes ~88 in some channel.  The
+kernel measures that span per chunk; below ``SPAN_MAX`` (60, fp16 operands 8) ``A`` is one
+tensor-core product of those two factors (the ``i < j`` entries, the only large ones, are
+masked after it); above, it cuts the chunk into sub-blocks of ``BC = 16`` rows:
 
 * a block below the diagonal (rows in block I, columns in an earlier block J) takes as
   reference the row just before block I: ``q_i exp(G_i - G_ref)`` and ``k_j exp(G_ref - G_j)``
-  are both decays ``<= 1`` (each exponent a direct sum of the gates in between), so one
-  ``tl.dot`` forms the block and nothing can overflow; a factor underflows only where the
-  product is below ``e^-87`` anyway;
-* a diagonal block goes column by column, the decay ``sum_{j < s <= i} g_s`` summed directly
-  and masked before the exponential (exact to a few ulps of itself).
+  are both decays ``<= 1``, so one ``tl.dot`` forms the block and nothing can overflow;
+* a diagonal block goes column by column, the decay ``G_i - G_j`` masked to ``i >= j``
+  before the exponential.
 
-Per token that is ``BC`` columns of elementwise work instead of ``BT`` (the whole chunk
-column by column, the previous kernel), plus tensor-core work for the rest.  Without the
-separate kernel (the interpreter, by default) the walker builds ``A`` column by column itself.
+Realistic gates (GLA's ``logsigmoid(x) / 16``, the benchmark's ``logsigmoid(x + 4)``) never
+leave the fast path; gates of -20 per token take the sub-block path and stay finite.
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 
-from ._common import (HAVE_TRITON, DecayAttentionWork, dot_precision, ensure, interpreting,
-                      next_pow2, outputs_from_summary, sized_config, summarize, tl, triton, walk)
+from ._common import (HAVE_TRITON, DecayAttentionWork, dot_precision, ensure, next_pow2,
+                      outputs_from_summary, sized_config, summarize, tl, triton, walk)
 
-FUSED_CONFIG = {"BT": 32, "BV": 64, "num_warps": 4, "num_stages": 2}
-INTRA_CONFIG = {"BC": 16, "num_warps": 4}
+# Measured on H200 at T=64K, B=1, H=32, K=V=128 (results/kernel_profile_sweeps_*_2026-11-24):
+# walker BV=64, 4 warps, 2 stages 2.61 ms for the whole forward (3 stages 2.73, BV=32 3.07,
+# 8 warps 3.21); gate kernel slices of 32 channels 2.65 vs 2.74 for 64 (8 warps 3.60).
+FUSED_CONFIG = {"BT": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
+GATE_CONFIG = {"BC": 16, "BKS": 32, "num_warps": 4, "num_stages": 2}
 
 
 def fused_config(K: int, V: int) -> dict:
-    """The fused walker's tiles for this pattern and head dims."""
-    return sized_config(FUSED_CONFIG, K)
+    """The fused walker's tiles for this pattern and head dims (at K = 256 two pipeline
+    stages: three need 244 KB of shared memory, over sm_90's 227 KB per block)."""
+    cfg = sized_config(FUSED_CONFIG, K)
+    if next_pow2(K) >= 256:
+        cfg["num_stages"] = min(cfg["num_stages"], 2)
+    return cfg
+
+
+def span_max(dtype: torch.dtype) -> float:
+    """Largest chunk decay span (``-G_C`` in one channel) for the one-product attention:
+    ``k exp(-G)`` must stay finite in the operand dtype and ``q k`` sums over masked
+    entries in fp32 (``e^60 * K * |q k|`` is far below fp32's 3.4e38)."""
+    return 8.0 if dtype == torch.float16 else 60.0
 
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _intra_kernel(q, k, g, a, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-        """grid ``(cdiv(T, BT), B * H)``; q, k, g [B, T, H, K]; a [B, T, H, BT] fp32 (unscaled).
-
-        The chunk is cut into sub-blocks of ``BC`` rows (module docstring): blocks below the
-        diagonal are one ``tl.dot`` each, both factors carrying a decay ``<= 1``; the
-        diagonal blocks go column by column, the decay summed directly and masked before the
-        exponential.  Blocks above the diagonal are stored as zeros (the walker reads all of A).
-        """
-        i_t, i_bh = tl.program_id(0), tl.program_id(1)
-        i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets pass 2**31 at long T
-        bos = i_b * T
-        t0 = i_t * BT
-        DT = k.dtype.element_ty
+    def _attention_subblocks(q, k, g, a, bos, t0, T, i_h, H: tl.constexpr, K: tl.constexpr,
+                             BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
+                             PREC: tl.constexpr):
+        """``A`` of one chunk in ``BC``-row sub-blocks (module docstring), for steep gates;
+        stores every ``[BC, BC]`` block of the chunk's ``[BT, BT]`` rows (zeros above the
+        diagonal)."""
+        DT = a.dtype.element_ty
         rows = tl.arange(0, BC)
         cols_k = tl.arange(0, BK)
         base_qk = (bos * H + i_h) * K
-        for i_i in tl.static_range(BT // BC):
+        base_a = a + (bos * H + i_h) * BT
+        for i_i in range(BT // BC):  # dynamic loops: a rare path, kept small in registers
             r0 = t0 + i_i * BC
             p_q = tl.make_block_ptr(q + base_qk, (T, K), (H * K, 1), (r0, 0), (BC, BK), (1, 0))
             p_g = tl.make_block_ptr(g + base_qk, (T, K), (H * K, 1), (r0, 0), (BC, BK), (1, 0))
             b_q = tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
             b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)  # padding: 0
-            # diagonal block: A_rc = sum_k q_rk k_ck exp(sum_{c < s <= r} g_sk), c <= r
+            b_G = tl.cumsum(b_g, axis=0)  # from the row before the block
+            # diagonal block, column by column: exp(G_r - G_c) masked to r >= c
             b_A = tl.zeros([BC, BC], dtype=tl.float32)
-            for c in tl.static_range(BC):
+            b_Gc = tl.zeros([BK], dtype=tl.float32)
+            for c in range(BC):
                 m_c = (cols_k < K) & (r0 + c < T)
-                k_c = tl.load(k + base_qk + (r0 + c).to(tl.int64) * (H * K) + cols_k, mask=m_c,
-                              other=0.0).to(tl.float32)
-                b_D = tl.cumsum(tl.where(rows[:, None] > c, b_g, 0.0), axis=0)
-                b_e = tl.exp(tl.where(rows[:, None] >= c, b_D, float("-inf")))
+                off_c = base_qk + (r0 + c).to(tl.int64) * (H * K) + cols_k
+                k_c = tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32)
+                b_Gc += tl.load(g + off_c, mask=m_c, other=0.0).to(tl.float32)
+                b_e = tl.exp(tl.where(rows[:, None] >= c, b_G - b_Gc[None, :], float("-inf")))
                 a_c = tl.sum(b_q * k_c[None, :] * b_e, axis=1)
                 b_A = tl.where(rows[None, :] == c, a_c[:, None], b_A)
-            p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1),
-                                    (r0, i_i * BC), (BC, BC), (1, 0))
-            tl.store(p_a, b_A, boundary_check=(0, 1))
+            p_a = tl.make_block_ptr(base_a, (T, BT), (H * BT, 1), (r0, i_i * BC), (BC, BC), (1, 0))
+            tl.store(p_a, b_A.to(DT), boundary_check=(0, 1))
             # blocks left of the diagonal, nearest first: the reference is the row before
             # r0, so q carries exp(G_r - G_ref) and k exp(G_ref - G_c), both <= 1
-            b_qe = (b_q * tl.exp(tl.cumsum(b_g, axis=0))).to(DT)
+            b_qe = (b_q * tl.exp(b_G)).to(DT)
             b_between = tl.zeros([BK], dtype=tl.float32)  # g summed over blocks in between
-            for j in tl.static_range(i_i):
+            for j in range(i_i):
                 c0 = r0 - (j + 1) * BC
-                p_k = tl.make_block_ptr(k + base_qk, (T, K), (H * K, 1), (c0, 0), (BC, BK),
-                                        (1, 0))
-                p_gj = tl.make_block_ptr(g + base_qk, (T, K), (H * K, 1), (c0, 0), (BC, BK),
-                                         (1, 0))
+                p_k = tl.make_block_ptr(k + base_qk, (T, K), (H * K, 1), (c0, 0), (BC, BK), (1, 0))
+                p_gj = tl.make_block_ptr(g + base_qk, (T, K), (H * K, 1), (c0, 0), (BC, BK), (1, 0))
                 b_gj = tl.load(p_gj, boundary_check=(0, 1)).to(tl.float32)
                 b_after = tl.cumsum(b_gj, axis=0, reverse=True) - b_gj  # sum_{s > c} in block
                 b_ke = (tl.load(p_k, boundary_check=(0, 1)).to(tl.float32)
                         * tl.exp(b_after + b_between[None, :])).to(DT)
                 b_Aj = tl.dot(b_qe, tl.trans(b_ke), input_precision=PREC)
-                p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1),
-                                        (r0, i_i * BC - (j + 1) * BC), (BC, BC), (1, 0))
-                tl.store(p_a, b_Aj, boundary_check=(0, 1))
+                p_a = tl.make_block_ptr(base_a, (T, BT), (H * BT, 1), (r0, i_i * BC - (j + 1) * BC),
+                                        (BC, BC), (1, 0))
+                tl.store(p_a, b_Aj.to(DT), boundary_check=(0, 1))
                 b_between += tl.sum(b_gj, axis=0)
-            for j in tl.static_range(i_i + 1, BT // BC):  # above the diagonal
-                p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1),
-                                        (r0, j * BC), (BC, BC), (1, 0))
-                tl.store(p_a, tl.zeros([BC, BC], dtype=tl.float32), boundary_check=(0, 1))
+            for j in range(i_i + 1, BT // BC):  # above the diagonal
+                p_a = tl.make_block_ptr(base_a, (T, BT), (H * BT, 1), (r0, j * BC), (BC, BC), (1, 0))
+                tl.store(p_a, tl.zeros([BC, BC], dtype=DT), boundary_check=(0, 1))
+
+    @triton.jit
+    def _gate_kernel(q, k, g, qg, kd, a, gc, T, span_limit, H: tl.constexpr, K: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BC: tl.constexpr,
+                     PREC: tl.constexpr, STORE_KD: tl.constexpr, STORE_QA: tl.constexpr):
+        """grid ``(NT, B * H)``: one chunk of one head, its K channels in slices of ``BKS``
+        (the gates are per channel, so a slice is self-contained; only ``A`` sums over
+        slices, and small tiles keep several programs resident per SM).
+        q, k, g [B, T, H, K]; STORE_KD: ``kd [B, T, H, K]`` and ``gc [B, NT, H, K]`` fp32 (what
+        a summary needs); STORE_QA: ``qg [B, T, H, K]`` and ``a [B, T, H, BT]`` (what the
+        outputs need).  qg, kd and a in the operand dtype (the walker's dots take that dtype).
+        """
+        i_t, i_bh = tl.program_id(0), tl.program_id(1)
+        i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets pass 2**31 at long T
+        bos = i_b * T
+        t0 = i_t * BT
+        NT = tl.cdiv(T, BT)
+        DT = kd.dtype.element_ty
+        base = (bos * H + i_h) * K
+        rows = tl.arange(0, BT)
+        last = (rows == BT - 1)[:, None]
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        span = tl.full((), 0.0, tl.float32)  # the chunk's largest decay over one channel
+        for i_k in range(BK // BKS):
+            k0 = i_k * BKS
+            p_g = tl.make_block_ptr(g + base, (T, K), (H * K, 1), (t0, k0), (BT, BKS), (1, 0))
+            b_G = tl.cumsum(tl.load(p_g, boundary_check=(0, 1)).to(tl.float32), axis=0)
+            b_GC = tl.sum(tl.where(last, b_G, 0.0), axis=0)  # padding rows: g = 0
+            p_k = tl.make_block_ptr(k + base, (T, K), (H * K, 1), (t0, k0), (BT, BKS), (1, 0))
+            b_k = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32)
+            if STORE_KD:
+                p_kd = tl.make_block_ptr(kd + base, (T, K), (H * K, 1), (t0, k0), (BT, BKS),
+                                         (1, 0))
+                tl.store(p_kd, (b_k * tl.exp(b_GC[None, :] - b_G)).to(DT),
+                         boundary_check=(0, 1))
+                o_k = k0 + tl.arange(0, BKS)
+                tl.store(gc + ((i_b * NT + i_t) * H + i_h) * K + o_k, b_GC, mask=o_k < K)
+            if STORE_QA:
+                p_q = tl.make_block_ptr(q + base, (T, K), (H * K, 1), (t0, k0), (BT, BKS), (1, 0))
+                b_qg = (tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
+                        * tl.exp(b_G)).to(DT)
+                p_qg = tl.make_block_ptr(qg + base, (T, K), (H * K, 1), (t0, k0), (BT, BKS),
+                                         (1, 0))
+                tl.store(p_qg, b_qg, boundary_check=(0, 1))
+                span = tl.maximum(span, tl.max(-b_GC, axis=0))
+                # k exp(-G) <= exp(span), used only if the span stays under the limit (the
+                # clamp, inactive then, keeps the discarded product finite otherwise)
+                b_ki = (b_k * tl.exp(tl.minimum(-b_G, span_limit))).to(DT)
+                b_A += tl.dot(b_qg, tl.trans(b_ki), input_precision=PREC)
+        if STORE_QA:
+            if span <= span_limit:
+                # one product; the entries above the diagonal (the only ones that can be
+                # large) are dropped after it
+                b_A = tl.where(rows[:, None] >= rows[None, :], b_A, 0.0)
+                p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (t0, 0),
+                                        (BT, BT), (1, 0))
+                tl.store(p_a, b_A.to(DT), boundary_check=(0, 1))
+            else:
+                _attention_subblocks(q, k, g, a, bos, t0, T, i_h, H, K, BT, BK, BC, PREC)
 
 
-def use_intra_kernel() -> bool:
-    """The separate intra-chunk kernel runs on GPUs; under the interpreter only when
-    ``FORGE_DIST_GLA_INTRA=1`` (its unrolled column loop is slow to interpret)."""
-    if interpreting():
-        return os.environ.get("FORGE_DIST_GLA_INTRA", "0") == "1"
-    return True
+@dataclass
+class GatedChunks:
+    """The gate-dependent tensors of one segment (see the module docstring): ``kd``, ``gc``
+    (always) and ``qg``, ``a`` (``None`` until outputs were asked for)."""
+
+    kd: torch.Tensor
+    gc: torch.Tensor
+    qg: torch.Tensor = None
+    a: torch.Tensor = None
 
 
-def intra_attention(q, k, g, BT: int):
-    """``A [B, T, H, BT]`` fp32: in-chunk vector-decay attention (rows of each chunk)."""
-    B, T, H, K = q.shape
-    a = torch.empty(B, T, H, BT, dtype=torch.float32, device=q.device)
-    _intra_kernel[(triton.cdiv(T, BT), B * H)](
-        q, k, g, a, T, H=H, K=K, BT=BT, BK=next_pow2(K), BC=min(INTRA_CONFIG["BC"], BT),
-        PREC=dot_precision(q.dtype), num_warps=INTRA_CONFIG["num_warps"])
-    return a
+def gate_chunks(q, k, g, BT: int, *, outputs: bool = True, summary: bool = True,
+                into: GatedChunks = None) -> GatedChunks:
+    """Run ``_gate_kernel`` over ``q, k [B, T, H, K]``, ``g [B, T, H, K]`` (log decays) in
+    chunks of ``BT``: ``summary`` fills ``kd``, ``gc``; ``outputs`` fills ``qg``, ``a``
+    (into ``into`` when given, which must hold ``kd`` and ``gc`` already)."""
+    B, T, H, K = k.shape
+    dev, dt = k.device, k.dtype
+    NT = triton.cdiv(T, BT)
+    res = into
+    if summary:
+        res = GatedChunks(torch.empty(B, T, H, K, dtype=dt, device=dev),
+                          torch.empty(B, NT, H, K, dtype=torch.float32, device=dev))
+    if outputs:
+        res.qg = torch.empty(B, T, H, K, dtype=dt, device=dev)
+        res.a = torch.empty(B, T, H, BT, dtype=dt, device=dev)
+    BC = min(GATE_CONFIG["BC"], BT)
+    if BT % BC:
+        raise ValueError(f"gate_chunks: the chunk ({BT}) must be a multiple of {BC}")
+    _gate_kernel[(NT, B * H)](
+        q, k, g, res.qg if outputs else res.kd, res.kd, res.a if outputs else res.kd, res.gc,
+        T, span_max(dt), H=H, K=K, BT=BT, BK=next_pow2(K),
+        BKS=min(GATE_CONFIG["BKS"], next_pow2(K)), BC=BC, PREC=dot_precision(dt), STORE_KD=summary, STORE_QA=outputs,
+        num_warps=GATE_CONFIG["num_warps"], num_stages=GATE_CONFIG["num_stages"])
+    return res
 
 
 class VectorDecayWork(DecayAttentionWork):
-    """gla segment: ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``."""
+    """gla segment: ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``.
+
+    The gated tensors (:func:`gate_chunks`) depend only on the segment's inputs: the summary
+    computes ``kd, gc`` and the finish adds ``qg, a``, sharing what the other computed.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._gated = None
+
+    def release(self) -> None:
+        super().release()
+        self._gated = None
+
+    def _gates(self, q, k, g, BT: int, outputs: bool) -> GatedChunks:
+        if self._gated is None:
+            self._gated = gate_chunks(q, k, g, BT, outputs=outputs)
+        elif outputs and self._gated.qg is None:
+            gate_chunks(q, k, g, BT, summary=False, into=self._gated)
+        return self._gated
 
     def _finish_fwd(self, S_in, tensors):
         q, k, v, g = (ensure(t) for t in tensors)
         cfg = fused_config(k.shape[-1], v.shape[-1])
-        a = intra_attention(q, k, g, cfg["BT"]) if use_intra_kernel() else None
+        gated = self._gates(q, k, g, cfg["BT"], outputs=True)
+        common = dict(q=gated.qg, g=gated.gc, gate=2, scale=self.scale,
+                      out_dtype=self.out_dtype, cfg=cfg, prec=dot_precision(self.in_dtype),
+                      a=gated.a)
         if self.segments is not None:  # the summary ran: only the output walks remain
-            return outputs_from_summary(self.segments, k, v, q=q, g=g, gate=2, S_in=S_in,
-                                        scale=self.scale, out_dtype=self.out_dtype, cfg=cfg,
-                                        prec=dot_precision(self.in_dtype), a=a)
+            return outputs_from_summary(self.segments, gated.kd, v, S_in=S_in, **common)
         n_seg = self._schedule(k, v, cfg, gate_elems=k.shape[-1])
-        return walk(k, v, q=q, g=g, gate=2, h0=S_in, scale=self.scale, out_dtype=self.out_dtype,
-                    cfg=cfg, prec=dot_precision(self.in_dtype), a=a, n_seg=n_seg)
+        return walk(gated.kd, v, h0=S_in, n_seg=n_seg, **common)
 
     def _summary_segments(self) -> int:
         k, v = self.tensors[1], self.tensors[2]
@@ -142,8 +254,9 @@ class VectorDecayWork(DecayAttentionWork):
         q, k, v, g = (ensure(t) for t in tensors)
         cfg = fused_config(k.shape[-1], v.shape[-1])
         n_seg = self._summary_segments()
-        self.segments = summarize(k, v, g=g, gate=2, cfg=cfg, prec=dot_precision(self.in_dtype),
-                                  n_seg=n_seg)
+        gated = self._gates(q, k, g, cfg["BT"], outputs=False)
+        self.segments = summarize(gated.kd, v, g=gated.gc, gate=2, cfg=cfg,
+                                  prec=dot_precision(self.in_dtype), n_seg=n_seg)
         M = self.segments.total_log_decay().exp() if need_M else None  # [B, H, K]
         return self.segments.delta, M
 

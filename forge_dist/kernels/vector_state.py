@@ -3,9 +3,14 @@
 FUSED: one program per ``(batch, D tile)`` walks chunks of ``BT`` tokens with ``h`` on chip;
 inside a chunk the affine maps ``(g, x)`` are combined by a parallel associative scan
 (``(G1, X1) then (G2, X2) = (G1 + G2, exp(G2) X1 + X2)``, exponents are sums of log decays,
-never positive), then ``o = exp(G) h + X`` and ``h`` moves to the chunk's last row.
+never positive), then ``o = exp(G) h + X`` and ``h`` moves to the chunk's last row.  The
+default chunk is one token (``BT = 1``): the scan vanishes and each step is one exponential
+and one multiply-add per channel while the loads of later tokens run ahead; at
+``[1, 64K, 4096]`` bf16 on an H200 that is 0.73 ms against 2.6 ms for ``[64, 32]`` tiles
+(``results/kernel_profile_hgrnsweep_*``, 87 % of the copy bandwidth for the two passes).
 DECOUPLED cuts the sequence into segments (summaries in parallel, a scan over segments, outputs
-in parallel from each segment's incoming state), as the matrix patterns do.
+in parallel from each segment's incoming state), as the matrix patterns do; with one token
+per step the segments are what fills the GPU.
 The runtime stores the state as ``[B, 1, D, 1]``; M is ``[B, 1, D]``.
 
 Backward (:func:`hgrn_backward`).  With ``dh_t`` the gradient w.r.t. ``h_t``::
@@ -14,19 +19,12 @@ Backward (:func:`hgrn_backward`).  With ``dh_t`` the gradient w.r.t. ``h_t``::
     dx_t = dh_t,   dg_t = dh_t exp(g_t) h_{t-1},   dS_in = exp(g_0) dh_0
 
 ``dg`` is a product of three factors, so it keeps its relative precision at any gate (no
-difference of large terms).  First the chunk-start states ``h`` (``[NT, B, D]``, the
-DECOUPLED machinery with one segment per chunk: every chunk in parallel, then the scan);
-then one program per ``(batch, D tile)`` walks the chunks from the last, carrying ``dh``
-(``exp(g) dh`` of the first token of what lies to the right).  That carry is affine in the
-carry entering from the right, so the backward has the forward's DECOUPLED schedule too:
-each segment's outgoing carry from a zero start (segments in parallel), the forward's
-segment scan run over the segments in reverse order, then every segment's walk from its
-incoming carry.
-Inside a chunk, ``dh`` is the same affine scan as the forward over the rows read in reverse
-order (the rows are addressed backwards: ``tl.associative_scan(reverse=True)`` is not
-reliable for a non-commutative combine on GPUs, triton-lang/triton#4362), and ``h_{t-1}``
-comes from a forward scan of the rows shifted by one, flipped (``tl.flip``) into the same
-reversed order.
+difference of large terms).  First the forward's states ``h`` are recomputed (the forward
+kernels, in x's dtype); then each program walks its tokens from the last, one per step,
+carrying ``exp(g) dh`` of the token to its right.  That carry is affine in the carry entering
+from the right, so the backward has the forward's DECOUPLED schedule too: each segment's
+outgoing carry from a zero start (segments in parallel), the forward's segment scan run over
+the segments in reverse order, then every segment's walk from its incoming carry.
 """
 from __future__ import annotations
 
@@ -37,7 +35,7 @@ from ._common import (HAVE_TRITON, SegmentStates, TritonWork, ensure, triton, tl
                       use_autotune)
 from ..variants import vector_state
 
-FUSED_CONFIG = {"BT": 64, "BD": 32, "num_warps": 4, "num_stages": 2}
+FUSED_CONFIG = {"BT": 1, "BD": 256, "num_warps": 2, "num_stages": 2}
 
 
 if HAVE_TRITON:
@@ -130,70 +128,52 @@ if HAVE_TRITON:
             tl.store(cg + (NSEG * NB + i_b) * D + cols, b_c, mask=cmask)
 
     @triton.jit
-    def _hgrn_bwd_kernel(x, g, do, hc, cin, dx, dg, cout, gout, T, SEG, D: tl.constexpr,
-                         BT: tl.constexpr, BD: tl.constexpr, HAS_DO: tl.constexpr,
+    def _hgrn_bwd_kernel(g, do, h, h0, cin, dx, dg, cout, gout, T, SEG, D: tl.constexpr,
+                         BD: tl.constexpr, HAS_DO: tl.constexpr, HAS_H0: tl.constexpr,
                          HAS_CIN: tl.constexpr, GRADS: tl.constexpr):
-        """grid ``(cdiv(D, BD), B, NSEG)``: program ``(i_d, i_b, i_s)`` walks the chunks of
-        the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` from the last (module docstring); inside a
-        chunk, row ``r`` is token ``c * BT + BT - 1 - r``.
+        """grid ``(cdiv(D, BD), B, NSEG)``: program ``(i_d, i_b, i_s)`` walks the tokens
+        ``[i_s * SEG, (i_s + 1) * SEG)`` from the last, one token per step (module docstring):
+        the carry ``exp(g_{t+1}) dh_{t+1}`` is the only dependence between steps, so the
+        loads of later steps run ahead and each element costs one exponential.
 
-        x, g, do, dx [B, T, D]; dg [B, T, D] (any float dtype); hc [NT, B, D] fp32 the chunk-start
-        states; cin [NSEG, B, D] fp32 (HAS_CIN) the gradient entering each segment from its
-        right (``exp(g) dh`` of the next segment's first token; the last one: dht), else 0.
-        GRADS: store dx and dg.  Always: ``cout [NSEG, B, D]`` the gradient leaving the
-        segment to its left (``exp(g) dh`` of its first token) and ``gout [NSEG, B, D]`` the
-        segment's summed log decay (the reverse scan over segments needs both)."""
+        g, do, dx [B, T, D]; dg [B, T, D] (any float dtype); h [B, T, D] the forward's states
+        ``h_t`` (any float dtype) and h0 [B, D] fp32 the state before token 0 (HAS_H0);
+        cin [NSEG, B, D] fp32 (HAS_CIN) the gradient entering each segment from its right
+        (the last one: dht), else 0.  GRADS: store dx and dg.  Always: ``cout [NSEG, B, D]``
+        the gradient leaving the segment to its left (``exp(g) dh`` of its first token) and
+        ``gout [NSEG, B, D]`` the segment's summed log decay (the reverse scan over segments
+        needs both)."""
         i_d, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        NB = tl.num_programs(1)
-        slot = i_s * NB + i_b
+        slot = i_s * tl.num_programs(1) + i_b
         cols = i_d * BD + tl.arange(0, BD)
-        rows = tl.arange(0, BT)
         cmask = cols < D
         base = i_b.to(tl.int64) * T * D
         if HAS_CIN:
             b_carry = tl.load(cin + slot * D + cols, mask=cmask, other=0.0)
         else:
             b_carry = tl.zeros([BD], dtype=tl.float32)
+        if GRADS and HAS_H0:
+            b_h0 = tl.load(h0 + i_b * D + cols, mask=cmask, other=0.0)
         b_gsum = tl.zeros([BD], dtype=tl.float32)
-        c_lo = i_s * (SEG // BT)
-        n_c = tl.minimum(tl.cdiv(T, BT), c_lo + SEG // BT) - c_lo
-        for i in range(n_c):
-            c = c_lo + n_c - 1 - i
-            t_rev = (c * BT + BT - 1 - rows).to(tl.int64)  # reversed rows; * D passes 2**31
-            m_rev = (t_rev < T)[:, None] & cmask[None, :]
-            # dh: rows reversed, a_r = g of the token after row r (row 0's comes with the carry)
-            m_next = ((t_rev + 1 < T) & (rows > 0))[:, None] & cmask[None, :]
-            b_a = tl.load(g + base + (t_rev + 1)[:, None] * D + cols[None, :], mask=m_next,
-                          other=0.0).to(tl.float32)
+        t_lo = i_s * SEG
+        t_hi = tl.minimum(T, t_lo + SEG)
+        for i in range(t_hi - t_lo):
+            t = (t_hi - 1 - i).to(tl.int64)
+            off = base + t * D + cols
+            b_g = tl.load(g + off, mask=cmask, other=0.0).to(tl.float32)
+            b_dh = b_carry
             if HAS_DO:
-                b_do = tl.load(do + base + t_rev[:, None] * D + cols[None, :], mask=m_rev,
-                               other=0.0).to(tl.float32)
-            else:
-                b_do = tl.zeros([BT, BD], dtype=tl.float32)
-            b_do = tl.where((rows == 0)[:, None], b_do + b_carry[None, :], b_do)
-            _, b_dh = tl.associative_scan((b_a, b_do), axis=0, combine_fn=_affine)
-            b_g = tl.load(g + base + t_rev[:, None] * D + cols[None, :], mask=m_rev,
-                          other=0.0).to(tl.float32)
+                b_dh += tl.load(do + off, mask=cmask, other=0.0).to(tl.float32)
+            b_eg = tl.exp(b_g)
             if GRADS:
-                # h_{t-1}: forward scan of the rows shifted by one token, from the chunk start
-                t_fwd = (c * BT + rows).to(tl.int64)
-                m_prev = ((t_fwd - 1 < T) & (rows > 0))[:, None] & cmask[None, :]
-                b_xp = tl.load(x + base + (t_fwd - 1)[:, None] * D + cols[None, :],
-                               mask=m_prev, other=0.0).to(tl.float32)
-                b_gp = tl.load(g + base + (t_fwd - 1)[:, None] * D + cols[None, :],
-                               mask=m_prev, other=0.0).to(tl.float32)
-                b_G, b_X = tl.associative_scan((b_gp, b_xp), axis=0, combine_fn=_affine)
-                b_hc = tl.load(hc + (c * NB + i_b).to(tl.int64) * D + cols, mask=cmask,
-                               other=0.0)
-                b_hprev = tl.flip(tl.exp(b_G) * b_hc[None, :] + b_X, 0)  # to reversed rows
-                tl.store(dx + base + t_rev[:, None] * D + cols[None, :],
-                         b_dh.to(dx.dtype.element_ty), mask=m_rev)
-                tl.store(dg + base + t_rev[:, None] * D + cols[None, :],
-                         (b_dh * tl.exp(b_g) * b_hprev).to(dg.dtype.element_ty), mask=m_rev)
-            b_gsum += tl.sum(b_g, axis=0)
-            # to the previous chunk: exp(g) dh of this chunk's first token (the last row)
-            b_carry = tl.sum(tl.where((rows == BT - 1)[:, None], b_dh * tl.exp(b_g), 0.0),
-                             axis=0)
+                b_hp = tl.load(h + off - D, mask=cmask & (t > 0), other=0.0).to(tl.float32)
+                if HAS_H0:
+                    b_hp = tl.where(t > 0, b_hp, b_h0)
+                tl.store(dx + off, b_dh.to(dx.dtype.element_ty), mask=cmask)
+                # a product of three factors: relative precision at any gate
+                tl.store(dg + off, (b_dh * b_eg * b_hp).to(dg.dtype.element_ty), mask=cmask)
+            b_carry = b_eg * b_dh
+            b_gsum += b_g
         tl.store(cout + slot * D + cols, b_carry, mask=cmask)
         tl.store(gout + slot * D + cols, b_gsum, mask=cmask)
 
@@ -294,17 +274,24 @@ def hgrn_outputs(summ: SegmentStates, x, g, S_in, *, out_dtype):
     return o, ht
 
 
-BWD_CONFIG = {"BT": 64, "BD": 32, "num_warps": 4}
+# One token per step (see _hgrn_bwd_kernel), 256 channels per program.  The chunked form
+# (an associative scan per [64, 32] tile, chunk states recomputed) took 8.4 ms at
+# [1, 64K, 4096] bf16 on an H200 (results/kernel_profile_hgrnsweep_*); a token per step
+# makes the work one exponential and a few multiplies per element.
+BWD_CONFIG = {"BD": 256, "num_warps": 2, "num_stages": 2}
 
 
-def hgrn_backward(x, g, S_in, do, dht, *, BT: int | None = None, BD: int | None = None,
-                  n_seg: int = 1, dg_dtype: torch.dtype = torch.float32):
+def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
+                  dg_dtype: torch.dtype = torch.float32):
     """Gradients of ``(o, final)`` of ``h_t = exp(g_t) h_{t-1} + x_t`` (module docstring).
+
+    The forward's states ``h`` are recomputed first (:func:`hgrn_forward`, stored in x's
+    dtype, as the forward's outputs are); the reverse walk reads ``h_{t-1}`` from them.
 
     Args:
         x: ``[B, T, D]``; g: ``[B, T, D]`` log decays; S_in: incoming state ``[B, D]`` or
             ``None``; do: gradient of ``o`` ``[B, T, D]`` or ``None``; dht: gradient of the
-            final state ``[B, D]`` or ``None``.  BT (power of two) and BD override the tiles.
+            final state ``[B, D]`` or ``None``.  BD overrides the channel tile.
         n_seg: segments walked in parallel (DECOUPLED, as the forward): each segment's
             outgoing gradient from a zero start, a reverse scan over the segments, then every
             segment's gradients from its incoming one.  1: one walk over the whole sequence.
@@ -321,53 +308,43 @@ def hgrn_backward(x, g, S_in, do, dht, *, BT: int | None = None, BD: int | None 
     for name, t, shape in (("do", do, x.shape), ("S_in", S_in, (B, D)), ("dht", dht, (B, D))):
         if t is not None and tuple(t.shape) != tuple(shape):
             raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    BT = BT or BWD_CONFIG["BT"]
     BD = BD or BWD_CONFIG["BD"]
-    if BT & (BT - 1):
-        raise ValueError(f"BT: expected a power of two, got {BT}")
     x, g = x.contiguous(), g.contiguous()
     do = None if do is None else do.contiguous()
     f32 = torch.float32
     dev = x.device
-    NT = triton.cdiv(T, BT)
     h0 = None if S_in is None else S_in.to(f32).contiguous()
-    opts = {"D": D, "BT": BT, "BD": BD, "num_warps": BWD_CONFIG["num_warps"]}
-    # chunk-start states: each chunk from a zero start (in parallel), then the scan
-    hc = torch.empty(NT, B, D, dtype=f32, device=dev)
-    gt = torch.empty(NT, B, D, dtype=f32, device=dev)
-    ht = torch.empty(B, D, dtype=f32, device=dev)
-    _hgrn_kernel[(NT, B, triton.cdiv(D, BD))](x, g, hc, hc, hc, gt, T, BT, HAS_H0=False,
-                                              STORE_O=False, STORE_GT=True, SEG_AXIS0=True,
-                                              **opts)
-    _hgrn_scan_kernel[(triton.cdiv(D, BD), B)](hc, gt, h0 if h0 is not None else ht, ht, NT,
-                                               D=D, BD=BD, HAS_H0=h0 is not None,
-                                               num_warps=BWD_CONFIG["num_warps"])
-    del gt
-    seg = segment_length(T, BT, n_seg)
+    h, _ = hgrn_forward(x, g, h0, out_dtype=x.dtype, n_seg=n_seg)
+    seg = segment_length(T, 1, n_seg)
     n_seg = max(1, -(-T // seg))
     grid = (triton.cdiv(D, BD), B, n_seg)
+    opts = dict(D=D, BD=BD, num_warps=BWD_CONFIG["num_warps"],
+                num_stages=BWD_CONFIG["num_stages"])
     cout = torch.empty(n_seg, B, D, dtype=f32, device=dev)
     gout = torch.empty(n_seg, B, D, dtype=f32, device=dev)
     dht32 = None if dht is None else dht.to(f32).reshape(1, B, D).contiguous()
     do_arg = do if do is not None else x
+    h0_arg = h0 if h0 is not None else cout
     if n_seg == 1:
         cin = dht32
     else:
         # each segment's outgoing gradient from a zero start, then the reverse scan over the
         # segments (the forward's segment scan on the segments in reverse order)
-        _hgrn_bwd_kernel[grid](x, g, do_arg, hc, cout, x, hc, cout, gout, T, seg,
-                               HAS_DO=do is not None, HAS_CIN=False, GRADS=False, **opts)
+        _hgrn_bwd_kernel[grid](g, do_arg, h, h0_arg, cout, x, x, cout, gout, T, seg,
+                               HAS_DO=do is not None, HAS_H0=False, HAS_CIN=False,
+                               GRADS=False, **opts)
         cin = cout.flip(0).contiguous()
         g_rev = gout.flip(0).contiguous()
+        ht = torch.empty(B, D, dtype=f32, device=dev)
         _hgrn_scan_kernel[grid[:2]](cin, g_rev, dht32 if dht32 is not None else ht, ht, n_seg,
                                     D=D, BD=BD, HAS_H0=dht32 is not None,
                                     num_warps=BWD_CONFIG["num_warps"])
         cin = cin.flip(0).contiguous()  # the gradient entering each segment from its right
     dx = torch.empty_like(x)
     dg = torch.empty(B, T, D, dtype=dg_dtype, device=dev)
-    _hgrn_bwd_kernel[grid](x, g, do_arg, hc, cin if cin is not None else cout, dx, dg, cout,
-                           gout, T, seg, HAS_DO=do is not None, HAS_CIN=cin is not None,
-                           GRADS=True, **opts)
+    _hgrn_bwd_kernel[grid](g, do_arg, h, h0_arg, cin if cin is not None else cout, dx, dg,
+                           cout, gout, T, seg, HAS_DO=do is not None, HAS_H0=h0 is not None,
+                           HAS_CIN=cin is not None, GRADS=True, **opts)
     dS_in = cout[0].clone() if S_in is not None else None  # what leaves the first segment
     return dx, dg, dS_in
 
@@ -378,12 +355,14 @@ def backward_kernel_specs(D: int = 4096, dtype=torch.bfloat16) -> list:
     from ..runtime.programs import KernelSpec, tl_type
 
     io, f32 = "*" + tl_type(dtype), "*fp32"
-    sig = (("x", io), ("g", io), ("do", io), ("hc", f32), ("cin", f32), ("dx", io),
+    sig = (("g", io), ("do", io), ("h", io), ("h0", f32), ("cin", f32), ("dx", io),
            ("dg", f32), ("cout", f32), ("gout", f32), ("T", "i32"), ("SEG", "i32"))
     return [KernelSpec("forge_dist.kernels.vector_state:_hgrn_bwd_kernel", sig,
-                       (("D", D), ("BT", BWD_CONFIG["BT"]), ("BD", BWD_CONFIG["BD"]),
-                        ("HAS_DO", True), ("HAS_CIN", True), ("GRADS", grads)),
-                       BWD_CONFIG["num_warps"], 1) for grads in (True, False)]
+                       (("D", D), ("BD", BWD_CONFIG["BD"]), ("HAS_DO", True),
+                        ("HAS_H0", True), ("HAS_CIN", True), ("GRADS", grads)),
+                       BWD_CONFIG["num_warps"], BWD_CONFIG["num_stages"])
+            for grads in (True, False)]
+
 
 class VectorStateWork(TritonWork):
     """hgrn segment: ``x, g [B, T, D]``; states in the runtime layout ``[B, 1, D, 1]``."""

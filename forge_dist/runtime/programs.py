@@ -8,7 +8,7 @@ which kernels to compile: one source for all three, so a plan can never ask for 
 the AOT step did not build.
 
 The builders mirror the launch code of :mod:`forge_dist.kernels` (``walk`` with its fused and
-segmented schedules, ``intra_attention``, ``wy``, ``hgrn_forward``) and take their tile
+segmented schedules, ``gate_chunks``, ``wy``, ``hgrn_forward``) and take their tile
 configs from the kernels' own tables (``fused_config`` & co.) and the scheduler.  The tests
 check every program against :func:`forge_dist.kernels.forward`, so a drift shows up there.
 """
@@ -27,7 +27,7 @@ import torch
 KERNELS: Dict[str, Tuple[str, str]] = {
     "walk": ("forge_dist.kernels._common", "_walk_kernel"),
     "segment_scan": ("forge_dist.kernels._common", "_segment_scan_kernel"),
-    "gla_intra": ("forge_dist.kernels.vector", "_intra_kernel"),
+    "gla_gate": ("forge_dist.kernels.vector", "_gate_kernel"),
     "wy": ("forge_dist.kernels.delta", "_wy_kernel"),
     "hgrn": ("forge_dist.kernels.vector_state", "_hgrn_kernel"),
     "hgrn_scan": ("forge_dist.kernels.vector_state", "_hgrn_scan_kernel"),
@@ -153,8 +153,9 @@ def _prec(dtype: torch.dtype, interp: bool) -> str:
 
 
 def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cfg, prec,
-                 seg, n, store_ht=True, a=None) -> Launch:
-    """One walker launch over ``n`` segments of ``seg`` tokens (``kernels._common.walk``)."""
+                 seg, n, store_ht=True, a=None, s_in=None, scan_in=False) -> Launch:
+    """One walker launch over ``n`` segments of ``seg`` tokens (``kernels._common.walk``);
+    ``scan_in``: the output walks that fold the segment scan in (``gt`` is then read)."""
     BK = _pow2(K)
     BV = min(cfg["BV"], _pow2(V))
     args = (("q", "buf", q or k), ("k", "buf", k), ("v", "buf", v or k), ("g", "buf", g or k),
@@ -170,10 +171,14 @@ def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cf
         args = args + (("a", "buf", a),)
     else:
         const = const + (("a", None),)
-    # the sequence-parallel extras (folded incoming state, last-segment final) stay off here
-    const = const + (("STORE_GT", gt is not None), ("HAS_SIN", False), ("s_in", None),
-                     ("cg", None), ("HT_LAST", False), ("STORE_CHUNKS", False), ("hc", None),
-                     ("vn", None))
+    const = const + (("STORE_GT", gt is not None and not scan_in), ("HAS_SIN", s_in is not None))
+    if s_in is not None:
+        args = args + (("s_in", "buf", s_in),)
+    else:
+        const = const + (("s_in", None),)
+    # the sequence-parallel extra (the incoming state folded through cg) stays off here
+    const = const + (("cg", None), ("HT_LAST", scan_in), ("STORE_CHUNKS", False), ("hc", None),
+                     ("vn", None), ("SCAN_IN", scan_in))
     return Launch("walk", (_cdiv(V, BV), B * H, n), args, const, cfg["num_warps"],
                   cfg["num_stages"])
 
@@ -196,16 +201,17 @@ def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg,
     if gate:
         gt = "gt"
         buffers["gt"] = Buffer((n_seg, B, H, K), torch.float32, "workspace")
-    launches = [_walk_launch(q=None, h0=None, o=None, ht="hs", gt=gt, n=n_seg, **common),
-                Launch("segment_scan", (_cdiv(V, BV), B * H, 1),
-                       (("hs", "buf", "hs"), ("gt", "buf", gt or "hs"), ("h0", "buf", h0 or ht),
-                        ("ht", "buf", ht), ("NSEG", "i32", n_seg)),
-                       (("K", K), ("V", V), ("BK", BK), ("BV", BV), ("GATED", gate != 0),
-                        ("HAS_H0", h0 is not None), ("STORE_CG", False), ("cg", None)),
-                       cfg["num_warps"], cfg["num_stages"])]
-    if q is not None:
-        launches.append(_walk_launch(q=q, h0="hs", o=o, ht=ht, gt=None, n=n_seg,
-                                     store_ht=False, a=a, **common))
+    launches = [_walk_launch(q=None, h0=None, o=None, ht="hs", gt=gt, n=n_seg, **common)]
+    if q is not None:  # the output walks fold the segment scan in
+        launches.append(_walk_launch(q=q, h0="hs", o=o, ht=ht, gt=gt, n=n_seg, a=a, s_in=h0,
+                                     scan_in=True, **common))
+        return launches
+    launches.append(Launch("segment_scan", (_cdiv(V, BV), B * H, 1),
+                           (("hs", "buf", "hs"), ("gt", "buf", gt or "hs"),
+                            ("h0", "buf", h0 or ht), ("ht", "buf", ht), ("NSEG", "i32", n_seg)),
+                           (("K", K), ("V", V), ("BK", BK), ("BV", BV), ("GATED", gate != 0),
+                            ("HAS_H0", h0 is not None), ("STORE_CG", False), ("cg", None)),
+                           cfg["num_warps"], cfg["num_stages"]))
     return launches
 
 
@@ -259,19 +265,29 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
         notes.append(f"execution {sched.strategy} ({sched.n_seg} segments): {sched.reason}")
         launches: List[Launch] = []
         a = None
-        if variant == "gla" and store_o and (not interp or vector.use_intra_kernel()):
+        k_walk, q_walk, g_walk = "k", q, g
+        if variant == "gla":  # the gated chunk tensors first (kernels.vector.gate_chunks)
             BT = cfg["BT"]
-            bufs["a"] = Buffer((B, T, H, BT), torch.float32, "workspace")
+            bufs["kd"] = Buffer((B, T, H, K), dtype, "workspace")
+            bufs["gc"] = Buffer((B, _cdiv(T, BT), H, K), torch.float32, "workspace")
+            if store_o:
+                bufs["qg"] = Buffer((B, T, H, K), dtype, "workspace")
+                bufs["a"] = Buffer((B, T, H, BT), dtype, "workspace")
+                a = "a"
             launches.append(Launch(
-                "gla_intra", (_cdiv(T, BT), B * H, 1),
-                (("q", "buf", "q"), ("k", "buf", "k"), ("g", "buf", "g"), ("a", "buf", "a"),
-                 ("T", "i32", T)),
+                "gla_gate", (_cdiv(T, BT), B * H, 1),
+                (("q", "buf", "q"), ("k", "buf", "k"), ("g", "buf", "g"),
+                 ("qg", "buf", "qg" if store_o else "kd"), ("kd", "buf", "kd"),
+                 ("a", "buf", a or "kd"), ("gc", "buf", "gc"), ("T", "i32", T),
+                 ("span_limit", "fp32", vector.span_max(dtype))),
                 (("H", H), ("K", K), ("BT", BT), ("BK", _pow2(K)),
-                 ("BC", min(vector.INTRA_CONFIG["BC"], BT)), ("PREC", prec)),
-                vector.INTRA_CONFIG["num_warps"], 3))  # 3: Triton's default num_stages
-            a = "a"
+                 ("BKS", min(vector.GATE_CONFIG["BKS"], _pow2(K))),
+                 ("BC", min(vector.GATE_CONFIG["BC"], BT)), ("PREC", prec),
+                 ("STORE_KD", True), ("STORE_QA", store_o)),
+                vector.GATE_CONFIG["num_warps"], vector.GATE_CONFIG["num_stages"]))
+            k_walk, q_walk, g_walk = "kd", ("qg" if store_o else None), "gc"
         gate = 2 if variant == "gla" else (1 if gated else 0)
-        launches += _walk(bufs, q=q, k="k", v="v", g=g, w=None, h0=h0, o=o, ht="ht", B=B, T=T,
+        launches += _walk(bufs, q=q_walk, k=k_walk, v="v", g=g_walk, w=None, h0=h0, o=o, ht="ht", B=B, T=T,
                           H=H, K=K, V=V, gate=gate, scale=scale, cfg=cfg, prec=prec, a=a,
                           n_seg=sched.n_seg)
         return Program(launches, bufs, sched.strategy, notes)
@@ -289,20 +305,25 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
     low = dtype in (torch.float16, torch.bfloat16)
     wy_prec = "tf32" if low and prec != "ieee" else prec
     BT = cfg["BT"]
+    if BT != delta.WY_BT:
+        raise ValueError(f"gated_delta_rule: the WY factors work on chunks of {delta.WY_BT} "
+                         f"tokens, got BT={BT}")
     bufs["w"] = Buffer((B, T, H, K), dtype, "workspace")
     bufs["u"] = Buffer((B, T, H, V), dtype, "workspace")
-    wy = Launch("wy", (_cdiv(T, BT), B * H, 1),
-                (("k", "buf", "k"), ("v", "buf", "v"), ("g", "buf", g or "beta"),
-                 ("beta", "buf", "beta"), ("w", "buf", "w"), ("u", "buf", "u"),
-                 ("T", "i32", T)),
-                (("H", H), ("K", K), ("V", V), ("BT", BT), ("BK", _pow2(K)),
-                 ("BV", min(delta.WY_CONFIG["BV"], _pow2(V))),
-                 ("GATE", 1 if gated else 0), ("PREC", wy_prec), ("STORE_X", False),
-                 ("xs", None)),
-                delta.WY_CONFIG["num_warps"], delta.WY_CONFIG["num_stages"])
+    bufs["xs"] = Buffer((B, T, H, BT), delta.wy_x_dtype(dtype), "workspace")
+    bufs["a"] = Buffer((B, T, H, BT), dtype, "workspace")
+    wy_args = (("k", "buf", "k"), ("v", "buf", "v"), ("g", "buf", g or "beta"),
+               ("beta", "buf", "beta"), ("w", "buf", "w"), ("u", "buf", "u"),
+               ("xs", "buf", "xs"), ("T", "i32", T))
+    a_args = (("q", "buf", "q"), ("a", "buf", "a"))  # the launch forming the walk's attention
+    wys = [Launch("wy", grid, wy_args + (a_args if const["STORE_A"] else ()),
+                  tuple(const.items()), nw, ns)  # kernels.delta.wy
+           for grid, const, nw, ns in delta.wy_launches(B, T, H, K, V, dtype=dtype,
+                                                          gated=gated, prec=wy_prec,
+                                                          store_a=True)]
     walks = _walk(bufs, q="q", k="k", v="u", g=g, w="w", h0=h0, o="o", ht="ht", B=B, T=T, H=H,
-                  K=K, V=V, gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec)
-    return Program([wy] + walks, bufs, scheduler.FUSED, notes)
+                  K=K, V=V, gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec, a="a")
+    return Program(wys + walks, bufs, scheduler.FUSED, notes)
 
 
 def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,

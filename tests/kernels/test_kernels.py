@@ -232,11 +232,11 @@ def test_segments_forward_and_summary(monkeypatch, variant, n_seg):
     """DECOUPLED over uneven segments (the last one ragged) with an initial state: outputs,
     final state and the SP summary all equal the fp64 recurrence."""
     monkeypatch.setenv("FORGE_DIST_SEGMENTS", str(n_seg))
-    inp = make(variant, 2, 150, 2, 32, 24, seed=7)  # gla: BT 32 -> 5 chunks; others 3
+    inp = make(variant, 2, 300, 2, 32, 24, seed=7)  # 5 chunks of 64, the last ragged
     h0 = torch.randn(state_shape(variant, inp), device=DEV)
     work = kernels.make_work(variant, inp, None, True)
     o, ht = work.finish(h0 if variant != "hgrn" else h0.reshape(2, 1, 32, 1))
-    assert work.execution == "decoupled" and work.n_seg == min(n_seg, 5 if variant == "gla" else 3)
+    assert work.execution == "decoupled" and work.n_seg == min(n_seg, 5)
     ro, rh = reference(variant, inp, h0)
     assert rel(o, ro) <= 1e-4 and rel(ht.reshape(rh.shape), rh) <= 1e-4
     delta, M = work.summary(True)
@@ -376,13 +376,18 @@ def test_gpu_matches_fla(variant):
     assert rel(ht, fh.float()) <= 1e-2, rel(ht, fh.float())
 
 
-@pytest.mark.parametrize("gate_shift", [0.0, -20.0], ids=["mild", "steep"])
-def test_gla_parallel_intra_kernel(monkeypatch, gate_shift):
-    """The GPU path of gla (parallel intra-chunk kernel + walker reading A) on any device."""
+@pytest.mark.parametrize("gates,path", [("mild", "one_product"), ("mild", "subblocks"),
+                                        ("steep", "default")])
+def test_gla_gate_kernel_paths(monkeypatch, gates, path):
+    """Both ways the gate kernel forms the in-chunk attention: one product (a chunk's decay
+    span below the limit) and sub-blocks (above it; forced here for mild gates by a negative
+    limit).  Gates of -20 per token take the sub-block path by default and stay exact."""
     from forge_dist.kernels import vector
-    monkeypatch.setattr(vector, "interpreting", lambda: False)
+    if path == "subblocks":
+        monkeypatch.setattr(vector, "span_max", lambda dtype: -1.0)
     inp = make("gla", 1, 77, 2, 48, 32, seed=4)
-    inp["g"] = inp["g"] + gate_shift
+    if gates == "steep":
+        inp["g"] = inp["g"] - 20.0
     h0 = torch.randn(1, 2, 48, 32, device=DEV)
     o, ht = kernels.forward("gla", inp, None, h0)
     ro, rh = reference("gla", inp, h0)

@@ -123,6 +123,72 @@ def test_steep_gates():
     assert err_steep <= 1e-5 and per_channel <= 1e-5
 
 
+def _grads(x, scale, **kw):
+    return vector_decay_backward(x["q"], x["k"], x["v"], x["g"], x["S_in"], x["do"], x["dht"],
+                                 scale, **kw)
+
+
+@pytest.mark.parametrize("steep", [False, True], ids=["mild", "steep"])
+def test_fast_and_exact_paths(monkeypatch, steep):
+    """Both paths against fp64 autograd, each forced everywhere through ``vector.span_max``
+    (-1: exact; inf: fast, mild gates only), and the default picks the fast path on mild
+    gates and the exact one on steep gates (bitwise the forced result).  T = 109: a full
+    64-token chunk and one of 45 (its second 32-token block partial)."""
+    from forge_dist.kernels import vector
+
+    x = make(1, 109, 2, 16, 16, steep=steep, seed=12)
+    default = _grads(x, 0.3)
+    monkeypatch.setattr(vector, "span_max", lambda dtype: -1.0)
+    exact, _, errs = check(x, 0.3, tol=1e-5)
+    print(f"exact path ({'steep' if steep else 'mild'}): {errs}")
+    forced = exact
+    if not steep:
+        monkeypatch.setattr(vector, "span_max", lambda dtype: float("inf"))
+        forced, _, errs = check(x, 0.3, tol=1e-5)
+        print(f"fast path (mild): {errs}")
+        assert any(not torch.equal(a, b) for a, b in zip(forced[:4], exact[:4]))
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dS_in"), default, forced):
+        assert torch.equal(a, b), name
+
+
+def test_mixed_slices(monkeypatch):
+    """Steep gates on channels 16..31 only: with 16-channel slices that slice takes the exact
+    path while the others stay fast, and dv (one K tile) or the A partials (several K tiles,
+    _dv_kernel) still come out whole; at BT 64, 32 and 16.  The steep channels' dq, dk, dg
+    are bitwise those of the all-exact run, the mild channels' are not."""
+    from forge_dist.kernels import vector
+
+    x = make(1, 45, 1, 48, 16, seed=13)
+    steep = torch.zeros(48, dtype=torch.bool)
+    steep[16:32] = True
+    x["g"][..., steep] = x["g"][..., steep] * 20 - 20
+    for BT, tiles in ((64, {"dqk_BKS": 16}), (64, {"dqk_BK": 16}), (32, {"dqk_BKS": 16}),
+                      (16, {"dqk_BK": 32, "dqk_BKS": 16})):
+        monkeypatch.undo()
+        mixed, want, errs = check(x, 0.3, tol=1e-5, BT=BT, tiles=tiles)
+        per_channel = max(rel(mixed[3][..., c], want[3][..., c]) for c in range(48))
+        assert per_channel <= 1e-5, (BT, tiles, per_channel)
+        monkeypatch.setattr(vector, "span_max", lambda dtype: -1.0)
+        exact = _grads(x, 0.3, BT=BT, tiles=tiles)
+        for a, b in zip(mixed[:2] + mixed[3:4], exact[:2] + exact[3:4]):
+            assert torch.equal(a[..., steep], b[..., steep]), (BT, tiles)
+            assert not torch.equal(a[..., ~steep], b[..., ~steep]), (BT, tiles)
+
+
+def test_exact_kernel_chunk_groups(monkeypatch):
+    """The exact kernel's programs take several chunks each (``exact_CH``), reading their
+    flags a few at a time (``EXACT_BF``, 2 here): 7 chunks in groups of 5 and 2, loads of
+    2, 2, 1 and 2 flags; bitwise the one-chunk-per-program result."""
+    from forge_dist.kernels import vector_backward
+
+    x = make(1, 109, 1, 16, 16, steep=True, seed=15)
+    one = _grads(x, 0.3, BT=16, tiles={"exact_CH": 1})
+    monkeypatch.setattr(vector_backward, "EXACT_BF", 2)
+    grouped, _, _ = check(x, 0.3, tol=1e-5, BT=16, tiles={"exact_CH": 5})
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dS_in"), grouped, one):
+        assert torch.equal(a, b), name
+
+
 def test_absent_do_and_fp16():
     """do=None means zeros (only dht drives the gradients); fp16 q, k, v with an fp32 do
     give fp16 gradients (and fp32 dg)."""
@@ -206,7 +272,8 @@ def test_compiles_for_sm90_within_shared_memory(tmp_path):
     assert sorted(rep["compiled"]) == sorted(specs)
     man = json.loads((tmp_path / "cache" / "manifest.json").read_text())["kernels"]
     kernels = {e["function"] for e in man.values()}
-    assert kernels == {"_fwd_states_kernel", "_bwd_states_kernel", "_dqkg_kernel", "_dv_kernel"}
+    assert kernels == {"_fwd_states_kernel", "_bwd_states_kernel", "_dqkg_kernel",
+                       "_dqkg_exact_kernel", "_dv_kernel"}
     for e in man.values():
         assert 0 < e["shared"] <= SMEM_LIMIT, (e["function"], e["shared"])
         assert e["global_scratch_size"] == 0, e["function"]
@@ -236,3 +303,20 @@ def test_gpu_bf16_real_shape(K, V):
     for name, a, n in zip(("dq", "dk", "dv", "dg", "dS_in"), got, NAMES):
         assert torch.isfinite(a).all(), name
         assert rel(a, leaves[n].grad) <= 1e-2, (name, rel(a, leaves[n].grad))
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_exact_and_mixed_paths():
+    """bf16 at a real shape with steep gates on 16 of the 128 channels (their slice takes
+    the exact kernel, the other slice the fast one) and on all channels of one head (every
+    slice exact), against the same backward on fp32 copies (checked against fp64 above)."""
+    B, T, H, K, V = 1, 4096, 4, 128, 128
+    x = make(B, T, H, K, V, seed=14, device="cuda", dtype=torch.bfloat16)
+    x["S_in"] = x["S_in"] * 0.1
+    x["g"][..., 64:80] = x["g"][..., 64:80] * 20 - 20
+    x["g"][:, :, 3] = x["g"][:, :, 3] * 20 - 20
+    got = _grads(x, K ** -0.5)
+    want = _grads({n: None if t is None else t.float() for n, t in x.items()}, K ** -0.5)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dS_in"), got, want):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) <= 1e-2, (name, rel(a, b))

@@ -53,7 +53,7 @@ def test_compile_all_for_sm90_on_cpu(built):
         e_flags = struct.unpack_from("<I", blob, 48)[0]
         assert e_flags & 0xFF == 90, hex(e_flags)
         assert e["name"] == programs.KERNELS[e["kernel"]][1]
-        assert e["num_warps"] in (4, 8) and e["shared"] >= 0
+        assert e["num_warps"] in (2, 4, 8) and e["shared"] >= 0
         assert e["global_scratch_size"] == 0 and e["profile_scratch_size"] == 0
         assert len(e["source_hash"]) == 64 and e["cubin_sha256"]
 
@@ -254,18 +254,21 @@ def test_static_plan_falls_back_to_jit_for_missing_or_stale(built, tmp_path):
                                    execution="decoupled")
     keys = [s.key for s in prog.specs()]
     del man["kernels"][keys[0]]                      # segment summaries (walk): missing
-    man["kernels"][keys[1]]["source_hash"] = "0" * 64  # segment_scan: stale source
+    man["kernels"][keys[1]]["source_hash"] = "0" * 64  # segment outputs (walk): stale source
     (d / "manifest.json").write_text(json.dumps(man))
     disp = dispatcher.Dispatcher(_verified_cache(d), FakeDriver())
     disp.stream_fn = lambda device_index: (lambda: 0)
     p = plan("simple_gla", B=1, T=96, H=2, K=32, V=48, dtype=torch.float32, device="cpu",
              backend="static", dispatcher=disp, execution="decoupled")
     paths = [x["path"] for x in p.describe()["launches"]]
-    assert paths[0] == "jit (not in the cache)"
-    assert paths[1] == "jit (source of segment_scan changed)"
-    # the outputs walk is another walk spec (q, h0 per segment), still in the cache
-    assert keys[2] != keys[0] and paths[2].startswith("cubin ")
+    assert keys[1] != keys[0]  # the outputs walk is another spec of the same kernel
+    assert paths == ["jit (not in the cache)", "jit (source of walk changed)"]
     assert any("fall back to the JIT" in n for n in p.notes)
+    # an untouched copy of the cache serves both launches from cubins
+    p2 = plan("simple_gla", B=1, T=96, H=2, K=32, V=48, dtype=torch.float32, device="cpu",
+              backend="static", execution="decoupled",
+              dispatcher=dispatcher.Dispatcher(_verified_cache(built[0]), FakeDriver()))
+    assert all(x["path"].startswith("cubin ") for x in p2.describe()["launches"])
 
 
 def test_static_alignment_check(built):

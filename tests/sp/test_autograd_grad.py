@@ -39,6 +39,9 @@ def _grad_of_k_only(group, strategy):
 
 
 def test_autograd_grad_with_inputs_runs_the_reverse_chain():
+    # A rank whose reverse chain is skipped gets an O(1) error (or waits until the timeout);
+    # the bound is far below that.  fp64 runs land at ~1e-15, but a few of many runs gave
+    # 1.4e-10 and 2.4e-10 (serial and lasp2, not reproduced in isolation), hence 1e-8.
     for strategy in ("serial", "lasp2"):
         err = run_world(3, _grad_of_k_only, strategy, env={"FORGE_DIST_TIMEOUT": "20"})
-        assert err <= 1e-10, (strategy, err)
+        assert err <= 1e-8, (strategy, err)
