@@ -54,10 +54,12 @@ def header(benchmark: str, config: Dict[str, Any], world_size: int = 1) -> Dict[
 
 
 def results_path(result: Dict[str, Any], out_dir: Optional[Path] = None) -> Path:
-    """``<out_dir>/<benchmark>_<device>_<date>.json`` with a file-system-safe device name."""
+    """``<out_dir>/<benchmark>_<device>_<date>[_<tag>].json`` with a file-system-safe device
+    name (``result["tag"]``, when set, keeps several runs of one day apart)."""
     device = re.sub(r"[^A-Za-z0-9]+", "-", result["device"]).strip("-") or "unknown"
     out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
-    return out_dir / f"{result['benchmark']}_{device}_{result['date']}.json"
+    tag = re.sub(r"[^A-Za-z0-9._-]+", "-", str(result.get("tag") or "")).strip("-")
+    return out_dir / f"{result['benchmark']}_{device}_{result['date']}{'_' + tag if tag else ''}.json"
 
 
 def write(result: Dict[str, Any], out_dir: Optional[Path] = None) -> Path:

@@ -261,6 +261,8 @@ def main(argv=None):
     result = results_io.header("single_device", {"B": B, "H": H, "K": K, "V": V,
                                                  "dtype": "bfloat16", "gates": "float32",
                                                  "hgrn_D": D_HGRN})
+    if args.tag:
+        result["tag"] = args.tag
     bw = copy_bandwidth(device)
     result["copy_bandwidth_GBps"] = bw / 1e9
     result["notes"] = "forge_dist fwdbwd: Triton forward and Triton backward kernels"
