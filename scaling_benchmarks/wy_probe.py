@@ -58,26 +58,14 @@ B, H, K, V, BT = 1, 32, 128, 128, 64
 
 
 def _bf16_dot_shim():
-    """Triton 3.6's interpreter multiplies bf16 tensors as their raw uint16 bits; widen them
-    to fp32 first (smoke runs only: the GPU never takes this path)."""
-    import numpy as np
-    import triton.language as tl
+    """Widen bf16 dot operands in the interpreter (smoke runs only: the GPU never takes this
+    path; see ``kernels._common.interpreter_bf16_dot``)."""
     from triton.runtime import interpreter as it
 
-    orig = it.InterpreterBuilder.create_dot
-    if getattr(orig, "_wy_probe_shim", False):
-        return
+    from forge_dist.kernels._common import interpreter_bf16_dot
 
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        def widen(x):
-            if x.dtype == tl.bfloat16:
-                return it.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32),
-                                       tl.float32)
-            return x
-        return orig(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    create_dot._wy_probe_shim = True
-    it.InterpreterBuilder.create_dot = create_dot
+    if not getattr(it.InterpreterBuilder.create_dot, "widens_bf16", False):
+        it.InterpreterBuilder.create_dot = interpreter_bf16_dot(it.InterpreterBuilder.create_dot)
 
 
 def make_inputs(T, device, h, dk, dv):

@@ -65,6 +65,25 @@ if HAVE_TRITON and interpreting():
     _interpreter_numpy_shim()
 
 
+def interpreter_bf16_dot(create_dot):
+    """Triton 3.6's interpreter multiplies bf16 tensors as their raw uint16 bits; this wraps
+    its ``InterpreterBuilder.create_dot`` so that bf16 operands are widened to fp32 first (the
+    GPU needs nothing).  Opt-in, for the checks that run bf16 kernels on the CPU."""
+    import numpy as np
+    from triton.runtime import interpreter as it
+
+    def create_dot_widened(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widen(x):
+            if x.dtype == tl.bfloat16:
+                return it.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32),
+                                       tl.float32)
+            return x
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot_widened.widens_bf16 = True
+    return create_dot_widened
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -85,21 +85,12 @@ def bf16_dots(monkeypatch):
     to fp32 for this test (the GPU needs nothing)."""
     if DEV != "cpu":
         return
-    import numpy as np
-    import triton.language as tl
     from triton.runtime import interpreter as it
 
-    orig = it.InterpreterBuilder.create_dot
+    from forge_dist.kernels._common import interpreter_bf16_dot
 
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        def widen(x):
-            if x.dtype == tl.bfloat16:
-                return it.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32),
-                                       tl.float32)
-            return x
-        return orig(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(it.InterpreterBuilder, "create_dot", create_dot)
+    monkeypatch.setattr(it.InterpreterBuilder, "create_dot",
+                        interpreter_bf16_dot(it.InterpreterBuilder.create_dot))
 
 
 @pytest.mark.parametrize("x_dtype", ["input", "fp32"])
