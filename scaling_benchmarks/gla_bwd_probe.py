@@ -147,32 +147,28 @@ def chunk_form_grads(x):
     return [t.grad for t in leaves]
 
 
-def fwdbwd_ours(x):
-    from forge_dist import ops
-
+def _fwdbwd(op, x):
+    """One forward + backward of ``op(q, k, v, g) -> (o, ...)`` with the output gradient."""
     q, k, v, g = (t.detach().requires_grad_(True) for t in x[:4])
     do = x[4]
 
     def run():
         for t in (q, k, v, g):
             t.grad = None
-        o = ops.gla(q, k, v, g)[0]
-        o.backward(do)
+        op(q, k, v, g)[0].backward(do)
     return run
+
+
+def fwdbwd_ours(x):
+    from forge_dist import ops
+
+    return _fwdbwd(ops.gla, x)
 
 
 def fwdbwd_fla(x):
     from fla.ops.gla import chunk_gla
 
-    q, k, v, g = (t.detach().requires_grad_(True) for t in x[:4])
-    do = x[4]
-
-    def run():
-        for t in (q, k, v, g):
-            t.grad = None
-        o = chunk_gla(q, k, v, g=g)[0]
-        o.backward(do)
-    return run
+    return _fwdbwd(lambda q, k, v, g: chunk_gla(q, k, v, g=g), x)
 
 
 def main(argv=None) -> int:

@@ -84,6 +84,15 @@ if HAVE_TRITON:
         return tl.load(p, boundary_check=(0, 1))
 
     @triton.jit
+    def _key_blocks(base_k, T, K: tl.constexpr, t0, c0, H: tl.constexpr, BC: tl.constexpr,
+                    SBK: tl.constexpr):
+        """The chunk's four ``[BC, SBK]`` row blocks of keys, columns from ``c0``."""
+        return (_load_tile(base_k, T, K, t0, c0, H, BC, SBK),
+                _load_tile(base_k, T, K, t0 + BC, c0, H, BC, SBK),
+                _load_tile(base_k, T, K, t0 + 2 * BC, c0, H, BC, SBK),
+                _load_tile(base_k, T, K, t0 + 3 * BC, c0, H, BC, SBK))
+
+    @triton.jit
     def _store_tile(base, T, N: tl.constexpr, r0, c0, y, H: tl.constexpr, BR: tl.constexpr,
                     BN: tl.constexpr):
         """Store ``y [BR, BN]`` at rows ``[r0, r0 + BR)``, columns from ``c0`` of a head's
@@ -177,10 +186,7 @@ if HAVE_TRITON:
         kk22 = tl.zeros([BC, BC], dtype=tl.float32)
         kk33 = tl.zeros([BC, BC], dtype=tl.float32)
         for c0 in range(0, K, SBK):
-            k0 = _load_tile(base_k, T, K, t0, c0, H, BC, SBK)
-            k1 = _load_tile(base_k, T, K, t0 + BC, c0, H, BC, SBK)
-            k2 = _load_tile(base_k, T, K, t0 + 2 * BC, c0, H, BC, SBK)
-            k3 = _load_tile(base_k, T, K, t0 + 3 * BC, c0, H, BC, SBK)
+            k0, k1, k2, k3 = _key_blocks(base_k, T, K, t0, c0, H, BC, SBK)
             kk00 = tl.dot(k0, tl.trans(k0), kk00, input_precision=PREC)
             kk11 = tl.dot(k1, tl.trans(k1), kk11, input_precision=PREC)
             kk22 = tl.dot(k2, tl.trans(k2), kk22, input_precision=PREC)
@@ -195,10 +201,7 @@ if HAVE_TRITON:
         kk31 = tl.zeros([BC, BC], dtype=tl.float32)
         kk32 = tl.zeros([BC, BC], dtype=tl.float32)
         for c0 in range(0, K, SBK):
-            k0 = _load_tile(base_k, T, K, t0, c0, H, BC, SBK)
-            k1 = _load_tile(base_k, T, K, t0 + BC, c0, H, BC, SBK)
-            k2 = _load_tile(base_k, T, K, t0 + 2 * BC, c0, H, BC, SBK)
-            k3 = _load_tile(base_k, T, K, t0 + 3 * BC, c0, H, BC, SBK)
+            k0, k1, k2, k3 = _key_blocks(base_k, T, K, t0, c0, H, BC, SBK)
             kk10 = tl.dot(k1, tl.trans(k0), kk10, input_precision=PREC)
             kk20 = tl.dot(k2, tl.trans(k0), kk20, input_precision=PREC)
             kk21 = tl.dot(k2, tl.trans(k1), kk21, input_precision=PREC)

@@ -44,12 +44,9 @@ GATE_CONFIG = {"BC": 16, "BKS": 32, "num_warps": 4, "num_stages": 2}
 
 
 def fused_config(K: int, V: int) -> dict:
-    """The fused walker's tiles for this pattern and head dims (at K = 256 two pipeline
-    stages: three need 244 KB of shared memory, over sm_90's 227 KB per block)."""
-    cfg = sized_config(FUSED_CONFIG, K)
-    if next_pow2(K) >= 256:
-        cfg["num_stages"] = min(cfg["num_stages"], 2)
-    return cfg
+    """The fused walker's tiles for this pattern and head dims (two pipeline stages also at
+    K = 256: three would need 244 KB of shared memory, over sm_90's 227 KB per block)."""
+    return sized_config(FUSED_CONFIG, K)
 
 
 def span_max(dtype: torch.dtype) -> float:
@@ -206,8 +203,9 @@ def gate_chunks(q, k, g, BT: int, *, outputs: bool = True, summary: bool = True,
     _gate_kernel[(NT, B * H)](
         q, k, g, res.qg if outputs else res.kd, res.kd, res.a if outputs else res.kd, res.gc,
         T, span_max(dt), H=H, K=K, BT=BT, BK=next_pow2(K),
-        BKS=min(GATE_CONFIG["BKS"], next_pow2(K)), BC=BC, PREC=dot_precision(dt), STORE_KD=summary, STORE_QA=outputs,
-        num_warps=GATE_CONFIG["num_warps"], num_stages=GATE_CONFIG["num_stages"])
+        BKS=min(GATE_CONFIG["BKS"], next_pow2(K)), BC=BC, PREC=dot_precision(dt),
+        STORE_KD=summary, STORE_QA=outputs, num_warps=GATE_CONFIG["num_warps"],
+        num_stages=GATE_CONFIG["num_stages"])
     return res
 
 

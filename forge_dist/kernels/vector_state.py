@@ -48,21 +48,14 @@ if HAVE_TRITON:
     def _hgrn_kernel(x, g, h0, o, ht, gt, T, SEG, D: tl.constexpr, BT: tl.constexpr,
                      BD: tl.constexpr, HAS_H0: tl.constexpr, STORE_O: tl.constexpr,
                      STORE_GT: tl.constexpr = False, HAS_SIN: tl.constexpr = False,
-                     s_in=None, cg=None, HT_LAST: tl.constexpr = False,
-                     SEG_AXIS0: tl.constexpr = False):
-        """grid ``(cdiv(D, BD), B, NSEG)`` (SEG_AXIS0: ``(NSEG, B, cdiv(D, BD))``, for one
-        segment per chunk: CUDA caps grid axes 1 and 2 at 65535 blocks, axis 0 at 2**31 - 1);
-        x, g, o [B, T, D]; h0, ht [NSEG, B, D] fp32 (each
+                     s_in=None, cg=None, HT_LAST: tl.constexpr = False):
+        """grid ``(cdiv(D, BD), B, NSEG)``; x, g, o [B, T, D]; h0, ht [NSEG, B, D] fp32 (each
         segment of SEG tokens: its start and end state); gt [NSEG, B, D] fp32 the segment's
         summed log decay (STORE_GT).  HAS_SIN: ``s_in [B, D]`` enters the whole walk, each
         segment starts from ``h0 + exp(cg) * s_in`` (``cg [NSEG + 1, B, D]`` from the scan);
         HT_LAST: only the last segment stores its end state, into ``ht [B, D]``."""
-        if SEG_AXIS0:
-            i_s, i_b, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-            n_s = tl.num_programs(0)
-        else:
-            i_d, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-            n_s = tl.num_programs(2)
+        i_d, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n_s = tl.num_programs(2)
         slot = i_s * tl.num_programs(1) + i_b
         cols = i_d * BD + tl.arange(0, BD)
         rows = tl.arange(0, BT)

@@ -362,8 +362,7 @@ def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
                        ("T", "i32", T), ("SEG", "i32", seg)),
                       const + (("HAS_H0", h0 is not None), ("STORE_O", store_o),
                                ("STORE_GT", gt is not None), ("HAS_SIN", False),
-                               ("s_in", None), ("cg", None), ("HT_LAST", False),
-                               ("SEG_AXIS0", False)), nw, ns)
+                               ("s_in", None), ("cg", None), ("HT_LAST", False)), nw, ns)
 
     notes = [f"execution {sched.strategy} ({n_seg} segments): {sched.reason}"]
     h0 = "h0" if has_h0 else None
