@@ -61,9 +61,10 @@ def config_sweep(op: str, T: int, device) -> list:
     from forge_dist.kernels import delta, scalar, vector
 
     walker = [dict(BT=bt, BV=bv, num_warps=nw, num_stages=ns)
-              for bt, bv, nw, ns in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2),
-                                     (64, 128, 8, 2), (32, 64, 4, 2), (32, 64, 4, 3),
-                                     (32, 128, 8, 2))]
+              for bt, bv, nw, ns in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4),
+                                     (64, 32, 4, 2), (64, 32, 4, 3), (64, 128, 8, 2),
+                                     (64, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 2),
+                                     (32, 64, 4, 3), (32, 128, 8, 2))]
     if op == "gla":  # the walker's tiles and pipeline; the gate kernel's slice and warps
         trials = [("FUSED_CONFIG", c) for c in walker]
         trials += [("GATE_CONFIG", dict(BKS=bks, num_warps=nw, num_stages=ns))
@@ -71,18 +72,23 @@ def config_sweep(op: str, T: int, device) -> list:
         mod = vector
     elif op == "gated_delta_rule":  # the walker (the WY kernel: scaling_benchmarks/wy_probe.py)
         trials = [("FUSED_CONFIG", dict(BV=bv, num_warps=nw, num_stages=ns))
-                  for bv, nw, ns in ((32, 4, 2), (32, 4, 1), (16, 4, 1), (16, 2, 2),
-                                     (16, 2, 1), (32, 2, 2), (64, 4, 1))]
+                  for bv, nw, ns in ((32, 4, 2), (32, 4, 1), (32, 4, 3), (32, 4, 4),
+                                     (32, 8, 2), (32, 8, 3), (16, 4, 3), (16, 4, 4),
+                                     (16, 4, 2), (16, 2, 2), (16, 2, 3), (64, 4, 3),
+                                     (64, 8, 3))]
         mod = delta
     else:  # linear_attn / simple_gla: the scalar walker
         trials = [("FUSED_CONFIG", c) for c in walker]
         mod = scalar
     inp = make_inputs(op, T, device)
     rows = []
+    stages = getattr(mod, "LOW_PRECISION_STAGES", None)  # overrides FUSED_CONFIG's for bf16
     for name, change in trials:
         cfg = getattr(mod, name)
         saved = dict(cfg)
         cfg.update(change)
+        if stages is not None and "num_stages" in change:
+            mod.LOW_PRECISION_STAGES = change["num_stages"]
         row = {"op": op, "T": T, "config": name, **change}
         try:
             with torch.no_grad():
@@ -92,6 +98,8 @@ def config_sweep(op: str, T: int, device) -> list:
         finally:
             cfg.clear()
             cfg.update(saved)
+            if stages is not None:
+                mod.LOW_PRECISION_STAGES = stages
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -103,7 +111,8 @@ HGRN_TILES = ((64, 32), (32, 64), (64, 64), (128, 32), (32, 128), (64, 128))
 def hgrn_sweep(T: int, device, configs=None, segments=(4, 16, 64, 256),
                backward: bool = True) -> list:
     """hgrn forward/backward times over tiles and segment counts (``do_bench`` medians);
-    ``configs``: ``(BT, BD, num_warps)`` triples (default: ``HGRN_TILES`` x 4, 8 warps)."""
+    ``configs``: ``(BT, BD, num_warps[, num_stages])`` (default: ``HGRN_TILES`` x 4, 8 warps,
+    the configured stages)."""
     from forge_dist.kernels import vector_state as vs
 
     inp = make_inputs("hgrn", T, device)
@@ -112,11 +121,13 @@ def hgrn_sweep(T: int, device, configs=None, segments=(4, 16, 64, 256),
     rows = []
     base_f, base_b = dict(vs.FUSED_CONFIG), dict(vs.BWD_CONFIG)
     try:
-        for bt, bd, nw in configs or [(bt, bd, nw) for bt, bd in HGRN_TILES for nw in (4, 8)]:
+        for cfg in configs or [(bt, bd, nw) for bt, bd in HGRN_TILES for nw in (4, 8)]:
+            bt, bd, nw = cfg[:3]
+            ns = cfg[3] if len(cfg) > 3 else base_f["num_stages"]
             for n_seg in segments:
-                vs.FUSED_CONFIG.update(BT=bt, BD=bd, num_warps=nw)
-                vs.BWD_CONFIG.update(BD=bd, num_warps=nw)
-                row = {"BT": bt, "BD": bd, "num_warps": nw, "n_seg": n_seg}
+                vs.FUSED_CONFIG.update(BT=bt, BD=bd, num_warps=nw, num_stages=ns)
+                vs.BWD_CONFIG.update(BT=bt, BD=bd, num_warps=nw, num_stages=ns)
+                row = {"BT": bt, "BD": bd, "num_warps": nw, "num_stages": ns, "n_seg": n_seg}
                 try:
                     f = lambda: vs.hgrn_forward(x, g, None, out_dtype=x.dtype,  # noqa: E731
                                                 n_seg=n_seg)
@@ -143,9 +154,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--sweep", default="", help="ops whose kernel configs to sweep")
-    ap.add_argument("--sweep-T", type=int, default=65536)
+    ap.add_argument("--sweep-T", default="65536", help="comma-separated")
     ap.add_argument("--hgrn-configs", default="",
-                    help="hgrn sweep tiles as BTxBDxWARPS,... (default: the built-in grid)")
+                    help="hgrn sweep tiles as BTxBDxWARPS[xSTAGES],... (default: the built-in grid)")
     ap.add_argument("--hgrn-segments", default="4,16,64,256")
     ap.add_argument("--hgrn-no-bwd", action="store_true")
     ap.add_argument("--out", default=None)
@@ -185,13 +196,14 @@ def main(argv=None):
     if args.tag:
         result["benchmark"] = f"kernel_profile_{args.tag}"
     result["sweeps"] = []
-    for op in (o for o in args.sweep.split(",") if o):
+    for op, sweep_T in ((o, int(t)) for o in args.sweep.split(",") if o
+                        for t in args.sweep_T.split(",")):
         hcfg = [tuple(int(x) for x in c.split("x")) for c in args.hgrn_configs.split(",") if c]
-        rows = (hgrn_sweep(args.sweep_T, device, hcfg or None,
+        rows = (hgrn_sweep(sweep_T, device, hcfg or None,
                            [int(n) for n in args.hgrn_segments.split(",")],
                            backward=not args.hgrn_no_bwd) if op == "hgrn" else
-                config_sweep(op, args.sweep_T, device))
-        result["sweeps"].append({"op": op, "T": args.sweep_T, "rows": rows})
+                config_sweep(op, sweep_T, device))
+        result["sweeps"].append({"op": op, "T": sweep_T, "rows": rows})
         results_io.write(result, Path(args.out) if args.out else None)  # a time limit keeps it
     print(f"wrote {results_io.write(result, Path(args.out) if args.out else None)}")
     return 0

@@ -26,9 +26,11 @@ from ._common import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2,
 from ..variants import delta_rule
 
 # The walker reads the in-chunk attention the WY launch formed (HAS_A).  Measured on H200 at
-# T=64K, B=1, H=32, K=V=128 bf16, whole forward (results/kernel_profile_gdn_*_2026-11-24):
-# BV=32, 4 warps, 2 stages 4.28 ms; 1 stage 5.75; BV=16 with 2 warps 4.16, with 4 warps and
-# 1 stage 5.54; BV=64 6.07.
+# T=64K, B=1, H=32, K=V=128 bf16, whole forward (results/kernel_profile_walkers2_2026-11-24):
+# BV=32, 4 warps: 3 pipeline stages 3.36 ms, 2 stages 4.25, 1 stage 5.75; BV=64 with 3
+# stages 3.71; BV=16 with 2 warps 4.15.  The walk is latency bound (its programs barely fill
+# the SMs), so loads issued three chunks ahead pay.  16-bit operands only: three stages of
+# fp32 q, k, w tiles overflow shared memory (FUSED_CONFIG's 2 stages apply there).
 FUSED_CONFIG = {"BT": 64, "BV": 32, "num_warps": 4, "num_stages": 2}
 
 # The WY factors (``wy``).  fused: one launch runs both phases (the program writes X and
@@ -46,13 +48,18 @@ WY_CONFIG = {"fused": False, "solve_warps": 1, "solve_stages": 2, "solve_BK": 32
 WY_BT = 64  # the blocked inverse's chunk: four 16-row blocks
 
 
-def fused_config(K: int, V: int) -> dict:
-    """The fused walker's tiles for this pattern and head dims (at K = 256 one pipeline
-    stage: q, k and w tiles of two stages need 238 KB of shared memory, over sm_90's 227 KB
-    per block)."""
+LOW_PRECISION_STAGES = 3
+
+
+def fused_config(K: int, V: int, dtype: torch.dtype = torch.float32) -> dict:
+    """The fused walker's tiles for this pattern, head dims and operand dtype (at K = 256 one
+    pipeline stage: q, k and w tiles of two stages need 238 KB of shared memory, over sm_90's
+    227 KB per block; 16-bit operands below that: ``LOW_PRECISION_STAGES``)."""
     cfg = sized_config(FUSED_CONFIG, K)
     if next_pow2(K) >= 256:
         cfg["num_stages"] = 1
+    elif dtype in (torch.float16, torch.bfloat16):
+        cfg["num_stages"] = LOW_PRECISION_STAGES
     return cfg
 
 
@@ -437,11 +444,12 @@ class DeltaRuleWork(TritonWork):
             with torch.no_grad():
                 q, k, v, g, beta = (ensure(None if t is None else t.detach())
                                     for t in self.tensors)
-                self._wy_factors(q, k, v, g, beta, fused_config(k.shape[-1], v.shape[-1]))
+                self._wy_factors(q, k, v, g, beta,
+                                 fused_config(k.shape[-1], v.shape[-1], k.dtype))
 
     def _finish_fwd(self, S_in, tensors):
         q, k, v, g, beta = (ensure(t) for t in tensors)
-        cfg = fused_config(k.shape[-1], v.shape[-1])
+        cfg = fused_config(k.shape[-1], v.shape[-1], k.dtype)
         self.execution, self.execution_reason = "fused", "decoupled not built for this pattern"
         w, u, a = self._wy_factors(q, k, v, g, beta, cfg)
         return walk(k, u, q=q, g=g, gate=0 if g is None else 1, w=w, h0=S_in, scale=self.scale,
@@ -449,10 +457,11 @@ class DeltaRuleWork(TritonWork):
 
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g, beta = (ensure(t) for t in tensors)
-        cfg = fused_config(k.shape[-1], v.shape[-1])
+        cfg = fused_config(k.shape[-1], v.shape[-1], k.dtype)
         if k.dtype == torch.float32 or summary_precision() == "fp32":
             prec = dot_precision(torch.float32)
             k, v = k.to(torch.float32), v.to(torch.float32)
+            cfg = fused_config(k.shape[-1], v.shape[-1], torch.float32)
             w, u = wy(k, v, g, beta, BT=cfg["BT"], prec=prec, dtype=torch.float32)
         else:  # the forward's operands: the WY factors are shared with finish()
             prec = dot_precision(k.dtype)

@@ -25,6 +25,8 @@ DECOUPLED = "decoupled"
 CHOICES = (FUSED, DECOUPLED)
 # a segment shorter than this many chunks re-reads k, v for too little parallelism
 MIN_CHUNKS_PER_SEGMENT = 4
+# relative estimate difference below which fewer segments win (see best_segments)
+NEAR_TIE = 0.02
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,10 @@ def best_segments(p_fused: int, n_chunks: int, *, base: float, extra: float, sta
         candidates.append(n)
         n *= 2
     costs = {n: cost(n) for n in candidates}
-    return min(candidates, key=lambda n: (costs[n], n)), costs
+    # the fewest segments within NEAR_TIE of the least estimate: past saturation the model
+    # sees only the state traffic, not the scan step and the launch each segment adds
+    least = min(costs.values())
+    return min(n for n in candidates if costs[n] <= least * (1 + NEAR_TIE)), costs
 
 
 def algorithm1(B: int, T: int, H: int, dk: int, dv: int, C: int, tk: int, tv: int, *,
@@ -182,26 +187,32 @@ def schedule(B: int, T: int, H: int, K: int, V: int, C: int, tv: int, *, elem_si
                     Schedule(strategy, info["n_seg"], info["reason"]))
 
 
-# The HGRN kernel is small (2 warps, few registers, no shared memory): many of its programs
-# are resident per SM and each walks its tokens one per step, latency-bound, so it keeps
-# gaining from segments long after two programs per SM.  Measured on H200 at [1, 64K, 4096]
-# bf16 with one token per step and 256 channels per program: 64 / 256 / 1024 segments ->
-# 1.23 / 0.73 / 1.25 ms forward (results/kernel_profile_hgrnsweep_*); 32 resident programs
-# per SM puts the optimum at 256 there.  A segment keeps at least
-# VECTOR_STATE_MIN_TOKENS tokens: the scan over segments walks them one by one.
-VECTOR_STATE_RESIDENT_PER_SM = 32
-VECTOR_STATE_MIN_TOKENS = 256
+# The HGRN kernel is small (one warp, no shared memory) and latency bound: each step waits
+# for its block of tokens, so segments (more programs walking fewer steps) are what fills
+# the GPU.  Measured on H200 at [1, T, 4096] bf16, 8 tokens per step, 256 channels per
+# program (results/kernel_profile_hgrn*_2026-11-24): the best segment counts were 16 at
+# T = 1K (64 tokens each), 32 at 4K and 64 at 64K (1024 programs, 665 us; 128 segments
+# 734 us, 32 segments 773 us): about 1024 programs fill the 132 SMs, so 7 per SM saturate.
+# A segment keeps at least VECTOR_STATE_MIN_TOKENS tokens: the scan over segments walks
+# them one by one.
+VECTOR_STATE_RESIDENT_PER_SM = 7
+VECTOR_STATE_MIN_TOKENS = 64
+# The backward's reverse walk (2 tokens per step, more loads per step) kept gaining to 128
+# segments at 64K (2048 programs: 1.94 ms for recompute + walk, 64 segments 2.33 ms).
+VECTOR_STATE_BWD_RESIDENT_PER_SM = 14
 
 
 def schedule_vector_state(B: int, T: int, D: int, C: int, td: int, *, elem_size: int = 2,
                           request: Optional[str] = None,
                           device: Optional[Device] = None,
-                          with_summary: bool = False) -> Schedule:
+                          with_summary: bool = False,
+                          resident_per_sm: int = VECTOR_STATE_RESIDENT_PER_SM) -> Schedule:
     """The schedule of one vector-state (HGRN) call: ``B * cdiv(D, td)`` fused programs; the
     segment summaries re-read x and g (as the summary of a sequence-parallel rank does).
-    Concurrency is ``VECTOR_STATE_RESIDENT_PER_SM`` programs per SM (a small kernel)."""
+    Concurrency is ``resident_per_sm`` programs per SM (a small kernel; the backward passes
+    ``VECTOR_STATE_BWD_RESIDENT_PER_SM``)."""
     dev = device or device_params()
-    dev = Device(dev.n_sm, dev.bandwidth, dev.n_sm * VECTOR_STATE_RESIDENT_PER_SM)
+    dev = Device(dev.n_sm, dev.bandwidth, dev.n_sm * resident_per_sm)
     n_c = max(1, math.ceil(T / C))
     p_fused = B * math.ceil(D / td)
     if p_fused >= dev.max_concurrency:

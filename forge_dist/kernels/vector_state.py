@@ -35,14 +35,21 @@ from ._common import (HAVE_TRITON, SegmentStates, TritonWork, ensure, triton, tl
                       use_autotune)
 from ..variants import vector_state
 
-FUSED_CONFIG = {"BT": 1, "BD": 256, "num_warps": 2, "num_stages": 2}
+# Measured on H200, [1, T, 4096] bf16 (results/kernel_profile_hgrn*_2026-11-24): 8 tokens
+# per step, 256 channels, one warp (the block's rows stay in one thread, so the scan needs no
+# shuffles): 67 / 142 / 665 us forward at T = 1K / 4K / 64K against 121 / 156 / 806 us
+# with one token per step (each step waited on its own loads); two warps split the rows
+# and took 1.6 ms at 64K.
+FUSED_CONFIG = {"BT": 8, "BD": 256, "num_warps": 1, "num_stages": 2}
 
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _affine(g1, x1, g2, x2):
-        return g1 + g2, x1 * tl.exp(g2) + x2
+    def _affine(a1, x1, a2, x2):
+        """Composition of ``y -> a1 y + x1`` then ``y -> a2 y + x2`` (multipliers, not log
+        decays: one exponential per element, none per combine)."""
+        return a1 * a2, x1 * a2 + x2
 
     @triton.jit
     def _hgrn_kernel(x, g, h0, o, ht, gt, T, SEG, D: tl.constexpr, BT: tl.constexpr,
@@ -50,10 +57,15 @@ if HAVE_TRITON:
                      STORE_GT: tl.constexpr = False, HAS_SIN: tl.constexpr = False,
                      s_in=None, cg=None, HT_LAST: tl.constexpr = False):
         """grid ``(cdiv(D, BD), B, NSEG)``; x, g, o [B, T, D]; h0, ht [NSEG, B, D] fp32 (each
-        segment of SEG tokens: its start and end state); gt [NSEG, B, D] fp32 the segment's
-        summed log decay (STORE_GT).  HAS_SIN: ``s_in [B, D]`` enters the whole walk, each
-        segment starts from ``h0 + exp(cg) * s_in`` (``cg [NSEG + 1, B, D]`` from the scan);
-        HT_LAST: only the last segment stores its end state, into ``ht [B, D]``."""
+        segment of SEG tokens, a multiple of BT: its start and end state); gt [NSEG, B, D]
+        fp32 the segment's summed log decay (STORE_GT).  HAS_SIN: ``s_in [B, D]`` enters the
+        whole walk, each segment starts from ``h0 + exp(cg) * s_in`` (``cg [NSEG + 1, B, D]``
+        from the scan); HT_LAST: only the last segment stores its end state, into
+        ``ht [B, D]``.
+
+        The walk is latency bound (one dependent step per block), and Triton does not
+        software-pipeline loads that feed no dot, so the loop does it by hand: the next
+        block's x and g are loaded before this block is scanned."""
         i_d, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_s = tl.num_programs(2)
         slot = i_s * tl.num_programs(1) + i_b
@@ -70,13 +82,20 @@ if HAVE_TRITON:
             b_h += tl.exp(tl.load(cg + slot * D + cols, mask=cmask, other=0.0)) * b_si
         b_gt = tl.zeros([BD], dtype=tl.float32)
         t_lo = i_s * SEG
+        p_x = tl.make_block_ptr(x + base, (T, D), (D, 1), (t_lo, i_d * BD), (BT, BD), (1, 0))
+        p_g = tl.make_block_ptr(g + base, (T, D), (D, 1), (t_lo, i_d * BD), (BT, BD), (1, 0))
+        b_xn = tl.load(p_x, boundary_check=(0, 1))
+        b_gn = tl.load(p_g, boundary_check=(0, 1))
         for t0 in range(t_lo, tl.minimum(T, t_lo + SEG), BT):
-            p_x = tl.make_block_ptr(x + base, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
-            p_g = tl.make_block_ptr(g + base, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
-            b_x = tl.load(p_x, boundary_check=(0, 1)).to(tl.float32)
-            b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)
-            b_G, b_X = tl.associative_scan((b_g, b_x), axis=0, combine_fn=_affine)
-            b_o = tl.exp(b_G) * b_h[None, :] + b_X
+            b_x = b_xn.to(tl.float32)
+            b_g = b_gn.to(tl.float32)
+            # the next block in flight while this one is scanned (past T: zeros)
+            p_x = tl.advance(p_x, (BT, 0))
+            p_g = tl.advance(p_g, (BT, 0))
+            b_xn = tl.load(p_x, boundary_check=(0, 1))
+            b_gn = tl.load(p_g, boundary_check=(0, 1))
+            b_A, b_X = tl.associative_scan((tl.exp(b_g), b_x), axis=0, combine_fn=_affine)
+            b_o = b_A * b_h[None, :] + b_X
             if STORE_O:
                 p_o = tl.make_block_ptr(o + base, (T, D), (D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
                 tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
@@ -122,12 +141,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _hgrn_bwd_kernel(g, do, h, h0, cin, dx, dg, cout, gout, T, SEG, D: tl.constexpr,
-                         BD: tl.constexpr, HAS_DO: tl.constexpr, HAS_H0: tl.constexpr,
-                         HAS_CIN: tl.constexpr, GRADS: tl.constexpr):
+                         BT: tl.constexpr, BD: tl.constexpr, HAS_DO: tl.constexpr,
+                         HAS_H0: tl.constexpr, HAS_CIN: tl.constexpr, GRADS: tl.constexpr):
         """grid ``(cdiv(D, BD), B, NSEG)``: program ``(i_d, i_b, i_s)`` walks the tokens
-        ``[i_s * SEG, (i_s + 1) * SEG)`` from the last, one token per step (module docstring):
-        the carry ``exp(g_{t+1}) dh_{t+1}`` is the only dependence between steps, so the
-        loads of later steps run ahead and each element costs one exponential.
+        ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a multiple of BT) from the last, a block of BT
+        tokens per step (module docstring).  In a block, ``dh_r = do_r + a_{r+1} dh_{r+1}``
+        (``a = exp(g)``) is a reverse scan of the maps ``y -> a_{r+1} y + do_r``; the last row's
+        multiplier is 1, since the carry entering from the right, ``exp(g) dh`` of the token
+        there, already holds its decay.  The block to the left is loaded before this one is
+        scanned (Triton does not pipeline these loads).
 
         g, do, dx [B, T, D]; dg [B, T, D] (any float dtype); h [B, T, D] the forward's states
         ``h_t`` (any float dtype) and h0 [B, D] fp32 the state before token 0 (HAS_H0);
@@ -139,6 +161,7 @@ if HAVE_TRITON:
         i_d, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = i_s * tl.num_programs(1) + i_b
         cols = i_d * BD + tl.arange(0, BD)
+        rows = tl.arange(0, BT)
         cmask = cols < D
         base = i_b.to(tl.int64) * T * D
         if HAS_CIN:
@@ -149,24 +172,59 @@ if HAVE_TRITON:
             b_h0 = tl.load(h0 + i_b * D + cols, mask=cmask, other=0.0)
         b_gsum = tl.zeros([BD], dtype=tl.float32)
         t_lo = i_s * SEG
-        t_hi = tl.minimum(T, t_lo + SEG)
-        for i in range(t_hi - t_lo):
-            t = (t_hi - 1 - i).to(tl.int64)
-            off = base + t * D + cols
-            b_g = tl.load(g + off, mask=cmask, other=0.0).to(tl.float32)
-            b_dh = b_carry
+        n_blk = tl.cdiv(tl.minimum(T, t_lo + SEG) - t_lo, BT)
+        t_top = t_lo + (n_blk - 1) * BT  # the last block's first token
+        # g of the block's tokens and of the tokens one to the right (the multipliers)
+        p_g = tl.make_block_ptr(g + base, (T, D), (D, 1), (t_top, i_d * BD), (BT, BD), (1, 0))
+        p_gr = tl.make_block_ptr(g + base, (T, D), (D, 1), (t_top + 1, i_d * BD), (BT, BD),
+                                 (1, 0))
+        p_do = tl.make_block_ptr(do + base, (T, D), (D, 1), (t_top, i_d * BD), (BT, BD), (1, 0))
+        p_hp = tl.make_block_ptr(h + base, (T, D), (D, 1), (t_top - 1, i_d * BD), (BT, BD),
+                                 (1, 0))
+        b_gn = tl.load(p_g, boundary_check=(0, 1))
+        b_grn = tl.load(p_gr, boundary_check=(0, 1))
+        if HAS_DO:
+            b_don = tl.load(p_do, boundary_check=(0, 1))
+        if GRADS:
+            b_hpn = tl.load(p_hp, boundary_check=(0, 1))  # row -1 (token 0's h_{-1}): 0
+        for i in range(n_blk):
+            t0 = t_top - i * BT
+            b_g = b_gn.to(tl.float32)
+            b_ar = tl.where((rows == BT - 1)[:, None], 1.0, tl.exp(b_grn.to(tl.float32)))
             if HAS_DO:
-                b_dh += tl.load(do + off, mask=cmask, other=0.0).to(tl.float32)
+                b_do = b_don.to(tl.float32)
+            else:
+                b_do = tl.zeros([BT, BD], dtype=tl.float32)
+            if GRADS:
+                b_hp = b_hpn.to(tl.float32)
+            # the block to the left in flight while this one is scanned (row < 0: zeros)
+            p_g = tl.advance(p_g, (-BT, 0))
+            p_gr = tl.advance(p_gr, (-BT, 0))
+            b_gn = tl.load(p_g, boundary_check=(0, 1))
+            b_grn = tl.load(p_gr, boundary_check=(0, 1))
+            if HAS_DO:
+                p_do = tl.advance(p_do, (-BT, 0))
+                b_don = tl.load(p_do, boundary_check=(0, 1))
+            if GRADS:
+                p_hp = tl.advance(p_hp, (-BT, 0))
+                b_hpn = tl.load(p_hp, boundary_check=(0, 1))
+            b_P, b_Y = tl.associative_scan((b_ar, b_do), axis=0, combine_fn=_affine,
+                                           reverse=True)
+            b_dh = b_Y + b_P * b_carry[None, :]
             b_eg = tl.exp(b_g)
             if GRADS:
-                b_hp = tl.load(h + off - D, mask=cmask & (t > 0), other=0.0).to(tl.float32)
                 if HAS_H0:
-                    b_hp = tl.where(t > 0, b_hp, b_h0)
-                tl.store(dx + off, b_dh.to(dx.dtype.element_ty), mask=cmask)
+                    b_hp = tl.where((t0 + rows == 0)[:, None], b_h0[None, :], b_hp)
+                p_dx = tl.make_block_ptr(dx + base, (T, D), (D, 1), (t0, i_d * BD), (BT, BD),
+                                         (1, 0))
+                p_dg = tl.make_block_ptr(dg + base, (T, D), (D, 1), (t0, i_d * BD), (BT, BD),
+                                         (1, 0))
+                tl.store(p_dx, b_dh.to(p_dx.dtype.element_ty), boundary_check=(0, 1))
                 # a product of three factors: relative precision at any gate
-                tl.store(dg + off, (b_dh * b_eg * b_hp).to(dg.dtype.element_ty), mask=cmask)
-            b_carry = b_eg * b_dh
-            b_gsum += b_g
+                tl.store(p_dg, (b_dh * b_eg * b_hp).to(p_dg.dtype.element_ty),
+                         boundary_check=(0, 1))
+            b_carry = tl.sum(tl.where((rows == 0)[:, None], b_eg * b_dh, 0.0), axis=0)
+            b_gsum += tl.sum(b_g, axis=0)
         tl.store(cout + slot * D + cols, b_carry, mask=cmask)
         tl.store(gout + slot * D + cols, b_gsum, mask=cmask)
 
@@ -267,11 +325,12 @@ def hgrn_outputs(summ: SegmentStates, x, g, S_in, *, out_dtype):
     return o, ht
 
 
-# One token per step (see _hgrn_bwd_kernel), 256 channels per program.  The chunked form
-# (an associative scan per [64, 32] tile, chunk states recomputed) took 8.4 ms at
-# [1, 64K, 4096] bf16 on an H200 (results/kernel_profile_hgrnsweep_*); a token per step
-# makes the work one exponential and a few multiplies per element.
-BWD_CONFIG = {"BD": 256, "num_warps": 2, "num_stages": 2}
+# Two tokens per step, 256 channels, one warp.  Measured on H200 at [1, T, 4096] bf16,
+# recompute + reverse walk (results/kernel_profile_hgrnbwd_2026-11-24): 1.94 ms at 64K with
+# 128 segments (one token per step 1.92, 8 tokens 2.41 at best: the four loads of a wide block
+# spill), 0.30 ms at 4K.  The chunked form (an associative scan per [64, 32] tile, chunk
+# states recomputed) took 8.4 ms at 64K (results/kernel_profile_hgrnsweep_*).
+BWD_CONFIG = {"BT": 2, "BD": 256, "num_warps": 1, "num_stages": 2}
 
 
 def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
@@ -308,10 +367,11 @@ def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
     dev = x.device
     h0 = None if S_in is None else S_in.to(f32).contiguous()
     h, _ = hgrn_forward(x, g, h0, out_dtype=x.dtype, n_seg=n_seg)
-    seg = segment_length(T, 1, n_seg)
+    BT = BWD_CONFIG["BT"]
+    seg = segment_length(T, BT, n_seg)
     n_seg = max(1, -(-T // seg))
     grid = (triton.cdiv(D, BD), B, n_seg)
-    opts = dict(D=D, BD=BD, num_warps=BWD_CONFIG["num_warps"],
+    opts = dict(D=D, BT=BT, BD=BD, num_warps=BWD_CONFIG["num_warps"],
                 num_stages=BWD_CONFIG["num_stages"])
     cout = torch.empty(n_seg, B, D, dtype=f32, device=dev)
     gout = torch.empty(n_seg, B, D, dtype=f32, device=dev)
@@ -351,7 +411,8 @@ def backward_kernel_specs(D: int = 4096, dtype=torch.bfloat16) -> list:
     sig = (("g", io), ("do", io), ("h", io), ("h0", f32), ("cin", f32), ("dx", io),
            ("dg", f32), ("cout", f32), ("gout", f32), ("T", "i32"), ("SEG", "i32"))
     return [KernelSpec("forge_dist.kernels.vector_state:_hgrn_bwd_kernel", sig,
-                       (("D", D), ("BD", BWD_CONFIG["BD"]), ("HAS_DO", True),
+                       (("D", D), ("BT", BWD_CONFIG["BT"]), ("BD", BWD_CONFIG["BD"]),
+                        ("HAS_DO", True),
                         ("HAS_H0", True), ("HAS_CIN", True), ("GRADS", grads)),
                        BWD_CONFIG["num_warps"], BWD_CONFIG["num_stages"])
             for grads in (True, False)]
@@ -389,7 +450,8 @@ class VectorStateWork(TritonWork):
         B, T, D = x.shape
         dx, dg, dS = hgrn_backward(x, g, None if S_in is None else S_in.reshape(B, D), do,
                                    None if dht is None else dht.reshape(B, D),
-                                   n_seg=self._schedule_hgrn(x), dg_dtype=tensors[1].dtype)
+                                   n_seg=self._schedule_hgrn(x, backward=True),
+                                   dg_dtype=tensors[1].dtype)
         dS = None if dS is None else dS.reshape(S_in.shape).to(S_in.dtype)
         return [dS, dx, dg]
 
@@ -400,18 +462,22 @@ class VectorStateWork(TritonWork):
         B, T, D = x.shape
         dx, dg, _ = hgrn_backward(x, g, None, None,
                                   None if ddelta is None else ddelta.reshape(B, D),
-                                  n_seg=self._schedule_hgrn(x))
+                                  n_seg=self._schedule_hgrn(x, backward=True))
         if dM is not None:
             total = g.to(torch.float32).sum(dim=1)  # [B, D]
             dg += (dM.reshape(B, D).to(torch.float32) * total.exp())[:, None]
         return [dx, dg.to(tensors[1].dtype)]
 
-    def _schedule_hgrn(self, x, with_summary: bool = False) -> int:
+    def _schedule_hgrn(self, x, with_summary: bool = False, backward: bool = False) -> int:
         B, T, D = x.shape
-        s = scheduler.schedule_vector_state(B, T, D, FUSED_CONFIG["BT"], FUSED_CONFIG["BD"],
+        cfg = BWD_CONFIG if backward else FUSED_CONFIG
+        resident = (scheduler.VECTOR_STATE_BWD_RESIDENT_PER_SM if backward else
+                    scheduler.VECTOR_STATE_RESIDENT_PER_SM)
+        s = scheduler.schedule_vector_state(B, T, D, cfg["BT"], cfg["BD"],
                                             elem_size=x.element_size(),
                                             request=self.execution_request,
-                                            with_summary=with_summary)
+                                            with_summary=with_summary,
+                                            resident_per_sm=resident)
         self.execution, self.execution_reason, self.n_seg = s.strategy, s.reason, s.n_seg
         return s.n_seg
 

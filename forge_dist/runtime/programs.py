@@ -300,7 +300,7 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
     if not store_o:
         raise ValueError("gated_delta_rule: the summary program (with its dense transition) "
                          "is not built here; use forge_dist.ops for sequence parallelism")
-    cfg = dict(delta.fused_config(K, V), **(tiles or {}))
+    cfg = dict(delta.fused_config(K, V, dtype), **(tiles or {}))
     bufs["beta"] = Buffer((B, T, H), gate_dtype, "input")
     low = dtype in (torch.float16, torch.bfloat16)
     wy_prec = "tf32" if low and prec != "ieee" else prec

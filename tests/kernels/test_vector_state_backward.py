@@ -66,6 +66,28 @@ def test_matches_fp64_autograd(T, BD, n_seg, s_in, do, dht):
         assert dS is None
 
 
+@pytest.mark.parametrize("BT", [1, 4, 16])
+@pytest.mark.parametrize("T,n_seg", [(37, 1), (37, 3), (16, 2)])
+def test_token_blocks(monkeypatch, BT, T, n_seg):
+    """The walks load BT tokens per step (the next block in flight) and scan them on chip:
+    one token per step, blocks that divide the segments, blocks with padded rows past T and
+    at segment ends; forward outputs and final state, and every gradient."""
+    from forge_dist.kernels import vector_state as vs
+
+    monkeypatch.setitem(vs.FUSED_CONFIG, "BT", BT)
+    monkeypatch.setitem(vs.BWD_CONFIG, "BT", BT)
+    x = make(2, T, 20, seed=BT + T)
+    o, hT = vs.hgrn_forward(x["x"], x["g"], x["S_in"], out_dtype=torch.float32, n_seg=n_seg)
+    o_ref, hT_ref = hgrn_ref(x["x"].double().cpu(), x["g"].double().cpu(),
+                             initial_state=x["S_in"].double().cpu(), output_final_state=True)
+    assert rel(o, o_ref) < 1e-5 and rel(hT, hT_ref) < 1e-5
+    dx, dg, dS = hgrn_backward(x["x"], x["g"], x["S_in"], x["do"], x["dht"], BD=16,
+                               n_seg=n_seg)
+    ref = fp64_grads(x)
+    assert rel(dx, ref["x"]) < 1e-5 and rel(dg, ref["g"]) < 1e-5
+    assert rel(dS, ref["S_in"]) < 1e-5
+
+
 def test_steep_gates_keep_relative_precision():
     """At g ~ -20..-34 per token dg is ~1e-9 of x; its three-factor product keeps fp32's
     relative precision per element (a difference form would lose it all)."""
