@@ -457,11 +457,11 @@ class DeltaRuleWork(TritonWork):
 
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g, beta = (ensure(t) for t in tensors)
-        cfg = fused_config(k.shape[-1], v.shape[-1], k.dtype)
-        if k.dtype == torch.float32 or summary_precision() == "fp32":
+        exact = k.dtype == torch.float32 or summary_precision() == "fp32"
+        cfg = fused_config(k.shape[-1], v.shape[-1], torch.float32 if exact else k.dtype)
+        if exact:
             prec = dot_precision(torch.float32)
             k, v = k.to(torch.float32), v.to(torch.float32)
-            cfg = fused_config(k.shape[-1], v.shape[-1], torch.float32)
             w, u = wy(k, v, g, beta, BT=cfg["BT"], prec=prec, dtype=torch.float32)
         else:  # the forward's operands: the WY factors are shared with finish()
             prec = dot_precision(k.dtype)
