@@ -226,6 +226,13 @@ class Variant:
                 raise DSLError(f"{self.name}: no input carries the K dimension")
             state_rows = (H, K, V)
             scale_v = checks.scale(scale, K)
+        checks.strategy(strategy)
+        if self.lowering is not None and group is None and cu_seqlens is None \
+                and _use_kernels(device):
+            short = self.lowering.planned_call(inputs, scale_v, initial_state,
+                                               output_final_state)
+            if short is not None:  # no grad, one GPU: the template's cached plan
+                return short
         grad = needs_grad(dict(inputs), initial_state)
         cu, strat = self._prepare(B=B, T=T, sizes=sizes, H=H, device=device, dtype=dtype,
                                   initial_state=initial_state, state_rows=state_rows,

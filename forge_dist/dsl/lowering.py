@@ -83,8 +83,11 @@ def _chain(gms: List[fx.GraphModule], name: str) -> List[fx.Node]:
     return chain
 
 
-def _prologue(chain: List[fx.Node]) -> Tuple[Callable, str]:
-    """A callable running the chain on any tensor (elementwise: layout does not matter)."""
+def _prologue(chain: List[fx.Node]) -> Tuple[Optional[Callable], str]:
+    """A callable running the chain on any tensor (elementwise: layout does not matter), or
+    ``None`` for the identity (no call at run time)."""
+    if len(chain) == 1:
+        return None, chain[0].target
     g = fx.Graph()
     env = {chain[0]: g.placeholder("x")}
     for n in chain[1:]:
@@ -98,7 +101,7 @@ def _prologue(chain: List[fx.Node]) -> Tuple[Callable, str]:
 @dataclass
 class Lowering:
     template: str  # kernels variant name
-    prologues: Dict[str, Callable]  # input name -> elementwise map
+    prologues: Dict[str, Optional[Callable]]  # input name -> elementwise map (None: identity)
     texts: Dict[str, str]
     scale_mode: str  # "user" (the call's scale) or "one"
 
@@ -107,16 +110,37 @@ class Lowering:
         return "prologue " + ("; ".join(maps) if maps else "none")
 
     def mapped(self, part: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        return {k: self.prologues[k](part[k]) for k in self.prologues}
+        return {k: part[k] if p is None else p(part[k]) for k, p in self.prologues.items()}
+
+    def _template_inputs(self, part) -> Dict[str, torch.Tensor]:
+        """The prologue outputs, q/k/v (hgrn x) in the input dtype, gates as they come."""
+        mapped = self.mapped(part)
+        dtype = part["x" if self.template == "hgrn" else "q"].dtype
+        return {k: (t if k in _GATES else t.to(dtype)) for k, t in mapped.items()}
 
     def make_work(self, part, scale: float, need_M: bool, *, out_dtype=None):
         from .. import kernels
 
-        mapped = self.mapped(part)
-        dtype = part["x" if self.template == "hgrn" else "q"].dtype
-        mapped = {k: (t if k in _GATES else t.to(dtype)) for k, t in mapped.items()}
         s = scale if self.scale_mode == "user" else 1.0
-        return kernels.make_work(self.template, mapped, s, need_M, out_dtype=out_dtype)
+        return kernels.make_work(self.template, self._template_inputs(part), s, need_M,
+                                 out_dtype=out_dtype)
+
+    def planned_call(self, inputs, scale: float, initial_state, output_final_state):
+        """The ops' short path (:mod:`forge_dist.ops.planned`: a cached plan, for a no-grad
+        call on one GPU) on the prologue outputs, or ``None`` when the call is not eligible.
+        ``initial_state`` and the returned state in the ops' layouts."""
+        from ..ops import planned
+
+        if any(t.requires_grad for t in inputs.values()) and torch.is_grad_enabled():
+            return None  # gradients: the runner (skip the prologue here)
+        x = self._template_inputs(inputs)
+        common = dict(initial_state=initial_state, output_final_state=output_final_state,
+                      cu_seqlens=None, group=None, use_kernels=True)
+        if self.template == "hgrn":
+            return planned.hgrn_call(x["x"], x["g"], **common)
+        s = scale if self.scale_mode == "user" else 1.0
+        return planned.matrix_call(self.template, x["q"], x["k"], x["v"],
+                                   {"g": x.get("g"), "beta": x.get("beta")}, scale=s, **common)
 
 
 def _template(v) -> Tuple[Optional[str], Dict[str, str], str]:

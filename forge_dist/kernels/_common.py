@@ -176,6 +176,29 @@ if HAVE_TRITON:
         return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
 
     @triton.jit
+    def scalar_gate_cum(gc, i_bh, t0, T, BT: tl.constexpr):
+        """``G [BT]`` and the chunk total ``G_C`` of the chunk at ``t0`` from the chunk-local
+        cumulative log decays ``gc [B, H, T]`` fp32 of :func:`chunk_gate_cumsum` (one
+        contiguous fp32 load per chunk, which Triton pipelines; ``[B, T, H]`` 16-bit gates
+        read in the walk were 2-byte gathers it does not, and every chunk waited on them)."""
+        base = gc + i_bh.to(tl.int64) * T
+        o_g = t0 + tl.arange(0, BT)
+        b_G = tl.load(base + o_g, mask=o_g < T, other=0.0)
+        return b_G, tl.load(base + tl.minimum(t0 + BT, T) - 1)
+
+    @triton.jit
+    def _gate_cumsum_kernel(g, gc, T, H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+        """Chunk-local cumulative sums of scalar log decays; grid ``(cdiv(T, BT), B)``.
+        g [B, T, H] (any float dtype) -> gc [B, H, T] fp32, summed within each BT-token chunk."""
+        i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        o_t = i_t * BT + tl.arange(0, BT)
+        o_h = tl.arange(0, BH)
+        m = (o_t < T)[:, None] & (o_h < H)[None, :]
+        b_g = tl.load(g + (i_b * T + o_t)[:, None] * H + o_h[None, :], mask=m, other=0.0)
+        b_G = tl.cumsum(b_g.to(tl.float32), axis=0)
+        tl.store(gc + (i_b * H + o_h[None, :]) * T + o_t[:, None], b_G, mask=m)
+
+    @triton.jit
     def value_state_tiles(v, do, h, dh, bos, i_h, t0, i_v, i_k, base_h, T, H: tl.constexpr,
                           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr):
@@ -209,7 +232,8 @@ if HAVE_TRITON:
 
         Program ``(i_v, i_bh, i_s)`` walks the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a
         multiple of BT; one segment, ``SEG >= T``, is the plain fused walk).
-        q, k [B, T, H, K]; v [B, T, H, V]; g: none (GATE=0), [B, T, H] (GATE=1) or, for a
+        q, k [B, T, H, K]; v [B, T, H, V]; g: none (GATE=0), the scalar gates' chunk-local
+        cumulative sums [B, H, T] fp32 (GATE=1, :func:`chunk_gate_cumsum`) or, for a
         per-channel decay (GATE=2), the chunks' total log decays ``G_C [B, NT, H, K]`` with
         q, k already carrying their in-chunk decays (``q * exp(G)``, ``k * exp(G_C - G)``)
         and the in-chunk attention in ``a [B, T, H, BT]`` (all from
@@ -303,7 +327,7 @@ if HAVE_TRITON:
                 # (q * e)^T S = e * (q^T S), so the decays go onto the [BT, BV] value and
                 # output tiles instead of the [BT, BK] key and query tiles (half the
                 # elementwise work at BK = 2 BV, and k, q stay the loaded 16-bit tiles)
-                b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
+                b_G, b_GC = scalar_gate_cum(g, i_bh, t0, T, BT)
                 b_kd = b_k
                 b_v_upd = (b_v.to(tl.float32) * tl.exp(b_GC - b_G)[:, None]).to(DT)
             elif GATE == 2:  # pre-gated inputs: only the chunk's total decay is left
@@ -429,6 +453,26 @@ def segment_length(T: int, BT: int, n_seg: int) -> int:
     return -(-n_chunks // max(1, n_seg)) * BT
 
 
+def chunk_gate_cumsum(g: Tensor, BT: int) -> Tensor:
+    """Scalar log decays ``g [B, T, H]`` (any float dtype) -> their cumulative sums within
+    each ``BT``-token chunk, head-major: ``[B, H, T]`` fp32 (what the walker reads for
+    ``gate=1``; one small launch)."""
+    B, T, H = g.shape
+    gc = torch.empty(B, H, T, dtype=torch.float32, device=g.device)
+    _gate_cumsum_kernel[(triton.cdiv(T, BT), B)](g.contiguous(), gc, T, H=H, BT=BT,
+                                                 BH=next_pow2(H), num_warps=4)
+    return gc
+
+
+def walker_gates(g: Optional[Tensor], gate: int, BT: int,
+                 g_cum: Optional[Tensor] = None) -> Optional[Tensor]:
+    """The gate tensor the walker reads: for ``gate=1`` the chunk-local cumulative sums
+    (``g_cum``, or computed from ``g``), otherwise ``g`` as given."""
+    if gate != 1:
+        return g
+    return g_cum if g_cum is not None else chunk_gate_cumsum(g, BT)
+
+
 def _tiles(k: Tensor, V: int, cfg: dict):
     """``(BT, BK, BV, NV)`` of the walker for keys ``k`` and value dim ``V``."""
     BV = min(cfg["BV"], next_pow2(V))
@@ -471,7 +515,8 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
          gate: int = 0, w: Optional[Tensor] = None, h0: Optional[Tensor] = None,
          scale: float = 1.0, V: Optional[int] = None, out_dtype=torch.float32,
          cfg: dict, prec: str, a: Optional[Tensor] = None, n_seg: int = 1,
-         chunk_states: Optional[Tensor] = None, walked_v: Optional[Tensor] = None):
+         chunk_states: Optional[Tensor] = None, walked_v: Optional[Tensor] = None,
+         g_cum: Optional[Tensor] = None):
     """Run the walker: FUSED (``n_seg == 1``) or DECOUPLED over ``n_seg`` segments.
 
     DECOUPLED (the paper's appendix B.2 at segment granularity): every segment's summary from
@@ -486,6 +531,8 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
         k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` or ``None`` (zeros; then pass ``V``).
         q: ``[B, T, H, K]`` or ``None`` (summary: no outputs).
         g: gate per ``gate`` (0 none, 1 ``[B, T, H]``, 2 ``[B, T, H, K]``).
+        g_cum: for ``gate=1``, ``chunk_gate_cumsum(g, BT)`` when the caller already has it
+            (else it is computed here).
         w: WY correction ``[B, T, H, K]`` (delta rule) or ``None``.
         h0: incoming state ``[B, H, K, V]`` fp32 or ``None`` (zeros).
         cfg: tile config with ``BT, BV, num_warps, num_stages`` (BV/warps/stages are
@@ -510,6 +557,7 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
     o = torch.empty(B, T, H, V, dtype=out_dtype, device=k.device) if q is not None else None
     if h0 is not None:
         h0 = h0.to(torch.float32).contiguous()
+    g = walker_gates(g, gate, BT, g_cum)
     common = dict(k=k, v=v, g=g, gate=gate, w=w, scale=scale, V=V, cfg=cfg, prec=prec)
     if (chunk_states is None) != (walked_v is None):
         raise ValueError("walk: chunk_states and walked_v go together")
@@ -546,7 +594,8 @@ class SegmentStates:
     ``decay_to [n_seg + 1, B, H, K]`` fp32 (gated): log decay from the shard start to each
     segment's start, row ``n_seg`` the whole shard's (``None`` without a gate);
     ``delta [B, H, K, V]`` fp32: the shard's state from a zero start.  ``n_seg == 1`` keeps
-    no ``starts`` (the single segment starts at the shard start).
+    no ``starts`` (the single segment starts at the shard start).  ``g_cum [B, H, T]``: a
+    scalar gate's chunk-local cumulative sums, which the output walks read again.
     """
 
     n_seg: int
@@ -554,6 +603,7 @@ class SegmentStates:
     delta: Tensor
     starts: Optional[Tensor]
     decay_to: Optional[Tensor]
+    g_cum: Optional[Tensor] = None
 
     def total_log_decay(self) -> Optional[Tensor]:
         """``[B, H, K]``: the shard's summed log decay (``None`` without a gate)."""
@@ -573,6 +623,8 @@ def summarize(k: Tensor, v: Tensor, *, g: Optional[Tensor] = None, gate: int = 0
     BT, BK, BV, NV = _tiles(k, V, cfg)
     seg = segment_length(T, BT, n_seg)
     n_seg = max(1, -(-T // seg))
+    g = walker_gates(g, gate, BT)
+    g_cum = g if gate == 1 else None
     common = dict(k=k, v=v, g=g, gate=gate, w=None, scale=1.0, V=V, cfg=cfg, prec=prec)
     hs = torch.empty(n_seg, B, H, K, V, dtype=torch.float32, device=k.device)
     gt = torch.empty(n_seg, B, H, K, dtype=torch.float32, device=k.device) if gate else None
@@ -581,7 +633,7 @@ def summarize(k: Tensor, v: Tensor, *, g: Optional[Tensor] = None, gate: int = 0
         decay_to = None
         if gt is not None:
             decay_to = torch.cat([torch.zeros_like(gt), gt])
-        return SegmentStates(1, seg, hs[0], None, decay_to)
+        return SegmentStates(1, seg, hs[0], None, decay_to, g_cum)
     delta = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
     decay_to = (torch.empty(n_seg + 1, B, H, K, dtype=torch.float32, device=k.device)
                 if gate else None)
@@ -589,7 +641,7 @@ def summarize(k: Tensor, v: Tensor, *, g: Optional[Tensor] = None, gate: int = 0
                                       K=K, V=V, BK=BK, BV=BV, GATED=gate != 0, HAS_H0=False,
                                       STORE_CG=decay_to is not None, cg=decay_to,
                                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return SegmentStates(n_seg, seg, delta, hs, decay_to)
+    return SegmentStates(n_seg, seg, delta, hs, decay_to, g_cum)
 
 
 def outputs_from_summary(summ: SegmentStates, k: Tensor, v: Tensor, *, q: Tensor,
@@ -609,6 +661,7 @@ def outputs_from_summary(summ: SegmentStates, k: Tensor, v: Tensor, *, q: Tensor
         S_in = S_in.to(torch.float32).contiguous()
     o = torch.empty(B, T, H, V, dtype=out_dtype, device=k.device)
     ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
+    g = walker_gates(g, gate, cfg["BT"], summ.g_cum)
     common = dict(k=k, v=v, g=g, gate=gate, w=None, scale=scale, V=V, cfg=cfg, prec=prec, a=a)
     if summ.n_seg == 1:
         _launch_walk(1, summ.seg, q=q, h0=S_in, o=o, ht=ht, gt=None, store_ht=True, **common)

@@ -22,7 +22,7 @@ import os
 import torch
 
 from ._common import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2,
-                      sized_config, tl, triton, TritonWork, walk)
+                      sized_config, tl, triton, TritonWork, walk, walker_gates)
 from ..variants import delta_rule
 
 # The walker reads the in-chunk attention the WY launch formed (HAS_A).  Measured on H200 at
@@ -467,12 +467,14 @@ class DeltaRuleWork(TritonWork):
             prec = dot_precision(k.dtype)
             w, u, _ = self._wy_factors(q, k, v, g, beta, cfg)
         gate = 0 if g is None else 1
-        _, delta = walk(k, u, g=g, gate=gate, w=w, cfg=cfg, prec=prec)
+        g_cum = walker_gates(g, gate, cfg["BT"])  # the two walks share it
+        _, delta = walk(k, u, g=g, gate=gate, w=w, cfg=cfg, prec=prec, g_cum=g_cum)
         M = None
         if need_M:
             B, T, H, K = k.shape
             eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, H, K, K)
-            _, M = walk(k, None, V=K, g=g, gate=gate, w=w, h0=eye, cfg=cfg, prec=prec)
+            _, M = walk(k, None, V=K, g=g, gate=gate, w=w, h0=eye, cfg=cfg, prec=prec,
+                        g_cum=g_cum)
         return delta, M
 
     # Triton backward (kernels/delta_backward.py) -----------------------------------------

@@ -82,8 +82,7 @@ def _prepare(spec: VariantSpec, *, B, T, dims, device, dtype, initial_state, sta
                          f"{cu_seqlens.device}")
     rows = B if cu is None else len(cu) - 1
     checks.initial_state(initial_state, (rows,) + tuple(state_rows_dims), device)
-    if not isinstance(strategy, str) or strategy not in sp.names():
-        raise ValueError(f"strategy: expected one of {sp.names()}, got {strategy!r}")
+    checks.strategy(strategy)
     strat = sp.resolve(strategy, device) if size > 1 else None
     fields = {"B": B, "T (tokens per rank)": T}
     fields.update(dims)
@@ -108,6 +107,7 @@ def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
     device = checks.same_device({"q": q, "k": k, "v": v, **gates,
                                  "initial_state": initial_state})
     scale = checks.scale(scale, K)
+    checks.strategy(strategy)
     short = planned.matrix_call(spec.name, q, k, v, gates, scale=scale,
                                 initial_state=initial_state,
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -259,6 +259,7 @@ def hgrn(x: Tensor, g: Tensor, *, initial_state: Optional[Tensor] = None,
     B, T, D = x.shape
     checks.tensor("g", g, [B, T, D])
     device = checks.same_device({"x": x, "g": g, "initial_state": initial_state})
+    checks.strategy(strategy)
     short = planned.hgrn_call(x, g, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                               group=group, use_kernels=_use_kernels(device))

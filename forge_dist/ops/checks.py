@@ -129,6 +129,15 @@ def initial_state(state, shape: Sequence[int], device: torch.device) -> Optional
     return state
 
 
+def strategy(name) -> None:
+    """``name`` is a registered sequence-parallel strategy (checked on every call, also on
+    one GPU where none runs, so that a typo fails the same way everywhere)."""
+    from .. import sp
+
+    if not isinstance(name, str) or name not in sp.names():
+        raise ValueError(f"strategy: expected one of {sp.names()}, got {name!r}")
+
+
 def group(grp) -> None:
     """``group`` is ``None`` or an initialised process group this process belongs to."""
     problem = p2p.check_group(grp)

@@ -88,8 +88,7 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
     if q.dtype not in _DTYPES or not (16 <= K <= 256 and 16 <= V <= 256):
         return None
     present = {n: t for n, t in gates.items() if t is not None}
-    gate_dtypes = {t.dtype for t in present.values()}
-    if len(gate_dtypes) > 1 or gate_dtypes - {torch.float32, q.dtype}:
+    if {t.dtype for t in present.values()} - {torch.float32, q.dtype}:
         return None
     inputs = {"q": q, "k": k, "v": v, **present}
     if not _eligible(inputs, initial_state, (B, H, K, V), group, cu_seqlens, use_kernels):
@@ -98,8 +97,10 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
     kw = dict(B=B, T=T, H=H, K=K, V=V, dtype=q.dtype, scale=scale, device=q.device)
     if op in ("simple_gla", "gated_delta_rule"):
         kw["gated"] = "g" in present
-    if present:
-        kw["gate_dtype"] = next(iter(gate_dtypes))
+    if present:  # g and beta may differ (FLA's usual fp32 g with a bf16 beta)
+        kw["gate_dtype"] = present.get("g", present.get("beta")).dtype
+        if "beta" in present:
+            kw["beta_dtype"] = present["beta"].dtype
     return _run(op, names, inputs, initial_state, output_final_state, **kw)
 
 

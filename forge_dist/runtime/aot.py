@@ -56,6 +56,7 @@ DEFAULTS: Dict[str, Any] = {
     "hgrn_dims": [4096],             # D of hgrn
     "dtypes": ["bfloat16"],          # q/k/v (hgrn x, g) dtypes
     "gate_dtype": "float32",         # g / beta of the matrix-state variants
+    "beta_dtype": "",                # gated_delta_rule's beta when it differs ("": gate_dtype)
     "execution": ["fused", "decoupled"],  # decoupled exists for linear_attn / simple_gla only
     "gated": [True],                 # simple_gla, gated_delta_rule: with g (False: no gate)
     "initial_state": [False, True],  # HAS_H0 off / on
@@ -118,6 +119,7 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
     out: Dict[str, KernelSpec] = {}
     bts = list(cfg.get("chunk_sizes") or [None])
     gate_dtype = _dtype(cfg.get("gate_dtype", "float32"))
+    beta_dtype = _dtype(cfg["beta_dtype"]) if cfg.get("beta_dtype") else None
     for variant in cfg["variants"]:
         for dt_name in cfg["dtypes"]:
             dtype = _dtype(dt_name)
@@ -145,7 +147,7 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                                             variant, B=1, T=256, H=int(H), K=int(K), V=int(V),
                                             dtype=dtype, gated=gated, has_h0=h0,
                                             store_o=store_o, execution=mode, tiles=tiles,
-                                            gate_dtype=gate_dtype)
+                                            gate_dtype=gate_dtype, beta_dtype=beta_dtype)
                                         out.update((s.key, s) for s in prog.specs())
     return list(out.values())
 

@@ -357,8 +357,9 @@ def _static_cache(device: torch.device, cache_dir):
 def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] = None,
          V: Optional[int] = None, D: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
          gate_dtype: Optional[torch.dtype] = None, gated: Optional[bool] = None,
-         initial_state: bool = False, output_final_state: bool = False,
-         scale: Optional[float] = None, device=None, group=None, strategy: str = "auto",
+         beta_dtype: Optional[torch.dtype] = None, initial_state: bool = False,
+         output_final_state: bool = False, scale: Optional[float] = None, device=None,
+         group=None, strategy: str = "auto",
          execution: Optional[str] = None, backend: str = "auto", cache_dir=None,
          tiles: Optional[dict] = None, dispatcher=None) -> Plan:
     """Plan one op call; see the module docstring.
@@ -366,7 +367,8 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
     Args:
         op: ``linear_attn``, ``simple_gla``, ``gla``, ``gated_delta_rule`` or ``hgrn``.
         B, T: batch and tokens per rank; H, K, V: heads and head dims (hgrn: ``D``).
-        dtype: of q/k/v (hgrn x); ``gate_dtype`` of g/beta (default fp32; hgrn: ``dtype``).
+        dtype: of q/k/v (hgrn x); ``gate_dtype`` of g/beta (default fp32; hgrn: ``dtype``);
+            ``beta_dtype`` of gated_delta_rule's beta when it differs from g's.
         gated: simple_gla / gated_delta_rule with a ``g`` input (default True); linear_attn
             never, gla always.
         initial_state / output_final_state: whether run takes / returns the fp32 state.
@@ -443,13 +445,13 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
             prog = pg.matrix_program(op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated,
                                      has_h0=initial_state or rank > 0, scale=scale,
                                      execution=execution, interp=interp, tiles=tiles,
-                                     gate_dtype=gdt)
+                                     gate_dtype=gdt, beta_dtype=beta_dtype)
             sm_prog = None
             if size > 1 and rank < size - 1:
                 sm_prog = pg.matrix_program(op, B=B, T=T, H=H, K=K, V=V, dtype=dtype,
                                             gated=gated, has_h0=False, store_o=False,
                                             scale=scale, interp=interp, tiles=tiles,
-                                            gate_dtype=gdt)
+                                            gate_dtype=gdt, beta_dtype=beta_dtype)
         except ValueError as err:
             raise PlanError(str(err)) from None
         names = ["q", "k", "v"] + (["g"] if gated else []) + (

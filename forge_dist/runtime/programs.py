@@ -27,6 +27,7 @@ import torch
 KERNELS: Dict[str, Tuple[str, str]] = {
     "walk": ("forge_dist.kernels._common", "_walk_kernel"),
     "segment_scan": ("forge_dist.kernels._common", "_segment_scan_kernel"),
+    "gate_cumsum": ("forge_dist.kernels._common", "_gate_cumsum_kernel"),
     "gla_gate": ("forge_dist.kernels.vector", "_gate_kernel"),
     "wy": ("forge_dist.kernels.delta", "_wy_kernel"),
     "hgrn": ("forge_dist.kernels.vector_state", "_hgrn_kernel"),
@@ -183,6 +184,15 @@ def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cf
                   cfg["num_stages"])
 
 
+def _gate_cumsum(buffers, *, B: int, T: int, H: int, BT: int) -> Launch:
+    """The scalar gates' chunk-local cumulative sums for the walker
+    (``kernels._common.chunk_gate_cumsum``): ``g [B, T, H]`` -> workspace ``g_cum [B, H, T]``."""
+    buffers["g_cum"] = Buffer((B, H, T), torch.float32, "workspace")
+    return Launch("gate_cumsum", (_cdiv(T, BT), B, 1),
+                  (("g", "buf", "g"), ("gc", "buf", "g_cum"), ("T", "i32", T)),
+                  (("H", H), ("BT", BT), ("BH", _pow2(H))), 4, 1)
+
+
 def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg, prec,
           a=None, n_seg: int = 1) -> List[Launch]:
     """The walker's launches, exactly as ``kernels._common.walk`` makes them: one fused
@@ -219,11 +229,12 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                    dtype: torch.dtype, gated: bool, has_h0: bool, store_o: bool = True,
                    scale: Optional[float] = None, execution: Optional[str] = None,
                    interp: bool = False, tiles: Optional[dict] = None,
-                   gate_dtype: torch.dtype = torch.float32) -> Program:
+                   gate_dtype: torch.dtype = torch.float32,
+                   beta_dtype: Optional[torch.dtype] = None) -> Program:
     """Program of one matrix-state segment forward (or, ``store_o=False``, its summary).
 
     Buffers: inputs ``q, k, v`` (``dtype``), ``g`` (``gate_dtype``, ``[B, T, H]`` or ``[B, T, H, K]``
-    for gla), ``beta`` (gated_delta_rule, ``gate_dtype``), ``h0`` (fp32 ``[B, H, K, V]``); outputs ``o``
+    for gla), ``beta`` (gated_delta_rule, ``beta_dtype``, default ``gate_dtype``), ``h0`` (fp32 ``[B, H, K, V]``); outputs ``o``
     (``dtype``) and ``ht`` (fp32); workspaces by pattern.  ``execution`` forces fused or
     decoupled (not the delta rule); ``None`` asks the scheduler (Algorithm 1), as the
     kernels do.  ``tiles`` overrides entries of the kernels' tile config.
@@ -286,6 +297,9 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                  ("STORE_KD", True), ("STORE_QA", store_o)),
                 vector.GATE_CONFIG["num_warps"], vector.GATE_CONFIG["num_stages"]))
             k_walk, q_walk, g_walk = "kd", ("qg" if store_o else None), "gc"
+        elif gated:  # simple_gla
+            launches.append(_gate_cumsum(bufs, B=B, T=T, H=H, BT=cfg["BT"]))
+            g_walk = "g_cum"
         gate = 2 if variant == "gla" else (1 if gated else 0)
         launches += _walk(bufs, q=q_walk, k=k_walk, v="v", g=g_walk, w=None, h0=h0, o=o, ht="ht", B=B, T=T,
                           H=H, K=K, V=V, gate=gate, scale=scale, cfg=cfg, prec=prec, a=a,
@@ -301,7 +315,7 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
         raise ValueError("gated_delta_rule: the summary program (with its dense transition) "
                          "is not built here; use forge_dist.ops for sequence parallelism")
     cfg = dict(delta.fused_config(K, V, dtype), **(tiles or {}))
-    bufs["beta"] = Buffer((B, T, H), gate_dtype, "input")
+    bufs["beta"] = Buffer((B, T, H), beta_dtype or gate_dtype, "input")
     low = dtype in (torch.float16, torch.bfloat16)
     wy_prec = "tf32" if low and prec != "ieee" else prec
     BT = cfg["BT"]
@@ -321,9 +335,11 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
            for grid, const, nw, ns in delta.wy_launches(B, T, H, K, V, dtype=dtype,
                                                           gated=gated, prec=wy_prec,
                                                           store_a=True)]
-    walks = _walk(bufs, q="q", k="k", v="u", g=g, w="w", h0=h0, o="o", ht="ht", B=B, T=T, H=H,
-                  K=K, V=V, gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec, a="a")
-    return Program(wys + walks, bufs, scheduler.FUSED, notes)
+    cums = [_gate_cumsum(bufs, B=B, T=T, H=H, BT=BT)] if gated else []
+    walks = _walk(bufs, q="q", k="k", v="u", g="g_cum" if gated else None, w="w", h0=h0,
+                  o="o", ht="ht", B=B, T=T, H=H, K=K, V=V, gate=1 if gated else 0,
+                  scale=scale, cfg=cfg, prec=prec, a="a")
+    return Program(wys + cums + walks, bufs, scheduler.FUSED, notes)
 
 
 def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,

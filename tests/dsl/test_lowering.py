@@ -114,3 +114,44 @@ def test_triton_template_path(triton_on_cpu, case):
     for a, b in [(o, o_r), (s, s_r)] + [(x.grad, y.grad) for x, y in zip(leaves, mref)]:
         err = ((a.double() - b).norm() / b.norm()).item()
         assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("case", ["elu", "simple_gla", "gated_delta_rule", "hgrn"])
+def test_no_grad_calls_run_the_templates_cached_plan(triton_on_cpu, case):
+    """A no-grad call on one device takes the ops' short path (a cached plan of the
+    template) on the prologue outputs, and equals the fp64 reference."""
+    from forge_dist.runtime import cache
+
+    cache.clear()
+    gen = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    B, T, H, K, V = 1, 37, 2, 16, 16
+    q, k, v = r(B, T, H, K), torch.nn.functional.normalize(r(B, T, H, K), dim=-1), r(B, T, H, V)
+    g = torch.nn.functional.logsigmoid(r(B, T, H) + 2)
+    h0 = r(B, H, K, V)
+    with torch.no_grad():
+        if case == "elu":
+            o, s = library.elu_linear_attn(q, k, v, initial_state=h0, output_final_state=True)
+            o_r, s_r = references.elu_linear_attn_ref(q.double(), k.double(), v.double(),
+                                                      initial_state=h0.double(),
+                                                      output_final_state=True)
+        elif case == "simple_gla":
+            o, s = builtins.simple_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+            o_r, s_r = ref.simple_gla_ref(q.double(), k.double(), v.double(), g.double(),
+                                          initial_state=h0.double(), output_final_state=True)
+        elif case == "gated_delta_rule":
+            beta = torch.rand(B, T, H, generator=gen)
+            o, s = builtins.gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                             output_final_state=True)
+            o_r, s_r = ref.gated_delta_rule_ref(q.double(), k.double(), v.double(), g.double(),
+                                                beta.double(), initial_state=h0.double(),
+                                                output_final_state=True)
+        else:
+            x, gx, hx = r(B, T, 24), torch.nn.functional.logsigmoid(r(B, T, 24) + 2), r(B, 24)
+            o, s = builtins.hgrn(x, gx, initial_state=hx, output_final_state=True)
+            o_r, s_r = ref.hgrn_ref(x.double(), gx.double(), initial_state=hx.double(),
+                                    output_final_state=True)
+    assert cache.stats()["misses"] == 1 and not triton_on_cpu  # a plan, not the runner
+    assert s.shape == s_r.shape
+    for a, b in ((o, o_r), (s, s_r)):
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-4

@@ -102,3 +102,29 @@ def test_bad_switch_is_named(monkeypatch):
     monkeypatch.setenv("FORGE_DIST_OPS_PLANS", "yes")
     with torch.no_grad(), pytest.raises(ValueError, match="FORGE_DIST_OPS_PLANS"):
         _call("linear_attn", _inputs("linear_attn"))
+
+
+def test_gated_delta_rule_with_fp32_g_and_bf16_beta_takes_the_short_path(monkeypatch):
+    """FLA's usual gates (fp32 g, beta in the activation dtype) get a plan with a beta
+    buffer of its own dtype (they took the general path before), equal to the reference."""
+    from forge_dist.variants import reference as ref
+
+    if interpreting():  # the interpreter multiplies bf16 as raw bits without the shim
+        from triton.runtime import interpreter as it
+
+        from forge_dist.kernels._common import interpreter_bf16_dot
+        monkeypatch.setattr(it.InterpreterBuilder, "create_dot",
+                            interpreter_bf16_dot(it.InterpreterBuilder.create_dot))
+    t = {n: (x.bfloat16() if n in ("q", "k", "v", "beta") else x)
+         for n, x in _inputs("gated_delta_rule").items()}
+    with torch.no_grad():
+        o, _ = _call("gated_delta_rule", t)
+    assert cache.stats()["misses"] == 1 and o.dtype == torch.bfloat16
+    o_ref, _ = ref.gated_delta_rule_ref(*[t[n].double() for n in ("q", "k", "v", "g", "beta")])
+    assert _rel(o, o_ref) < 2e-2
+
+
+def test_a_bad_strategy_is_refused_on_the_short_path_too():
+    with torch.no_grad(), pytest.raises(ValueError, match="strategy"):
+        _call("linear_attn", _inputs("linear_attn"), strategy="ring-allreduce")
+    assert cache.stats()["misses"] == 0

@@ -156,9 +156,10 @@ def test_sequence_parallel_sim_forge(op, P):
                   output_final_state=True) for r in range(P)]
     d = plans[0].describe()
     assert d["strategy"] == "forge" and d["channels"]["transport"] == "sim"
-    # gla first gates its chunks (kernels.vector.gate_chunks), the summary part only
-    assert [x["kernel"] for x in d["summary_launches"]] == (
-        ["gla_gate", "walk"] if op == "gla" else ["walk"])
+    # gla first gates its chunks (kernels.vector.gate_chunks), the summary part only;
+    # simple_gla sums its scalar gates per chunk (kernels._common.chunk_gate_cumsum)
+    first = {"gla": ["gla_gate"], "simple_gla": ["gate_cumsum"]}.get(op, [])
+    assert [x["kernel"] for x in d["summary_launches"]] == first + ["walk"]
     assert d["summary_launches"][-1]["constexprs"]["STORE_O"] is False
     if op == "gla":
         assert d["summary_launches"][0]["constexprs"]["STORE_QA"] is False
@@ -232,11 +233,12 @@ def test_describe_reports_choices():
              execution="decoupled")
     d = p.describe()
     assert d["execution"] == "decoupled" and d["backend"] == "triton"
-    # segment summaries, then the outputs with the scan over segments folded in
-    assert [x["kernel"] for x in d["launches"]] == ["walk", "walk"]
-    assert d["launches"][1]["constexprs"]["SCAN_IN"] is True
-    assert d["workspaces"] == {"hs": [2, B, H, K, V], "gt": [2, B, H, K]}
-    assert d["launches"][0]["grid"] == [1, B * H, 2]  # V=48 -> one BV=64 tile, 2 segments
+    # the gates' chunk sums, segment summaries, then the outputs with the scan over segments
+    # folded in
+    assert [x["kernel"] for x in d["launches"]] == ["gate_cumsum", "walk", "walk"]
+    assert d["launches"][2]["constexprs"]["SCAN_IN"] is True
+    assert d["workspaces"] == {"g_cum": [B, H, T], "hs": [2, B, H, K, V], "gt": [2, B, H, K]}
+    assert d["launches"][1]["grid"] == [1, B * H, 2]  # V=48 -> one BV=64 tile, 2 segments
     assert all(x["path"] == "jit" for x in d["launches"])
     assert d["inputs"]["g"] == {"shape": [B, T, H], "dtype": "torch.float32"}
 
@@ -306,5 +308,6 @@ def test_program_specs_are_stable():
     assert [s.key for s in a.specs()] == [s.key for s in b.specs()]
     c = programs.matrix_program("simple_gla", B=1, T=64, H=4, K=64, V=64, dtype=torch.float16,
                                 gated=True, has_h0=False, execution="fused")
-    assert a.specs()[0].key != c.specs()[0].key
+    assert a.specs()[0].key == c.specs()[0].key  # the gates' chunk sums read g (fp32 both)
+    assert a.specs()[-1].key != c.specs()[-1].key  # the walk reads bf16 / fp16 q, k, v
     assert a.launches[0].grid != b.launches[0].grid
