@@ -1,7 +1,6 @@
 """Device primitives of forge_dist.comm over the simulated transport (Triton interpreter)."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -1,17 +1,14 @@
 """The ops' short path (forge_dist/ops/planned.py): no-grad calls on one device run a cached
 plan.  Under the Triton interpreter (CPU) with ``FORGE_DIST_KERNELS=triton``: every op's
 short path equals its general path, is taken only when eligible, and reuses its plan."""
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+import pytest
+import torch
+import torch.nn.functional as F
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from forge_dist import ops  # noqa: E402
-from forge_dist.kernels import interpreting  # noqa: E402
-from forge_dist.runtime import cache  # noqa: E402
+from forge_dist import ops
+from forge_dist.kernels import interpreting
+from forge_dist.runtime import cache
 
 pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1 "

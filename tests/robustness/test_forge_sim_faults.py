@@ -5,9 +5,6 @@ NVSHMEM; here a "rank" that stalls is one whose kernel is not launched, and a ti
 cut in the middle is one whose later tiles' signals never arrive.  On the CPU a wait is
 decided in one poll (ranks run in chain order), so errors come at once; on the GPU the same
 record is written after FORGE_DIST_TIMEOUT of clock-bounded polling (GPU session)."""
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import time  # noqa: E402
 

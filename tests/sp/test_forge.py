@@ -4,9 +4,6 @@ Ranks share one process (``SimWorld``); each rank's kernel is launched in chain 
 same kernel source, tile schedule, epochs, credits and error records as over NVSHMEM.
 Results are checked against a plain PyTorch fold of ``forge_dist.variants.transitions``.
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
 
 import pytest
 import torch

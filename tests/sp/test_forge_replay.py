@@ -8,9 +8,6 @@ inputs, and a consumer replayed before its producer reports the missing tile ins
 taking the previous replay's tile (with a host epoch baked into the arguments it would
 silently read the stale one).
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
 
 import pytest
 import torch
