@@ -233,9 +233,10 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                    beta_dtype: Optional[torch.dtype] = None) -> Program:
     """Program of one matrix-state segment forward (or, ``store_o=False``, its summary).
 
-    Buffers: inputs ``q, k, v`` (``dtype``), ``g`` (``gate_dtype``, ``[B, T, H]`` or ``[B, T, H, K]``
-    for gla), ``beta`` (gated_delta_rule, ``beta_dtype``, default ``gate_dtype``), ``h0`` (fp32 ``[B, H, K, V]``); outputs ``o``
-    (``dtype``) and ``ht`` (fp32); workspaces by pattern.  ``execution`` forces fused or
+    Buffers: inputs ``q, k, v`` (``dtype``), ``g`` (``gate_dtype``, ``[B, T, H]`` or
+    ``[B, T, H, K]`` for gla), ``beta`` (gated_delta_rule, ``beta_dtype``, default
+    ``gate_dtype``), ``h0`` (fp32 ``[B, H, K, V]``); outputs ``o`` (``dtype``) and ``ht``
+    (fp32); workspaces by pattern.  ``execution`` forces fused or
     decoupled (not the delta rule); ``None`` asks the scheduler (Algorithm 1), as the
     kernels do.  ``tiles`` overrides entries of the kernels' tile config.
     """
