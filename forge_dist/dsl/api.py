@@ -277,8 +277,6 @@ class Variant:
         cu = checks.cu_seqlens(cu_seqlens, B, T * size, device)
         rows = B if cu is None else len(cu) - 1
         checks.initial_state(initial_state, (rows,) + tuple(state_rows), device)
-        if not isinstance(strategy, str) or strategy not in sp.names():
-            raise ValueError(f"strategy: expected one of {sp.names()}, got {strategy!r}")
         strat = sp.resolve(strategy, device) if size > 1 else None
         fields = {"B": B, "T (tokens per rank)": T, "H": H}
         fields.update({f"dim {k}": v for k, v in sorted(sizes.items())})

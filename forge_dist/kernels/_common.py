@@ -453,6 +453,9 @@ def segment_length(T: int, BT: int, n_seg: int) -> int:
     return -(-n_chunks // max(1, n_seg)) * BT
 
 
+GATE_CUMSUM_WARPS = 4  # the gate-sum launch's warps (runtime/programs.py mirrors the launch)
+
+
 def chunk_gate_cumsum(g: Tensor, BT: int) -> Tensor:
     """Scalar log decays ``g [B, T, H]`` (any float dtype) -> their cumulative sums within
     each ``BT``-token chunk, head-major: ``[B, H, T]`` fp32 (what the walker reads for
@@ -460,7 +463,8 @@ def chunk_gate_cumsum(g: Tensor, BT: int) -> Tensor:
     B, T, H = g.shape
     gc = torch.empty(B, H, T, dtype=torch.float32, device=g.device)
     _gate_cumsum_kernel[(triton.cdiv(T, BT), B)](g.contiguous(), gc, T, H=H, BT=BT,
-                                                 BH=next_pow2(H), num_warps=4)
+                                                 BH=next_pow2(H),
+                                                 num_warps=GATE_CUMSUM_WARPS)
     return gc
 
 

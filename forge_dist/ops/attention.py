@@ -82,7 +82,6 @@ def _prepare(spec: VariantSpec, *, B, T, dims, device, dtype, initial_state, sta
                          f"{cu_seqlens.device}")
     rows = B if cu is None else len(cu) - 1
     checks.initial_state(initial_state, (rows,) + tuple(state_rows_dims), device)
-    checks.strategy(strategy)
     strat = sp.resolve(strategy, device) if size > 1 else None
     fields = {"B": B, "T (tokens per rank)": T}
     fields.update(dims)

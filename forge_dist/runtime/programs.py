@@ -187,10 +187,12 @@ def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cf
 def _gate_cumsum(buffers, *, B: int, T: int, H: int, BT: int) -> Launch:
     """The scalar gates' chunk-local cumulative sums for the walker
     (``kernels._common.chunk_gate_cumsum``): ``g [B, T, H]`` -> workspace ``g_cum [B, H, T]``."""
+    from ..kernels._common import GATE_CUMSUM_WARPS
+
     buffers["g_cum"] = Buffer((B, H, T), torch.float32, "workspace")
     return Launch("gate_cumsum", (_cdiv(T, BT), B, 1),
                   (("g", "buf", "g"), ("gc", "buf", "g_cum"), ("T", "i32", T)),
-                  (("H", H), ("BT", BT), ("BH", _pow2(H))), 4, 1)
+                  (("H", H), ("BT", BT), ("BH", _pow2(H))), GATE_CUMSUM_WARPS, 1)
 
 
 def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg, prec,
