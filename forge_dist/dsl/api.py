@@ -231,7 +231,7 @@ class Variant:
                 and _use_kernels(device):
             short = self.lowering.planned_call(inputs, scale_v, initial_state,
                                                output_final_state)
-            if short is not None:  # no grad, one GPU: the template's cached plan
+            if short is not None:  # one GPU: the template's cached plan
                 return short
         grad = needs_grad(dict(inputs), initial_state)
         cu, strat = self._prepare(B=B, T=T, sizes=sizes, H=H, device=device, dtype=dtype,

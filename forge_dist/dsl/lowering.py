@@ -126,13 +126,16 @@ class Lowering:
                                  out_dtype=out_dtype)
 
     def planned_call(self, inputs, scale: float, initial_state, output_final_state):
-        """The ops' short path (:mod:`forge_dist.ops.planned`: a cached plan, for a no-grad
-        call on one GPU) on the prologue outputs, or ``None`` when the call is not eligible.
-        ``initial_state`` and the returned state in the ops' layouts."""
+        """The ops' short path (:mod:`forge_dist.ops.planned`: a cached plan, for a call on
+        one GPU; with gradients for the hgrn template only) on the prologue outputs, or
+        ``None`` when the call is not eligible.  ``initial_state`` and the returned state in
+        the ops' layouts."""
         from ..ops import planned
 
-        if any(t.requires_grad for t in inputs.values()) and torch.is_grad_enabled():
-            return None  # gradients: the runner (skip the prologue here)
+        grads = torch.is_grad_enabled() and any(
+            t.requires_grad for t in list(inputs.values()) + [initial_state] if t is not None)
+        if grads and self.template != "hgrn":
+            return None  # matrix-state gradients: the runner (skip the prologue here)
         x = self._template_inputs(inputs)
         common = dict(initial_state=initial_state, output_final_state=output_final_state,
                       cu_seqlens=None, group=None, use_kernels=True)

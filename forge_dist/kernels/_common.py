@@ -706,17 +706,23 @@ class _FinishFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, work, S_in, *tensors):
         ctx.work = work
-        ctx.save_for_backward(S_in, *tensors)
         with torch.no_grad():
             out = work._finish_fwd(S_in, list(tensors))
         work.release()
+        # a work whose outputs are its states (hgrn: o_t = h_t) keeps them for the backward
+        # instead of recomputing them there (autograd refuses the backward if o is then
+        # modified in place, as for any saved output)
+        ctx.saved_output = work.backward_reads_output
+        ctx.save_for_backward(S_in, *tensors, *((out[0],) if ctx.saved_output else ()))
         return out
 
     @staticmethod
     def backward(ctx, do, dht):
         S_in, *tensors = ctx.saved_tensors
+        o = tensors.pop() if ctx.saved_output else None
         needs = ctx.needs_input_grad[1:]
-        fast = ctx.work._finish_bwd(S_in, tensors, do, dht)
+        fast = (ctx.work._finish_bwd(S_in, tensors, do, dht, o=o) if ctx.saved_output else
+                ctx.work._finish_bwd(S_in, tensors, do, dht))
         if fast is not None:  # Triton backward: [dS_in, *d tensors]
             return (None, *[gr if n else None for gr, n in zip(fast, needs)])
         leaves = _leaves([S_in] + tensors, needs)
@@ -764,6 +770,7 @@ class TritonWork(SegmentWork):
     names: tuple = ()
     vector_state = False
     keeps_segments = False  # _summary_fwd keeps segment states that _finish_fwd reuses
+    backward_reads_output = False  # _finish_bwd takes finish's output o (keyword ``o``)
 
     def __init__(self, variant: str, inputs: dict, scale: Optional[float], need_transition: bool,
                  out_dtype: Optional[torch.dtype] = None, execution: Optional[str] = None):

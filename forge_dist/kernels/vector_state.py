@@ -19,8 +19,9 @@ Backward (:func:`hgrn_backward`).  With ``dh_t`` the gradient w.r.t. ``h_t``::
     dx_t = dh_t,   dg_t = dh_t exp(g_t) h_{t-1},   dS_in = exp(g_0) dh_0
 
 ``dg`` is a product of three factors, so it keeps its relative precision at any gate (no
-difference of large terms).  First the forward's states ``h`` are recomputed (the forward
-kernels, in x's dtype); then each program walks its tokens from the last, one per step,
+difference of large terms).  The states ``h`` are the forward's outputs, which the op's
+autograd keeps (no recompute; a caller without them recomputes them with the forward
+kernels, in x's dtype); each program walks its tokens from the last, a block per step,
 carrying ``exp(g) dh`` of the token to its right.  That carry is affine in the carry entering
 from the right, so the backward has the forward's DECOUPLED schedule too: each segment's
 outgoing carry from a zero start (segments in parallel), the forward's segment scan run over
@@ -113,10 +114,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _hgrn_scan_kernel(hs, gt, h0, ht, NSEG, D: tl.constexpr, BD: tl.constexpr,
-                          HAS_H0: tl.constexpr, STORE_CG: tl.constexpr = False, cg=None):
+                          HAS_H0: tl.constexpr, STORE_CG: tl.constexpr = False, cg=None,
+                          REVERSE: tl.constexpr = False):
         """grid ``(cdiv(D, BD), B)``: segment end states (zero start) -> segment start states
         in place; ht [B, D] the final state; STORE_CG: ``cg [NSEG + 1, B, D]`` the log decay
-        from the start to each segment's start (row NSEG: the total)."""
+        from the start to each segment's start (row NSEG: the total).  REVERSE: the segments
+        are taken last to first (the backward's carries, which run right to left)."""
         i_d, i_b = tl.program_id(0), tl.program_id(1)
         NB = tl.num_programs(1)
         cols = i_d * BD + tl.arange(0, BD)
@@ -126,7 +129,11 @@ if HAVE_TRITON:
         else:
             b_h = tl.zeros([BD], dtype=tl.float32)
         b_c = tl.zeros([BD], dtype=tl.float32)
-        for i_s in range(0, NSEG):
+        for j in range(0, NSEG):
+            if REVERSE:
+                i_s = NSEG - 1 - j
+            else:
+                i_s = j
             off = (i_s * NB + i_b) * D + cols
             b_d = tl.load(hs + off, mask=cmask, other=0.0)
             tl.store(hs + off, b_h, mask=cmask)
@@ -334,11 +341,12 @@ BWD_CONFIG = {"BT": 2, "BD": 256, "num_warps": 1, "num_stages": 2}
 
 
 def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
-                  dg_dtype: torch.dtype = torch.float32):
+                  dg_dtype: torch.dtype = torch.float32, h=None):
     """Gradients of ``(o, final)`` of ``h_t = exp(g_t) h_{t-1} + x_t`` (module docstring).
 
-    The forward's states ``h`` are recomputed first (:func:`hgrn_forward`, stored in x's
-    dtype, as the forward's outputs are); the reverse walk reads ``h_{t-1}`` from them.
+    The reverse walk reads the forward's states ``h_{t-1}``: ``h``, the forward's outputs
+    (``o_t = h_t``), when the caller kept them, else they are recomputed first
+    (:func:`hgrn_forward`, stored in x's dtype, as the forward's outputs are).
 
     Args:
         x: ``[B, T, D]``; g: ``[B, T, D]`` log decays; S_in: incoming state ``[B, D]`` or
@@ -349,6 +357,8 @@ def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
             segment's gradients from its incoming one.  1: one walk over the whole sequence.
         dg_dtype: dtype ``dg`` is stored in (computed in fp32; the op passes g's dtype, which
             saves a full fp32 write and a conversion pass).
+        h: the forward's outputs ``[B, T, D]`` (any float dtype) from the same ``S_in``, or
+            ``None`` (recompute).
     Returns:
         ``(dx [B, T, D] in x's dtype, dg [B, T, D] in dg_dtype, dS_in [B, D] fp32 or None)``.
     """
@@ -357,7 +367,8 @@ def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
     B, T, D = x.shape
     if g.shape != x.shape:
         raise ValueError(f"g: expected shape {tuple(x.shape)} (like x), got {tuple(g.shape)}")
-    for name, t, shape in (("do", do, x.shape), ("S_in", S_in, (B, D)), ("dht", dht, (B, D))):
+    for name, t, shape in (("do", do, x.shape), ("S_in", S_in, (B, D)), ("dht", dht, (B, D)),
+                           ("h", h, x.shape)):
         if t is not None and tuple(t.shape) != tuple(shape):
             raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
     BD = BD or BWD_CONFIG["BD"]
@@ -366,7 +377,9 @@ def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
     f32 = torch.float32
     dev = x.device
     h0 = None if S_in is None else S_in.to(f32).contiguous()
-    h, _ = hgrn_forward(x, g, h0, out_dtype=x.dtype, n_seg=n_seg)
+    if h is None:
+        h, _ = hgrn_forward(x, g, h0, out_dtype=x.dtype, n_seg=n_seg)
+    h = h.contiguous()
     BT = BWD_CONFIG["BT"]
     seg = segment_length(T, BT, n_seg)
     n_seg = max(1, -(-T // seg))
@@ -386,13 +399,15 @@ def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
         _hgrn_bwd_kernel[grid](g, do_arg, h, h0_arg, cout, x, x, cout, gout, T, seg,
                                HAS_DO=do is not None, HAS_H0=False, HAS_CIN=False,
                                GRADS=False, **opts)
-        cin = cout.flip(0).contiguous()
-        g_rev = gout.flip(0).contiguous()
-        ht = torch.empty(B, D, dtype=f32, device=dev)
-        _hgrn_scan_kernel[grid[:2]](cin, g_rev, dht32 if dht32 is not None else ht, ht, n_seg,
-                                    D=D, BD=BD, HAS_H0=dht32 is not None,
+        # in place: cout[s] becomes the gradient entering segment s from its right (the
+        # total, which nobody reads, lands in gout[0] after the scan has read it; the walk
+        # below rewrites gout)
+        _hgrn_scan_kernel[grid[:2]](cout, gout, dht32 if dht32 is not None else gout, gout,
+                                    n_seg, D=D, BD=BD, HAS_H0=dht32 is not None, REVERSE=True,
                                     num_warps=BWD_CONFIG["num_warps"])
-        cin = cin.flip(0).contiguous()  # the gradient entering each segment from its right
+        # each program reads its segment's incoming gradient before it writes the outgoing
+        # one to the same slot, so the walk runs in place
+        cin = cout
     dx = torch.empty_like(x)
     dg = torch.empty(B, T, D, dtype=dg_dtype, device=dev)
     _hgrn_bwd_kernel[grid](g, do_arg, h, h0_arg, cin if cin is not None else cout, dx, dg,
@@ -424,6 +439,7 @@ class VectorStateWork(TritonWork):
     names = ("x", "g")
     vector_state = True
     keeps_segments = True
+    backward_reads_output = True  # o is the state sequence h: the backward needs no recompute
 
     def __init__(self, variant, inputs, scale, need_transition, out_dtype=None, execution=None):
         super().__init__(variant, inputs, 1.0, need_transition, out_dtype, execution)
@@ -445,13 +461,13 @@ class VectorStateWork(TritonWork):
         return self.segments.delta.reshape(B, 1, D, 1), M
 
     # Triton backward ------------------------------------------------------------------------
-    def _finish_bwd(self, S_in, tensors, do, dht):
+    def _finish_bwd(self, S_in, tensors, do, dht, o=None):
         x, g = (ensure(t) for t in tensors)
         B, T, D = x.shape
         dx, dg, dS = hgrn_backward(x, g, None if S_in is None else S_in.reshape(B, D), do,
                                    None if dht is None else dht.reshape(B, D),
                                    n_seg=self._schedule_hgrn(x, backward=True),
-                                   dg_dtype=tensors[1].dtype)
+                                   dg_dtype=tensors[1].dtype, h=o)
         dS = None if dS is None else dS.reshape(S_in.shape).to(S_in.dtype)
         return [dS, dx, dg]
 

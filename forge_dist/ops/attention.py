@@ -111,7 +111,7 @@ def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
                                 initial_state=initial_state,
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                 group=group, use_kernels=_use_kernels(device))
-    if short is not None:  # no grad, one GPU: a cached plan (forge_dist/ops/planned.py)
+    if short is not None:  # one GPU, no grad: a cached plan (forge_dist/ops/planned.py)
         return short
     cu, strat = _prepare(spec, B=B, T=T, dims={"H": H, "K": K, "V": V}, device=device,
                          dtype=dtype, initial_state=initial_state, state_rows_dims=(H, K, V),

@@ -1,18 +1,22 @@
-"""The ops' short path: a no-grad call on one GPU runs a cached plan.
+"""The ops' short path: a call on one GPU runs a cached plan.
 
 A forward that needs no gradient, on one device (``group=None``), without ``cu_seqlens``,
 does not need the runner, the autograd function or the cross-rank checks: the plan of that
 call signature (:mod:`forge_dist.runtime.cache`) checks its tensors and launches the same
 kernels.  At T = 1K-8K the ops path costs 240-380 us of host time per call on an H200
 against ~20 us for a plan (``scaling_benchmarks/results/launch_overhead_*``), which is what
-inference and evaluation loops pay.
+inference and evaluation loops pay.  ``hgrn`` takes this path with gradients too: its
+outputs are its states, so the backward is one more planned program on the kept outputs
+(:meth:`forge_dist.runtime.plan.Plan.run_backward`), and a training step at short sequences
+pays a few launches instead of the runner's autograd.
 
-Anything else (gradients, sequence parallelism, varlen, fp16 and fp64 inputs, non-contiguous
-tensors, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside the kernels' range, calls inside
-a CUDA graph capture) takes the general path, as does a call the planner refuses.  Plans are cached per CUDA stream (a
-plan's workspaces are reused by every run, so two streams must not share one).  ``FORGE_DIST_OPS_PLANS=0`` turns the
-short path off.  Results match the general path to fp32 rounding (both run the Triton
-kernels; the plan may split the sequence into segments differently), not bit for bit.
+Anything else (gradients of the matrix-state ops, sequence parallelism, varlen, fp16 and
+fp64 inputs, non-contiguous tensors, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside the
+kernels' range, calls inside a CUDA graph capture) takes the general path, as does a call
+the planner refuses.  Plans are cached per CUDA stream (a plan's workspaces are reused by
+every run, so two streams must not share one).  ``FORGE_DIST_OPS_PLANS=0`` turns the short
+path off.  Results match the general path to fp32 rounding (both run the Triton kernels; the
+plan may split the sequence into segments differently), not bit for bit.
 """
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ def enabled() -> bool:
 
 
 def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_shape,
-              group, cu_seqlens, use_kernels: bool) -> bool:
+              group, cu_seqlens, use_kernels: bool, grads: bool = False) -> bool:
+    """Whether the short path takes this call; ``grads``: it can differentiate it."""
     if group is not None or cu_seqlens is not None or not use_kernels or not enabled():
         return False
     from .checks import check_finite_enabled
@@ -50,7 +55,7 @@ def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_
     if check_finite_enabled():
         return False
     tensors = list(inputs.values()) + ([initial_state] if initial_state is not None else [])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if not grads and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     if not all(t.is_contiguous() for t in tensors):
         return False
@@ -64,18 +69,49 @@ def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_
     return True
 
 
-def _run(op: str, names, inputs: Dict[str, Tensor], initial_state, output_final_state,
-         **plan_kw) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+def _plan(op: str, initial_state, output_final_state, **plan_kw):
+    """The cached plan of this call, or ``None`` where the planner refuses it."""
     from ..runtime import PlanError, cache
 
     device = plan_kw["device"]
     stream = _raw_stream(device.index) if device.type == "cuda" else 0
     try:
-        p = cache.get(op, stream=stream, initial_state=initial_state is not None,
-                      output_final_state=bool(output_final_state), **plan_kw)
+        return cache.get(op, stream=stream, initial_state=initial_state is not None,
+                         output_final_state=bool(output_final_state), **plan_kw)
     except PlanError:
         return None  # a shape or dtype the planner does not cover: the general path runs it
+
+
+def _run(op: str, names, inputs: Dict[str, Tensor], initial_state, output_final_state,
+         **plan_kw) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    p = _plan(op, initial_state, output_final_state, **plan_kw)
+    if p is None:
+        return None
     return p.run(*[inputs[n] for n in names], initial_state=initial_state)
+
+
+class _PlannedHgrn(torch.autograd.Function):
+    """hgrn through a plan, differentiable: the forward keeps ``g``, the outputs (the
+    states ``h``) and the initial state; the backward runs the plan's backward program."""
+
+    @staticmethod
+    def forward(ctx, p, x, g, initial_state):
+        o, final = p.run(x, g, initial_state=initial_state)
+        ctx.plan = p
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(g, o, initial_state)
+        return o, final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        g, o, h0 = ctx.saved_tensors
+        do = torch.zeros_like(o) if do is None else do.contiguous()
+        if dht is not None:
+            dht = dht.to(torch.float32).contiguous()
+        dx, dg, dS = ctx.plan.run_backward(g, o, do, dht=dht, initial_state=h0,
+                                           need_initial_grad=ctx.needs_input_grad[3])
+        return None, dx, dg, dS
 
 
 def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optional[Tensor]],
@@ -111,7 +147,16 @@ def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seq
     if x.dtype not in _DTYPES or g.dtype != x.dtype:
         return None
     inputs = {"x": x, "g": g}
-    if not _eligible(inputs, initial_state, (B, D), group, cu_seqlens, use_kernels):
+    if not _eligible(inputs, initial_state, (B, D), group, cu_seqlens, use_kernels,
+                     grads=True):
         return None
-    return _run("hgrn", ["x", "g"], inputs, initial_state, output_final_state, B=B, T=T, D=D,
-                dtype=x.dtype, gate_dtype=g.dtype, device=x.device)
+    p = _plan("hgrn", initial_state, output_final_state, B=B, T=T, D=D, dtype=x.dtype,
+              gate_dtype=g.dtype, device=x.device)
+    if p is None:
+        return None
+    tensors = [x, g] + ([initial_state] if initial_state is not None else [])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if p.backend == "torch":
+            return None
+        return _PlannedHgrn.apply(p, x, g, initial_state)
+    return p.run(x, g, initial_state=initial_state)

@@ -42,7 +42,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .programs import KernelSpec, hgrn_program, matrix_program, resolve_kernel
+from .programs import (KernelSpec, hgrn_backward_program, hgrn_program, matrix_program,
+                       resolve_kernel)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -61,6 +62,7 @@ DEFAULTS: Dict[str, Any] = {
     "gated": [True],                 # simple_gla, gated_delta_rule: with g (False: no gate)
     "initial_state": [False, True],  # HAS_H0 off / on
     "sequence_parallel": True,       # also the summary programs a sequence-parallel plan runs
+    "backward": True,                # also the backward programs (hgrn's differentiable plans)
     "chunk_sizes": [],               # BT overrides ([]: the kernels' own tile tables)
 }
 
@@ -133,6 +135,13 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                                 prog = hgrn_program(B=1, T=256, D=int(D), dtype=dtype,
                                                     has_h0=h0, store_o=store_o, execution=mode)
                                 out.update((s.key, s) for s in prog.specs())
+                                if not (store_o and cfg.get("backward", True)):
+                                    continue
+                                for has_dht in (False, True):
+                                    prog = hgrn_backward_program(
+                                        B=1, T=256, D=int(D), dtype=dtype, has_h0=h0,
+                                        has_dht=has_dht, execution=mode)
+                                    out.update((s.key, s) for s in prog.specs())
                     continue
                 for H in cfg["heads"]:
                     for K, V in cfg["head_dims"]:

@@ -20,6 +20,11 @@ Backends (``backend=``):
 * ``"auto"``: static on CUDA when the cache has valid cubins, else triton; on CPU triton
   under the interpreter, else torch.
 
+JIT launches call the kernel their first call compiled directly after that call
+(:mod:`.jit_launch`), so a plan without cubins also skips Triton's per-call path.
+Single-device hgrn plans also have :meth:`Plan.run_backward` (the gradients from a run's
+outputs, which are hgrn's states), which ``forge_dist.ops.hgrn`` wraps in autograd.
+
 ``run`` is forward-only (no autograd) and CUDA-graph capturable on one GPU: it allocates only
 its outputs (``torch.empty``, which capture serves from the graph's pool; pass ``out=`` to
 reuse a buffer), never reads a device value on the host, never synchronises, and launches on
@@ -35,6 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import jit_launch
 from . import programs as pg
 
 _KIND = {"linear_attn": "identity", "simple_gla": "scalar", "gla": "diagonal"}
@@ -43,6 +49,11 @@ SP_VARIANTS = tuple(_KIND)
 
 class PlanError(ValueError):
     """A plan cannot be made, or a tensor does not match the plan it is run with."""
+
+
+def _raw_stream(index: int) -> int:
+    """The current CUDA stream's handle, as Triton's launcher reads it."""
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 def _interpreting() -> bool:
@@ -96,9 +107,13 @@ class _Exec:
             kw = dict(ln.constexprs)
             kw.update(num_warps=ln.num_warps, num_stages=ln.num_stages)
             self._jit_calls.append((fn[ln.grid], ln.args, kw))
+        # JIT launches relaunch the kernel their first call compiled (jit_launch.py)
+        self._compiled: List[Any] = [None] * len(program.launches)
+        self._untried = [device.type == "cuda" and b is None for b in self.bound]
 
     def __call__(self, tensors: Dict[str, Tensor]) -> None:
-        ptrs = None
+        ptrs = merged = None
+        fast_ok = jit_launch.usable()
         for i, (launch, args, kw) in enumerate(self._jit_calls):
             b = self.bound[i]
             if b is not None:
@@ -106,13 +121,25 @@ class _Exec:
                     ptrs = {n: t.data_ptr() for n, t in tensors.items()}
                 b.launch(ptrs, self.stream())
                 continue
+            fast = self._compiled[i]
+            if fast is not None or self._untried[i]:
+                if merged is None:
+                    merged = {**self.workspaces, **tensors}
+                if fast is not None and fast_ok and fast.aligned(merged):
+                    fast(merged, _raw_stream(self.device.index))
+                    continue
             call = {}
             for name, kind, value in args:
                 if kind == "buf":
                     call[name] = tensors[value] if value in tensors else self.workspaces[value]
                 else:
                     call[name] = value
-            launch(**call, **kw)
+            kernel = launch(**call, **kw)
+            if self._untried[i]:
+                self._untried[i] = False
+                ln = self.program.launches[i]
+                self._compiled[i] = jit_launch.CompiledLaunch.make(
+                    kernel, self.kernels[i], ln.grid, args, dict(ln.constexprs), merged)
 
 
 class BoundRun:
@@ -259,6 +286,59 @@ class Plan:
         return BoundRun(self.finish_exec, tensors,
                         (out, final_state if self.output_final_state else None))
 
+    def run_backward(self, g: Tensor, o: Tensor, do: Tensor, *, dht: Optional[Tensor] = None,
+                     initial_state: Optional[Tensor] = None, need_initial_grad: bool = False
+                     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Gradients of one :meth:`run` of an hgrn plan, from that run's outputs (hgrn's
+        outputs are its states, so nothing is recomputed): ``(dx, dg, dS_in or None)``.
+
+        Args:
+            g: the gates the run took; o: its outputs; do: the gradient of ``o``
+                (``[B, T, D]``, contiguous, ``o``'s dtype).
+            dht: the gradient of the final state ``[B, D]`` fp32, or ``None``.
+            initial_state: the state the run took (required iff the plan has one).
+            need_initial_grad: also return ``dS_in`` (the gradient of ``initial_state``).
+        Launches only (CUDA-graph capturable as :meth:`run`); the two backward programs
+        (with and without ``dht``) are built on first use.
+        """
+        if self.op != "hgrn" or self.size != 1 or self.backend == "torch":
+            raise PlanError("run_backward: single-device hgrn plans on the Triton or static "
+                            f"backend only (this plan: {self.op}, backend {self.backend}, "
+                            f"world {self.size}); use forge_dist.ops for gradients")
+        tensors = {"g": g, "h": o, "do": do}
+        for n, t in tensors.items():
+            self._check(n, t, self.out_shape, self.dtypes["g"] if n == "g" else self.out_dtype)
+        if self.initial_state:
+            if initial_state is None:
+                raise PlanError("initial_state: the plan was made with initial_state=True; "
+                                "pass the state its run took")
+            self._check("initial_state", initial_state, self.state_shape, torch.float32)
+            tensors["h0"] = initial_state
+        elif initial_state is not None:
+            raise PlanError("initial_state: the plan was made with initial_state=False")
+        if dht is not None:
+            self._check("dht", dht, self.state_shape, torch.float32)
+            tensors["dht"] = dht
+        exe = self._backward_exec(dht is not None)
+        tensors["dx"] = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        tensors["dg"] = torch.empty(self.out_shape, dtype=self.dtypes["g"], device=self.device)
+        exe(tensors)
+        dS = exe.workspaces["cout"][0].clone() if need_initial_grad and self.initial_state \
+            else None
+        return tensors["dx"], tensors["dg"], dS
+
+    def _backward_exec(self, has_dht: bool) -> "_Exec":
+        exe = self._bwd_execs.get(has_dht)
+        if exe is None:
+            B, T, D = self.out_shape
+            prog = pg.hgrn_backward_program(B=B, T=T, D=D, dtype=self.out_dtype,
+                                            gate_dtype=self.dtypes["g"],
+                                            has_h0=self.initial_state, has_dht=has_dht,
+                                            execution=self.execution_request)
+            exe = self._bwd_execs[has_dht] = _Exec(prog, self.device, self._dispatcher)
+            self.notes.extend(n for n in prog.notes if n not in self.notes)
+        return exe
+
     def _run_local(self, tensors, h0, o):
         if self.output_final_state:
             ht = torch.empty(self.ht_shape, dtype=torch.float32, device=self.device)
@@ -325,7 +405,7 @@ class Plan:
                      "path": path}
                     for ln, path in zip(ex.program.launches, ex.paths)]
         ws = {}
-        for ex in (self.finish_exec, self.summary_exec):
+        for ex in (self.finish_exec, self.summary_exec, *self._bwd_execs.values()):
             if ex is not None:
                 ws.update({n: list(t.shape) for n, t in ex.workspaces.items()})
         return {"op": self.op, "backend": self.backend, "device": str(self.device),
@@ -338,6 +418,8 @@ class Plan:
                 "execution": self.execution, "notes": list(self.notes),
                 "launches": launches(self.finish_exec),
                 "summary_launches": launches(self.summary_exec),
+                "backward_launches": {("with dht" if k else "without dht"): launches(ex)
+                                      for k, ex in self._bwd_execs.items()},
                 "workspaces": ws, "channels": self.channels}
 
     def __repr__(self) -> str:
@@ -484,7 +566,8 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              out_dtype=dtype, execution=prog.execution, notes=notes, rank=rank, size=size,
              group=group, strategy=None, strategy_obj=None, kind=_KIND.get(op),
              finish_exec=finish_exec, summary_exec=summary_exec, channels=None,
-             static=backend == "static", delta=None, zeros=None, _ht_scratch=None)
+             static=backend == "static", delta=None, zeros=None, _ht_scratch=None,
+             execution_request=execution, _dispatcher=disp, _bwd_execs={})
 
     if size == 1 and backend != "torch" and not output_final_state:
         # the kernels write a final state nobody returns: one scratch for every run

@@ -32,6 +32,7 @@ KERNELS: Dict[str, Tuple[str, str]] = {
     "wy": ("forge_dist.kernels.delta", "_wy_kernel"),
     "hgrn": ("forge_dist.kernels.vector_state", "_hgrn_kernel"),
     "hgrn_scan": ("forge_dist.kernels.vector_state", "_hgrn_scan_kernel"),
+    "hgrn_bwd": ("forge_dist.kernels.vector_state", "_hgrn_bwd_kernel"),
 }
 
 MATRIX_VARIANTS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule")
@@ -395,10 +396,69 @@ def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
                        (("hs", "buf", "hs"), ("gt", "buf", "gt"), ("h0", "buf", h0 or "ht"),
                         ("ht", "buf", "ht"), ("NSEG", "i32", n_seg)),
                        (("D", D), ("BD", cfg["BD"]), ("HAS_H0", has_h0), ("STORE_CG", False),
-                        ("cg", None)), nw, 3)]
+                        ("cg", None), ("REVERSE", False)), nw, 3)]
     if store_o:
         launches.append(walk("hs", "o", "hs", None, True))
     return Program(launches, bufs, scheduler.DECOUPLED, notes)
+
+
+def hgrn_backward_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
+                          has_dht: bool, gate_dtype: Optional[torch.dtype] = None,
+                          execution: Optional[str] = None) -> Program:
+    """Program of one hgrn backward from the forward's kept outputs
+    (``kernels.vector_state.hgrn_backward`` with ``h=o``).
+
+    Inputs ``g [B, T, D]`` (``gate_dtype``, default ``dtype``), ``do`` and ``h`` (the
+    forward's outputs) ``[B, T, D]`` (``dtype``), ``h0 [B, D]`` fp32 (``has_h0``), ``dht
+    [B, D]`` fp32 (``has_dht``); outputs ``dx`` (``dtype``) and ``dg`` (``gate_dtype``)
+    ``[B, T, D]``; workspace ``cout [n_seg, B, D]`` fp32, whose row 0 is then ``dS_in``.
+    DECOUPLED as the kernels: each segment's outgoing gradient from a zero start, the
+    segment scan right to left (in place), then every segment's walk from its incoming
+    gradient, again in place (a program reads its slot before it writes it).
+    """
+    from ..kernels import scheduler, vector_state
+    from ..kernels._common import segment_length
+
+    cfg = vector_state.BWD_CONFIG
+    gdt = gate_dtype or dtype
+    bufs = {"g": Buffer((B, T, D), gdt, "input"), "do": Buffer((B, T, D), dtype, "input"),
+            "h": Buffer((B, T, D), dtype, "input"),
+            "dx": Buffer((B, T, D), dtype, "output"), "dg": Buffer((B, T, D), gdt, "output")}
+    if has_h0:
+        bufs["h0"] = Buffer((B, D), torch.float32, "input")
+    if has_dht:
+        bufs["dht"] = Buffer((B, D), torch.float32, "input")
+    sched = scheduler.schedule_vector_state(
+        B, T, D, cfg["BT"], cfg["BD"], elem_size=torch.empty((), dtype=dtype).element_size(),
+        request=execution, resident_per_sm=scheduler.VECTOR_STATE_BWD_RESIDENT_PER_SM)
+    seg = segment_length(T, cfg["BT"], sched.n_seg)
+    n_seg = max(1, _cdiv(T, seg))
+    bufs["cout"] = Buffer((n_seg, B, D), torch.float32, "workspace")
+    bufs["gout"] = Buffer((n_seg, B, D), torch.float32, "workspace")
+    grid = (_cdiv(D, cfg["BD"]), B, n_seg)
+    nw, ns = cfg["num_warps"], cfg["num_stages"]
+
+    def walk(grads: bool, cin: Optional[str]) -> Launch:
+        return Launch("hgrn_bwd", grid,
+                      (("g", "buf", "g"), ("do", "buf", "do"), ("h", "buf", "h"),
+                       ("h0", "buf", "h0" if has_h0 else "cout"), ("cin", "buf", cin or "cout"),
+                       ("dx", "buf", "dx"), ("dg", "buf", "dg"), ("cout", "buf", "cout"),
+                       ("gout", "buf", "gout"), ("T", "i32", T), ("SEG", "i32", seg)),
+                      (("D", D), ("BT", cfg["BT"]), ("BD", cfg["BD"]), ("HAS_DO", True),
+                       ("HAS_H0", has_h0 and grads), ("HAS_CIN", cin is not None),
+                       ("GRADS", grads)), nw, ns)
+
+    notes = [f"backward execution {sched.strategy} ({n_seg} segments): {sched.reason}"]
+    if n_seg == 1:
+        return Program([walk(True, "dht" if has_dht else None)], bufs, scheduler.FUSED, notes)
+    scan = Launch("hgrn_scan", (grid[0], B, 1),
+                  (("hs", "buf", "cout"), ("gt", "buf", "gout"),
+                   ("h0", "buf", "dht" if has_dht else "gout"), ("ht", "buf", "gout"),
+                   ("NSEG", "i32", n_seg)),
+                  (("D", D), ("BD", cfg["BD"]), ("HAS_H0", has_dht), ("STORE_CG", False),
+                   ("cg", None), ("REVERSE", True)), nw, 3)
+    return Program([walk(False, None), scan, walk(True, "cout")], bufs, scheduler.DECOUPLED,
+                   notes)
 
 
 def grid_size(grid) -> int:

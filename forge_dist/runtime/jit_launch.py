@@ -1,0 +1,91 @@
+"""Relaunch a kernel Triton's JIT has compiled, without the JIT's per-call path.
+
+``JITFunction.run`` binds the arguments, computes their specialisation and the cache key and
+looks the kernel up on every call: 15-20 us of host time per launch on the H200 machine's
+host (``results/kernel_profile_hgrn-host_*``), more than the kernel itself at short
+sequences.  A plan's launch never changes its constexprs, integers, floats or dtypes between
+calls, only its tensors; so after the first call (through the JIT, which compiles or finds
+the kernel) the plan keeps the compiled kernel and calls its launcher directly.
+
+The only property of a tensor the kernel was specialised on that can change from call to
+call is its pointer's 16-byte alignment (Triton's default specialisation).  The fast launch
+is kept only when every pointer of the first call was aligned, and a later call with any
+unaligned pointer goes through the JIT again, which picks or compiles the matching kernel.
+With a launch hook installed (profilers such as Proton) every call takes the JIT path, so
+the hook sees it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+ALIGN = 16  # bytes; Triton specialises pointers on it
+
+
+def _launch_hook_installed() -> bool:
+    from triton import knobs
+
+    hook = knobs.runtime.launch_enter_hook  # Triton 3.6: a HookChain, empty by default
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class CompiledLaunch:
+    """One launch of a compiled kernel: fixed grid and scalars, tensors by buffer name.
+
+    Build it with :meth:`make` from what the JIT returned; call it with the plan's tensors
+    and the raw stream handle, or check :meth:`aligned` first.
+    """
+
+    def __init__(self, kernel, grid: Tuple[int, int, int], slots: List[Tuple[bool, Any]]):
+        self._run = kernel.run  # the generated C launcher (loads the module on first use)
+        self._function = kernel.function
+        self._packed = kernel.packed_metadata
+        self._grid = grid
+        self._slots = slots  # (is a buffer, buffer name or value), in parameter order
+        self.buffers = tuple(v for is_buf, v in slots if is_buf)
+
+    @staticmethod
+    def make(kernel, fn, grid: Sequence[int], args: Sequence[Tuple[str, str, Any]],
+             constexprs: Dict[str, Any], tensors: Dict[str, torch.Tensor]
+             ) -> Optional["CompiledLaunch"]:
+        """``None`` unless ``kernel`` is a compiled kernel (not the interpreter's result)
+        and every tensor of this call was aligned (what it was specialised for).
+
+        Args:
+            kernel: what ``fn[grid](...)`` returned; fn: the ``JITFunction``.
+            args: the launch's runtime parameters ``(name, kind, value)`` (kind ``buf``:
+                value names a tensor in ``tensors``); constexprs: by name.
+        """
+        if hasattr(kernel, "result"):  # an asynchronous compile's future
+            kernel = kernel.result()
+        if kernel is None or not hasattr(kernel, "packed_metadata"):
+            return None
+        by_name = {name: (kind == "buf", value) for name, kind, value in args}
+        slots: List[Tuple[bool, Any]] = []
+        for p in fn.params:
+            name = p.name
+            if name in by_name:
+                slots.append(by_name[name])
+            elif name in constexprs:
+                slots.append((False, constexprs[name]))
+            elif p.has_default:
+                slots.append((False, p.default))
+            else:
+                return None  # a parameter this launch does not name: leave it to the JIT
+        launch = CompiledLaunch(kernel, tuple(int(x) for x in grid), slots)
+        return launch if launch.aligned(tensors) else None
+
+    def aligned(self, tensors: Dict[str, torch.Tensor]) -> bool:
+        return all(tensors[n].data_ptr() % ALIGN == 0 for n in self.buffers)
+
+    def __call__(self, tensors: Dict[str, torch.Tensor], stream: int) -> None:
+        values = [tensors[v] if is_buf else v for is_buf, v in self._slots]
+        g = self._grid
+        self._run(g[0], g[1], g[2], stream, self._function, self._packed, None, None, None,
+                  *values)
+
+
+def usable() -> bool:
+    """Whether fast relaunches may be used now (no launch hook to honour)."""
+    return not _launch_hook_installed()
