@@ -71,8 +71,15 @@ def triton_on_cpu(monkeypatch):
     return used
 
 
-@pytest.mark.parametrize("case", ["elu", "gla", "gated_delta_rule", "hgrn"])
-def test_triton_template_path(triton_on_cpu, case):
+@pytest.mark.parametrize("case", ["elu", "gla", "gated_delta_rule", "hgrn", "hgrn-runner"])
+def test_triton_template_path(triton_on_cpu, case, monkeypatch):
+    """Forward and gradients through the template's kernels.  hgrn differentiates through
+    its cached plan (the ops' short path); with plans off, through the runner's works."""
+    from forge_dist.runtime import cache
+
+    cache.clear()
+    if case == "hgrn-runner":
+        monkeypatch.setenv("FORGE_DIST_OPS_PLANS", "0")
     torch.manual_seed(0)
     B, T, H, K, V = 1, 21, 1, 16, 16
     q, k, v = (torch.randn(B, T, H, d, requires_grad=True) for d in (K, K, V))
@@ -87,7 +94,7 @@ def test_triton_template_path(triton_on_cpu, case):
         mref = [t.detach().double().requires_grad_() for t in leaves]
         o_r, s_r = ref.gated_delta_rule_ref(*mref[:5], initial_state=mref[5],
                                             output_final_state=True)
-    elif case == "hgrn":
+    elif case.startswith("hgrn"):
         x = torch.randn(B, T, 24, requires_grad=True)
         g = torch.nn.functional.logsigmoid(torch.randn(B, T, 24) + 2).requires_grad_()
         h0 = torch.randn(B, 24, requires_grad=True)
@@ -107,8 +114,11 @@ def test_triton_template_path(triton_on_cpu, case):
         leaves = [q, k, v, g, h0]
         mref = [t.detach().double().requires_grad_() for t in leaves]
         o_r, s_r = ref.gla_ref(*mref[:4], initial_state=mref[4], output_final_state=True)
-    assert triton_on_cpu and all(u is not None and u.endswith("Work") for u in triton_on_cpu), \
-        triton_on_cpu
+    if case == "hgrn":
+        assert cache.stats()["misses"] == 1 and not triton_on_cpu  # a plan, not the runner
+    else:
+        assert triton_on_cpu and all(u is not None and u.endswith("Work")
+                                     for u in triton_on_cpu), triton_on_cpu
     (o.sum() + (s * s).sum()).backward()
     (o_r.sum() + (s_r * s_r).sum()).backward()
     for a, b in [(o, o_r), (s, s_r)] + [(x.grad, y.grad) for x, y in zip(leaves, mref)]:

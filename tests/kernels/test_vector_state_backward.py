@@ -101,6 +101,38 @@ def test_steep_gates_keep_relative_precision():
     assert rel(dg, ref["g"]) < 1e-5 and rel(dx, ref["x"]) < 1e-5
 
 
+@pytest.mark.parametrize("n_seg", [1, 3])
+def test_kept_states_give_the_recomputed_gradients(n_seg):
+    """``h=`` (the forward's outputs, kept by the op) replaces the recompute: same
+    gradients, and a wrong shape is named."""
+    from forge_dist.kernels.vector_state import hgrn_forward
+
+    x = make(2, 37, 20, seed=11)
+    h, _ = hgrn_forward(x["x"], x["g"], x["S_in"], out_dtype=torch.float32, n_seg=n_seg)
+    kept = hgrn_backward(x["x"], x["g"], x["S_in"], x["do"], x["dht"], BD=16, n_seg=n_seg, h=h)
+    ref = fp64_grads(x)
+    for got, name in zip(kept, ("x", "g", "S_in")):
+        assert rel(got, ref[name]) < 1e-5
+    with pytest.raises(ValueError, match="^h: expected shape"):
+        hgrn_backward(x["x"], x["g"], x["S_in"], x["do"], x["dht"], h=h[:, :5])
+
+
+def test_finish_backward_reads_the_saved_outputs(monkeypatch):
+    """The work's finish keeps its outputs for the backward, which then runs no forward
+    kernel (the recompute would raise here); gradients as fp64 autograd."""
+    from forge_dist.kernels import vector_state as vs
+
+    x = make(2, 33, 12, seed=6)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("x", "g")}
+    S_in = x["S_in"].reshape(2, 1, 12, 1).clone().requires_grad_(True)
+    o, ht = VectorStateWork("hgrn", dict(leaves), None, False).finish(S_in)
+    monkeypatch.setattr(vs, "hgrn_forward", lambda *a, **k: 1 / 0)
+    ((o * x["do"]).sum() + (ht.reshape(2, 12) * x["dht"]).sum()).backward()
+    ref = fp64_grads(x)
+    assert rel(leaves["x"].grad, ref["x"]) < 1e-5 and rel(leaves["g"].grad, ref["g"]) < 1e-5
+    assert rel(S_in.grad.reshape(2, 12), ref["S_in"]) < 1e-5
+
+
 def test_bad_shapes_are_named():
     x = make(1, 8, 4)
     with pytest.raises(ValueError, match="^g: expected shape"):

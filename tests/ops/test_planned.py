@@ -47,7 +47,8 @@ def _call(op, t, **kw):
 
 
 def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm())
 
 
 OPS = ["linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"]
@@ -125,3 +126,65 @@ def test_a_bad_strategy_is_refused_on_the_short_path_too():
     with torch.no_grad(), pytest.raises(ValueError, match="strategy"):
         _call("linear_attn", _inputs("linear_attn"), strategy="ring-allreduce")
     assert cache.stats()["misses"] == 0
+
+
+@pytest.mark.parametrize("h0,final,use_o", [(True, True, True), (False, False, True),
+                                            (True, True, False), (False, True, True)])
+def test_hgrn_gradients_through_the_plan(h0, final, use_o, monkeypatch):
+    """hgrn with gradients takes the short path (its backward is a planned program on the
+    kept outputs): gradients of x, g and the initial state equal fp64 autograd, with and
+    without an initial state, a final state, and a loss that reads only the final state."""
+    from forge_dist.variants.reference import hgrn_ref
+
+    t = _inputs("hgrn", seed=3, requires_grad=True)
+    s0 = torch.randn(B, D).to(DEV).requires_grad_(True) if h0 else None
+    o, s = _call("hgrn", t, initial_state=s0, output_final_state=final)
+    assert cache.stats()["misses"] == 1
+    gen = torch.Generator().manual_seed(4)
+    w_o, w_s = torch.randn(B, T, D, generator=gen).to(DEV), torch.randn(B, D, generator=gen).to(DEV)
+    loss = (o * w_o).sum() if use_o else 0
+    if final:
+        loss = loss + (s * w_s).sum()
+    loss.backward()
+    assert cache.stats()["misses"] == 1  # the backward ran on the forward's plan
+
+    leaves = {n: x.detach().double().cpu().requires_grad_(True) for n, x in t.items()}
+    s_ref = s0.detach().double().cpu().requires_grad_(True) if h0 else None
+    o_r, s_r = hgrn_ref(leaves["x"], leaves["g"], initial_state=s_ref, output_final_state=True)
+    loss_r = (o_r * w_o.double().cpu()).sum() if use_o else 0
+    if final:
+        loss_r = loss_r + (s_r * w_s.double().cpu()).sum()
+    loss_r.backward()
+    assert _rel(t["x"].grad, leaves["x"].grad) < 1e-5
+    assert _rel(t["g"].grad, leaves["g"].grad) < 1e-5
+    if h0:
+        assert _rel(s0.grad, s_ref.grad) < 1e-5
+
+
+def test_hgrn_gradients_of_the_plan_equal_the_general_path(monkeypatch):
+    """Several segments (forward and backward DECOUPLED), short path against the runner."""
+    monkeypatch.setenv("FORGE_DIST_SEGMENTS", "3")
+    grads = []
+    for plans in ("1", "0"):
+        monkeypatch.setenv("FORGE_DIST_OPS_PLANS", plans)
+        t = _inputs("hgrn", seed=5, requires_grad=True)
+        s0 = torch.randn(B, D, generator=torch.Generator().manual_seed(6)).to(DEV)
+        s0.requires_grad_(True)
+        o, s = _call("hgrn", t, initial_state=s0, output_final_state=True)
+        (o.square().sum() + s.sum()).backward()
+        grads.append([t["x"].grad, t["g"].grad, s0.grad])
+    assert cache.stats()["misses"] == 1
+    launches = [ln["kernel"] for ln in next(iter(cache._PLANS.values())).describe()[
+        "backward_launches"]["with dht"]]
+    assert launches == ["hgrn_bwd", "hgrn_scan", "hgrn_bwd"]  # three segments: decoupled
+    for a, b in zip(*grads):
+        assert _rel(a, b) < 1e-5
+
+
+def test_hgrn_with_fp32_gates_keeps_the_general_path_for_gradients():
+    t = _inputs("hgrn", requires_grad=True)
+    t["x"] = t["x"].detach().bfloat16().requires_grad_(True)
+    o, _ = _call("hgrn", t)
+    assert cache.stats()["misses"] == 0
+    o.float().sum().backward()
+    assert t["x"].grad is not None and t["g"].grad is not None

@@ -45,7 +45,7 @@ def test_compile_all_for_sm90_on_cpu(built):
     assert man["header"]["torch"] == torch.__version__
     assert man["header"]["target"] == "cuda:90:32" and man["header"]["ptxas"]
     kinds = {e["kernel"] for e in man["kernels"].values()}
-    assert kinds == {"walk", "segment_scan", "gate_cumsum", "hgrn", "hgrn_scan"}
+    assert kinds == {"walk", "segment_scan", "gate_cumsum", "hgrn", "hgrn_scan", "hgrn_bwd"}
     for key, e in man["kernels"].items():
         blob = (d / e["cubin"]).read_bytes()
         assert blob[:4] == b"\x7fELF", key
@@ -83,7 +83,7 @@ def test_version_mismatch_detected_and_rebuilt(built, tmp_path):
     v = aot.verify(d, TARGET)
     assert v["valid"] == [] and all("triton '3.5.0'" in r for r in v["stale"].values())
     one = dict(SMALL, variants=["hgrn"], initial_state=[False], sequence_parallel=False,
-               execution=["fused"])
+               execution=["fused"], backward=False)
     rep = aot.compile_all(one, target=TARGET, cache_dir=d)
     assert len(rep["compiled"]) == 1 and "triton" in list(rep["stale"].values())[0]
     man = json.loads((d / "manifest.json").read_text())
@@ -144,7 +144,8 @@ def test_source_change_detected_and_rebuilt(tmp_path, monkeypatch):
 def test_compile_cli(tmp_path, capsys):
     cfg = tmp_path / "aot.toml"
     cfg.write_text('variants = ["hgrn"]\nhgrn_dims = [64]\ndtypes = ["float16"]\n'
-                   'initial_state = [false]\nsequence_parallel = false\nexecution = ["fused"]\n')
+                   'initial_state = [false]\nsequence_parallel = false\nexecution = ["fused"]\n'
+                   'backward = false\n')
     d = tmp_path / "cache"
     assert compile_cli.main(["--config", str(cfg), "--cache-dir", str(d)]) == 0
     out = capsys.readouterr().out
@@ -152,6 +153,10 @@ def test_compile_cli(tmp_path, capsys):
     assert compile_cli.main(["--config", str(cfg), "--cache-dir", str(d),
                              "--set", "hgrn_dims=[64, 128]"]) == 0
     assert "1 compiled, 1 reused" in capsys.readouterr().out
+    # the backward of the fused hgrn plan: one reverse walk, with and without dht
+    assert compile_cli.main(["--config", str(cfg), "--cache-dir", str(d),
+                             "--set", "backward=true"]) == 0
+    assert "3 kernels" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         compile_cli.main(["--config", str(cfg), "--set", "heads_count=3"])
     with pytest.raises(SystemExit):

@@ -109,6 +109,65 @@ def test_bound_static_run_equals_run(cache_dir, op, execution):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op,execution", CASES)
+def test_jit_plans_relaunch_their_compiled_kernels(op, execution):
+    """After its first call a JIT plan relaunches each compiled kernel directly
+    (runtime/jit_launch.py): same results as the first call and as a fresh plan's JIT call;
+    an input at an unaligned address goes back through the JIT and stays correct."""
+    p = _plan(op, execution, "triton", None)
+    x = _inputs(op)
+    o1, h1 = p.run(*x)
+    assert all(c is not None for c in p.finish_exec._compiled)
+    o2, h2 = p.run(*x)
+    torch.cuda.synchronize()
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    x2 = _inputs(op, seed=3)
+    o3, _ = p.run(*x2)
+    o3_ref, _ = _plan(op, execution, "triton", None).run(*x2)  # a fresh plan: its first
+    torch.cuda.synchronize()                                     # call goes through the JIT
+    assert torch.equal(o3, o3_ref)
+    first = x2[0]
+    shifted = torch.empty(first.numel() + 8, dtype=first.dtype, device="cuda")[1:]
+    shifted = shifted[:first.numel()].view(first.shape)  # 2 bytes past a 16-byte boundary
+    shifted.copy_(first)
+    o4, _ = p.run(shifted, *x2[1:])
+    torch.cuda.synchronize()
+    assert torch.equal(o4, o3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["static", "triton"])
+def test_hgrn_plan_backward_on_the_gpu(cache_dir, backend):
+    """The hgrn backward program (static cubins, or JIT relaunches) against fp32 autograd
+    of the PyTorch chunk form."""
+    if backend == "static" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the AOT config targets sm_90")
+    from forge_dist.variants import vector_state
+
+    p = _plan("hgrn", None, backend, cache_dir, initial_state=True)
+    x, g = _inputs("hgrn", seed=4)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    s0 = torch.randn(B, D, device="cuda", generator=gen)
+    do = torch.randn(B, T, D, device="cuda", generator=gen).to(x.dtype)
+    dht = torch.randn(B, D, device="cuda", generator=gen)
+    o, _ = p.run(x, g, initial_state=s0)
+    for _ in range(2):  # the second call relaunches (triton) what the first compiled
+        dx, dg, dS = p.run_backward(g, o, do, dht=dht, initial_state=s0,
+                                    need_initial_grad=True)
+    if backend == "static":
+        paths = [ln["path"] for ln in p.describe()["backward_launches"]["with dht"]]
+        assert all(x.startswith("cubin") for x in paths), paths
+    xf, gf = x.float().requires_grad_(True), g.float().requires_grad_(True)
+    sf = s0.clone().requires_grad_(True)
+    summ = vector_state.summarize(xf, gf, need_transition=False)
+    o_part, s_part = summ.readout(sf[:, None, :, None])
+    o_ref = summ.o_zero + o_part
+    ht_ref = summ.delta.reshape(B, D) + s_part.reshape(B, D)
+    ((o_ref * do.float()).sum() + (ht_ref * dht).sum()).backward()
+    assert _rel(dx, xf.grad) < 1e-2 and _rel(dg, gf.grad) < 1e-2 and _rel(dS, sf.grad) < 1e-2
+
+
+@pytest.mark.gpu
 def test_ctypes_driver(cache_dir):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the AOT config targets sm_90")

@@ -102,6 +102,55 @@ def test_bound_run_follows_its_buffers(op):
     assert torch.equal(o2, want2[0]) and torch.equal(ht2, want2[1])
 
 
+@pytest.mark.parametrize("execution", ["fused", "decoupled"])
+@pytest.mark.parametrize("h0,dht", [(True, True), (False, False), (True, False)])
+def test_hgrn_plan_backward_matches_fp64_autograd(execution, h0, dht):
+    """``run_backward`` from the run's outputs: the gradients of x, g and the initial state
+    equal fp64 autograd through the token recurrence (one walk, and segments)."""
+    from forge_dist.variants.reference import hgrn_ref
+
+    inp = _inputs("hgrn", seed=2)
+    gen = torch.Generator().manual_seed(8)
+    s0 = torch.randn(B, 40, generator=gen) if h0 else None
+    do = torch.randn(B, T, 40, generator=gen)
+    d_ht = torch.randn(B, 40, generator=gen) if dht else None
+    p = plan("hgrn", B=B, T=T, D=40, dtype=torch.float32, device="cpu", initial_state=h0,
+             execution=execution)
+    o, _ = p.run(inp["x"], inp["g"], initial_state=s0)
+    dx, dg, dS = p.run_backward(inp["g"], o, do, dht=d_ht, initial_state=s0,
+                                need_initial_grad=h0)
+    kernels_run = [ln["kernel"] for ln in p.describe()["backward_launches"][
+        "with dht" if dht else "without dht"]]
+    assert kernels_run == (["hgrn_bwd"] if execution == "fused" else
+                           ["hgrn_bwd", "hgrn_scan", "hgrn_bwd"])
+    leaves = {n: t.double().requires_grad_(True) for n, t in inp.items()}
+    s_ref = s0.double().requires_grad_(True) if h0 else None
+    o_r, s_r = hgrn_ref(leaves["x"], leaves["g"], initial_state=s_ref, output_final_state=True)
+    loss = (o_r * do.double()).sum() + ((s_r * d_ht.double()).sum() if dht else 0)
+    loss.backward()
+    assert _rel(dx, leaves["x"].grad) < 1e-5 and _rel(dg, leaves["g"].grad) < 1e-5
+    if h0:
+        assert _rel(dS, s_ref.grad) < 1e-5
+    else:
+        assert dS is None
+
+
+def test_run_backward_errors():
+    inp = _inputs("hgrn")
+    p = plan("hgrn", B=B, T=T, D=40, dtype=torch.float32, device="cpu", initial_state=True)
+    o = torch.zeros(B, T, 40)
+    with pytest.raises(PlanError, match="^initial_state: the plan was made with"):
+        p.run_backward(inp["g"], o, o)
+    with pytest.raises(PlanError, match="^dht: the plan was made for shape"):
+        p.run_backward(inp["g"], o, o, initial_state=torch.zeros(B, 40), dht=torch.zeros(40))
+    with pytest.raises(PlanError, match="^do: the plan was made for dtype"):
+        p.run_backward(inp["g"], o, o.double(), initial_state=torch.zeros(B, 40))
+    m = _inputs("linear_attn")
+    pm = plan("linear_attn", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
+    with pytest.raises(PlanError, match="single-device hgrn plans"):
+        pm.run_backward(m["q"], m["v"], m["v"])
+
+
 def test_bind_errors():
     inp = _inputs("simple_gla")
     p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
@@ -254,6 +303,7 @@ def _calls(fn):
 
 @pytest.mark.parametrize("fn", [
     plan_mod.Plan.run, plan_mod.Plan._check, plan_mod.Plan._run_local, plan_mod.Plan._run_sp,
+    plan_mod.Plan.run_backward,
     plan_mod._Exec.__call__,
     dispatcher.BoundLaunch.launch, dispatcher.BoundLaunch.values,
     dispatcher.ArgPack.pack], ids=lambda f: f.__qualname__)
