@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scaling_benchmarks import results_io  # noqa: E402
 from scaling_benchmarks.single_device import (fla_fn, forge_fn, make_inputs,  # noqa: E402
-                                              with_backward)
+                                              ops_fn, with_backward)
 
 
 def kernel_times(fn, iters: int) -> dict:
@@ -45,6 +45,35 @@ def kernel_times(fn, iters: int) -> dict:
         if t > 0:
             per[ev.key[:120]] += t / iters
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
+def host_profile(fn, iters: int, top: int = 25) -> dict:
+    """Where the host time of one call goes: wall time per call (``iters`` calls then one
+    synchronisation: when the host is the bottleneck this is the host time), and cProfile's
+    functions by own time, microseconds per call."""
+    import cProfile
+    import pstats
+    import time
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / iters * 1e6
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    rows = sorted(((f"{Path(f).name}:{ln}:{name}", nc / iters, tt / iters * 1e6,
+                    ct / iters * 1e6) for (f, ln, name), (cc, nc, tt, ct, _) in stats.items()),
+                  key=lambda r: -r[2])
+    return {"wall_us": wall,
+            "functions": [{"function": n, "calls": c, "own_us": t, "cumulative_us": cu}
+                          for n, c, t, cu in rows[:top]]}
 
 
 def _bench(fn) -> float:
@@ -153,6 +182,10 @@ def main(argv=None):
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--impls", default="forge_dist,fla",
+                    help="forge_dist (the kernels' work objects), ops (the public ops), fla")
+    ap.add_argument("--host", action="store_true",
+                    help="also profile the host side of each call (cProfile, wall time)")
     ap.add_argument("--sweep", default="", help="ops whose kernel configs to sweep")
     ap.add_argument("--sweep-T", default="65536", help="comma-separated")
     ap.add_argument("--hgrn-configs", default="",
@@ -171,17 +204,20 @@ def main(argv=None):
     for op in args.ops.split(","):
         for T in (int(t) for t in args.T.split(",")):
             for pas in args.passes.split(","):
-                for impl in ("forge_dist",) + (() if args.no_fla else ("fla",)):
+                impls = [i for i in args.impls.split(",") if not (args.no_fla and i == "fla")]
+                for impl in impls:
                     inp = make_inputs(op, T, device, requires_grad=(pas == "fwdbwd"))
                     try:
-                        fn = forge_fn(op, inp, "auto")[0] if impl == "forge_dist" else \
-                            fla_fn(op, inp)
+                        fn = {"forge_dist": lambda: forge_fn(op, inp, "auto")[0],
+                              "ops": lambda: ops_fn(op, inp),
+                              "fla": lambda: fla_fn(op, inp)}[impl]()
                         if pas == "fwdbwd":
                             fn = with_backward(fn, inp)
                         with torch.no_grad() if pas == "fwd" else torch.enable_grad():
                             fn()
                             fn()
                             per = kernel_times(fn, args.iters)
+                            host = host_profile(fn, max(args.iters, 20)) if args.host else None
                     except Exception as e:  # noqa: BLE001 - FLA refuses some backwards
                         print(f"[skip] {op} {T} {pas} {impl}: {str(e)[:160]}", flush=True)
                         continue
@@ -189,8 +225,16 @@ def main(argv=None):
                     print(f"\n{op} T={T} {pas} {impl}: {total / 1e3:.3f} ms of kernels")
                     for name, us in per.items():
                         print(f"  {us:10.1f} us  {100 * us / total:5.1f}%  {name}")
-                    result["rows"].append({"op": op, "T": T, "pass": pas, "impl": impl,
-                                           "total_us": total, "kernels_us": per})
+                    row = {"op": op, "T": T, "pass": pas, "impl": impl, "total_us": total,
+                           "kernels_us": per}
+                    if host is not None:
+                        print(f"  host: {host['wall_us']:.1f} us per call (wall, synchronised "
+                              f"after {max(args.iters, 20)} calls); own time by function:")
+                        for f in host["functions"][:15]:
+                            print(f"  {f['own_us']:10.1f} us  x{f['calls']:<6.1f} "
+                                  f"{f['function']}")
+                        row["host"] = host
+                    result["rows"].append(row)
                     inp = fn = None
                     torch.cuda.empty_cache()
     if args.tag:
