@@ -29,6 +29,10 @@ from .plan import Plan, plan
 _LOCK = threading.Lock()
 _PLANS: "OrderedDict[Tuple, Plan]" = OrderedDict()
 _STATS = {"hits": 0, "misses": 0, "evictions": 0}
+# (op, stream, keywords in the caller's order with raw values) -> key(): the normalised,
+# sorted key costs tens of microseconds per call, and a call site passes its keywords in
+# the same order every time.  Unhashable values (a tiles dict) skip it.
+_INDEX: Dict[Tuple, Tuple] = {}
 
 
 def maxsize() -> int:
@@ -61,7 +65,18 @@ def get(op: str, stream: int = 0, **kw) -> Plan:
     ``stream`` (a raw CUDA stream handle, part of the key only) keeps calls on different
     streams on different plans: a plan's workspaces are reused by every run, so two streams
     running one plan at the same time would race on them."""
-    k = key(op, **kw) + (("stream", int(stream)),)
+    try:
+        raw: Any = (op, stream, tuple(kw.items()))
+        k = _INDEX.get(raw)
+    except TypeError:
+        raw = k = None
+    if k is None:
+        k = key(op, **kw) + (("stream", int(stream)),)
+        if raw is not None:
+            with _LOCK:
+                if len(_INDEX) >= 4 * max(1, maxsize()):
+                    _INDEX.clear()
+                _INDEX[raw] = k
     with _LOCK:
         p = _PLANS.get(k)
         if p is not None:
@@ -82,6 +97,7 @@ def get(op: str, stream: int = 0, **kw) -> Plan:
 def clear() -> None:
     with _LOCK:
         _PLANS.clear()
+        _INDEX.clear()
         for k in _STATS:
             _STATS[k] = 0
 

@@ -12,10 +12,12 @@ call is its pointer's 16-byte alignment (Triton's default specialisation).  The 
 is kept only when every pointer of the first call was aligned, and a later call with any
 unaligned pointer goes through the JIT again, which picks or compiles the matching kernel.
 With a launch hook installed (profilers such as Proton) every call takes the JIT path, so
-the hook sees it.
+the hook sees it; ``FORGE_DIST_JIT_RELAUNCH=0`` does the same for every call (``1``, the
+default, relaunches).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -87,5 +89,9 @@ class CompiledLaunch:
 
 
 def usable() -> bool:
-    """Whether fast relaunches may be used now (no launch hook to honour)."""
-    return not _launch_hook_installed()
+    """Whether fast relaunches may be used now: ``FORGE_DIST_JIT_RELAUNCH`` is not ``0`` and
+    no launch hook is installed."""
+    raw = os.environ.get("FORGE_DIST_JIT_RELAUNCH", "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"FORGE_DIST_JIT_RELAUNCH: expected 0 or 1, got {raw!r}")
+    return raw == "1" and not _launch_hook_installed()
