@@ -87,3 +87,11 @@ def test_a_launch_hook_turns_the_fast_path_off(monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert jit_launch.usable()
+
+
+def test_the_switch_turns_it_off_and_is_checked(monkeypatch):
+    monkeypatch.setenv("FORGE_DIST_JIT_RELAUNCH", "0")
+    assert not jit_launch.usable()
+    monkeypatch.setenv("FORGE_DIST_JIT_RELAUNCH", "yes")
+    with pytest.raises(ValueError, match="FORGE_DIST_JIT_RELAUNCH"):
+        jit_launch.usable()

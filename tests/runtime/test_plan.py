@@ -345,6 +345,10 @@ def test_plan_cache_lru(monkeypatch):
                                                                      dtype=torch.float16)
     a = cache.get("simple_gla", T=64, **kw)
     assert cache.get("simple_gla", T=64, stream=7, **kw) is not a  # one plan per stream
+    # keywords in another order, and an unhashable value (tiles): the same plans
+    assert cache.get("simple_gla", T=64, **dict(reversed(list(kw.items())))) is a
+    t = cache.get("simple_gla", T=64, tiles={"BT": 32}, **kw)
+    assert cache.get("simple_gla", T=64, tiles={"BT": 32}, **kw) is t and t is not a
     cache.clear()
 
 
