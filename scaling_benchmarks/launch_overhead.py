@@ -5,7 +5,10 @@ kernel.  This benchmark times one ``simple_gla`` forward (B=1, H=32, K=V=128, bf
 gate) at T in {1K, 2K, 4K, 8K} through:
 
 * ``ops``      -- the public op ``forge_dist.ops.simple_gla`` (checks + JIT kernels);
-* ``jit``      -- a plan (``forge_dist.runtime.plan``) launching through Triton's JIT;
+* ``jit``      -- a plan (``forge_dist.runtime.plan``) launching through Triton's JIT on
+  every call (``FORGE_DIST_JIT_RELAUNCH=0``);
+* ``jit_relaunch`` -- the same plan relaunching the kernels its first call compiled (the
+  default without cubins, ``forge_dist/runtime/jit_launch.py``);
 * ``static``   -- the same plan through the static dispatcher (AOT cubins, cuda.bindings);
 * ``static_ctypes`` -- the static dispatcher over libcuda through ctypes;
 * ``static_ctypes_out`` -- the same with a preallocated output (``run(..., out=o)``);
@@ -43,7 +46,7 @@ from scaling_benchmarks import results_io  # noqa: E402
 
 B, H, K, V = 1, 32, 128, 128
 T_ALL = (1024, 2048, 4096, 8192)
-PATHS = ("ops", "jit", "static", "static_ctypes", "static_ctypes_out", "static_bound",
+PATHS = ("ops", "jit", "jit_relaunch", "static", "static_ctypes", "static_ctypes_out", "static_bound",
          "raw_launch", "graph", "kernel")
 
 
@@ -56,6 +59,23 @@ def make_inputs(T, device):
     q, k, v = (r(B, T, H, d).to(torch.bfloat16) for d in (K, K, V))
     g = torch.nn.functional.logsigmoid(r(B, T, H) + 4)
     return q, k, v, g
+
+
+def _without_relaunch(fn):
+    """``fn`` with every plan launch going through Triton's JIT (its per-call path)."""
+    import os
+
+    def run():
+        old = os.environ.get("FORGE_DIST_JIT_RELAUNCH")
+        os.environ["FORGE_DIST_JIT_RELAUNCH"] = "0"
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["FORGE_DIST_JIT_RELAUNCH"]
+            else:
+                os.environ["FORGE_DIST_JIT_RELAUNCH"] = old
+    return run
 
 
 def _host_and_e2e(fn, iters):
@@ -169,6 +189,9 @@ def main(argv=None) -> int:
             if path == "ops":
                 fn = lambda: ops.simple_gla(q, k, v, g)  # noqa: E731
             elif path == "jit":
+                pl = plan("simple_gla", backend="triton", **common)
+                fn = _without_relaunch(lambda: pl.run(q, k, v, g))
+            elif path == "jit_relaunch":
                 pl = plan("simple_gla", backend="triton", **common)
                 fn = lambda: pl.run(q, k, v, g)  # noqa: E731
             elif path in ("static", "static_ctypes", "static_ctypes_out"):
