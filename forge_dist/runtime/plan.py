@@ -298,16 +298,17 @@ class Plan:
             dht: the gradient of the final state ``[B, D]`` fp32, or ``None``.
             initial_state: the state the run took (required iff the plan has one).
             need_initial_grad: also return ``dS_in`` (the gradient of ``initial_state``).
-        Launches only (CUDA-graph capturable as :meth:`run`); the two backward programs
-        (with and without ``dht``) are built on first use.
+        Launches only, like :meth:`run`; the two backward programs (with and without
+        ``dht``) are built on first use, so call it once eagerly before a graph capture.
         """
         if self.op != "hgrn" or self.size != 1 or self.backend == "torch":
             raise PlanError("run_backward: single-device hgrn plans on the Triton or static "
                             f"backend only (this plan: {self.op}, backend {self.backend}, "
                             f"world {self.size}); use forge_dist.ops for gradients")
-        tensors = {"g": g, "h": o, "do": do}
-        for n, t in tensors.items():
-            self._check(n, t, self.out_shape, self.dtypes["g"] if n == "g" else self.out_dtype)
+        tensors = {"g": g, "h": o, "do": do}  # the backward program's buffer names
+        for name, t, dtype in (("g", g, self.dtypes["g"]), ("o", o, self.out_dtype),
+                               ("do", do, self.out_dtype)):
+            self._check(name, t, self.out_shape, dtype)
         if self.initial_state:
             if initial_state is None:
                 raise PlanError("initial_state: the plan was made with initial_state=True; "

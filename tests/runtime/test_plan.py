@@ -145,6 +145,8 @@ def test_run_backward_errors():
         p.run_backward(inp["g"], o, o, initial_state=torch.zeros(B, 40), dht=torch.zeros(40))
     with pytest.raises(PlanError, match="^do: the plan was made for dtype"):
         p.run_backward(inp["g"], o, o.double(), initial_state=torch.zeros(B, 40))
+    with pytest.raises(PlanError, match="^o: the plan was made for shape"):
+        p.run_backward(inp["g"], o[:, 1:], o, initial_state=torch.zeros(B, 40))
     m = _inputs("linear_attn")
     pm = plan("linear_attn", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
     with pytest.raises(PlanError, match="single-device hgrn plans"):
