@@ -61,7 +61,7 @@ def specs(K: int, V: int, H: int, D: int):
     for variant in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
         cfg = dict(aot.DEFAULTS, variants=[variant], heads=[H], head_dims=[[K, V]],
                    hgrn_dims=[D], dtypes=["bfloat16"], execution=["fused"],
-                   initial_state=[True], sequence_parallel=False)
+                   initial_state=[True], sequence_parallel=False, backward=False)
         out += [(variant, "fwd", s) for s in aot.enumerate_specs(cfg)]
     out += [("simple_gla", "bwd", s) for s in scalar_backward.kernel_specs(K, V, H=H)]
     out += [("gla", "bwd", s) for s in vector_backward.kernel_specs(K, V, torch.bfloat16, H=H)]

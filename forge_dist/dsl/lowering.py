@@ -131,10 +131,9 @@ class Lowering:
         ``None`` when the call is not eligible.  ``initial_state`` and the returned state in
         the ops' layouts."""
         from ..ops import planned
+        from ..ops.runner import needs_grad
 
-        grads = torch.is_grad_enabled() and any(
-            t.requires_grad for t in list(inputs.values()) + [initial_state] if t is not None)
-        if grads and self.template != "hgrn":
+        if self.template != "hgrn" and needs_grad(inputs, initial_state):
             return None  # matrix-state gradients: the runner (skip the prologue here)
         x = self._template_inputs(inputs)
         common = dict(initial_state=initial_state, output_final_state=output_final_state,

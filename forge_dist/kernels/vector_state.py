@@ -418,19 +418,18 @@ def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
 
 
 def backward_kernel_specs(D: int = 4096, dtype=torch.bfloat16) -> list:
-    """The :class:`~forge_dist.runtime.programs.KernelSpec` of :func:`hgrn_backward`'s own
-    kernel (both modes) at the default tiles, for AOT compilation and the resource report."""
-    from ..runtime.programs import KernelSpec, tl_type
+    """The :class:`~forge_dist.runtime.programs.KernelSpec` of the backward's own kernel
+    (the reverse walk, with and without the gradients) as the planned backward launches it
+    (:func:`~forge_dist.runtime.programs.hgrn_backward_program`; the segment scan is the
+    forward's kernel), for AOT compilation and the resource report."""
+    from ..runtime.programs import hgrn_backward_program
 
-    io, f32 = "*" + tl_type(dtype), "*fp32"
-    sig = (("g", io), ("do", io), ("h", io), ("h0", f32), ("cin", f32), ("dx", io),
-           ("dg", f32), ("cout", f32), ("gout", f32), ("T", "i32"), ("SEG", "i32"))
-    return [KernelSpec("forge_dist.kernels.vector_state:_hgrn_bwd_kernel", sig,
-                       (("D", D), ("BT", BWD_CONFIG["BT"]), ("BD", BWD_CONFIG["BD"]),
-                        ("HAS_DO", True),
-                        ("HAS_H0", True), ("HAS_CIN", True), ("GRADS", grads)),
-                       BWD_CONFIG["num_warps"], BWD_CONFIG["num_stages"])
-            for grads in (True, False)]
+    specs = {}
+    for execution in ("fused", "decoupled"):
+        prog = hgrn_backward_program(B=1, T=256, D=D, dtype=dtype, has_h0=True, has_dht=True,
+                                     execution=execution)
+        specs.update((s.key, s) for s in prog.specs() if s.kernel == "hgrn_bwd")
+    return list(specs.values())
 
 
 class VectorStateWork(TritonWork):

@@ -26,6 +26,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .runner import needs_grad
+
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -154,8 +156,7 @@ def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seq
               gate_dtype=g.dtype, device=x.device)
     if p is None:
         return None
-    tensors = [x, g] + ([initial_state] if initial_state is not None else [])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if needs_grad(inputs, initial_state):
         if p.backend == "torch":
             return None
         return _PlannedHgrn.apply(p, x, g, initial_state)
