@@ -57,7 +57,8 @@ class Variant:
     def __init__(self, name: str, chunk_mode: Callable, decay_mode: Callable,
                  merge_mode: Callable, *, state: str = "matrix",
                  inputs: Optional[Union[Sequence[str], Dict[str, str]]] = None,
-                 chunk_size: Optional[int] = None, lower: bool = True):
+                 chunk_size: Optional[int] = None, lower: bool = True,
+                 fuse_prologues: bool = True):
         if state not in ("matrix", "vector"):
             raise DSLError(f"state: expected 'matrix' or 'vector', got {state!r}")
         self.name = name
@@ -78,7 +79,7 @@ class Variant:
         if lower:
             from . import lowering
 
-            self.lowering, self.lowering_reason = lowering.lower(self)
+            self.lowering, self.lowering_reason = lowering.lower(self, fuse=fuse_prologues)
 
     # -- compile ------------------------------------------------------------------------------
     def _input_dims(self, inputs) -> Dict[str, str]:
@@ -164,8 +165,8 @@ class Variant:
                      for n, d in self.inputs.items()),
                  f"  cached:     {', '.join(self.chunk.cached) or '-'}",
                  f"  chunk size: {self.chunk_size}",
-                 "  execution:  " + (f"Triton template {self.lowering.template!r} after a "
-                                      f"PyTorch prologue on CUDA ({self.lowering.summary()}); "
+                 "  execution:  " + (f"Triton template {self.lowering.template!r} on CUDA "
+                                      f"({self.lowering.summary()}); "
                                       f"graph executor elsewhere" if self.lowering else
                                       f"graph executor (PyTorch) on every device; no Triton "
                                       f"template: {self.lowering_reason}")]
@@ -317,7 +318,8 @@ def _use_kernels(device: torch.device) -> bool:
 
 def variant(name: str, *, chunk_mode: Callable, decay_mode: Callable, merge_mode: Callable,
             state: str = "matrix", inputs: Optional[Union[Sequence[str], Dict[str, str]]] = None,
-            chunk_size: Optional[int] = None, lower: bool = True) -> Variant:
+            chunk_size: Optional[int] = None, lower: bool = True,
+            fuse_prologues: bool = True) -> Variant:
     """Compile a variant from its three phases (see the module docstring).
 
     Args:
@@ -329,8 +331,11 @@ def variant(name: str, *, chunk_mode: Callable, decay_mode: Callable, merge_mode
             ``v -> V``, anything else a per-head scalar (vector: ``D``).
         chunk_size: tokens per chunk (default 32).
         lower: try to map the variant onto a Triton template (CUDA only).
+        fuse_prologues: write the template inputs' elementwise prologues as Triton maps the
+            template's kernels apply as they load (``False``: run them as PyTorch ops first,
+            for comparison).
     Raises:
         DSLError: the program cannot be compiled; the message names the op and source line.
     """
     return Variant(name, chunk_mode, decay_mode, merge_mode, state=state, inputs=inputs,
-                   chunk_size=chunk_size, lower=lower)
+                   chunk_size=chunk_size, lower=lower, fuse_prologues=fuse_prologues)

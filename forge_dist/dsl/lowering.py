@@ -17,23 +17,28 @@ prologues* of those inputs (feature maps, gate activations, scalings).  Steps:
    in ``describe()``.
 
 At run time on CUDA (or CPU tensors under ``TRITON_INTERPRET=1`` with
-``FORGE_DIST_DSL_TRITON=1``) the prologue runs as PyTorch elementwise ops on the token tensors
-and the fused walker does the rest; gradients flow through the prologue by autograd and through
-the walker by the kernels' own autograd glue (Triton backward kernels for every template).  Not
-lowered: prologues that are not elementwise chains of one input (e.g. RetNet's per-head
-constant decay), programs that are none of the five templates — those run on the executor.
+``FORGE_DIST_DSL_TRITON=1``) the prologues are fused into the template: each chain is written
+as a Triton function of a tile (:mod:`.codegen`) that the template's forward kernels apply to
+every tile of that input they load, so no mapped copy of an input is made.  The backward
+maps the inputs again in PyTorch, runs the template's Triton backward kernels on the result
+and differentiates the prologue (autograd) back to the raw inputs.  Prologues the codegen has
+no translation for, and every prologue of the gated_delta_rule template, run as PyTorch ops
+before the kernels instead (``describe()`` says which).  Not lowered: prologues that are not
+elementwise chains of one input (e.g. RetNet's per-head constant decay), programs that are
+none of the five templates — those run on the executor.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from ..variants.transitions import Kind
+from . import codegen
 
 _ELEMENTWISE_FUNCS = {torch.relu, torch.sigmoid, torch.exp, torch.tanh, torch.abs, torch.neg,
                       F.relu, F.elu, F.silu, F.softplus, F.logsigmoid, F.gelu, torch.sqrt,
@@ -104,26 +109,33 @@ class Lowering:
     prologues: Dict[str, Optional[Callable]]  # input name -> elementwise map (None: identity)
     texts: Dict[str, str]
     scale_mode: str  # "user" (the call's scale) or "one"
+    # input name -> InputMap: prologues the template's kernels apply as they load (codegen)
+    fused: Dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> str:
-        maps = [f"{k}: {t}" for k, t in self.texts.items() if "->" in t]
+        maps = [f"{k}: {t} ({'fused' if k in self.fused else 'PyTorch'})"
+                for k, t in self.texts.items() if "->" in t]
         return "prologue " + ("; ".join(maps) if maps else "none")
 
     def mapped(self, part: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         return {k: part[k] if p is None else p(part[k]) for k, p in self.prologues.items()}
 
     def _template_inputs(self, part) -> Dict[str, torch.Tensor]:
-        """The prologue outputs, q/k/v (hgrn x) in the input dtype, gates as they come."""
-        mapped = self.mapped(part)
+        """What the template's kernels take: the prologue outputs, q/k/v (hgrn x) in the
+        input dtype, gates as they come; inputs with a fused prologue as they are."""
         dtype = part["x" if self.template == "hgrn" else "q"].dtype
-        return {k: (t if k in _GATES else t.to(dtype)) for k, t in mapped.items()}
+        out = {}
+        for k, p in self.prologues.items():
+            t = part[k] if p is None or k in self.fused else p(part[k])
+            out[k] = t if k in _GATES else t.to(dtype)
+        return out
 
     def make_work(self, part, scale: float, need_M: bool, *, out_dtype=None):
         from .. import kernels
 
         s = scale if self.scale_mode == "user" else 1.0
         return kernels.make_work(self.template, self._template_inputs(part), s, need_M,
-                                 out_dtype=out_dtype)
+                                 out_dtype=out_dtype, maps=self.fused)
 
     def planned_call(self, inputs, scale: float, initial_state, output_final_state):
         """The ops' short path (:mod:`forge_dist.ops.planned`: a cached plan, for a call on
@@ -133,11 +145,14 @@ class Lowering:
         from ..ops import planned
         from ..ops.runner import needs_grad
 
-        if self.template != "hgrn" and needs_grad(inputs, initial_state):
-            return None  # matrix-state gradients: the runner (skip the prologue here)
+        if (self.template != "hgrn" or self.fused) and needs_grad(inputs, initial_state):
+            # matrix-state gradients, and hgrn's with a fused prologue (its planned backward
+            # takes the mapped gates): the runner (skip the prologue here)
+            return None
         x = self._template_inputs(inputs)
+        maps = {n: m.kernel for n, m in self.fused.items()}
         common = dict(initial_state=initial_state, output_final_state=output_final_state,
-                      cu_seqlens=None, group=None, use_kernels=True)
+                      cu_seqlens=None, group=None, use_kernels=True, maps=maps)
         if self.template == "hgrn":
             return planned.hgrn_call(x["x"], x["g"], **common)
         s = scale if self.scale_mode == "user" else 1.0
@@ -169,16 +184,25 @@ def _template(v) -> Tuple[Optional[str], Dict[str, str], str]:
     return template, want, ""
 
 
-def lower(v) -> Tuple[Optional[Lowering], str]:
-    """``(Lowering, "")`` or ``(None, reason)`` for a compiled :class:`~.api.Variant`."""
+def lower(v, fuse: bool = True) -> Tuple[Optional[Lowering], str]:
+    """``(Lowering, "")`` or ``(None, reason)`` for a compiled :class:`~.api.Variant`;
+    ``fuse``: write the prologues the template can apply as Triton maps (:mod:`.codegen`)."""
     template, want, reason = _template(v)
     if template is None:
         return None, reason
-    prologues, texts = {}, {}
+    from ..kernels import MAPPABLE
+    from ..kernels._common import InputMap
+
+    prologues, texts, fused = {}, {}, {}
     for name in want:
-        prologues[name], texts[name] = _prologue(_chain([v.merge.gm, v.chunk.gm], name))
+        chain = _chain([v.merge.gm, v.chunk.gm], name)
+        prologues[name], texts[name] = _prologue(chain)
+        got = (codegen.triton_map(chain) if fuse and name in MAPPABLE.get(template, ())
+               else None)
+        if got is not None:
+            fused[name] = InputMap(got[0], prologues[name])
     for mode in ("user", "one"):
-        low = Lowering(template, prologues, texts, mode)
+        low = Lowering(template, prologues, texts, mode, fused)
         if _validate(v, low):
             return low, ""
     return None, (f"merge_mode is not the {template} template's chunk form on elementwise "

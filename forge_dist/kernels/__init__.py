@@ -99,9 +99,14 @@ def supported(variant: str, inputs: Dict[str, Optional[torch.Tensor]]) -> Option
     return None
 
 
+# templates whose forward kernels apply fused input prologues, and the inputs they map
+MAPPABLE = {"linear_attn": ("q", "k", "v"), "simple_gla": ("q", "k", "v", "g"),
+            "gla": ("q", "k", "v", "g"), "hgrn": ("x", "g")}
+
+
 def make_work(variant: str, inputs: Dict[str, Optional[torch.Tensor]], scale: Optional[float],
               need_transition: bool, *, out_dtype: Optional[torch.dtype] = None,
-              execution: Optional[str] = None):
+              execution: Optional[str] = None, maps: Optional[dict] = None):
     """A Triton-backed ``SegmentWork`` for one segment, or ``None`` (use the PyTorch path).
 
     Args:
@@ -114,11 +119,19 @@ def make_work(variant: str, inputs: Dict[str, Optional[torch.Tensor]], scale: Op
             input dtype to save the fp32 write when the caller casts anyway).
         execution: ``"fused"`` / ``"decoupled"`` / ``None`` (scheduler, or the
             ``FORGE_DIST_EXECUTION`` environment variable).
+        maps: fused elementwise prologues, input name -> :class:`._common.InputMap`: the
+            kernels read the raw inputs and map every tile they load (inputs of
+            :data:`MAPPABLE` only).
     """
+    maps = {n: m for n, m in (maps or {}).items() if m is not None}
+    extra = set(maps) - set(MAPPABLE.get(variant, ()))
+    if extra:
+        raise ValueError(f"make_work: maps: {variant} fuses prologues of "
+                         f"{MAPPABLE.get(variant, ())} only, got {sorted(extra)}")
     if supported(variant, inputs) is not None:
         return None
     return _work_class(variant)(variant, dict(inputs), scale, need_transition,
-                                out_dtype=out_dtype, execution=execution)
+                                out_dtype=out_dtype, execution=execution, maps=maps)
 
 
 def forward(variant: str, inputs: Dict[str, Optional[torch.Tensor]], scale: Optional[float] = None,

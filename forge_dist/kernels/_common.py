@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import Tensor
@@ -164,8 +164,19 @@ def ensure(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
-scalar_gate_chunk = value_state_tiles = None  # defined below when Triton is installed
+scalar_gate_chunk = value_state_tiles = mapped_tile = None  # defined below when Triton is installed
 if HAVE_TRITON:
+
+    @triton.jit
+    def mapped_tile(x, MAP: tl.constexpr, r0, R, c0, C, BR: tl.constexpr, BC: tl.constexpr):
+        """A loaded ``[BR, BC]`` tile (rows from ``r0``, columns from ``c0``) through a fused
+        prologue ``MAP`` (:mod:`forge_dist.dsl.codegen`), computed in fp32 and rounded back to
+        the tile's dtype; what the load padded (rows past ``R``, columns past ``C``) stays 0,
+        as the unmapped walk assumes (``MAP(0)`` need not be 0)."""
+        o_r = r0 + tl.arange(0, BR)
+        o_c = c0 + tl.arange(0, BC)
+        keep = (o_r < R)[:, None] & (o_c < C)[None, :]
+        return tl.where(keep, MAP(x.to(tl.float32)), 0.0).to(x.dtype)
 
     @triton.jit
     def scalar_gate_chunk(g, bos, t0, T, i_h, H: tl.constexpr, BT: tl.constexpr):
@@ -187,15 +198,20 @@ if HAVE_TRITON:
         return b_G, tl.load(base + tl.minimum(t0 + BT, T) - 1)
 
     @triton.jit
-    def _gate_cumsum_kernel(g, gc, T, H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    def _gate_cumsum_kernel(g, gc, T, H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                            G_MAP: tl.constexpr = None):
         """Chunk-local cumulative sums of scalar log decays; grid ``(cdiv(T, BT), B)``.
-        g [B, T, H] (any float dtype) -> gc [B, H, T] fp32, summed within each BT-token chunk."""
+        g [B, T, H] (any float dtype) -> gc [B, H, T] fp32, summed within each BT-token chunk.
+        G_MAP: a fused prologue applied to g first (in fp32; padding stays 0)."""
         i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
         o_t = i_t * BT + tl.arange(0, BT)
         o_h = tl.arange(0, BH)
         m = (o_t < T)[:, None] & (o_h < H)[None, :]
         b_g = tl.load(g + (i_b * T + o_t)[:, None] * H + o_h[None, :], mask=m, other=0.0)
-        b_G = tl.cumsum(b_g.to(tl.float32), axis=0)
+        b_g = b_g.to(tl.float32)
+        if G_MAP is not None:
+            b_g = tl.where(m, G_MAP(b_g), 0.0)
+        b_G = tl.cumsum(b_g, axis=0)
         tl.store(gc + (i_b * H + o_h[None, :]) * T + o_t[:, None], b_G, mask=m)
 
     @triton.jit
@@ -227,7 +243,8 @@ if HAVE_TRITON:
                      STORE_GT: tl.constexpr = False, HAS_SIN: tl.constexpr = False,
                      s_in=None, cg=None, HT_LAST: tl.constexpr = False,
                      STORE_CHUNKS: tl.constexpr = False, hc=None, vn=None,
-                     SCAN_IN: tl.constexpr = False):
+                     SCAN_IN: tl.constexpr = False, Q_MAP: tl.constexpr = None,
+                     K_MAP: tl.constexpr = None, V_MAP: tl.constexpr = None):
         """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H, NSEG)``.
 
         Program ``(i_v, i_bh, i_s)`` walks the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a
@@ -252,6 +269,8 @@ if HAVE_TRITON:
         outputs), and each program folds the segments before its own (and ``s_in``,
         HAS_SIN, before the first) into its start state: no scan launch, and no
         ``[NSEG, B, H, K, V]`` pass between the two walks.
+        Q_MAP, K_MAP, V_MAP: fused elementwise prologues (:func:`mapped_tile`) applied to
+        every q, k, v tile as it is loaded (``None``: the inputs as they are).
         STORE_CHUNKS (for backward passes): every chunk's start state into
         ``hc [B, NT, H, K, V]`` and the values the state update uses (the delta rule's
         corrected ``v - w S``) into ``vn [B, T, H, V]``.
@@ -306,11 +325,15 @@ if HAVE_TRITON:
                 tl.store(p_hc, b_S.to(p_hc.dtype.element_ty), boundary_check=(0, 1))
             p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
             b_k = tl.load(p_k, boundary_check=(0, 1))
+            if K_MAP is not None:
+                b_k = mapped_tile(b_k, K_MAP, t0, T, 0, K, BT, BK)
             # values in the operand dtype: an fp32 copy would hold 32 more registers per
             # thread through the chunk (the delta rule's correction makes its own)
             if HAS_V:
                 p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
                 b_v = tl.load(p_v, boundary_check=(0, 1))
+                if V_MAP is not None:
+                    b_v = mapped_tile(b_v, V_MAP, t0, T, i_v * BV, V, BT, BV)
             else:
                 b_v = tl.zeros([BT, BV], dtype=DT)
             if HAS_W:
@@ -344,6 +367,8 @@ if HAVE_TRITON:
             if STORE_O:
                 p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
                 b_q = tl.load(p_q, boundary_check=(0, 1))
+                if Q_MAP is not None:
+                    b_q = mapped_tile(b_q, Q_MAP, t0, T, 0, K, BT, BK)
                 if HAS_A:  # the in-chunk attention precomputed (once, not per V tile)
                     b_qg = b_q  # GATE 1: its decay exp(G) scales the output rows below
                     p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
@@ -456,25 +481,35 @@ def segment_length(T: int, BT: int, n_seg: int) -> int:
 GATE_CUMSUM_WARPS = 4  # the gate-sum launch's warps (runtime/programs.py mirrors the launch)
 
 
-def chunk_gate_cumsum(g: Tensor, BT: int) -> Tensor:
+def chunk_gate_cumsum(g: Tensor, BT: int, g_map=None) -> Tensor:
     """Scalar log decays ``g [B, T, H]`` (any float dtype) -> their cumulative sums within
     each ``BT``-token chunk, head-major: ``[B, H, T]`` fp32 (what the walker reads for
-    ``gate=1``; one small launch)."""
+    ``gate=1``; one small launch).  ``g_map``: a fused prologue applied to ``g`` first."""
     B, T, H = g.shape
     gc = torch.empty(B, H, T, dtype=torch.float32, device=g.device)
+    extra = {} if g_map is None else {"G_MAP": g_map}
     _gate_cumsum_kernel[(triton.cdiv(T, BT), B)](g.contiguous(), gc, T, H=H, BT=BT,
-                                                 BH=next_pow2(H),
+                                                 BH=next_pow2(H), **extra,
                                                  num_warps=GATE_CUMSUM_WARPS)
     return gc
 
 
 def walker_gates(g: Optional[Tensor], gate: int, BT: int,
-                 g_cum: Optional[Tensor] = None) -> Optional[Tensor]:
+                 g_cum: Optional[Tensor] = None, g_map=None) -> Optional[Tensor]:
     """The gate tensor the walker reads: for ``gate=1`` the chunk-local cumulative sums
-    (``g_cum``, or computed from ``g``), otherwise ``g`` as given."""
+    (``g_cum``, or computed from ``g`` through ``g_map``), otherwise ``g`` as given."""
     if gate != 1:
         return g
-    return g_cum if g_cum is not None else chunk_gate_cumsum(g, BT)
+    return g_cum if g_cum is not None else chunk_gate_cumsum(g, BT, g_map)
+
+
+def map_flags(maps: Optional[dict], names: str) -> dict:
+    """The walker's constexpr prologue arguments (``Q_MAP`` ...) for the inputs in ``names``
+    (``"qkv"``) that have a fused map in ``maps`` (input name -> jitted map); none are passed
+    otherwise, so unmapped launches keep their compiled kernels."""
+    if not maps:
+        return {}
+    return {f"{n.upper()}_MAP": maps[n] for n in names if maps.get(n) is not None}
 
 
 def _tiles(k: Tensor, V: int, cfg: dict):
@@ -485,7 +520,7 @@ def _tiles(k: Tensor, V: int, cfg: dict):
 
 def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_ht, scale,
                  V, cfg, prec, a=None, s_in=None, cg=None, ht_last=False, hc=None,
-                 vn=None, scan_in=False) -> None:
+                 vn=None, scan_in=False, maps=None) -> None:
     """One walker launch over ``n`` segments of ``seg`` tokens (see ``_walk_kernel``)."""
     B, T, H, K = k.shape
     BT, BK, BV, NV = _tiles(k, V, cfg)
@@ -507,6 +542,8 @@ def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_
         flags.update(HT_LAST=True)
     if hc is not None:  # chunk states and corrected values for a backward pass
         flags.update(STORE_CHUNKS=True, hc=hc, vn=vn)
+    flags.update(map_flags(maps, ("q" if q is not None else "") + "k" + ("v" if v is not None
+                                                                          else "")))
     if use_autotune() and cfg.get("tune", True) and hc is None:
         grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * H, n)  # noqa: E731
         _walk_tuned[grid](*args, **flags)
@@ -520,7 +557,7 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
          scale: float = 1.0, V: Optional[int] = None, out_dtype=torch.float32,
          cfg: dict, prec: str, a: Optional[Tensor] = None, n_seg: int = 1,
          chunk_states: Optional[Tensor] = None, walked_v: Optional[Tensor] = None,
-         g_cum: Optional[Tensor] = None):
+         g_cum: Optional[Tensor] = None, maps: Optional[dict] = None):
     """Run the walker: FUSED (``n_seg == 1``) or DECOUPLED over ``n_seg`` segments.
 
     DECOUPLED (the paper's appendix B.2 at segment granularity): every segment's summary from
@@ -546,6 +583,8 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
         chunk_states, walked_v: fused only, for backward passes: filled with every chunk's
             start state ``[B, NT, H, K, V]`` and the values the state update used
             ``[B, T, H, V]`` (the delta rule's ``v - w S``); pass both or neither.
+        maps: fused elementwise prologues by input name (``q, k, v, g``; jitted maps of
+            :mod:`forge_dist.dsl.codegen`): the walk reads the raw inputs and maps each tile.
     Returns:
         ``(o [B, T, H, V] in out_dtype or None, final state [B, H, K, V] fp32)``.
     """
@@ -561,8 +600,9 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
     o = torch.empty(B, T, H, V, dtype=out_dtype, device=k.device) if q is not None else None
     if h0 is not None:
         h0 = h0.to(torch.float32).contiguous()
-    g = walker_gates(g, gate, BT, g_cum)
-    common = dict(k=k, v=v, g=g, gate=gate, w=w, scale=scale, V=V, cfg=cfg, prec=prec)
+    g = walker_gates(g, gate, BT, g_cum, (maps or {}).get("g"))
+    common = dict(k=k, v=v, g=g, gate=gate, w=w, scale=scale, V=V, cfg=cfg, prec=prec,
+                  maps=maps)
     if (chunk_states is None) != (walked_v is None):
         raise ValueError("walk: chunk_states and walked_v go together")
     if chunk_states is not None and n_seg != 1:
@@ -615,7 +655,8 @@ class SegmentStates:
 
 
 def summarize(k: Tensor, v: Tensor, *, g: Optional[Tensor] = None, gate: int = 0,
-              cfg: dict, prec: str, n_seg: int = 1) -> SegmentStates:
+              cfg: dict, prec: str, n_seg: int = 1, maps: Optional[dict] = None
+              ) -> SegmentStates:
     """Phase 1 of the sequence-parallel step: the shard's summary, with its segment states.
 
     Runs the segment summaries and (``n_seg > 1``) the segment scan from a zero start;
@@ -627,9 +668,10 @@ def summarize(k: Tensor, v: Tensor, *, g: Optional[Tensor] = None, gate: int = 0
     BT, BK, BV, NV = _tiles(k, V, cfg)
     seg = segment_length(T, BT, n_seg)
     n_seg = max(1, -(-T // seg))
-    g = walker_gates(g, gate, BT)
+    g = walker_gates(g, gate, BT, g_map=(maps or {}).get("g"))
     g_cum = g if gate == 1 else None
-    common = dict(k=k, v=v, g=g, gate=gate, w=None, scale=1.0, V=V, cfg=cfg, prec=prec)
+    common = dict(k=k, v=v, g=g, gate=gate, w=None, scale=1.0, V=V, cfg=cfg, prec=prec,
+                  maps=maps)
     hs = torch.empty(n_seg, B, H, K, V, dtype=torch.float32, device=k.device)
     gt = torch.empty(n_seg, B, H, K, dtype=torch.float32, device=k.device) if gate else None
     _launch_walk(n_seg, seg, q=None, h0=None, o=None, ht=hs, gt=gt, store_ht=True, **common)
@@ -652,7 +694,7 @@ def outputs_from_summary(summ: SegmentStates, k: Tensor, v: Tensor, *, q: Tensor
                          g: Optional[Tensor] = None, gate: int = 0,
                          S_in: Optional[Tensor] = None, scale: float = 1.0,
                          out_dtype=torch.float32, cfg: dict, prec: str,
-                         a: Optional[Tensor] = None):
+                         a: Optional[Tensor] = None, maps: Optional[dict] = None):
     """Phase 3: ``(o, final state)`` of the shard given its incoming state ``S_in``.
 
     Every segment starts from ``starts[s] + exp(decay_to[s]) * S_in`` (folded into the
@@ -665,8 +707,9 @@ def outputs_from_summary(summ: SegmentStates, k: Tensor, v: Tensor, *, q: Tensor
         S_in = S_in.to(torch.float32).contiguous()
     o = torch.empty(B, T, H, V, dtype=out_dtype, device=k.device)
     ht = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
-    g = walker_gates(g, gate, cfg["BT"], summ.g_cum)
-    common = dict(k=k, v=v, g=g, gate=gate, w=None, scale=scale, V=V, cfg=cfg, prec=prec, a=a)
+    g = walker_gates(g, gate, cfg["BT"], summ.g_cum, (maps or {}).get("g"))
+    common = dict(k=k, v=v, g=g, gate=gate, w=None, scale=scale, V=V, cfg=cfg, prec=prec, a=a,
+                  maps=maps)
     if summ.n_seg == 1:
         _launch_walk(1, summ.seg, q=q, h0=S_in, o=o, ht=ht, gt=None, store_ht=True, **common)
     else:
@@ -680,6 +723,16 @@ def outputs_from_summary(summ: SegmentStates, k: Tensor, v: Tensor, *, q: Tensor
 # (``_finish_bwd`` / ``_summary_bwd``), or, where a work returns None there, recomputes
 # through the PyTorch chunk form of forge_dist.variants.
 # --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InputMap:
+    """A fused elementwise prologue of one input: ``kernel``, the jitted tile map the
+    templates take as a constexpr (:mod:`forge_dist.dsl.codegen`), and ``torch``, the same
+    map in PyTorch, which the backward runs again and differentiates."""
+
+    kernel: Callable
+    torch: Callable
+
 
 def _leaves(tensors, needs):
     out = []
@@ -721,13 +774,16 @@ class _FinishFn(torch.autograd.Function):
         S_in, *tensors = ctx.saved_tensors
         o = tensors.pop() if ctx.saved_output else None
         needs = ctx.needs_input_grad[1:]
+        raw, tensors = ctx.work.remap(tensors)
         fast = (ctx.work._finish_bwd(S_in, tensors, do, dht, o=o) if ctx.saved_output else
                 ctx.work._finish_bwd(S_in, tensors, do, dht))
         if fast is not None:  # Triton backward: [dS_in, *d tensors]
+            fast = [fast[0], *ctx.work.chain(raw, tensors, fast[1:])]
             return (None, *[gr if n else None for gr, n in zip(fast, needs)])
+        tensors = [t if r is None else r for t, r in zip(tensors, raw)]
         leaves = _leaves([S_in] + tensors, needs)
         with torch.enable_grad():
-            o, ht = ctx.work._finish_torch(leaves[0], leaves[1:])
+            o, ht = ctx.work._finish_torch(leaves[0], ctx.work.mapped_inputs(leaves[1:]))
             grads = _grads([o, ht], [do, dht], leaves)
         return (None, *grads)
 
@@ -745,14 +801,16 @@ class _SummaryFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ddelta, dM=None):
-        tensors = list(ctx.saved_tensors)
+        raw, tensors = ctx.work.remap(list(ctx.saved_tensors))
         fast = ctx.work._summary_bwd(tensors, ddelta, dM if ctx.has_M else None)
         if fast is not None:  # Triton backward: d tensors
+            fast = ctx.work.chain(raw, tensors, fast)
             return (None, None, *[gr if n else None
                                   for gr, n in zip(fast, ctx.needs_input_grad[2:])])
+        tensors = [t if r is None else r for t, r in zip(tensors, raw)]
         leaves = _leaves(tensors, ctx.needs_input_grad[2:])
         with torch.enable_grad():
-            summ = ctx.work._summary_torch(leaves, ctx.need_M)
+            summ = ctx.work._summary_torch(ctx.work.mapped_inputs(leaves), ctx.need_M)
             outs = [summ.delta] + ([summ.transition] if ctx.has_M else [])
             gouts = [ddelta] + ([dM] if ctx.has_M else [])
             grads = _grads(outs, gouts, leaves)
@@ -773,9 +831,14 @@ class TritonWork(SegmentWork):
     backward_reads_output = False  # _finish_bwd takes finish's output o (keyword ``o``)
 
     def __init__(self, variant: str, inputs: dict, scale: Optional[float], need_transition: bool,
-                 out_dtype: Optional[torch.dtype] = None, execution: Optional[str] = None):
+                 out_dtype: Optional[torch.dtype] = None, execution: Optional[str] = None,
+                 maps: Optional[Dict[str, InputMap]] = None):
         self.variant = variant
         self.tensors = [inputs.get(n) for n in self.names]
+        # fused prologues: the forward kernels map the raw inputs tile by tile; the backward
+        # maps them again in PyTorch (remap) and chains the kernels' gradients through it
+        self.input_maps = {n: m for n, m in (maps or {}).items() if m is not None}
+        self.maps = {n: m.kernel for n, m in self.input_maps.items()}
         first = self.tensors[0]
         self.scale = first.shape[-1] ** -0.5 if scale is None else float(scale)
         self.in_dtype = first.dtype
@@ -825,6 +888,49 @@ class TritonWork(SegmentWork):
                                request=self.execution_request, with_summary=with_summary)
         self.execution, self.execution_reason, self.n_seg = s.strategy, s.reason, s.n_seg
         return s.n_seg
+
+    # Fused prologues in the backward -------------------------------------------------------
+    def _map_one(self, name: str, t: Tensor) -> Tensor:
+        """``t`` through its prologue as the kernels compute it: in fp32, rounded to ``t``'s
+        dtype for q, k, v, x; kept in fp32 for gates."""
+        y = self.input_maps[name].torch(t.float())
+        return y if name in ("g", "beta") else y.to(t.dtype)
+
+    def mapped_inputs(self, tensors):
+        """The inputs (in ``names`` order) through their prologues, differentiably."""
+        return [t if t is None or n not in self.input_maps else self._map_one(n, t)
+                for n, t in zip(self.names, tensors)]
+
+    def remap(self, tensors):
+        """``(leaves, mapped)`` for a backward: ``mapped`` are the prologues' outputs, which the
+        Triton backward takes; ``leaves[i]`` the raw input they were computed from (``None``
+        where the input has no prologue, ``mapped[i]`` is then the input itself)."""
+        if not self.input_maps:
+            return [None] * len(tensors), list(tensors)
+        leaves, mapped = [], []
+        for n, t in zip(self.names, tensors):
+            if t is None or n not in self.input_maps:
+                leaves.append(None)
+                mapped.append(t)
+                continue
+            leaf = t.detach().requires_grad_(True)
+            with torch.enable_grad():
+                mapped.append(self._map_one(n, leaf))
+            leaves.append(leaf)
+        return leaves, mapped
+
+    @staticmethod
+    def chain(leaves, mapped, grads):
+        """Gradients of the mapped inputs -> gradients of the raw inputs (``remap``'s pairs)."""
+        pairs = [(i, g) for i, (x, g) in enumerate(zip(leaves, grads))
+                 if x is not None and g is not None]
+        out = [None if x is not None else g for x, g in zip(leaves, grads)]
+        if pairs:
+            got = torch.autograd.grad([mapped[i] for i, _ in pairs], [leaves[i] for i, _ in pairs],
+                                      [g.to(mapped[i].dtype) for i, g in pairs])
+            for (i, _), gx in zip(pairs, got):
+                out[i] = gx
+        return out
 
     # Backward ---------------------------------------------------------------------------------
     def _finish_bwd(self, S_in, tensors, do, dht):

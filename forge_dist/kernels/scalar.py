@@ -37,10 +37,11 @@ class ScalarDecayWork(DecayAttentionWork):
         if self.segments is not None:  # the summary ran: only the output walks remain
             return outputs_from_summary(self.segments, k, v, q=q, g=g, gate=gate, S_in=S_in,
                                         scale=self.scale, out_dtype=self.out_dtype, cfg=cfg,
-                                        prec=self._prec())
+                                        prec=self._prec(), maps=self.maps)
         n_seg = self._schedule(k, v, cfg)
         return walk(k, v, q=q, g=g, gate=gate, h0=S_in, scale=self.scale,
-                    out_dtype=self.out_dtype, cfg=cfg, prec=self._prec(), n_seg=n_seg)
+                    out_dtype=self.out_dtype, cfg=cfg, prec=self._prec(), n_seg=n_seg,
+                    maps=self.maps)
 
     def _summary_segments(self) -> int:
         k, v = self.tensors[1], self.tensors[2]
@@ -51,7 +52,7 @@ class ScalarDecayWork(DecayAttentionWork):
         cfg = fused_config(k.shape[-1], v.shape[-1])
         n_seg = self._summary_segments()
         self.segments = summarize(k, v, g=g, gate=0 if g is None else 1, cfg=cfg,
-                                  prec=self._prec(), n_seg=n_seg)
+                                  prec=self._prec(), n_seg=n_seg, maps=self.maps)
         M = None
         if need_M and g is not None:
             M = self.segments.total_log_decay()[..., 0].exp()  # [B, H]

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import (HAVE_TRITON, DecayAttentionWork, dot_precision, ensure, next_pow2,
-                      outputs_from_summary, sized_config, summarize, tl, triton, walk)
+from ._common import (HAVE_TRITON, DecayAttentionWork, dot_precision, ensure, map_flags,
+                      mapped_tile, next_pow2, outputs_from_summary, sized_config, summarize,
+                      tl, triton, walk)
 
 # Measured on H200 at T=64K, B=1, H=32, K=V=128 (results/kernel_profile_sweeps_*_2026-11-24):
 # walker BV=64, 4 warps, 2 stages 2.61 ms for the whole forward (3 stages 2.73, BV=32 3.07,
@@ -61,10 +62,11 @@ if HAVE_TRITON:
     @triton.jit
     def _attention_subblocks(q, k, g, a, bos, t0, T, i_h, H: tl.constexpr, K: tl.constexpr,
                              BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
-                             PREC: tl.constexpr):
+                             PREC: tl.constexpr, Q_MAP: tl.constexpr = None,
+                             K_MAP: tl.constexpr = None, G_MAP: tl.constexpr = None):
         """``A`` of one chunk in ``BC``-row sub-blocks (module docstring), for steep gates;
         stores every ``[BC, BC]`` block of the chunk's ``[BT, BT]`` rows (zeros above the
-        diagonal)."""
+        diagonal).  Q_MAP, K_MAP, G_MAP: fused prologues, as in ``_gate_kernel``."""
         DT = a.dtype.element_ty
         rows = tl.arange(0, BC)
         cols_k = tl.arange(0, BK)
@@ -74,8 +76,13 @@ if HAVE_TRITON:
             r0 = t0 + i_i * BC
             p_q = tl.make_block_ptr(q + base_qk, (T, K), (H * K, 1), (r0, 0), (BC, BK), (1, 0))
             p_g = tl.make_block_ptr(g + base_qk, (T, K), (H * K, 1), (r0, 0), (BC, BK), (1, 0))
-            b_q = tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
+            b_q = tl.load(p_q, boundary_check=(0, 1))
+            if Q_MAP is not None:
+                b_q = mapped_tile(b_q, Q_MAP, r0, T, 0, K, BC, BK)
+            b_q = b_q.to(tl.float32)
             b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)  # padding: 0
+            if G_MAP is not None:
+                b_g = mapped_tile(b_g, G_MAP, r0, T, 0, K, BC, BK)
             b_G = tl.cumsum(b_g, axis=0)  # from the row before the block
             # diagonal block, column by column: exp(G_r - G_c) masked to r >= c
             b_A = tl.zeros([BC, BC], dtype=tl.float32)
@@ -83,8 +90,14 @@ if HAVE_TRITON:
             for c in range(BC):
                 m_c = (cols_k < K) & (r0 + c < T)
                 off_c = base_qk + (r0 + c).to(tl.int64) * (H * K) + cols_k
-                k_c = tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32)
-                b_Gc += tl.load(g + off_c, mask=m_c, other=0.0).to(tl.float32)
+                k_c = tl.load(k + off_c, mask=m_c, other=0.0)
+                if K_MAP is not None:
+                    k_c = tl.where(m_c, K_MAP(k_c.to(tl.float32)), 0.0).to(k_c.dtype)
+                k_c = k_c.to(tl.float32)
+                g_c = tl.load(g + off_c, mask=m_c, other=0.0).to(tl.float32)
+                if G_MAP is not None:
+                    g_c = tl.where(m_c, G_MAP(g_c), 0.0)
+                b_Gc += g_c
                 b_e = tl.exp(tl.where(rows[:, None] >= c, b_G - b_Gc[None, :], float("-inf")))
                 a_c = tl.sum(b_q * k_c[None, :] * b_e, axis=1)
                 b_A = tl.where(rows[None, :] == c, a_c[:, None], b_A)
@@ -99,9 +112,13 @@ if HAVE_TRITON:
                 p_k = tl.make_block_ptr(k + base_qk, (T, K), (H * K, 1), (c0, 0), (BC, BK), (1, 0))
                 p_gj = tl.make_block_ptr(g + base_qk, (T, K), (H * K, 1), (c0, 0), (BC, BK), (1, 0))
                 b_gj = tl.load(p_gj, boundary_check=(0, 1)).to(tl.float32)
+                if G_MAP is not None:
+                    b_gj = mapped_tile(b_gj, G_MAP, c0, T, 0, K, BC, BK)
                 b_after = tl.cumsum(b_gj, axis=0, reverse=True) - b_gj  # sum_{s > c} in block
-                b_ke = (tl.load(p_k, boundary_check=(0, 1)).to(tl.float32)
-                        * tl.exp(b_after + b_between[None, :])).to(DT)
+                b_kj = tl.load(p_k, boundary_check=(0, 1))
+                if K_MAP is not None:
+                    b_kj = mapped_tile(b_kj, K_MAP, c0, T, 0, K, BC, BK)
+                b_ke = (b_kj.to(tl.float32) * tl.exp(b_after + b_between[None, :])).to(DT)
                 b_Aj = tl.dot(b_qe, tl.trans(b_ke), input_precision=PREC)
                 p_a = tl.make_block_ptr(base_a, (T, BT), (H * BT, 1), (r0, i_i * BC - (j + 1) * BC),
                                         (BC, BC), (1, 0))
@@ -114,13 +131,17 @@ if HAVE_TRITON:
     @triton.jit
     def _gate_kernel(q, k, g, qg, kd, a, gc, T, span_limit, H: tl.constexpr, K: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BC: tl.constexpr,
-                     PREC: tl.constexpr, STORE_KD: tl.constexpr, STORE_QA: tl.constexpr):
+                     PREC: tl.constexpr, STORE_KD: tl.constexpr, STORE_QA: tl.constexpr,
+                     Q_MAP: tl.constexpr = None, K_MAP: tl.constexpr = None,
+                     G_MAP: tl.constexpr = None):
         """grid ``(NT, B * H)``: one chunk of one head, its K channels in slices of ``BKS``
         (the gates are per channel, so a slice is self-contained; only ``A`` sums over
         slices, and small tiles keep several programs resident per SM).
         q, k, g [B, T, H, K]; STORE_KD: ``kd [B, T, H, K]`` and ``gc [B, NT, H, K]`` fp32 (what
         a summary needs); STORE_QA: ``qg [B, T, H, K]`` and ``a [B, T, H, BT]`` (what the
         outputs need).  qg, kd and a in the operand dtype (the walker's dots take that dtype).
+        Q_MAP, K_MAP, G_MAP: fused elementwise prologues applied to the loaded q, k, g tiles
+        (``_common.mapped_tile``; the gates kept in fp32).
         """
         i_t, i_bh = tl.program_id(0), tl.program_id(1)
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets pass 2**31 at long T
@@ -136,10 +157,16 @@ if HAVE_TRITON:
         for i_k in range(BK // BKS):
             k0 = i_k * BKS
             p_g = tl.make_block_ptr(g + base, (T, K), (H * K, 1), (t0, k0), (BT, BKS), (1, 0))
-            b_G = tl.cumsum(tl.load(p_g, boundary_check=(0, 1)).to(tl.float32), axis=0)
+            b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)
+            if G_MAP is not None:
+                b_g = mapped_tile(b_g, G_MAP, t0, T, k0, K, BT, BKS)
+            b_G = tl.cumsum(b_g, axis=0)
             b_GC = tl.sum(tl.where(last, b_G, 0.0), axis=0)  # padding rows: g = 0
             p_k = tl.make_block_ptr(k + base, (T, K), (H * K, 1), (t0, k0), (BT, BKS), (1, 0))
-            b_k = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32)
+            b_k = tl.load(p_k, boundary_check=(0, 1))
+            if K_MAP is not None:
+                b_k = mapped_tile(b_k, K_MAP, t0, T, k0, K, BT, BKS)
+            b_k = b_k.to(tl.float32)
             if STORE_KD:
                 p_kd = tl.make_block_ptr(kd + base, (T, K), (H * K, 1), (t0, k0), (BT, BKS),
                                          (1, 0))
@@ -149,8 +176,10 @@ if HAVE_TRITON:
                 tl.store(gc + ((i_b * NT + i_t) * H + i_h) * K + o_k, b_GC, mask=o_k < K)
             if STORE_QA:
                 p_q = tl.make_block_ptr(q + base, (T, K), (H * K, 1), (t0, k0), (BT, BKS), (1, 0))
-                b_qg = (tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
-                        * tl.exp(b_G)).to(DT)
+                b_q = tl.load(p_q, boundary_check=(0, 1))
+                if Q_MAP is not None:
+                    b_q = mapped_tile(b_q, Q_MAP, t0, T, k0, K, BT, BKS)
+                b_qg = (b_q.to(tl.float32) * tl.exp(b_G)).to(DT)
                 p_qg = tl.make_block_ptr(qg + base, (T, K), (H * K, 1), (t0, k0), (BT, BKS),
                                          (1, 0))
                 tl.store(p_qg, b_qg, boundary_check=(0, 1))
@@ -168,7 +197,8 @@ if HAVE_TRITON:
                                         (BT, BT), (1, 0))
                 tl.store(p_a, b_A.to(DT), boundary_check=(0, 1))
             else:
-                _attention_subblocks(q, k, g, a, bos, t0, T, i_h, H, K, BT, BK, BC, PREC)
+                _attention_subblocks(q, k, g, a, bos, t0, T, i_h, H, K, BT, BK, BC, PREC,
+                                     Q_MAP, K_MAP, G_MAP)
 
 
 @dataclass
@@ -183,10 +213,11 @@ class GatedChunks:
 
 
 def gate_chunks(q, k, g, BT: int, *, outputs: bool = True, summary: bool = True,
-                into: GatedChunks = None) -> GatedChunks:
+                into: GatedChunks = None, maps: dict = None) -> GatedChunks:
     """Run ``_gate_kernel`` over ``q, k [B, T, H, K]``, ``g [B, T, H, K]`` (log decays) in
     chunks of ``BT``: ``summary`` fills ``kd``, ``gc``; ``outputs`` fills ``qg``, ``a``
-    (into ``into`` when given, which must hold ``kd`` and ``gc`` already)."""
+    (into ``into`` when given, which must hold ``kd`` and ``gc`` already).  ``maps``: fused
+    prologues of q, k, g (input name -> jitted map)."""
     B, T, H, K = k.shape
     dev, dt = k.device, k.dtype
     NT = triton.cdiv(T, BT)
@@ -204,7 +235,8 @@ def gate_chunks(q, k, g, BT: int, *, outputs: bool = True, summary: bool = True,
         q, k, g, res.qg if outputs else res.kd, res.kd, res.a if outputs else res.kd, res.gc,
         T, span_max(dt), H=H, K=K, BT=BT, BK=next_pow2(K),
         BKS=min(GATE_CONFIG["BKS"], next_pow2(K)), BC=BC, PREC=dot_precision(dt),
-        STORE_KD=summary, STORE_QA=outputs, num_warps=GATE_CONFIG["num_warps"],
+        STORE_KD=summary, STORE_QA=outputs, **map_flags(maps, "qkg"),
+        num_warps=GATE_CONFIG["num_warps"],
         num_stages=GATE_CONFIG["num_stages"])
     return res
 
@@ -224,11 +256,16 @@ class VectorDecayWork(DecayAttentionWork):
         super().release()
         self._gated = None
 
+    @property
+    def _value_map(self) -> dict:
+        """The walker maps only v: it reads q, k, g as the gate kernel wrote them (mapped)."""
+        return {"v": self.maps["v"]} if "v" in self.maps else {}
+
     def _gates(self, q, k, g, BT: int, outputs: bool) -> GatedChunks:
         if self._gated is None:
-            self._gated = gate_chunks(q, k, g, BT, outputs=outputs)
+            self._gated = gate_chunks(q, k, g, BT, outputs=outputs, maps=self.maps)
         elif outputs and self._gated.qg is None:
-            gate_chunks(q, k, g, BT, summary=False, into=self._gated)
+            gate_chunks(q, k, g, BT, summary=False, into=self._gated, maps=self.maps)
         return self._gated
 
     def _finish_fwd(self, S_in, tensors):
@@ -237,7 +274,7 @@ class VectorDecayWork(DecayAttentionWork):
         gated = self._gates(q, k, g, cfg["BT"], outputs=True)
         common = dict(q=gated.qg, g=gated.gc, gate=2, scale=self.scale,
                       out_dtype=self.out_dtype, cfg=cfg, prec=dot_precision(self.in_dtype),
-                      a=gated.a)
+                      a=gated.a, maps=self._value_map)
         if self.segments is not None:  # the summary ran: only the output walks remain
             return outputs_from_summary(self.segments, gated.kd, v, S_in=S_in, **common)
         n_seg = self._schedule(k, v, cfg, gate_elems=k.shape[-1])
@@ -254,7 +291,8 @@ class VectorDecayWork(DecayAttentionWork):
         n_seg = self._summary_segments()
         gated = self._gates(q, k, g, cfg["BT"], outputs=False)
         self.segments = summarize(gated.kd, v, g=gated.gc, gate=2, cfg=cfg,
-                                  prec=dot_precision(self.in_dtype), n_seg=n_seg)
+                                  prec=dot_precision(self.in_dtype), n_seg=n_seg,
+                                  maps=self._value_map)
         M = self.segments.total_log_decay().exp() if need_M else None  # [B, H, K]
         return self.segments.delta, M
 

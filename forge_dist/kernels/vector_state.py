@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 
 from . import scheduler
-from ._common import (HAVE_TRITON, SegmentStates, TritonWork, ensure, triton, tl,
-                      use_autotune)
+from ._common import (HAVE_TRITON, SegmentStates, TritonWork, ensure, map_flags, mapped_tile,
+                      triton, tl, use_autotune)
 from ..variants import vector_state
 
 # Measured on H200, [1, T, 4096] bf16 (results/kernel_profile_hgrn*_2026-11-24): 8 tokens
@@ -56,13 +56,15 @@ if HAVE_TRITON:
     def _hgrn_kernel(x, g, h0, o, ht, gt, T, SEG, D: tl.constexpr, BT: tl.constexpr,
                      BD: tl.constexpr, HAS_H0: tl.constexpr, STORE_O: tl.constexpr,
                      STORE_GT: tl.constexpr = False, HAS_SIN: tl.constexpr = False,
-                     s_in=None, cg=None, HT_LAST: tl.constexpr = False):
+                     s_in=None, cg=None, HT_LAST: tl.constexpr = False,
+                     X_MAP: tl.constexpr = None, G_MAP: tl.constexpr = None):
         """grid ``(cdiv(D, BD), B, NSEG)``; x, g, o [B, T, D]; h0, ht [NSEG, B, D] fp32 (each
         segment of SEG tokens, a multiple of BT: its start and end state); gt [NSEG, B, D]
         fp32 the segment's summed log decay (STORE_GT).  HAS_SIN: ``s_in [B, D]`` enters the
         whole walk, each segment starts from ``h0 + exp(cg) * s_in`` (``cg [NSEG + 1, B, D]``
         from the scan); HT_LAST: only the last segment stores its end state, into
-        ``ht [B, D]``.
+        ``ht [B, D]``.  X_MAP, G_MAP: fused elementwise prologues applied to every x, g
+        block as it is used (``_common.mapped_tile``; g kept in fp32).
 
         The walk is latency bound (one dependent step per block), and Triton does not
         software-pipeline loads that feed no dot, so the loop does it by hand: the next
@@ -88,8 +90,12 @@ if HAVE_TRITON:
         b_xn = tl.load(p_x, boundary_check=(0, 1))
         b_gn = tl.load(p_g, boundary_check=(0, 1))
         for t0 in range(t_lo, tl.minimum(T, t_lo + SEG), BT):
+            if X_MAP is not None:
+                b_xn = mapped_tile(b_xn, X_MAP, t0, T, i_d * BD, D, BT, BD)
             b_x = b_xn.to(tl.float32)
             b_g = b_gn.to(tl.float32)
+            if G_MAP is not None:
+                b_g = mapped_tile(b_g, G_MAP, t0, T, i_d * BD, D, BT, BD)
             # the next block in flight while this one is scanned (past T: zeros)
             p_x = tl.advance(p_x, (BT, 0))
             p_g = tl.advance(p_g, (BT, 0))
@@ -244,12 +250,14 @@ if HAVE_TRITON:
         key=["D", "HAS_H0", "STORE_O", "STORE_GT"])(_hgrn_kernel)
 
 
-def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True, n_seg: int = 1):
+def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True, n_seg: int = 1, maps=None):
     """``(o [B, T, D] or None, final [B, D] fp32)``; ``h0 [B, D]`` or ``None``.
 
     ``n_seg > 1``: DECOUPLED over segments (summaries in parallel, a scan over segments,
-    outputs in parallel), as the matrix patterns' ``walk``.
+    outputs in parallel), as the matrix patterns' ``walk``.  ``maps``: fused prologues of
+    ``x`` and ``g`` (input name -> jitted map).
     """
+    fused = map_flags(maps, "xg")
     from ._common import segment_length
 
     B, T, D = x.shape
@@ -261,13 +269,13 @@ def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True, n_seg: int = 1):
     if use_autotune() and n_seg == 1:
         args = (x, g, h0 if h0 is not None else ht, o if o is not None else ht, ht, ht, T, T)
         _hgrn_tuned[lambda meta: (triton.cdiv(D, meta["BD"]), B, 1)](
-            *args, D=D, HAS_H0=h0 is not None, STORE_O=store_o)
+            *args, D=D, HAS_H0=h0 is not None, STORE_O=store_o, **fused)
         return o, ht
     seg = segment_length(T, cfg["BT"], n_seg)
     n_seg = max(1, -(-T // seg))
     grid = (triton.cdiv(D, cfg["BD"]), B, n_seg)
     opts = dict(D=D, BT=cfg["BT"], BD=cfg["BD"], num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"])
+                num_stages=cfg["num_stages"], **fused)
     if n_seg == 1:
         _hgrn_kernel[grid](x, g, h0 if h0 is not None else ht, o if o is not None else ht, ht,
                            ht, T, seg, HAS_H0=h0 is not None, STORE_O=store_o, **opts)
@@ -284,7 +292,7 @@ def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True, n_seg: int = 1):
     return o, ht
 
 
-def _hgrn_grid(x, n_seg: int):
+def _hgrn_grid(x, n_seg: int, maps=None):
     from ._common import segment_length
 
     B, T, D = x.shape
@@ -292,15 +300,15 @@ def _hgrn_grid(x, n_seg: int):
     seg = segment_length(T, cfg["BT"], n_seg)
     n_seg = max(1, -(-T // seg))
     opts = dict(D=D, BT=cfg["BT"], BD=cfg["BD"], num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"])
+                num_stages=cfg["num_stages"], **map_flags(maps, "xg"))
     return seg, n_seg, (triton.cdiv(D, cfg["BD"]), B, n_seg), opts
 
 
-def hgrn_summarize(x, g, *, n_seg: int = 1) -> SegmentStates:
+def hgrn_summarize(x, g, *, n_seg: int = 1, maps=None) -> SegmentStates:
     """The shard summary with its segment states kept (see ``_common.summarize``); states
     ``[B, D]``: ``delta`` from a zero start, ``decay_to [n_seg + 1, B, D]``."""
     B, T, D = x.shape
-    seg, n_seg, grid, opts = _hgrn_grid(x, n_seg)
+    seg, n_seg, grid, opts = _hgrn_grid(x, n_seg, maps)
     hs = torch.empty(n_seg, B, D, dtype=torch.float32, device=x.device)
     gt = torch.empty(n_seg, B, D, dtype=torch.float32, device=x.device)
     _hgrn_kernel[grid](x, g, hs, hs, hs, gt, T, seg, HAS_H0=False, STORE_O=False,
@@ -314,10 +322,10 @@ def hgrn_summarize(x, g, *, n_seg: int = 1) -> SegmentStates:
     return SegmentStates(n_seg, seg, delta, hs, decay_to)
 
 
-def hgrn_outputs(summ: SegmentStates, x, g, S_in, *, out_dtype):
+def hgrn_outputs(summ: SegmentStates, x, g, S_in, *, out_dtype, maps=None):
     """``(o [B, T, D], final [B, D])`` from a kept summary and the incoming state ``[B, D]``."""
     B, T, D = x.shape
-    _, _, grid, opts = _hgrn_grid(x, summ.n_seg)
+    _, _, grid, opts = _hgrn_grid(x, summ.n_seg, maps)
     o = torch.empty(B, T, D, dtype=out_dtype, device=x.device)
     ht = torch.empty(B, D, dtype=torch.float32, device=x.device)
     if S_in is not None:
@@ -440,22 +448,26 @@ class VectorStateWork(TritonWork):
     keeps_segments = True
     backward_reads_output = True  # o is the state sequence h: the backward needs no recompute
 
-    def __init__(self, variant, inputs, scale, need_transition, out_dtype=None, execution=None):
-        super().__init__(variant, inputs, 1.0, need_transition, out_dtype, execution)
+    def __init__(self, variant, inputs, scale, need_transition, out_dtype=None, execution=None,
+                 maps=None):
+        super().__init__(variant, inputs, 1.0, need_transition, out_dtype, execution, maps)
 
     def _finish_fwd(self, S_in, tensors):
         x, g = (ensure(t) for t in tensors)
         B, T, D = x.shape
         if self.segments is not None:  # the summary ran: only the output walks remain
-            o, ht = hgrn_outputs(self.segments, x, g, S_in, out_dtype=self.out_dtype)
+            o, ht = hgrn_outputs(self.segments, x, g, S_in, out_dtype=self.out_dtype,
+                                 maps=self.maps)
             return o, ht.reshape(B, 1, D, 1)
-        o, ht = hgrn_forward(x, g, S_in, out_dtype=self.out_dtype, n_seg=self._schedule_hgrn(x))
+        o, ht = hgrn_forward(x, g, S_in, out_dtype=self.out_dtype, n_seg=self._schedule_hgrn(x),
+                             maps=self.maps)
         return o, ht.reshape(B, 1, D, 1)
 
     def _summary_fwd(self, tensors, need_M):
         x, g = (ensure(t) for t in tensors)
         B, T, D = x.shape
-        self.segments = hgrn_summarize(x, g, n_seg=self._schedule_hgrn(x, with_summary=True))
+        self.segments = hgrn_summarize(x, g, n_seg=self._schedule_hgrn(x, with_summary=True),
+                                       maps=self.maps)
         M = self.segments.total_log_decay().exp()[:, None] if need_M else None  # [B, 1, D]
         return self.segments.delta.reshape(B, 1, D, 1), M
 

@@ -71,9 +71,13 @@ def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_
     return True
 
 
-def _plan(op: str, initial_state, output_final_state, **plan_kw):
-    """The cached plan of this call, or ``None`` where the planner refuses it."""
+def _plan(op: str, initial_state, output_final_state, maps=None, **plan_kw):
+    """The cached plan of this call, or ``None`` where the planner refuses it.  ``maps``:
+    fused prologues (input name -> jitted map), keyed as sorted items."""
     from ..runtime import PlanError, cache
+
+    if maps:
+        plan_kw["maps"] = tuple(sorted(maps.items()))
 
     device = plan_kw["device"]
     stream = _raw_stream(device.index) if device.type == "cuda" else 0
@@ -85,8 +89,8 @@ def _plan(op: str, initial_state, output_final_state, **plan_kw):
 
 
 def _run(op: str, names, inputs: Dict[str, Tensor], initial_state, output_final_state,
-         **plan_kw) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
-    p = _plan(op, initial_state, output_final_state, **plan_kw)
+         maps=None, **plan_kw) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    p = _plan(op, initial_state, output_final_state, maps, **plan_kw)
     if p is None:
         return None
     return p.run(*[inputs[n] for n in names], initial_state=initial_state)
@@ -118,9 +122,11 @@ class _PlannedHgrn(torch.autograd.Function):
 
 def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optional[Tensor]],
                 *, scale: float, initial_state, output_final_state, cu_seqlens, group,
-                use_kernels: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+                use_kernels: bool, maps: Optional[dict] = None
+                ) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """``(o, final_state)`` through a cached plan, or ``None`` when the call is not eligible
-    (the caller then runs the general path).  Arguments are already checked by the op."""
+    (the caller then runs the general path).  Arguments are already checked by the op.
+    ``maps``: fused prologues of the DSL's lowered variants (input name -> jitted map)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if q.dtype not in _DTYPES or not (16 <= K <= 256 and 16 <= V <= 256):
@@ -139,20 +145,22 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
         kw["gate_dtype"] = present.get("g", present.get("beta")).dtype
         if "beta" in present:
             kw["beta_dtype"] = present["beta"].dtype
-    return _run(op, names, inputs, initial_state, output_final_state, **kw)
+    return _run(op, names, inputs, initial_state, output_final_state, maps, **kw)
 
 
 def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seqlens, group,
-              use_kernels: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
-    """As :func:`matrix_call`, for ``hgrn`` (``x, g [B, T, D]``, state ``[B, D]``)."""
+              use_kernels: bool, maps: Optional[dict] = None
+              ) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    """As :func:`matrix_call`, for ``hgrn`` (``x, g [B, T, D]``, state ``[B, D]``); with
+    ``maps``, forward only (the planned backward takes the mapped gates)."""
     B, T, D = x.shape
     if x.dtype not in _DTYPES or g.dtype != x.dtype:
         return None
     inputs = {"x": x, "g": g}
     if not _eligible(inputs, initial_state, (B, D), group, cu_seqlens, use_kernels,
-                     grads=True):
+                     grads=not maps):
         return None
-    p = _plan("hgrn", initial_state, output_final_state, B=B, T=T, D=D, dtype=x.dtype,
+    p = _plan("hgrn", initial_state, output_final_state, maps, B=B, T=T, D=D, dtype=x.dtype,
               gate_dtype=g.dtype, device=x.device)
     if p is None:
         return None

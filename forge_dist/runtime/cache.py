@@ -47,6 +47,8 @@ def _norm(v: Any):
         return ("dtype", str(v))
     if isinstance(v, dict):
         return tuple(sorted((k, _norm(x)) for k, x in v.items()))
+    if isinstance(v, (tuple, list)):
+        return tuple(_norm(x) for x in v)
     if isinstance(v, (int, float, str, bool, type(None))):
         return v
     return ("id", id(v))  # process groups, dispatchers: by identity

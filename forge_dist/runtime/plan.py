@@ -444,7 +444,7 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
          output_final_state: bool = False, scale: Optional[float] = None, device=None,
          group=None, strategy: str = "auto",
          execution: Optional[str] = None, backend: str = "auto", cache_dir=None,
-         tiles: Optional[dict] = None, dispatcher=None) -> Plan:
+         tiles: Optional[dict] = None, dispatcher=None, maps=None) -> Plan:
     """Plan one op call; see the module docstring.
 
     Args:
@@ -463,7 +463,11 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
             ``~/.cache/forge_dist/aot``).
         tiles: overrides of the kernels' tile config (e.g. ``{"BT": 32}``).
         dispatcher: a :class:`~.dispatcher.Dispatcher` to use (tests inject fakes).
+        maps: fused elementwise prologues, input name -> jitted map (a dict or its items;
+            :mod:`forge_dist.dsl.codegen`): the kernels map each input as they load it.
+            JIT-launched (the AOT cache holds no such kernels); not for gated_delta_rule.
     """
+    maps = {n: m for n, m in dict(maps or {}).items() if m is not None}
     if op not in pg.VARIANTS:
         raise PlanError(f"op: expected one of {pg.VARIANTS}, got {op!r}")
     if backend not in ("auto", "static", "triton", "torch"):
@@ -508,8 +512,10 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         if D is None or D < 1:
             raise PlanError("hgrn: give D (the feature dim of x [B, T, D])")
         gdt = gate_dtype or dtype
+        if set(maps) - {"x", "g"}:
+            raise PlanError(f"maps: hgrn maps x and g, got {sorted(maps)}")
         prog = pg.hgrn_program(B=B, T=T, D=D, dtype=dtype, has_h0=initial_state, tiles=tiles,
-                               gate_dtype=gdt, execution=execution)
+                               gate_dtype=gdt, execution=execution, maps=maps)
         names = ["x", "g"]
         state_shape = (B, D)
         out_shape = (B, T, D)
@@ -528,13 +534,13 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
             prog = pg.matrix_program(op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated,
                                      has_h0=initial_state or rank > 0, scale=scale,
                                      execution=execution, interp=interp, tiles=tiles,
-                                     gate_dtype=gdt, beta_dtype=beta_dtype)
+                                     gate_dtype=gdt, beta_dtype=beta_dtype, maps=maps)
             sm_prog = None
             if size > 1 and rank < size - 1:
                 sm_prog = pg.matrix_program(op, B=B, T=T, H=H, K=K, V=V, dtype=dtype,
                                             gated=gated, has_h0=False, store_o=False,
                                             scale=scale, interp=interp, tiles=tiles,
-                                            gate_dtype=gdt, beta_dtype=beta_dtype)
+                                            gate_dtype=gdt, beta_dtype=beta_dtype, maps=maps)
         except ValueError as err:
             raise PlanError(str(err)) from None
         names = ["q", "k", "v"] + (["g"] if gated else []) + (
@@ -542,6 +548,8 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         state_shape = (B, H, K, V)
         out_shape = (B, T, H, V)
     notes.extend(prog.notes)
+    if maps:
+        notes.append(f"fused prologues on {', '.join(sorted(maps))}")
 
     if backend == "static" and dispatcher is None:
         from .dispatcher import Dispatcher

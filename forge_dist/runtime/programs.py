@@ -88,12 +88,26 @@ class Launch:
     num_stages: int
 
     def spec(self, buffers: Dict[str, Buffer]) -> "KernelSpec":
-        """The compile-time identity of this launch (argument types, constexprs, options)."""
+        """The compile-time identity of this launch (argument types, constexprs, options);
+        a jitted function passed as a constexpr (a fused prologue) is named by its name,
+        which :mod:`forge_dist.dsl.codegen` derives from its source."""
         sig = []
         for name, kind, value in self.args:
             sig.append((name, "*" + tl_type(buffers[value].dtype) if kind == "buf" else kind))
-        return KernelSpec(self.kernel, tuple(sig), self.constexprs, self.num_warps,
-                          self.num_stages)
+        const = tuple((n, f"fn:{_function_name(v)}" if callable(v) else v)
+                      for n, v in self.constexprs)
+        return KernelSpec(self.kernel, tuple(sig), const, self.num_warps, self.num_stages)
+
+
+def _function_name(fn) -> str:
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", None)
+    return name or repr(fn)
+
+
+def _map_consts(maps: Optional[Dict[str, Any]], names: str) -> Tuple[Tuple[str, Any], ...]:
+    """Constexprs ``Q_MAP`` ... for the inputs in ``names`` with a fused prologue (as
+    ``kernels._common.map_flags``: absent, not ``None``, for unmapped inputs)."""
+    return tuple((f"{n.upper()}_MAP", maps[n]) for n in names if maps and maps.get(n))
 
 
 @dataclass(frozen=True)
@@ -155,7 +169,7 @@ def _prec(dtype: torch.dtype, interp: bool) -> str:
 
 
 def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cfg, prec,
-                 seg, n, store_ht=True, a=None, s_in=None, scan_in=False) -> Launch:
+                 seg, n, store_ht=True, a=None, s_in=None, scan_in=False, maps=None) -> Launch:
     """One walker launch over ``n`` segments of ``seg`` tokens (``kernels._common.walk``);
     ``scan_in``: the output walks that fold the segment scan in (``gt`` is then read)."""
     BK = _pow2(K)
@@ -181,11 +195,12 @@ def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cf
     # the sequence-parallel extra (the incoming state folded through cg) stays off here
     const = const + (("cg", None), ("HT_LAST", scan_in), ("STORE_CHUNKS", False), ("hc", None),
                      ("vn", None), ("SCAN_IN", scan_in))
+    const = const + _map_consts(maps, ("q" if q else "") + "k" + ("v" if v else ""))
     return Launch("walk", (_cdiv(V, BV), B * H, n), args, const, cfg["num_warps"],
                   cfg["num_stages"])
 
 
-def _gate_cumsum(buffers, *, B: int, T: int, H: int, BT: int) -> Launch:
+def _gate_cumsum(buffers, *, B: int, T: int, H: int, BT: int, maps=None) -> Launch:
     """The scalar gates' chunk-local cumulative sums for the walker
     (``kernels._common.chunk_gate_cumsum``): ``g [B, T, H]`` -> workspace ``g_cum [B, H, T]``."""
     from ..kernels._common import GATE_CUMSUM_WARPS
@@ -193,11 +208,12 @@ def _gate_cumsum(buffers, *, B: int, T: int, H: int, BT: int) -> Launch:
     buffers["g_cum"] = Buffer((B, H, T), torch.float32, "workspace")
     return Launch("gate_cumsum", (_cdiv(T, BT), B, 1),
                   (("g", "buf", "g"), ("gc", "buf", "g_cum"), ("T", "i32", T)),
-                  (("H", H), ("BT", BT), ("BH", _pow2(H))), GATE_CUMSUM_WARPS, 1)
+                  (("H", H), ("BT", BT), ("BH", _pow2(H))) + _map_consts(maps, "g"),
+                  GATE_CUMSUM_WARPS, 1)
 
 
 def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg, prec,
-          a=None, n_seg: int = 1) -> List[Launch]:
+          a=None, n_seg: int = 1, maps=None) -> List[Launch]:
     """The walker's launches, exactly as ``kernels._common.walk`` makes them: one fused
     launch, or (``n_seg > 1``) segment summaries, the segment scan and segment outputs."""
     from ..kernels._common import segment_length
@@ -206,7 +222,7 @@ def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg,
     seg = segment_length(T, BT, n_seg)
     n_seg = max(1, _cdiv(T, seg))
     common = dict(k=k, v=v, g=g, w=w, B=B, T=T, H=H, K=K, V=V, gate=gate, scale=scale,
-                  cfg=cfg, prec=prec, seg=seg)
+                  cfg=cfg, prec=prec, seg=seg, maps=maps)
     if n_seg == 1:
         return [_walk_launch(q=q, h0=h0, o=o, ht=ht, gt=None, n=1, a=a, **common)]
     buffers["hs"] = Buffer((n_seg, B, H, K, V), torch.float32, "workspace")
@@ -233,7 +249,8 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                    scale: Optional[float] = None, execution: Optional[str] = None,
                    interp: bool = False, tiles: Optional[dict] = None,
                    gate_dtype: torch.dtype = torch.float32,
-                   beta_dtype: Optional[torch.dtype] = None) -> Program:
+                   beta_dtype: Optional[torch.dtype] = None,
+                   maps: Optional[Dict[str, Any]] = None) -> Program:
     """Program of one matrix-state segment forward (or, ``store_o=False``, its summary).
 
     Buffers: inputs ``q, k, v`` (``dtype``), ``g`` (``gate_dtype``, ``[B, T, H]`` or
@@ -241,7 +258,9 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
     ``gate_dtype``), ``h0`` (fp32 ``[B, H, K, V]``); outputs ``o`` (``dtype``) and ``ht``
     (fp32); workspaces by pattern.  ``execution`` forces fused or
     decoupled (not the delta rule); ``None`` asks the scheduler (Algorithm 1), as the
-    kernels do.  ``tiles`` overrides entries of the kernels' tile config.
+    kernels do.  ``tiles`` overrides entries of the kernels' tile config.  ``maps``: fused
+    prologues by input name (jitted maps of :mod:`forge_dist.dsl.codegen`; not for
+    gated_delta_rule), applied as the kernels load.
     """
     from ..kernels import scheduler
 
@@ -298,20 +317,25 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                 (("H", H), ("K", K), ("BT", BT), ("BK", _pow2(K)),
                  ("BKS", min(vector.GATE_CONFIG["BKS"], _pow2(K))),
                  ("BC", min(vector.GATE_CONFIG["BC"], BT)), ("PREC", prec),
-                 ("STORE_KD", True), ("STORE_QA", store_o)),
+                 ("STORE_KD", True), ("STORE_QA", store_o)) + _map_consts(maps, "qkg"),
                 vector.GATE_CONFIG["num_warps"], vector.GATE_CONFIG["num_stages"]))
             k_walk, q_walk, g_walk = "kd", ("qg" if store_o else None), "gc"
-        elif gated:  # simple_gla
-            launches.append(_gate_cumsum(bufs, B=B, T=T, H=H, BT=cfg["BT"]))
+            walk_maps = {"v": maps["v"]} if maps and maps.get("v") else None
+        else:
+            walk_maps = maps
+        if gated and variant == "simple_gla":
+            launches.append(_gate_cumsum(bufs, B=B, T=T, H=H, BT=cfg["BT"], maps=maps))
             g_walk = "g_cum"
         gate = 2 if variant == "gla" else (1 if gated else 0)
         launches += _walk(bufs, q=q_walk, k=k_walk, v="v", g=g_walk, w=None, h0=h0, o=o, ht="ht", B=B, T=T,
                           H=H, K=K, V=V, gate=gate, scale=scale, cfg=cfg, prec=prec, a=a,
-                          n_seg=sched.n_seg)
+                          n_seg=sched.n_seg, maps=walk_maps)
         return Program(launches, bufs, sched.strategy, notes)
 
     if execution not in (None, "auto", scheduler.FUSED):
         raise ValueError(f"execution={execution!r}: {variant} has only the fused kernels")
+    if maps:
+        raise ValueError("maps: the gated_delta_rule kernels take no fused prologues")
     # gated_delta_rule
     from ..kernels import delta
 
@@ -349,10 +373,11 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
 def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
                  store_o: bool = True, tiles: Optional[dict] = None,
                  gate_dtype: Optional[torch.dtype] = None,
-                 execution: Optional[str] = None) -> Program:
+                 execution: Optional[str] = None,
+                 maps: Optional[Dict[str, Any]] = None) -> Program:
     """Program of one hgrn segment: inputs ``x [B, T, D]``, ``g [B, T, D]`` (``gate_dtype``,
-    default ``dtype``),
-    ``h0 [B, D]`` fp32; outputs ``o [B, T, D]`` and ``ht [B, D]`` fp32."""
+    default ``dtype``), ``h0 [B, D]`` fp32; outputs ``o [B, T, D]`` and ``ht [B, D]`` fp32.
+    ``maps``: fused prologues of ``x`` and ``g`` (jitted maps)."""
     from ..kernels import vector_state
 
     cfg = dict(vector_state.FUSED_CONFIG, **(tiles or {}))
@@ -374,6 +399,7 @@ def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
     grid = (_cdiv(D, cfg["BD"]), B, n_seg)
     const = (("D", D), ("BT", cfg["BT"]), ("BD", cfg["BD"]))
     nw, ns = cfg["num_warps"], cfg["num_stages"]
+    fused = _map_consts(maps, "xg")
 
     def walk(h0, o, ht, gt, store_o):
         return Launch("hgrn", grid,
@@ -382,7 +408,8 @@ def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
                        ("T", "i32", T), ("SEG", "i32", seg)),
                       const + (("HAS_H0", h0 is not None), ("STORE_O", store_o),
                                ("STORE_GT", gt is not None), ("HAS_SIN", False),
-                               ("s_in", None), ("cg", None), ("HT_LAST", False)), nw, ns)
+                               ("s_in", None), ("cg", None), ("HT_LAST", False)) + fused,
+                      nw, ns)
 
     notes = [f"execution {sched.strategy} ({n_seg} segments): {sched.reason}"]
     h0 = "h0" if has_h0 else None

@@ -1,0 +1,154 @@
+"""Triton code for a lowered variant's elementwise prologues.
+
+A prologue is the chain of elementwise ops the lowering found on one input (``elu(q) + 1``,
+``logsigmoid(g)``, ...; see :mod:`.lowering`).  :func:`triton_map` writes it as a
+``@triton.jit`` function of one tile, which the templates take as a constexpr argument
+(``Q_MAP``, ``K_MAP``, ``V_MAP``, ``G_MAP``; ``X_MAP`` for hgrn) and apply to every tile of
+that input they load: the map runs in registers on the way in, with no pass over the tensor
+before the kernels and no mapped copy in memory.
+
+The function computes in fp32 and returns fp32; the template rounds q, k, v to the operand
+dtype after it (as the PyTorch prologue's result is cast) and keeps gates in fp32, and zeroes
+what it loaded as padding (``f(0)`` need not be 0).  Each op maps to ``tl`` arithmetic, so
+the map also runs under ``TRITON_INTERPRET=1``.  Ops or arguments without a translation
+give ``None``: the lowering then runs that prologue in PyTorch and says so.
+
+Generated sources are registered with :mod:`linecache` under a name derived from their text
+(``inspect.getsource``, which Triton's JIT reads, finds them there), and one function is kept
+per source, so the kernels' compile caches see the same constexpr for the same prologue.
+"""
+from __future__ import annotations
+
+import hashlib
+import linecache
+import operator
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+_FUNCTIONS: Dict[str, object] = {}  # source hash -> jitted map (one per distinct prologue)
+
+
+def _num(x) -> Optional[str]:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return repr(float(x))
+
+
+def _unary(name: str, a: str, kwargs: dict) -> Optional[str]:
+    """``tl`` expression of the unary op ``name`` on the fp32 value ``a``."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
+    if name == "relu" and not kwargs:
+        return f"tl.maximum({a}, 0.0)"
+    if name == "elu":
+        alpha = _num(kwargs.pop("alpha", 1.0))
+        if alpha is None or kwargs:
+            return None
+        return f"tl.where({a} > 0.0, {a}, {alpha} * (tl.exp({a}) - 1.0))"
+    if name == "softplus":
+        beta = _num(kwargs.pop("beta", 1.0))
+        threshold = _num(kwargs.pop("threshold", 20.0))
+        if beta is None or threshold is None or kwargs:
+            return None
+        # PyTorch's: linear once beta * x passes the threshold
+        return (f"tl.where({a} * {beta} > {threshold}, {a}, "
+                f"tl.log(1.0 + tl.exp(tl.minimum({a} * {beta}, {threshold}))) / {beta})")
+    if name == "gelu":
+        approx = kwargs.pop("approximate", "none")
+        if kwargs or approx not in ("none", "tanh"):
+            return None
+        if approx == "none":
+            return f"0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476))"
+        inner = f"0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a})"
+        return f"{a} * tl.sigmoid(2.0 * ({inner}))"  # 0.5 (1 + tanh u) = sigmoid(2u)
+    if kwargs:
+        return None
+    return {
+        "sigmoid": f"tl.sigmoid({a})",
+        "exp": f"tl.exp({a})",
+        "tanh": f"2.0 * tl.sigmoid(2.0 * {a}) - 1.0",
+        "abs": f"tl.abs({a})",
+        "neg": f"-{a}",
+        "sqrt": f"tl.sqrt({a})",
+        "square": f"{a} * {a}",
+        "silu": f"{a} * tl.sigmoid({a})",
+        # log sigmoid(x) = min(x, 0) - log(1 + exp(-|x|)), stable at both ends
+        "logsigmoid": f"tl.minimum({a}, 0.0) - tl.log(1.0 + tl.exp(-tl.abs({a})))",
+    }.get(name)
+
+
+_FUNC_NAMES = {torch.relu: "relu", F.relu: "relu", torch.sigmoid: "sigmoid", torch.exp: "exp",
+               torch.tanh: "tanh", torch.abs: "abs", torch.neg: "neg", F.elu: "elu",
+               F.silu: "silu", F.softplus: "softplus", F.logsigmoid: "logsigmoid",
+               F.gelu: "gelu", torch.sqrt: "sqrt", torch.square: "square"}
+_ARITH = {operator.add: "+", torch.add: "+", operator.sub: "-", torch.sub: "-",
+          operator.mul: "*", torch.mul: "*", operator.truediv: "/"}
+
+
+def _expr(n: fx.Node, src: fx.Node, a: str) -> Optional[str]:
+    """The expression of chain node ``n`` whose tensor operand ``src`` is held in ``a``."""
+    if n.op == "call_method":
+        return _unary(n.target, a, dict(n.kwargs)) if len(n.args) == 1 else None
+    if n.op != "call_function":
+        return None
+    if n.target in _ARITH:
+        if n.kwargs or len(n.args) != 2:
+            return None  # e.g. torch.add(x, c, alpha=...)
+        ops = [a if x is src else _num(x) for x in n.args]
+        if None in ops:
+            return None
+        return f"({ops[0]} {_ARITH[n.target]} {ops[1]})"
+    name = _FUNC_NAMES.get(n.target)
+    if name is None or n.args[0] is not src:
+        return None
+    kwargs = dict(n.kwargs)
+    params = {"elu": ("alpha",), "softplus": ("beta", "threshold"),
+              "gelu": ()}.get(name, ())
+    for pname, value in zip(params, n.args[1:]):
+        kwargs[pname] = value
+    if len(n.args) > 1 + len(params):
+        return None
+    return _unary(name, a, kwargs)
+
+
+def source(chain: List[fx.Node]) -> Optional[str]:
+    """The body lines of the map of ``chain`` (``[input placeholder, op, op, ...]``), or
+    ``None`` when an op has no translation."""
+    lines, var = [], "x"
+    for i, n in enumerate(chain[1:]):
+        e = _expr(n, chain[i], var)
+        if e is None:
+            return None
+        var = f"v{i}"
+        lines.append(f"    {var} = {e}")
+    return "\n".join(lines + [f"    return {var}"])
+
+
+def triton_map(chain: List[fx.Node]) -> Optional[Tuple[Callable, str]]:
+    """``(jitted map, its source)`` for an elementwise chain, or ``None`` (identity chains
+    and untranslatable ops).  The map takes and returns an fp32 tile."""
+    if len(chain) < 2:
+        return None
+    body = source(chain)
+    if body is None:
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # no kernels to fuse into
+        return None
+
+    digest = hashlib.sha256(body.encode()).hexdigest()[:16]
+    name = f"forge_prologue_{digest}"
+    text = f"def {name}(x):\n    x = x.to(tl.float32)\n{body}\n"
+    fn = _FUNCTIONS.get(digest)
+    if fn is None:
+        filename = f"<forge_dist.dsl prologue {digest}>"
+        # inspect.getsource (Triton's JIT reads the source) finds it in linecache
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        namespace = {"tl": tl}
+        exec(compile(text, filename, "exec"), namespace)  # noqa: S102 - our own generated text
+        fn = _FUNCTIONS[digest] = triton.jit(namespace[name])
+    return fn, text
