@@ -1,6 +1,7 @@
 """The Triton template path (TRITON_INTERPRET=1 on the CPU) and the lowering decisions."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from forge_dist import dsl, kernels
 from forge_dist.dsl import builtins, library, references
@@ -165,3 +166,95 @@ def test_no_grad_calls_run_the_templates_cached_plan(triton_on_cpu, case):
     assert s.shape == s_r.shape
     for a, b in ((o, o_r), (s, s_r)):
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-4
+
+
+def _act_sg_chunk(k, v, g):
+    return builtins._sg_chunk(torch.relu(k), v, F.logsigmoid(g))
+
+
+def _act_sg_decay(state, chunk_state, g):
+    return builtins._sg_decay(state, chunk_state, F.logsigmoid(g))
+
+
+def _act_sg_merge(state, q, k, v, g, scale):
+    return builtins._sg_merge(state, torch.relu(q), torch.relu(k), v, F.logsigmoid(g), scale)
+
+
+def _act_hgrn_chunk(x, g):
+    return builtins._hgrn_chunk(F.silu(x), F.logsigmoid(g))
+
+
+def _act_hgrn_decay(state, chunk_state, g):
+    return builtins._hgrn_decay(state, chunk_state, F.logsigmoid(g))
+
+
+def _act_hgrn_merge(state, h, g):
+    return builtins._hgrn_merge(state, h, F.logsigmoid(g))
+
+
+ACT_SG = dsl.variant("relu_logsigmoid_gla", chunk_mode=_act_sg_chunk, decay_mode=_act_sg_decay,
+                     merge_mode=_act_sg_merge, inputs=("q", "k", "v", "g"))
+ACT_HGRN = dsl.variant("silu_hgrn", chunk_mode=_act_hgrn_chunk, decay_mode=_act_hgrn_decay,
+                       merge_mode=_act_hgrn_merge, state="vector", inputs=("x", "g"),
+                       chunk_size=16)
+
+
+def test_prologues_are_fused_into_the_templates():
+    """Feature maps and gate activations are written as Triton maps the templates apply as
+    they load; the delta rule's prologues stay PyTorch ops (its kernels take no maps)."""
+    if not kernels.HAVE_TRITON:
+        pytest.skip("needs triton")
+    assert set(ACT_SG.lowering.fused) == {"q", "k", "g"}
+    assert set(ACT_HGRN.lowering.fused) == {"x", "g"}
+    assert set(library.elu_linear_attn.lowering.fused) == {"q", "k"}
+    assert "(fused)" in ACT_SG.describe() and "q -> relu" in ACT_SG.describe()
+
+    def gdn_merge(state, q, k, g, u, w, scale):
+        return builtins._gdn_merge(state, F.silu(q), k, g, u, w, scale)
+    v = dsl.variant("silu_q_gdn", chunk_mode=builtins._gdn_chunk, decay_mode=builtins._gdn_decay,
+                    merge_mode=gdn_merge, inputs=("q", "k", "v", "g", "beta"))
+    assert v.lowering.template == "gated_delta_rule" and not v.lowering.fused
+    assert "q: q -> silu (PyTorch)" in v.describe()
+
+
+@pytest.mark.parametrize("case", ["simple_gla", "hgrn"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_fused_prologue_variants_against_fp64(triton_on_cpu, case, grad):
+    """Forward and gradients of the raw inputs (the runner's works) and the no-grad short
+    path (a cached plan with the maps) against the fp64 references on mapped inputs."""
+    from forge_dist.runtime import cache
+
+    cache.clear()
+    gen = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    if case == "simple_gla":
+        B, T, H, K, V = 1, 29, 2, 16, 16
+        leaves = [r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, T, H) + 2, r(B, H, K, V)]
+    else:
+        leaves = [r(1, 29, 24), r(1, 29, 24) + 2, r(1, 24)]
+    leaves = [t.requires_grad_(grad) for t in leaves]
+    mref = [t.detach().double().requires_grad_(grad) for t in leaves]
+    with torch.set_grad_enabled(grad):
+        if case == "simple_gla":
+            q, k, v, g, h0 = leaves
+            o, s = ACT_SG(q, k, v, g, initial_state=h0, output_final_state=True)
+            q, k, v, g, h0 = mref
+            o_r, s_r = ref.simple_gla_ref(q.relu(), k.relu(), v, F.logsigmoid(g),
+                                          initial_state=h0, output_final_state=True)
+        else:
+            x, g, h0 = leaves
+            o, s = ACT_HGRN(x, g, initial_state=h0, output_final_state=True)
+            x, g, h0 = mref
+            o_r, s_r = ref.hgrn_ref(F.silu(x), F.logsigmoid(g), initial_state=h0,
+                                    output_final_state=True)
+    if grad:
+        assert triton_on_cpu and all(u and u.endswith("Work") for u in triton_on_cpu)
+        (o.sum() + (s * s).sum()).backward()
+        (o_r.sum() + (s_r * s_r).sum()).backward()
+    else:  # a plan with the maps, not the runner
+        assert cache.stats()["misses"] == 1 and not triton_on_cpu
+    pairs = [(o, o_r), (s, s_r)] + ([(a.grad, b.grad) for a, b in zip(leaves, mref)]
+                                    if grad else [])
+    for a, b in pairs:
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert err < 1e-4, err
