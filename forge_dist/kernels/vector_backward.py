@@ -602,10 +602,14 @@ def default_tiles(B: int, H: int, K: int, V: int, device: torch.device, *,
             BV //= 2
     f32 = dtype == torch.float32
     dqk_BK = min(128, PK)
+    dqk_BV = min(16 if f32 or BT < 32 else 32, PV)
+    # 8 warps only where the fast kernel's V loop runs more than once: compiled by Triton 3.6
+    # for sm_90 with a single V tile (fp32, V <= dqk_BV) it made illegal memory accesses
+    # (fp32 at K=16/V=16, K=32/V=16, V=32 with dqk_BV=32 on an H200; 4 warps ran them all)
+    dqk_warps = 8 if f32 and BT >= 32 and V > dqk_BV else 4
     return {"walk_BK": BK, "walk_BV": BV, "walk_warps": 4, "walk_stages": 2,
             "dqk_BK": dqk_BK, "dqk_BKS": min(16 if f32 else 32, dqk_BK),
-            "dqk_BV": min(16 if f32 or BT < 32 else 32, PV),
-            "dqk_warps": 8 if f32 and BT >= 32 else 4, "dqk_stages": 2,
+            "dqk_BV": dqk_BV, "dqk_warps": dqk_warps, "dqk_stages": 2,
             "exact_BK": 16 if f32 else 64, "exact_warps": 8 if BT >= 32 else 4, "exact_CH": 0,
             "dv_BV": min(64, PV), "dv_BK": min(64, PK), "dv_warps": 4, "dv_stages": 2,
             "fuse_dv": True}
