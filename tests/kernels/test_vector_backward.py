@@ -240,13 +240,14 @@ def test_summary_backward_closed_form(steep):
     if not steep:
         x["g"] = x["g"] * 0.05  # M of order one, so that dM matters
     gen = torch.Generator().manual_seed(1)
-    ddelta, dM = torch.randn(2, 2, 16, 24, generator=gen), torch.randn(2, 2, 16, generator=gen)
+    ddelta, dM = (torch.randn(2, 2, 16, 24, generator=gen).to(DEV),
+                  torch.randn(2, 2, 16, generator=gen).to(DEV))
     work = VectorDecayWork("gla", {n: x[n] for n in ("q", "k", "v", "g")}, 0.25, True)
     got = work._summary_bwd([x[n] for n in ("q", "k", "v", "g")], ddelta, dM)
     leaves = [x[n].detach().double().cpu().requires_grad_(True) for n in ("q", "k", "v", "g")]
     _, delta = gla_ref(*leaves, scale=0.25, output_final_state=True)
     M = leaves[3].sum(dim=1).exp()
-    ((delta * ddelta.double()).sum() + (M * dM.double()).sum()).backward()
+    ((delta * ddelta.double().cpu()).sum() + (M * dM.double().cpu()).sum()).backward()
     assert got[0] is None  # q does not reach the summary: no gradient to add
     for name, a, b in zip("kvg", got[1:], leaves[1:]):
         assert torch.isfinite(a).all() and rel(a, b.grad) <= 1e-5, (name, rel(a, b.grad))
