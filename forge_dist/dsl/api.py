@@ -58,7 +58,7 @@ class Variant:
                  merge_mode: Callable, *, state: str = "matrix",
                  inputs: Optional[Union[Sequence[str], Dict[str, str]]] = None,
                  chunk_size: Optional[int] = None, lower: bool = True,
-                 fuse_prologues: bool = True):
+                 fuse_prologues: bool = False):
         if state not in ("matrix", "vector"):
             raise DSLError(f"state: expected 'matrix' or 'vector', got {state!r}")
         self.name = name
@@ -319,7 +319,7 @@ def _use_kernels(device: torch.device) -> bool:
 def variant(name: str, *, chunk_mode: Callable, decay_mode: Callable, merge_mode: Callable,
             state: str = "matrix", inputs: Optional[Union[Sequence[str], Dict[str, str]]] = None,
             chunk_size: Optional[int] = None, lower: bool = True,
-            fuse_prologues: bool = True) -> Variant:
+            fuse_prologues: bool = False) -> Variant:
     """Compile a variant from its three phases (see the module docstring).
 
     Args:
@@ -332,8 +332,11 @@ def variant(name: str, *, chunk_mode: Callable, decay_mode: Callable, merge_mode
         chunk_size: tokens per chunk (default 32).
         lower: try to map the variant onto a Triton template (CUDA only).
         fuse_prologues: write the template inputs' elementwise prologues as Triton maps the
-            template's kernels apply as they load (``False``: run them as PyTorch ops first,
-            for comparison).
+            template's kernels apply as they load (:mod:`.codegen`) instead of running them
+            as PyTorch ops first.  Off by default: on an H200 the fused walk was slower
+            (elu+1 linear attention at 64K tokens: 2.20 ms forward vs 2.28 with PyTorch
+            prologues, 14.5 vs 7.3 ms forward+backward,
+            ``scaling_benchmarks/results/dsl_prologue_*_s23.json``).
     Raises:
         DSLError: the program cannot be compiled; the message names the op and source line.
     """

@@ -17,13 +17,17 @@ prologues* of those inputs (feature maps, gate activations, scalings).  Steps:
    in ``describe()``.
 
 At run time on CUDA (or CPU tensors under ``TRITON_INTERPRET=1`` with
-``FORGE_DIST_DSL_TRITON=1``) the prologues are fused into the template: each chain is written
-as a Triton function of a tile (:mod:`.codegen`) that the template's forward kernels apply to
-every tile of that input they load, so no mapped copy of an input is made.  The backward
-maps the inputs again in PyTorch, runs the template's Triton backward kernels on the result
-and differentiates the prologue (autograd) back to the raw inputs.  Prologues the codegen has
-no translation for, and every prologue of the gated_delta_rule template, run as PyTorch ops
-before the kernels instead (``describe()`` says which).  Not lowered: prologues that are not
+``FORGE_DIST_DSL_TRITON=1``) the prologues run as PyTorch elementwise ops on the token tensors
+and the template's kernels do the rest; gradients flow through the prologue by autograd and
+through the template by its Triton backward kernels.  With ``fuse_prologues=True``
+(``dsl.variant``) each chain is instead written as a Triton function of a tile
+(:mod:`.codegen`) that the template's forward kernels apply to every tile of that input they
+load (no mapped copy is made; the backward maps the inputs again in PyTorch and
+differentiates the prologue).  It is off by default because it measured slower on an H200
+(``scaling_benchmarks/results/dsl_prologue_*_s23.json``: the mapped walk is slower than the
+plain walk plus the PyTorch passes).  Prologues the codegen has no translation for, and every
+prologue of the gated_delta_rule template, always run as PyTorch ops (``describe()`` says
+which).  Not lowered: prologues that are not
 elementwise chains of one input (e.g. RetNet's per-head constant decay), programs that are
 none of the five templates — those run on the executor.
 """
@@ -184,7 +188,7 @@ def _template(v) -> Tuple[Optional[str], Dict[str, str], str]:
     return template, want, ""
 
 
-def lower(v, fuse: bool = True) -> Tuple[Optional[Lowering], str]:
+def lower(v, fuse: bool = False) -> Tuple[Optional[Lowering], str]:
     """``(Lowering, "")`` or ``(None, reason)`` for a compiled :class:`~.api.Variant`;
     ``fuse``: write the prologues the template can apply as Triton maps (:mod:`.codegen`)."""
     template, want, reason = _template(v)

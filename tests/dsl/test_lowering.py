@@ -193,26 +193,29 @@ def _act_hgrn_merge(state, h, g):
 
 
 ACT_SG = dsl.variant("relu_logsigmoid_gla", chunk_mode=_act_sg_chunk, decay_mode=_act_sg_decay,
-                     merge_mode=_act_sg_merge, inputs=("q", "k", "v", "g"))
+                     merge_mode=_act_sg_merge, inputs=("q", "k", "v", "g"), fuse_prologues=True)
 ACT_HGRN = dsl.variant("silu_hgrn", chunk_mode=_act_hgrn_chunk, decay_mode=_act_hgrn_decay,
                        merge_mode=_act_hgrn_merge, state="vector", inputs=("x", "g"),
-                       chunk_size=16)
+                       chunk_size=16, fuse_prologues=True)
 
 
 def test_prologues_are_fused_into_the_templates():
-    """Feature maps and gate activations are written as Triton maps the templates apply as
-    they load; the delta rule's prologues stay PyTorch ops (its kernels take no maps)."""
+    """With fuse_prologues=True, feature maps and gate activations are written as Triton maps
+    the templates apply as they load; the delta rule's prologues stay PyTorch ops (its
+    kernels take no maps); by default every prologue is a PyTorch op."""
     if not kernels.HAVE_TRITON:
         pytest.skip("needs triton")
     assert set(ACT_SG.lowering.fused) == {"q", "k", "g"}
     assert set(ACT_HGRN.lowering.fused) == {"x", "g"}
-    assert set(library.elu_linear_attn.lowering.fused) == {"q", "k"}
+    assert not library.elu_linear_attn.lowering.fused  # the default
+    assert "q -> elu -> add (PyTorch)" in library.elu_linear_attn.describe()
     assert "(fused)" in ACT_SG.describe() and "q -> relu" in ACT_SG.describe()
 
     def gdn_merge(state, q, k, g, u, w, scale):
         return builtins._gdn_merge(state, F.silu(q), k, g, u, w, scale)
     v = dsl.variant("silu_q_gdn", chunk_mode=builtins._gdn_chunk, decay_mode=builtins._gdn_decay,
-                    merge_mode=gdn_merge, inputs=("q", "k", "v", "g", "beta"))
+                    merge_mode=gdn_merge, inputs=("q", "k", "v", "g", "beta"),
+                    fuse_prologues=True)
     assert v.lowering.template == "gated_delta_rule" and not v.lowering.fused
     assert "q: q -> silu (PyTorch)" in v.describe()
 
