@@ -105,9 +105,11 @@ def _function_name(fn) -> str:
 
 
 def _map_consts(maps: Optional[Dict[str, Any]], names: str) -> Tuple[Tuple[str, Any], ...]:
-    """Constexprs ``Q_MAP`` ... for the inputs in ``names`` with a fused prologue (as
-    ``kernels._common.map_flags``: absent, not ``None``, for unmapped inputs)."""
-    return tuple((f"{n.upper()}_MAP", maps[n]) for n in names if maps and maps.get(n))
+    """Constexprs ``Q_MAP`` ... for the inputs in ``names`` with a fused prologue, by the
+    kernels' own rule (``kernels._common.map_flags``)."""
+    from ..kernels._common import map_flags
+
+    return tuple(map_flags(maps, names).items())
 
 
 @dataclass(frozen=True)
