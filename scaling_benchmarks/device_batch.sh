@@ -35,6 +35,10 @@
 #                                                     #   tests, launch overhead, GPU numerics (~8 min)
 #   bash scaling_benchmarks/device_batch.sh rt2       # 2 GPUs: per-kernel SP profile, forge tests, runtime
 #                                                     #   GPU tests, launch overhead (~9 min)
+#   bash scaling_benchmarks/device_batch.sh prolog    # 1 GPU: prologue-kernel and gate-sum tests compiled,
+#                                                     #   GPU runtime/ops tests, gate-sum sweep (~9 min)
+#   bash scaling_benchmarks/device_batch.sh prologbench # 1 GPU: launch overhead, DSL prologues, short-T
+#                                                     #   simple_gla/gdn fwd vs FLA (~8 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -47,7 +51,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -93,6 +97,20 @@ case "$stage" in
     step forge_multigpu 240 python3 -m pytest -q -s -p no:cacheprovider tests/sp/test_forge_multigpu.py ;;
   kernels)
     step gpu_kernel_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels ;;
+  prolog)  # generated prologue kernels; scalar gates summed in the walks at short T
+    step prolog_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_prologue.py \
+      tests/dsl/test_codegen.py tests/kernels/test_kernels.py -k \
+      "prologue or codegen or translated or gate_sum or raw_gates or forward_matches"
+    step prolog_gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime \
+      tests/ops tests/dsl -k "not forge_graph"
+    step gate_sum 150 python3 scaling_benchmarks/kernel_profile.py --ops simple_gla --T 4096 \
+      --passes fwd --impls forge_dist --sweep gate_sum \
+      --sweep-T 1024,2048,4096,8192,16384,32768,65536,262144 --tag gate-sum --out "$OUT" ;;
+  prologbench)
+    step launch_overhead 150 python3 scaling_benchmarks/launch_overhead.py --out "$OUT"
+    step dsl_prologue 240 python3 scaling_benchmarks/dsl_prologue.py --out "$OUT"
+    step single_short 240 python3 scaling_benchmarks/single_device.py --ops simple_gla,gated_delta_rule \
+      --T 1024,4096,16384 --passes fwd --no-dsl --tag short --out "$OUT" ;;
   runtime)
     step gpu_runtime_tests 180 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/runtime
     step launch_overhead 150 python3 scaling_benchmarks/launch_overhead.py --out "$OUT" ;;

@@ -1,5 +1,6 @@
-"""Fused prologues of DSL variants: the template's kernels mapping each input as they load it,
-against the same variant with its prologues run as PyTorch ops first.
+"""Prologues of DSL variants three ways: one generated elementwise kernel per input before the
+template (the default), the template's kernels mapping each tile as they load it, and PyTorch
+ops before the template.
 
 Three variants written as three callables each (what a user would write):
 
@@ -9,9 +10,11 @@ Three variants written as three callables each (what a user would write):
   decay, simple_gla template;
 * ``silu_hgrn``: ``silu`` on x, ``logsigmoid`` on the gate, hgrn template.
 
-Rows (``impl``): ``fused`` (default lowering), ``pytorch_prologue``
-(``fuse_prologues=False``), and ``template_premapped``: the template's op on inputs mapped
-beforehand, the prologue's time left out (a floor for the forward).  Passes ``fwd`` (no
+Rows (``impl``): ``prologue_kernels`` (the default lowering: ``forge_dist.kernels.prologue``),
+``fused`` (``fuse_prologues=True``), ``pytorch_prologue`` (the default lowering with the
+prologue kernels withheld, as for chains the codegen cannot translate), and
+``template_premapped``: the template's op on inputs mapped beforehand, the prologue's time
+left out (a floor for the forward).  Passes ``fwd`` (no
 grad) and ``fwdbwd``.  Shapes of the single-device protocol: B=1, H=32, K=V=128 bf16; hgrn
 x, g [1, T, 4096] bf16; raw gates fp32 for the matrix variant.
 
@@ -34,10 +37,12 @@ B, H, K, V, D = 1, 32, 128, 128, 4096
 TR = lambda x: x.transpose(-1, -2)  # noqa: E731
 
 
-def _variants(fuse: bool):
+def _variants(mode: str):
+    """The three variants with prologues ``fused`` into the template, as generated
+    ``kernels`` (the default), or as ``pytorch`` ops."""
     from forge_dist import dsl
+    from forge_dist.kernels import prologue
     from forge_dist.dsl.helpers import segsum_exp, segsum_exp_vec
-    from forge_dist.dsl.library import _elu_chunk, _elu_decay, _elu_merge
 
     def sg_chunk(k, v, g):
         G = F.logsigmoid(g).cumsum(-1)
@@ -62,7 +67,19 @@ def _variants(fuse: bool):
     def hg_merge(state, h, g):
         return h + F.logsigmoid(g).cumsum(-2).exp() * state[..., None, :]
 
-    kw = dict(fuse_prologues=fuse)
+    kw = dict(fuse_prologues=mode == "fused")
+    real = prologue.kernel_prologue
+    if mode == "pytorch":  # the lowering then keeps each chain as PyTorch ops
+        prologue.kernel_prologue = lambda *a, **k: None
+    try:
+        return _build(dsl, kw, sg_chunk, sg_decay, sg_merge, hg_chunk, hg_decay, hg_merge)
+    finally:
+        prologue.kernel_prologue = real
+
+
+def _build(dsl, kw, sg_chunk, sg_decay, sg_merge, hg_chunk, hg_decay, hg_merge):
+    from forge_dist.dsl.library import _elu_chunk, _elu_decay, _elu_merge
+
     return {
         "elu_linear_attn": dsl.variant("elu_linear_attn", chunk_mode=_elu_chunk,
                                        decay_mode=_elu_decay, merge_mode=_elu_merge,
@@ -140,7 +157,7 @@ def plot(result, png):
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(f"DSL prologues fused vs PyTorch, {result['device']}")
+    fig.suptitle(f"DSL prologues: generated kernels, fused, PyTorch; {result['device']}")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
@@ -163,14 +180,16 @@ def main(argv=None) -> int:
                                                 "T": Ts, "passes": passes})
     if args.tag:
         result["tag"] = args.tag
-    fused, unfused = _variants(True), _variants(False)
-    for name in fused:
-        result["config"].setdefault("prologues", {})[name] = fused[name].lowering.summary()
+    kinds = {"prologue_kernels": _variants("kernels"), "fused": _variants("fused"),
+             "pytorch_prologue": _variants("pytorch")}
+    for name in kinds["fused"]:
+        result["config"].setdefault("prologues", {})[name] = {
+            impl: vs[name].lowering.summary() for impl, vs in kinds.items()}
         for T in Ts:
             inp = _inputs(name, T, "cuda")
             op, pre = _premapped(name, inp)
-            impls = {"fused": (fused[name], inp), "pytorch_prologue": (unfused[name], inp),
-                     "template_premapped": (op, pre)}
+            impls = {impl: (vs[name], inp) for impl, vs in kinds.items()}
+            impls["template_premapped"] = (op, pre)
             for pas in passes:
                 for impl, (fn, x) in impls.items():
                     run = (_fwd if pas == "fwd" else _fwdbwd)(fn, x)

@@ -8,7 +8,8 @@ iteration count, giving microseconds per call.  Same inputs as ``single_device.p
 ``--sweep hgrn,gated_delta_rule,simple_gla`` also times tile configurations (the evidence
 behind the defaults in ``kernels/*.py``): hgrn's forward and backward over (BT, BD, warps)
 and segment counts; gated_delta_rule's forward over the WY kernel's and the walker's tiles;
-the scalar-decay walker's V tile and warps (simple_gla forward).
+the scalar-decay walker's V tile and warps (simple_gla forward); ``gate_sum``: simple_gla's
+walks summing the gates themselves against a gate-sum launch before them.
 
     python scaling_benchmarks/kernel_profile.py --ops gla,hgrn --T 16384 [--sweep hgrn]
 """
@@ -134,6 +135,38 @@ def config_sweep(op: str, T: int, device) -> list:
     return rows
 
 
+def gate_sum_sweep(T: int, device, iters: int = 20) -> list:
+    """simple_gla's forward walks (the scheduler's segments) with the scalar gates summed in
+    the walks (``raw_gates``) against a gate-sum launch before them: GPU time per call of
+    every kernel (profiler), the evidence behind ``_common.SUM_GATES_IN_WALK_MAX_TOKENS``."""
+    from forge_dist.kernels import _common, scalar, scheduler
+
+    inp = make_inputs("simple_gla", T, device)
+    q, k, v, g = inp["q"], inp["k"], inp["v"], inp["g"]
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    cfg = dict(scalar.fused_config(K, V), tune=False)
+    sched = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], V))
+    rows, ref = [], None
+    for raw in (False, True):
+        fn = lambda: _common.walk(k, v, q=q, g=g, gate=1, cfg=cfg, scale=K ** -0.5,  # noqa: E731
+                                  prec=_common.dot_precision(q.dtype), n_seg=sched.n_seg,
+                                  out_dtype=q.dtype, raw_gates=raw)
+        with torch.no_grad():
+            out = fn()
+            per = kernel_times(fn, iters)
+        row = {"op": "simple_gla", "T": T, "raw_gates": raw, "n_seg": sched.n_seg,
+               "launches": len(per), "kernels_us": per, "fwd_ms": sum(per.values()) / 1e3}
+        if ref is None:
+            ref = out
+        else:  # same walks, the gate sums formed in another kernel: equal to rounding
+            row["max_abs_diff"] = max((a.float() - b.float()).abs().max().item()
+                                      for a, b in zip(out, ref))
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 HGRN_TILES = ((64, 32), (32, 64), (64, 64), (128, 32), (32, 128), (64, 128))
 
 
@@ -186,7 +219,8 @@ def main(argv=None):
                     help="forge_dist (the kernels' work objects), ops (the public ops), fla")
     ap.add_argument("--host", action="store_true",
                     help="also profile the host side of each call (cProfile, wall time)")
-    ap.add_argument("--sweep", default="", help="ops whose kernel configs to sweep")
+    ap.add_argument("--sweep", default="", help="ops whose kernel configs to sweep "
+                    "(gate_sum: simple_gla's walks with and without the gate-sum launch)")
     ap.add_argument("--sweep-T", default="65536", help="comma-separated")
     ap.add_argument("--hgrn-configs", default="",
                     help="hgrn sweep tiles as BTxBDxWARPS[xSTAGES],... (default: the built-in grid)")
@@ -243,10 +277,14 @@ def main(argv=None):
     for op, sweep_T in ((o, int(t)) for o in args.sweep.split(",") if o
                         for t in args.sweep_T.split(",")):
         hcfg = [tuple(int(x) for x in c.split("x")) for c in args.hgrn_configs.split(",") if c]
-        rows = (hgrn_sweep(sweep_T, device, hcfg or None,
-                           [int(n) for n in args.hgrn_segments.split(",")],
-                           backward=not args.hgrn_no_bwd) if op == "hgrn" else
-                config_sweep(op, sweep_T, device))
+        if op == "hgrn":
+            rows = hgrn_sweep(sweep_T, device, hcfg or None,
+                              [int(n) for n in args.hgrn_segments.split(",")],
+                              backward=not args.hgrn_no_bwd)
+        elif op == "gate_sum":
+            rows = gate_sum_sweep(sweep_T, device)
+        else:
+            rows = config_sweep(op, sweep_T, device)
         result["sweeps"].append({"op": op, "T": sweep_T, "rows": rows})
         results_io.write(result, Path(args.out) if args.out else None)  # a time limit keeps it
     print(f"wrote {results_io.write(result, Path(args.out) if args.out else None)}")

@@ -331,12 +331,14 @@ def variant(name: str, *, chunk_mode: Callable, decay_mode: Callable, merge_mode
             ``v -> V``, anything else a per-head scalar (vector: ``D``).
         chunk_size: tokens per chunk (default 32).
         lower: try to map the variant onto a Triton template (CUDA only).
-        fuse_prologues: write the template inputs' elementwise prologues as Triton maps the
-            template's kernels apply as they load (:mod:`.codegen`) instead of running them
-            as PyTorch ops first.  Off by default: on an H200 the fused walk was slower
-            (elu+1 linear attention at 64K tokens: 2.20 ms forward vs 2.28 with PyTorch
-            prologues, 14.5 vs 7.3 ms forward+backward,
-            ``scaling_benchmarks/results/dsl_prologue_*_s23.json``).
+        fuse_prologues: apply the template inputs' elementwise prologues inside the
+            template's kernels, to every tile they load (:mod:`.codegen`), instead of one
+            generated elementwise kernel per input before them (the default;
+            :mod:`forge_dist.kernels.prologue`).  Off by default: on an H200 the in-walk maps
+            were slower (elu+1 linear attention at 64K tokens: 2.20 ms forward vs 2.28 with
+            PyTorch prologues, 14.5 vs 7.3 ms forward+backward,
+            ``scaling_benchmarks/results/dsl_prologue_*_s23.json``; the default's numbers
+            are in the ``_s24`` file).
     Raises:
         DSLError: the program cannot be compiled; the message names the op and source line.
     """

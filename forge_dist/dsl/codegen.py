@@ -126,29 +126,138 @@ def source(chain: List[fx.Node]) -> Optional[str]:
     return "\n".join(lines + [f"    return {var}"])
 
 
-def triton_map(chain: List[fx.Node]) -> Optional[Tuple[Callable, str]]:
-    """``(jitted map, its source)`` for an elementwise chain, or ``None`` (identity chains
-    and untranslatable ops).  The map takes and returns an fp32 tile."""
-    if len(chain) < 2:
+def _unary_grad(name: str, a: str, y: str, kwargs: dict) -> Optional[str]:
+    """``d y / d a`` of the unary op ``name`` (``y`` its value at ``a``), PyTorch's
+    derivatives (relu' and abs' are 0 at 0, softplus' is 1 past its threshold)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
+    if name == "relu" and not kwargs:
+        return f"tl.where({a} > 0.0, 1.0, 0.0)"
+    if name == "elu":
+        alpha = _num(kwargs.pop("alpha", 1.0))
+        if alpha is None or kwargs:
+            return None
+        return f"tl.where({a} > 0.0, 1.0, {alpha} * tl.exp({a}))"
+    if name == "softplus":
+        beta = _num(kwargs.pop("beta", 1.0))
+        threshold = _num(kwargs.pop("threshold", 20.0))
+        if beta is None or threshold is None or kwargs:
+            return None
+        return f"tl.where({a} * {beta} > {threshold}, 1.0, tl.sigmoid({a} * {beta}))"
+    if name == "gelu":
+        approx = kwargs.pop("approximate", "none")
+        if kwargs or approx not in ("none", "tanh"):
+            return None
+        if approx == "none":  # Phi(a) + a phi(a)
+            return (f"(0.5 * (1.0 + tl.erf({a} * 0.7071067811865476)) + "
+                    f"{a} * 0.3989422804014327 * tl.exp(-0.5 * {a} * {a}))")
+        u = f"0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a})"
+        t = f"(2.0 * tl.sigmoid(2.0 * ({u})) - 1.0)"  # tanh(u)
+        return (f"(0.5 * (1.0 + {t}) + 0.5 * {a} * (1.0 - {t} * {t}) * 0.7978845608028654 "
+                f"* (1.0 + 0.134145 * {a} * {a}))")
+    if kwargs:
         return None
-    body = source(chain)
-    if body is None:
-        return None
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:  # no kernels to fuse into
-        return None
+    return {
+        "sigmoid": f"{y} * (1.0 - {y})",
+        "exp": y,
+        "tanh": f"(1.0 - {y} * {y})",
+        "abs": f"tl.where({a} > 0.0, 1.0, tl.where({a} < 0.0, -1.0, 0.0))",
+        "neg": "-1.0",
+        "sqrt": f"0.5 / {y}",
+        "square": f"2.0 * {a}",
+        "silu": f"tl.sigmoid({a}) * (1.0 + {a} * (1.0 - tl.sigmoid({a})))",
+        "logsigmoid": f"tl.sigmoid(-{a})",
+    }.get(name)
 
-    digest = hashlib.sha256(body.encode()).hexdigest()[:16]
-    name = f"forge_prologue_{digest}"
-    text = f"def {name}(x):\n    x = x.to(tl.float32)\n{body}\n"
+
+def _grad_expr(n: fx.Node, src: fx.Node, a: str, y: str) -> Optional[str]:
+    """``d n / d src`` for chain node ``n`` (its operand held in ``a``, its value in ``y``);
+    the same cases as :func:`_expr`."""
+    if _expr(n, src, a) is None:
+        return None
+    if n.op == "call_method":
+        return _unary_grad(n.target, a, y, dict(n.kwargs))
+    if n.target in _ARITH:
+        op, (first, second) = _ARITH[n.target], n.args
+        if first is src and second is src:  # x + x, x - x, x * x, x / x
+            return {"+": "2.0", "-": "0.0", "*": f"2.0 * {a}", "/": "0.0"}[op]
+        const = _num(second if first is src else first)
+        if op == "+":
+            return "1.0"
+        if op == "-":
+            return "1.0" if first is src else "-1.0"
+        if op == "*":
+            return const
+        # division: a / c or c / a
+        return f"(1.0 / {const})" if first is src else f"(-{const} / ({a} * {a}))"
+    name = _FUNC_NAMES[n.target]
+    kwargs = dict(n.kwargs)
+    params = {"elu": ("alpha",), "softplus": ("beta", "threshold")}.get(name, ())
+    for pname, value in zip(params, n.args[1:]):
+        kwargs[pname] = value
+    return _unary_grad(name, a, y, kwargs)
+
+
+def grad_source(chain: List[fx.Node]) -> Optional[str]:
+    """Body lines of the chain's vector-Jacobian product ``dy * f'(x)`` (the forward values
+    recomputed in registers, then the chain rule op by op), or ``None``."""
+    lines, factors, var = [], [], "x"
+    for i, n in enumerate(chain[1:]):
+        e, d = _expr(n, chain[i], var), _grad_expr(n, chain[i], var, f"v{i}")
+        if e is None or d is None:
+            return None
+        lines.append(f"    v{i} = {e}")
+        factors.append(d)
+        var = f"v{i}"
+    lines.append("    d = dy.to(tl.float32)")
+    lines += [f"    d = d * ({f})" for f in reversed(factors)]
+    return "\n".join(lines + ["    return d"])
+
+
+def _jit(kind: str, args: str, body: str) -> Tuple[Callable, str]:
+    """The jitted function ``forge_<kind>_<hash>(<args>)`` of ``body`` (one per source)."""
+    import triton
+    import triton.language as tl
+
+    digest = hashlib.sha256(f"{kind}({args})\n{body}".encode()).hexdigest()[:16]
+    name = f"forge_{kind}_{digest}"
+    first = args.split(",")[0]
+    text = f"def {name}({args}):\n    {first} = {first}.to(tl.float32)\n{body}\n"
     fn = _FUNCTIONS.get(digest)
     if fn is None:
-        filename = f"<forge_dist.dsl prologue {digest}>"
+        filename = f"<forge_dist.dsl {kind} {digest}>"
         # inspect.getsource (Triton's JIT reads the source) finds it in linecache
         linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
         namespace = {"tl": tl}
         exec(compile(text, filename, "exec"), namespace)  # noqa: S102 - our own generated text
         fn = _FUNCTIONS[digest] = triton.jit(namespace[name])
     return fn, text
+
+
+def _have_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # no kernels to run the maps
+        return False
+    return True
+
+
+def triton_map(chain: List[fx.Node]) -> Optional[Tuple[Callable, str]]:
+    """``(jitted map, its source)`` for an elementwise chain, or ``None`` (identity chains
+    and untranslatable ops).  The map takes and returns an fp32 tile."""
+    if len(chain) < 2:
+        return None
+    body = source(chain)
+    if body is None or not _have_triton():
+        return None
+    return _jit("prologue", "x", body)
+
+
+def triton_map_grad(chain: List[fx.Node]) -> Optional[Tuple[Callable, str]]:
+    """``(jitted vector-Jacobian product, its source)`` of the chain: ``f(x, dy)`` returns
+    ``dy * chain'(x)`` in fp32; ``None`` where :func:`triton_map` gives ``None``."""
+    if len(chain) < 2:
+        return None
+    body = grad_source(chain)
+    if body is None or not _have_triton():
+        return None
+    return _jit("prologue_grad", "x, dy", body)

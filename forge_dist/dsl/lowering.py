@@ -17,17 +17,17 @@ prologues* of those inputs (feature maps, gate activations, scalings).  Steps:
    in ``describe()``.
 
 At run time on CUDA (or CPU tensors under ``TRITON_INTERPRET=1`` with
-``FORGE_DIST_DSL_TRITON=1``) the prologues run as PyTorch elementwise ops on the token tensors
-and the template's kernels do the rest; gradients flow through the prologue by autograd and
-through the template by its Triton backward kernels.  With ``fuse_prologues=True``
-(``dsl.variant``) each chain is instead written as a Triton function of a tile
-(:mod:`.codegen`) that the template's forward kernels apply to every tile of that input they
-load (no mapped copy is made; the backward maps the inputs again in PyTorch and
-differentiates the prologue).  It is off by default because it measured slower on an H200
-(``scaling_benchmarks/results/dsl_prologue_*_s23.json``: the mapped walk is slower than the
-plain walk plus the PyTorch passes).  Prologues the codegen has no translation for, and every
-prologue of the gated_delta_rule template, always run as PyTorch ops (``describe()`` says
-which).  Not lowered: prologues that are not
+``FORGE_DIST_DSL_TRITON=1``) each prologue the codegen translates runs as one generated
+elementwise Triton kernel over the token tensor (:mod:`forge_dist.kernels.prologue`: the
+chain written as a map of a tile, one read and one write, and its generated derivative for
+the backward), and the template's kernels do the rest, their Triton backward kernels
+included.  With ``fuse_prologues=True`` (``dsl.variant``) the map is instead applied to every
+tile of that input the template's forward kernels load (no mapped copy is made; the backward
+maps the inputs again in PyTorch and differentiates the prologue).  That is off by default:
+on an H200 the walk, which is latency bound, lost more per chunk step than the pass it saves
+(``scaling_benchmarks/results/dsl_prologue_*``).  Prologues the codegen has no translation
+for run as PyTorch ops (``describe()`` says how each runs; the gated_delta_rule template
+takes no fused maps).  Not lowered: prologues that are not
 elementwise chains of one input (e.g. RetNet's per-head constant decay), programs that are
 none of the five templates — those run on the executor.
 """
@@ -116,9 +116,20 @@ class Lowering:
     # input name -> InputMap: prologues the template's kernels apply as they load (codegen)
     fused: Dict[str, Any] = field(default_factory=dict)
 
+    def how(self, name: str) -> str:
+        """How input ``name``'s prologue runs: ``fused`` into the template's kernels, a
+        generated ``Triton kernel`` before them (:mod:`forge_dist.kernels.prologue`), or
+        ``PyTorch`` ops."""
+        from ..kernels.prologue import ElementwisePrologue
+
+        if name in self.fused:
+            return "fused"
+        if isinstance(self.prologues.get(name), ElementwisePrologue):
+            return "Triton kernel"
+        return "PyTorch"
+
     def summary(self) -> str:
-        maps = [f"{k}: {t} ({'fused' if k in self.fused else 'PyTorch'})"
-                for k, t in self.texts.items() if "->" in t]
+        maps = [f"{k}: {t} ({self.how(k)})" for k, t in self.texts.items() if "->" in t]
         return "prologue " + ("; ".join(maps) if maps else "none")
 
     def mapped(self, part: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -196,6 +207,8 @@ def lower(v, fuse: bool = False) -> Tuple[Optional[Lowering], str]:
         return None, reason
     from ..kernels import MAPPABLE
     from ..kernels._common import InputMap
+    from ..kernels.prologue import kernel_prologue
+    from .api import _use_kernels
 
     prologues, texts, fused = {}, {}, {}
     for name in want:
@@ -205,6 +218,10 @@ def lower(v, fuse: bool = False) -> Tuple[Optional[Lowering], str]:
                else None)
         if got is not None:
             fused[name] = InputMap(got[0], prologues[name])
+        elif prologues[name] is not None:  # one generated kernel pass (PyTorch elsewhere)
+            prologues[name] = kernel_prologue(codegen.triton_map(chain),
+                                              codegen.triton_map_grad(chain),
+                                              prologues[name], _use_kernels) or prologues[name]
     for mode in ("user", "one"):
         low = Lowering(template, prologues, texts, mode, fused)
         if _validate(v, low):

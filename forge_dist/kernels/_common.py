@@ -244,7 +244,8 @@ if HAVE_TRITON:
                      s_in=None, cg=None, HT_LAST: tl.constexpr = False,
                      STORE_CHUNKS: tl.constexpr = False, hc=None, vn=None,
                      SCAN_IN: tl.constexpr = False, Q_MAP: tl.constexpr = None,
-                     K_MAP: tl.constexpr = None, V_MAP: tl.constexpr = None):
+                     K_MAP: tl.constexpr = None, V_MAP: tl.constexpr = None,
+                     G_RAW: tl.constexpr = False):
         """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H, NSEG)``.
 
         Program ``(i_v, i_bh, i_s)`` walks the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a
@@ -269,6 +270,8 @@ if HAVE_TRITON:
         outputs), and each program folds the segments before its own (and ``s_in``,
         HAS_SIN, before the first) into its start state: no scan launch, and no
         ``[NSEG, B, H, K, V]`` pass between the two walks.
+        G_RAW (GATE=1): ``g`` is the per-token gates ``[B, T, H]`` themselves and each chunk
+        sums them in the walk (:func:`scalar_gate_chunk`): no gate-sum launch before it.
         Q_MAP, K_MAP, V_MAP: fused elementwise prologues (:func:`mapped_tile`) applied to
         every q, k, v tile as it is loaded (``None``: the inputs as they are).
         STORE_CHUNKS (for backward passes): every chunk's start state into
@@ -350,7 +353,10 @@ if HAVE_TRITON:
                 # (q * e)^T S = e * (q^T S), so the decays go onto the [BT, BV] value and
                 # output tiles instead of the [BT, BK] key and query tiles (half the
                 # elementwise work at BK = 2 BV, and k, q stay the loaded 16-bit tiles)
-                b_G, b_GC = scalar_gate_cum(g, i_bh, t0, T, BT)
+                if G_RAW:
+                    b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
+                else:
+                    b_G, b_GC = scalar_gate_cum(g, i_bh, t0, T, BT)
                 b_kd = b_k
                 b_v_upd = (b_v.to(tl.float32) * tl.exp(b_GC - b_G)[:, None]).to(DT)
             elif GATE == 2:  # pre-gated inputs: only the chunk's total decay is left
@@ -494,6 +500,19 @@ def chunk_gate_cumsum(g: Tensor, BT: int, g_map=None) -> Tensor:
     return gc
 
 
+# Up to this many tokens (B * T) the walks sum the scalar gates per chunk themselves
+# (``G_RAW``, fp32 gathers of stride H) instead of reading a gate sum launched before them.
+# H200, B=1, H=32, K=V=128 bf16 (results/kernel_profile_gate-sum_*_s24.json): the same walk
+# time from 4K to 16K tokens, and one launch (~7 us of host time) fewer; 8 % slower at 64K
+# and 256K, where the sum's contiguous reads pipeline and the gathers do not.
+SUM_GATES_IN_WALK_MAX_TOKENS = 16384
+
+
+def sum_gates_in_walk(B: int, T: int) -> bool:
+    """Whether the walks read the per-token scalar gates and sum each chunk themselves."""
+    return B * T <= SUM_GATES_IN_WALK_MAX_TOKENS
+
+
 def walker_gates(g: Optional[Tensor], gate: int, BT: int,
                  g_cum: Optional[Tensor] = None, g_map=None) -> Optional[Tensor]:
     """The gate tensor the walker reads: for ``gate=1`` the chunk-local cumulative sums
@@ -520,8 +539,9 @@ def _tiles(k: Tensor, V: int, cfg: dict):
 
 def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_ht, scale,
                  V, cfg, prec, a=None, s_in=None, cg=None, ht_last=False, hc=None,
-                 vn=None, scan_in=False, maps=None) -> None:
-    """One walker launch over ``n`` segments of ``seg`` tokens (see ``_walk_kernel``)."""
+                 vn=None, scan_in=False, maps=None, raw_gates=False) -> None:
+    """One walker launch over ``n`` segments of ``seg`` tokens (see ``_walk_kernel``);
+    ``raw_gates``: ``g`` is the per-token scalar gates, summed in the walk (``G_RAW``)."""
     B, T, H, K = k.shape
     BT, BK, BV, NV = _tiles(k, V, cfg)
     args = (q if q is not None else k, k, v if v is not None else k,
@@ -534,6 +554,8 @@ def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_
                  a=a if q is not None else None, STORE_GT=gt is not None and not scan_in)
     if scan_in:
         flags["SCAN_IN"] = True
+    if raw_gates:
+        flags["G_RAW"] = True
     if s_in is not None:  # folded-in incoming state (and, gated, its decay per segment)
         flags.update(HAS_SIN=True, s_in=s_in)
         if not scan_in:  # SCAN_IN decays s_in through the summaries' own gt
@@ -557,7 +579,8 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
          scale: float = 1.0, V: Optional[int] = None, out_dtype=torch.float32,
          cfg: dict, prec: str, a: Optional[Tensor] = None, n_seg: int = 1,
          chunk_states: Optional[Tensor] = None, walked_v: Optional[Tensor] = None,
-         g_cum: Optional[Tensor] = None, maps: Optional[dict] = None):
+         g_cum: Optional[Tensor] = None, maps: Optional[dict] = None,
+         raw_gates: Optional[bool] = None):
     """Run the walker: FUSED (``n_seg == 1``) or DECOUPLED over ``n_seg`` segments.
 
     DECOUPLED (the paper's appendix B.2 at segment granularity): every segment's summary from
@@ -585,6 +608,9 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
             ``[B, T, H, V]`` (the delta rule's ``v - w S``); pass both or neither.
         maps: fused elementwise prologues by input name (``q, k, v, g``; jitted maps of
             :mod:`forge_dist.dsl.codegen`): the walk reads the raw inputs and maps each tile.
+        raw_gates: ``gate=1`` only: the walks sum ``g`` per chunk themselves instead of
+            reading a ``chunk_gate_cumsum`` launched before them; ``None``:
+            :func:`sum_gates_in_walk` decides (not with ``g_cum`` or a gate map).
     Returns:
         ``(o [B, T, H, V] in out_dtype or None, final state [B, H, K, V] fp32)``.
     """
@@ -600,9 +626,17 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
     o = torch.empty(B, T, H, V, dtype=out_dtype, device=k.device) if q is not None else None
     if h0 is not None:
         h0 = h0.to(torch.float32).contiguous()
-    g = walker_gates(g, gate, BT, g_cum, (maps or {}).get("g"))
+    g_map = (maps or {}).get("g")
+    if raw_gates is None:
+        raw_gates = gate == 1 and g_cum is None and g_map is None and sum_gates_in_walk(B, T)
+    if raw_gates:
+        if gate != 1 or g_cum is not None or g_map is not None:
+            raise ValueError("walk: raw_gates needs gate=1, no g_cum and no gate map")
+        g = g.contiguous()
+    else:
+        g = walker_gates(g, gate, BT, g_cum, g_map)
     common = dict(k=k, v=v, g=g, gate=gate, w=w, scale=scale, V=V, cfg=cfg, prec=prec,
-                  maps=maps)
+                  maps=maps, raw_gates=raw_gates)
     if (chunk_states is None) != (walked_v is None):
         raise ValueError("walk: chunk_states and walked_v go together")
     if chunk_states is not None and n_seg != 1:

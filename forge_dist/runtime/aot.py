@@ -31,6 +31,7 @@ themselves in a child process with the interpreter off (same Python, same ``sys.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -143,22 +144,29 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                                         has_dht=has_dht, execution=mode)
                                     out.update((s.key, s) for s in prog.specs())
                     continue
-                for H in cfg["heads"]:
-                    for K, V in cfg["head_dims"]:
-                        for bt in bts:
-                            tiles = None if bt is None else {"BT": int(bt)}
-                            for gated in _gates(variant, cfg["gated"]):
-                                for mode in _modes(variant, cfg["execution"]):
-                                    for store_o in _stores(variant, cfg["sequence_parallel"]):
-                                        if not store_o and h0:
-                                            continue  # summaries start from zero
-                                        prog = matrix_program(
-                                            variant, B=1, T=256, H=int(H), K=int(K), V=int(V),
-                                            dtype=dtype, gated=gated, has_h0=h0,
-                                            store_o=store_o, execution=mode, tiles=tiles,
-                                            gate_dtype=gate_dtype, beta_dtype=beta_dtype)
-                                        out.update((s.key, s) for s in prog.specs())
+                for H, (K, V), bt, T in itertools.product(cfg["heads"], cfg["head_dims"],
+                                                          bts, _matrix_lengths()):
+                    tiles = None if bt is None else {"BT": int(bt)}
+                    for gated, mode, store_o in itertools.product(
+                            _gates(variant, cfg["gated"]), _modes(variant, cfg["execution"]),
+                            _stores(variant, cfg["sequence_parallel"])):
+                        if not store_o and h0:
+                            continue  # summaries start from zero
+                        prog = matrix_program(
+                            variant, B=1, T=T, H=int(H), K=int(K), V=int(V), dtype=dtype,
+                            gated=gated, has_h0=h0, store_o=store_o, execution=mode,
+                            tiles=tiles, gate_dtype=gate_dtype, beta_dtype=beta_dtype)
+                        out.update((s.key, s) for s in prog.specs())
     return list(out.values())
+
+
+def _matrix_lengths() -> Tuple[int, int]:
+    """Sequence lengths whose programs cover every kernel a matrix-state plan can launch:
+    short inputs sum scalar gates in the walks, long ones launch a gate sum first
+    (``kernels._common.sum_gates_in_walk``); nothing else in a spec depends on T."""
+    from ..kernels._common import SUM_GATES_IN_WALK_MAX_TOKENS
+
+    return 256, SUM_GATES_IN_WALK_MAX_TOKENS + 256
 
 
 def _gates(variant, gated):

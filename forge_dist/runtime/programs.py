@@ -171,7 +171,8 @@ def _prec(dtype: torch.dtype, interp: bool) -> str:
 
 
 def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cfg, prec,
-                 seg, n, store_ht=True, a=None, s_in=None, scan_in=False, maps=None) -> Launch:
+                 seg, n, store_ht=True, a=None, s_in=None, scan_in=False, maps=None,
+                 raw_gates=False) -> Launch:
     """One walker launch over ``n`` segments of ``seg`` tokens (``kernels._common.walk``);
     ``scan_in``: the output walks that fold the segment scan in (``gt`` is then read)."""
     BK = _pow2(K)
@@ -198,6 +199,8 @@ def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cf
     const = const + (("cg", None), ("HT_LAST", scan_in), ("STORE_CHUNKS", False), ("hc", None),
                      ("vn", None), ("SCAN_IN", scan_in))
     const = const + _map_consts(maps, ("q" if q else "") + "k" + ("v" if v else ""))
+    if raw_gates:  # set only when on, as the kernels' launcher does (same compiled kernel)
+        const = const + (("G_RAW", True),)
     return Launch("walk", (_cdiv(V, BV), B * H, n), args, const, cfg["num_warps"],
                   cfg["num_stages"])
 
@@ -215,7 +218,7 @@ def _gate_cumsum(buffers, *, B: int, T: int, H: int, BT: int, maps=None) -> Laun
 
 
 def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg, prec,
-          a=None, n_seg: int = 1, maps=None) -> List[Launch]:
+          a=None, n_seg: int = 1, maps=None, raw_gates: bool = False) -> List[Launch]:
     """The walker's launches, exactly as ``kernels._common.walk`` makes them: one fused
     launch, or (``n_seg > 1``) segment summaries, the segment scan and segment outputs."""
     from ..kernels._common import segment_length
@@ -224,7 +227,7 @@ def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg,
     seg = segment_length(T, BT, n_seg)
     n_seg = max(1, _cdiv(T, seg))
     common = dict(k=k, v=v, g=g, w=w, B=B, T=T, H=H, K=K, V=V, gate=gate, scale=scale,
-                  cfg=cfg, prec=prec, seg=seg, maps=maps)
+                  cfg=cfg, prec=prec, seg=seg, maps=maps, raw_gates=raw_gates)
     if n_seg == 1:
         return [_walk_launch(q=q, h0=h0, o=o, ht=ht, gt=None, n=1, a=a, **common)]
     buffers["hs"] = Buffer((n_seg, B, H, K, V), torch.float32, "workspace")
@@ -265,6 +268,7 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
     gated_delta_rule), applied as the kernels load.
     """
     from ..kernels import scheduler
+    from ..kernels._common import sum_gates_in_walk
 
     if variant not in MATRIX_VARIANTS:
         raise ValueError(f"variant: expected one of {MATRIX_VARIANTS}, got {variant!r}")
@@ -325,13 +329,18 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
             walk_maps = {"v": maps["v"]} if maps and maps.get("v") else None
         else:
             walk_maps = maps
+        raw_gates = False
         if gated and variant == "simple_gla":
-            launches.append(_gate_cumsum(bufs, B=B, T=T, H=H, BT=cfg["BT"], maps=maps))
-            g_walk = "g_cum"
+            # kernels._common.walk's rule: short inputs sum the gates in the walks (one
+            # launch fewer), long ones read a gate sum made before them
+            raw_gates = not (maps and maps.get("g")) and sum_gates_in_walk(B, T)
+            if not raw_gates:
+                launches.append(_gate_cumsum(bufs, B=B, T=T, H=H, BT=cfg["BT"], maps=maps))
+                g_walk = "g_cum"
         gate = 2 if variant == "gla" else (1 if gated else 0)
         launches += _walk(bufs, q=q_walk, k=k_walk, v="v", g=g_walk, w=None, h0=h0, o=o, ht="ht", B=B, T=T,
                           H=H, K=K, V=V, gate=gate, scale=scale, cfg=cfg, prec=prec, a=a,
-                          n_seg=sched.n_seg, maps=walk_maps)
+                          n_seg=sched.n_seg, maps=walk_maps, raw_gates=raw_gates)
         return Program(launches, bufs, sched.strategy, notes)
 
     if execution not in (None, "auto", scheduler.FUSED):
@@ -365,10 +374,12 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
            for grid, const, nw, ns in delta.wy_launches(B, T, H, K, V, dtype=dtype,
                                                           gated=gated, prec=wy_prec,
                                                           store_a=True)]
-    cums = [_gate_cumsum(bufs, B=B, T=T, H=H, BT=BT)] if gated else []
-    walks = _walk(bufs, q="q", k="k", v="u", g="g_cum" if gated else None, w="w", h0=h0,
-                  o="o", ht="ht", B=B, T=T, H=H, K=K, V=V, gate=1 if gated else 0,
-                  scale=scale, cfg=cfg, prec=prec, a="a")
+    raw_gates = gated and sum_gates_in_walk(B, T)  # as for simple_gla above
+    cums = [_gate_cumsum(bufs, B=B, T=T, H=H, BT=BT)] if gated and not raw_gates else []
+    walks = _walk(bufs, q="q", k="k", v="u", g=("g" if raw_gates else "g_cum") if gated else None,
+                  w="w", h0=h0, o="o", ht="ht", B=B, T=T, H=H, K=K, V=V,
+                  gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec, a="a",
+                  raw_gates=raw_gates)
     return Program(wys + cums + walks, bufs, scheduler.FUSED, notes)
 
 

@@ -71,6 +71,35 @@ def test_translated_ops_match_pytorch(name):
     torch.testing.assert_close(y, want, rtol=2e-5, atol=2e-5)
 
 
+@triton.jit
+def _apply_grad(x, dy, dx, N, GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    b = tl.load(x + o, mask=o < N, other=0.0)
+    d = tl.load(dy + o, mask=o < N, other=0.0)
+    tl.store(dx + o, GRAD(b, d), mask=o < N)
+
+
+@pytest.mark.parametrize("name", list(CASES) + ["x * x", "x + x", "x - x"])
+def test_translated_gradients_match_autograd(name):
+    """The generated vector-Jacobian product of every chain against PyTorch's autograd in
+    fp64 (its conventions at the kinks: relu' and abs' are 0 at 0, elu' is alpha there)."""
+    f = {"x * x": lambda x: x * x, "x + x": lambda x: (x + x) * 0.5,
+         "x - x": lambda x: (x - x) + 1.0}.get(name) or CASES[name]
+    got = codegen.triton_map_grad(chain(f))
+    assert got is not None, name
+    fn, text = got
+    assert text.startswith("def forge_prologue_grad_")
+    gen = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.linspace(-30, 30, 61), torch.randn(67, generator=gen) * 3])
+    dy = torch.randn(x.numel(), generator=gen)
+    xd = x.double().requires_grad_(True)
+    (want,) = torch.autograd.grad(f(xd), xd, dy.double())
+    x, dy = x.to(DEV), dy.to(DEV)
+    dx = torch.empty_like(x)
+    _apply_grad[(1,)](x, dy, dx, x.numel(), GRAD=fn, BLOCK=triton.next_power_of_2(x.numel()))
+    torch.testing.assert_close(dx.cpu(), want.float(), rtol=2e-5, atol=2e-5)
+
+
 def test_untranslatable_chains_give_none():
     assert codegen.triton_map(chain(lambda x: x)) is None  # identity: nothing to fuse
     assert codegen.triton_map(chain(lambda x: torch.add(x, 1.0, alpha=2.0))) is None
@@ -78,10 +107,14 @@ def test_untranslatable_chains_give_none():
     x = g.placeholder("x")
     n = g.call_function(torch.erf, (x,))
     assert codegen.triton_map([x, n]) is None
+    assert codegen.triton_map_grad([x, n]) is None
+    assert codegen.triton_map_grad(chain(lambda x: x)) is None
     g = fx.Graph()
     x = g.placeholder("x")
     n = g.call_function(F.softplus, (x,), {"beta": "two"})
     assert codegen.triton_map([x, n]) is None
+    assert codegen.triton_map_grad([x, n]) is None
+    assert codegen.triton_map_grad(chain(lambda x: x)) is None
 
 
 def test_one_function_per_source():

@@ -197,19 +197,36 @@ ACT_SG = dsl.variant("relu_logsigmoid_gla", chunk_mode=_act_sg_chunk, decay_mode
 ACT_HGRN = dsl.variant("silu_hgrn", chunk_mode=_act_hgrn_chunk, decay_mode=_act_hgrn_decay,
                        merge_mode=_act_hgrn_merge, state="vector", inputs=("x", "g"),
                        chunk_size=16, fuse_prologues=True)
+# the same programs with the default lowering: one generated elementwise kernel per prologue
+ACT_SG_K = dsl.variant("relu_logsigmoid_gla", chunk_mode=_act_sg_chunk,
+                       decay_mode=_act_sg_decay, merge_mode=_act_sg_merge,
+                       inputs=("q", "k", "v", "g"))
+ACT_HGRN_K = dsl.variant("silu_hgrn", chunk_mode=_act_hgrn_chunk, decay_mode=_act_hgrn_decay,
+                         merge_mode=_act_hgrn_merge, state="vector", inputs=("x", "g"),
+                         chunk_size=16)
 
 
 def test_prologues_are_fused_into_the_templates():
     """With fuse_prologues=True, feature maps and gate activations are written as Triton maps
-    the templates apply as they load; the delta rule's prologues stay PyTorch ops (its
-    kernels take no maps); by default every prologue is a PyTorch op."""
+    the templates apply as they load; the delta rule's kernels take no maps, so its
+    prologues run as generated elementwise kernels, as every prologue does by default;
+    chains the codegen cannot translate stay PyTorch ops."""
     if not kernels.HAVE_TRITON:
         pytest.skip("needs triton")
     assert set(ACT_SG.lowering.fused) == {"q", "k", "g"}
     assert set(ACT_HGRN.lowering.fused) == {"x", "g"}
     assert not library.elu_linear_attn.lowering.fused  # the default
-    assert "q -> elu -> add (PyTorch)" in library.elu_linear_attn.describe()
+    assert "q -> elu -> add (Triton kernel)" in library.elu_linear_attn.describe()
     assert "(fused)" in ACT_SG.describe() and "q -> relu" in ACT_SG.describe()
+    assert {k: ACT_SG_K.lowering.how(k) for k in "qkvg"} == {
+        "q": "Triton kernel", "k": "Triton kernel", "v": "PyTorch", "g": "Triton kernel"}
+
+    def alpha_merge(state, q, k, v, scale):  # add's alpha has no translation: PyTorch
+        return builtins._la_merge(state, torch.add(q, 1.0, alpha=2.0), k, v, scale)
+    v = dsl.variant("alpha_q_la", chunk_mode=builtins._la_chunk, decay_mode=builtins._la_decay,
+                    merge_mode=alpha_merge, inputs=("q", "k", "v"))
+    assert v.lowering is not None and v.lowering.how("q") == "PyTorch"
+    assert "q: q -> add (PyTorch)" in v.describe()
 
     def gdn_merge(state, q, k, g, u, w, scale):
         return builtins._gdn_merge(state, F.silu(q), k, g, u, w, scale)
@@ -217,16 +234,25 @@ def test_prologues_are_fused_into_the_templates():
                     merge_mode=gdn_merge, inputs=("q", "k", "v", "g", "beta"),
                     fuse_prologues=True)
     assert v.lowering.template == "gated_delta_rule" and not v.lowering.fused
-    assert "q: q -> silu (PyTorch)" in v.describe()
+    assert "q: q -> silu (Triton kernel)" in v.describe()
 
 
 @pytest.mark.parametrize("case", ["simple_gla", "hgrn"])
 @pytest.mark.parametrize("grad", [True, False])
-def test_fused_prologue_variants_against_fp64(triton_on_cpu, case, grad):
+@pytest.mark.parametrize("fuse", [True, False], ids=["in-template", "prologue-kernels"])
+def test_fused_prologue_variants_against_fp64(triton_on_cpu, monkeypatch, case, grad, fuse):
     """Forward and gradients of the raw inputs (the runner's works) and the no-grad short
-    path (a cached plan with the maps) against the fp64 references on mapped inputs."""
+    path (a cached plan) against the fp64 references on mapped inputs: prologues fused into
+    the template's kernels, or run as generated elementwise kernels before them."""
+    from forge_dist.kernels import prologue
     from forge_dist.runtime import cache
 
+    launched = []
+    real_launch = prologue._launch
+    monkeypatch.setattr(prologue, "_launch", lambda kernel, fn, *t: (
+        launched.append(kernel), real_launch(kernel, fn, *t)))
+    ACT_SG, ACT_HGRN = (globals()["ACT_SG"], globals()["ACT_HGRN"]) if fuse else (
+        ACT_SG_K, ACT_HGRN_K)
     cache.clear()
     gen = torch.Generator().manual_seed(7)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -250,12 +276,19 @@ def test_fused_prologue_variants_against_fp64(triton_on_cpu, case, grad):
             x, g, h0 = mref
             o_r, s_r = ref.hgrn_ref(F.silu(x), F.logsigmoid(g), initial_state=h0,
                                     output_final_state=True)
-    if grad:
+    if grad and (fuse or case != "hgrn"):  # the runner's works
         assert triton_on_cpu and all(u and u.endswith("Work") for u in triton_on_cpu)
+    if grad:  # (hgrn with prologue kernels differentiates through its cached plan)
         (o.sum() + (s * s).sum()).backward()
         (o_r.sum() + (s_r * s_r).sum()).backward()
     else:  # a plan with the maps, not the runner
         assert cache.stats()["misses"] == 1 and not triton_on_cpu
+    n_maps = 3 if case == "simple_gla" else 2  # q, k, g / x, g
+    if fuse:
+        assert not launched
+    else:  # each prologue once forward, its derivative once per gradient asked
+        assert launched.count(prologue._map_kernel) == n_maps
+        assert launched.count(prologue._map_grad_kernel) == (n_maps if grad else 0)
     pairs = [(o, o_r), (s, s_r)] + ([(a.grad, b.grad) for a, b in zip(leaves, mref)]
                                     if grad else [])
     for a, b in pairs:

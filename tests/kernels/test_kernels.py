@@ -95,6 +95,32 @@ def test_forward_matches_reference(variant, execution, shape):
     assert o.dtype == torch.float32 and ht.dtype == torch.float32
 
 
+@pytest.mark.parametrize("execution", ["fused", "decoupled"])
+@pytest.mark.parametrize("tokens_limit", [0, 10 ** 9], ids=["gate-sum-launch", "sum-in-walk"])
+def test_scalar_gate_sum_in_walk_or_before(monkeypatch, execution, tokens_limit):
+    """simple_gla's walks sum the scalar gates themselves (short inputs) or read a gate sum
+    launched before them (long inputs, kernels._common.sum_gates_in_walk): both against
+    the fp64 reference, with an incoming state."""
+    from forge_dist.kernels import _common
+
+    monkeypatch.setattr(_common, "SUM_GATES_IN_WALK_MAX_TOKENS", tokens_limit)
+    inp = make("simple_gla", 2, 100, 2, 32, 48)
+    h0 = torch.randn(state_shape("simple_gla", inp), device=DEV)
+    o, ht = kernels.forward("simple_gla", inp, None, h0, execution=execution)
+    ro, rh = reference("simple_gla", inp, h0)
+    assert rel(o, ro) <= 1e-4 and rel(ht, rh) <= 1e-4, (rel(o, ro), rel(ht, rh))
+
+
+def test_raw_gates_validation():
+    from forge_dist.kernels import _common, scalar
+
+    inp = make("simple_gla", 1, 64, 1, 16, 16)
+    cfg = dict(scalar.fused_config(16, 16), tune=False)
+    with pytest.raises(ValueError, match="raw_gates needs gate=1"):
+        _common.walk(inp["k"], inp["v"], q=inp["q"], g=inp["g"], gate=1, cfg=cfg,
+                     prec="ieee", raw_gates=True, g_cum=inp["g"])
+
+
 @pytest.mark.parametrize("variant", [v for v, _ in CASES if v != "linear_attn"])
 def test_steep_gates_stay_finite(variant):
     """Gates of about -20 per token: every exponent must be a non-positive difference."""

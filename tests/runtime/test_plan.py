@@ -208,8 +208,8 @@ def test_sequence_parallel_sim_forge(op, P):
     d = plans[0].describe()
     assert d["strategy"] == "forge" and d["channels"]["transport"] == "sim"
     # gla first gates its chunks (kernels.vector.gate_chunks), the summary part only;
-    # simple_gla sums its scalar gates per chunk (kernels._common.chunk_gate_cumsum)
-    first = {"gla": ["gla_gate"], "simple_gla": ["gate_cumsum"]}.get(op, [])
+    # simple_gla's walks sum its scalar gates at these lengths (no gate-sum launch)
+    first = {"gla": ["gla_gate"]}.get(op, [])
     assert [x["kernel"] for x in d["summary_launches"]] == first + ["walk"]
     assert d["summary_launches"][-1]["constexprs"]["STORE_O"] is False
     if op == "gla":
@@ -284,14 +284,40 @@ def test_describe_reports_choices():
              execution="decoupled")
     d = p.describe()
     assert d["execution"] == "decoupled" and d["backend"] == "triton"
-    # the gates' chunk sums, segment summaries, then the outputs with the scan over segments
-    # folded in
-    assert [x["kernel"] for x in d["launches"]] == ["gate_cumsum", "walk", "walk"]
-    assert d["launches"][2]["constexprs"]["SCAN_IN"] is True
-    assert d["workspaces"] == {"g_cum": [B, H, T], "hs": [2, B, H, K, V], "gt": [2, B, H, K]}
-    assert d["launches"][1]["grid"] == [1, B * H, 2]  # V=48 -> one BV=64 tile, 2 segments
+    # segment summaries, then the outputs with the scan over segments folded in; both walks
+    # sum the scalar gates per chunk themselves at this length (G_RAW)
+    assert [x["kernel"] for x in d["launches"]] == ["walk", "walk"]
+    assert d["launches"][1]["constexprs"]["SCAN_IN"] is True
+    assert all(x["constexprs"]["G_RAW"] is True for x in d["launches"])
+    assert d["workspaces"] == {"hs": [2, B, H, K, V], "gt": [2, B, H, K]}
+    assert d["launches"][0]["grid"] == [1, B * H, 2]  # V=48 -> one BV=64 tile, 2 segments
     assert all(x["path"] == "jit" for x in d["launches"])
     assert d["inputs"]["g"] == {"shape": [B, T, H], "dtype": "torch.float32"}
+
+
+@pytest.mark.parametrize("execution", ["fused", "decoupled"])
+def test_gate_sum_launch_by_length(monkeypatch, execution):
+    """Short inputs sum simple_gla's gates in the walks, longer ones launch the gate sum
+    first (kernels._common.sum_gates_in_walk); the plan follows the kernels' rule and both
+    programs give the op's result."""
+    from forge_dist.kernels import _common
+
+    inp = _inputs("simple_gla")
+    names = ("q", "k", "v", "g")
+    ref_o, ref_h = ops.simple_gla(*[inp[n] for n in names], output_final_state=True)
+    kernels = {}
+    for limit in (B * T, B * T - 1):  # the rule's edge: B * T tokens in, then out
+        monkeypatch.setattr(_common, "SUM_GATES_IN_WALK_MAX_TOKENS", limit)
+        p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+                 execution=execution, output_final_state=True)
+        d = p.describe()
+        kernels[limit] = [x["kernel"] for x in d["launches"]]
+        raw = [x["constexprs"].get("G_RAW", False) for x in d["launches"] if x["kernel"] == "walk"]
+        assert set(raw) == {limit == B * T}
+        o, ht = p.run(*[inp[n] for n in names])
+        assert _rel(o, ref_o) < 1e-5 and _rel(ht, ref_h) < 1e-5
+    walks = ["walk"] * (1 if execution == "fused" else 2)
+    assert kernels == {B * T: walks, B * T - 1: ["gate_cumsum"] + walks}
 
 
 _FORBIDDEN = {"item", "tolist", "synchronize", "cpu", "numpy", "nonzero"}
@@ -355,15 +381,18 @@ def test_plan_cache_lru(monkeypatch):
 
 
 def test_program_specs_are_stable():
-    """KernelSpec keys name cubins on disk: they must not depend on B or T."""
-    a = programs.matrix_program("simple_gla", B=1, T=64, H=4, K=64, V=64, dtype=torch.bfloat16,
-                                gated=True, has_h0=False, execution="fused")
-    b = programs.matrix_program("simple_gla", B=3, T=8192, H=4, K=64, V=64,
-                                dtype=torch.bfloat16, gated=True, has_h0=False,
-                                execution="fused")
-    assert [s.key for s in a.specs()] == [s.key for s in b.specs()]
-    c = programs.matrix_program("simple_gla", B=1, T=64, H=4, K=64, V=64, dtype=torch.float16,
-                                gated=True, has_h0=False, execution="fused")
-    assert a.specs()[0].key == c.specs()[0].key  # the gates' chunk sums read g (fp32 both)
-    assert a.specs()[-1].key != c.specs()[-1].key  # the walk reads bf16 / fp16 q, k, v
-    assert a.launches[0].grid != b.launches[0].grid
+    """KernelSpec keys name cubins on disk: they must not depend on B or T, except through
+    the one rule that picks kernels by length (short inputs sum the gates in the walk)."""
+    from forge_dist.kernels._common import SUM_GATES_IN_WALK_MAX_TOKENS as LIMIT
+
+    def prog(B, T, dtype=torch.bfloat16):
+        return programs.matrix_program("simple_gla", B=B, T=T, H=4, K=64, V=64, dtype=dtype,
+                                       gated=True, has_h0=False, execution="fused")
+    keys = lambda p: [s.key for s in p.specs()]  # noqa: E731
+    a, b = prog(1, 64), prog(2, LIMIT // 2)  # short: the walk alone
+    assert keys(a) == keys(b) and len(keys(a)) == 1 and a.launches[0].grid != b.launches[0].grid
+    c, d = prog(3, LIMIT), prog(1, 4 * LIMIT)  # long: the gate sum, then the walk
+    assert keys(c) == keys(d) and len(keys(c)) == 2 and keys(c)[1] != keys(a)[0]
+    e = prog(3, LIMIT, torch.float16)
+    assert keys(c)[0] == keys(e)[0]  # the gates' chunk sums read g (fp32 both)
+    assert keys(c)[1] != keys(e)[1]  # the walk reads bf16 / fp16 q, k, v

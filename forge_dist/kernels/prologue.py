@@ -1,0 +1,113 @@
+"""Elementwise prologue kernels: one generated map over a whole tensor, and its derivative.
+
+A DSL variant's inputs often pass through an elementwise chain before the template's
+kernels (``elu(q) + 1``, ``logsigmoid(g)``; :mod:`forge_dist.dsl.lowering` extracts it and
+:mod:`forge_dist.dsl.codegen` writes it as a jitted function of a tile).  Run as PyTorch ops,
+``elu(x) + 1`` is two passes over the tensor forward and more backward; here it is one read
+and one write: ``_map_kernel`` applies the generated map, ``_map_grad_kernel`` its generated
+vector-Jacobian product ``dy * f'(x)`` (the forward values recomputed in registers, nothing
+saved but ``x``).  Both compute in fp32 and round once to the tensor's dtype.
+
+Measured on an H200 (``scaling_benchmarks/results/dsl_prologue_*``): a map applied here before
+the template beats both the PyTorch ops and applying the map to every tile inside the walk
+(the walk is latency bound, so per-tile work there lengthens every chunk step).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ._common import HAVE_TRITON, tl, triton
+
+# one program maps BLOCK elements (H200, q and k of [1, 64K, 32, 128] bf16 through elu + 1:
+# 1024 / 4 warps 509 us, 4096 / 4 warps 517 us, 8192 / 8 warps 533 us)
+BLOCK = 1024
+NUM_WARPS = 4
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["N"])
+    def _map_kernel(x, y, N, MAP: tl.constexpr, BLOCK: tl.constexpr):
+        """``y = MAP(x)`` over ``N`` contiguous elements; grid ``(cdiv(N, BLOCK),)``."""
+        o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = o < N
+        b = tl.load(x + o, mask=m, other=0.0)
+        tl.store(y + o, MAP(b).to(y.dtype.element_ty), mask=m)
+
+    @triton.jit(do_not_specialize=["N"])
+    def _map_grad_kernel(x, dy, dx, N, GRAD: tl.constexpr, BLOCK: tl.constexpr):
+        """``dx = GRAD(x, dy)`` (``dy * MAP'(x)``) over ``N`` contiguous elements."""
+        o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = o < N
+        b = tl.load(x + o, mask=m, other=0.0)
+        d = tl.load(dy + o, mask=m, other=0.0)
+        tl.store(dx + o, GRAD(b, d).to(dx.dtype.element_ty), mask=m)
+
+
+def _launch(kernel, fn, *tensors: Tensor) -> None:
+    n = tensors[0].numel()
+    if n:
+        kernel[(triton.cdiv(n, BLOCK),)](*tensors, n, fn, BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+class _MapFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, fmap: Callable, fgrad: Callable) -> Tensor:
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        _launch(_map_kernel, fmap, x, y)
+        ctx.save_for_backward(x)
+        ctx.fgrad = fgrad
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        (x,) = ctx.saved_tensors
+        dx = torch.empty_like(x)
+        _launch(_map_grad_kernel, ctx.fgrad, x, dy.contiguous().to(x.dtype), dx)
+        return dx, None, None
+
+
+def apply_map(x: Tensor, fmap: Callable, fgrad: Callable) -> Tensor:
+    """``fmap`` applied to every element of ``x`` (any shape, a floating dtype), in
+    ``x``'s dtype; differentiable through ``fgrad`` (``dy * fmap'(x)``)."""
+    if not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
+    return _MapFn.apply(x, fmap, fgrad)
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class ElementwisePrologue:
+    """An input's prologue as generated kernels: called on a 16- or 32-bit float tensor on a
+    device the kernels take (``use_kernels(device)``), it runs :func:`apply_map`; otherwise
+    ``torch_fn`` (the same chain as PyTorch ops; fp64, such as the lowering's probes).
+
+    Args:
+        fmap, fgrad: the jitted map and its vector-Jacobian product
+            (:func:`forge_dist.dsl.codegen.triton_map` / ``triton_map_grad``).
+        torch_fn: the chain as a PyTorch callable.
+        use_kernels: ``device -> bool``, whether to launch the kernels for that device.
+    """
+
+    def __init__(self, fmap: Callable, fgrad: Callable, torch_fn: Callable,
+                 use_kernels: Callable[[torch.device], bool]):
+        self.fmap, self.fgrad, self.torch_fn = fmap, fgrad, torch_fn
+        self.use_kernels = use_kernels
+
+    def __call__(self, x: Tensor) -> Tensor:
+        # the maps compute in fp32: fp64 (the lowering's validation probes) stays exact
+        if HAVE_TRITON and x.dtype in _KERNEL_DTYPES and self.use_kernels(x.device):
+            return apply_map(x, self.fmap, self.fgrad)
+        return self.torch_fn(x)
+
+
+def kernel_prologue(chain_map, chain_grad, torch_fn, use_kernels) -> Optional[ElementwisePrologue]:
+    """An :class:`ElementwisePrologue` from codegen results (``(fn, source)`` or ``None``),
+    or ``None`` when either has no translation."""
+    if chain_map is None or chain_grad is None:
+        return None
+    return ElementwisePrologue(chain_map[0], chain_grad[0], torch_fn, use_kernels)
