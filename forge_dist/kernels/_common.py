@@ -502,10 +502,11 @@ def chunk_gate_cumsum(g: Tensor, BT: int, g_map=None) -> Tensor:
 
 # Up to this many tokens (B * T) the walks sum the scalar gates per chunk themselves
 # (``G_RAW``, fp32 gathers of stride H) instead of reading a gate sum launched before them.
-# H200, B=1, H=32, K=V=128 bf16 (results/kernel_profile_gate-sum_*_s24.json): the same walk
-# time from 4K to 16K tokens, and one launch (~7 us of host time) fewer; 8 % slower at 64K
+# H200, B=1, H=32, K=V=128 bf16, GPU time of the whole forward
+# (results/kernel_profile_gate-sum_NVIDIA-H200_2026-11-25.json): within 0.5 % from 1K to 32K
+# tokens (32K: 735 vs 734 us), and one launch (~7 us of host time) fewer; 8 % slower at 64K
 # and 256K, where the sum's contiguous reads pipeline and the gathers do not.
-SUM_GATES_IN_WALK_MAX_TOKENS = 16384
+SUM_GATES_IN_WALK_MAX_TOKENS = 32768
 
 
 def sum_gates_in_walk(B: int, T: int) -> bool:
