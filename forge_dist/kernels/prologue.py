@@ -28,7 +28,10 @@ NUM_WARPS = 4
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["N"])
+    # N stays specialised: knowing N % 16 == 0 lets Triton vectorise the masked loads and
+    # stores (with do_not_specialize=["N"] the map of a [1, 64K, 32, 128] bf16 tensor took
+    # 776 us instead of 255 on an H200)
+    @triton.jit
     def _map_kernel(x, y, N, MAP: tl.constexpr, BLOCK: tl.constexpr):
         """``y = MAP(x)`` over ``N`` contiguous elements; grid ``(cdiv(N, BLOCK),)``."""
         o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -36,7 +39,7 @@ if HAVE_TRITON:
         b = tl.load(x + o, mask=m, other=0.0)
         tl.store(y + o, MAP(b).to(y.dtype.element_ty), mask=m)
 
-    @triton.jit(do_not_specialize=["N"])
+    @triton.jit
     def _map_grad_kernel(x, dy, dx, N, GRAD: tl.constexpr, BLOCK: tl.constexpr):
         """``dx = GRAD(x, dy)`` (``dy * MAP'(x)``) over ``N`` contiguous elements."""
         o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
