@@ -10,9 +10,10 @@ Three variants written as three callables each (what a user would write):
   decay, simple_gla template;
 * ``silu_hgrn``: ``silu`` on x, ``logsigmoid`` on the gate, hgrn template.
 
-Rows (``impl``): ``prologue_kernels`` (the default lowering: ``forge_dist.kernels.prologue``),
-``fused`` (``fuse_prologues=True``), ``pytorch_prologue`` (the default lowering with the
-prologue kernels withheld, as for chains the codegen cannot translate), and
+Rows (``impl``): ``prologue_kernels`` (every chain as a generated kernel,
+``forge_dist.kernels.prologue``; the default lowering does this for chains of two or more ops
+and leaves single ops to PyTorch, ``dsl.lowering.PROLOGUE_KERNEL_MIN_OPS``), ``fused``
+(``fuse_prologues=True``), ``pytorch_prologue`` (every chain as PyTorch ops), and
 ``template_premapped``: the template's op on inputs mapped beforehand, the prologue's time
 left out (a floor for the forward).  Passes ``fwd`` (no
 grad) and ``fwdbwd``.  Shapes of the single-device protocol: B=1, H=32, K=V=128 bf16; hgrn
@@ -67,14 +68,18 @@ def _variants(mode: str):
     def hg_merge(state, h, g):
         return h + F.logsigmoid(g).cumsum(-2).exp() * state[..., None, :]
 
+    from forge_dist.dsl import lowering
+
     kw = dict(fuse_prologues=mode == "fused")
-    real = prologue.kernel_prologue
+    real, min_ops = prologue.kernel_prologue, lowering.PROLOGUE_KERNEL_MIN_OPS
     if mode == "pytorch":  # the lowering then keeps each chain as PyTorch ops
         prologue.kernel_prologue = lambda *a, **k: None
+    if mode == "kernels":  # every chain, one op included (the default keeps those PyTorch)
+        lowering.PROLOGUE_KERNEL_MIN_OPS = 1
     try:
         return _build(dsl, kw, sg_chunk, sg_decay, sg_merge, hg_chunk, hg_decay, hg_merge)
     finally:
-        prologue.kernel_prologue = real
+        prologue.kernel_prologue, lowering.PROLOGUE_KERNEL_MIN_OPS = real, min_ops
 
 
 def _build(dsl, kw, sg_chunk, sg_decay, sg_merge, hg_chunk, hg_decay, hg_merge):

@@ -332,13 +332,13 @@ def variant(name: str, *, chunk_mode: Callable, decay_mode: Callable, merge_mode
         chunk_size: tokens per chunk (default 32).
         lower: try to map the variant onto a Triton template (CUDA only).
         fuse_prologues: apply the template inputs' elementwise prologues inside the
-            template's kernels, to every tile they load (:mod:`.codegen`), instead of one
-            generated elementwise kernel per input before them (the default;
-            :mod:`forge_dist.kernels.prologue`).  Off by default: on an H200 the in-walk maps
-            were slower (elu+1 linear attention at 64K tokens: 2.20 ms forward vs 2.28 with
-            PyTorch prologues, 14.5 vs 7.3 ms forward+backward,
-            ``scaling_benchmarks/results/dsl_prologue_*_s23.json``; the default's numbers
-            are in the ``_s24`` file).
+            template's kernels, to every tile they load (:mod:`.codegen`), instead of the
+            default: one generated elementwise kernel per input before them for chains of
+            two or more ops (:mod:`forge_dist.kernels.prologue`), PyTorch for single ops.
+            Off by default because it measured slower on an H200
+            (``scaling_benchmarks/results/dsl_prologue_NVIDIA-H200_2026-11-25_s24.json``,
+            elu+1 linear attention at 64K tokens: forward 2.21 ms fused, 1.48 default, 2.29
+            with PyTorch prologues; forward+backward 14.5, 6.5 and 7.3 ms).
     Raises:
         DSLError: the program cannot be compiled; the message names the op and source line.
     """

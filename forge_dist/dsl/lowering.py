@@ -17,11 +17,11 @@ prologues* of those inputs (feature maps, gate activations, scalings).  Steps:
    in ``describe()``.
 
 At run time on CUDA (or CPU tensors under ``TRITON_INTERPRET=1`` with
-``FORGE_DIST_DSL_TRITON=1``) each prologue the codegen translates runs as one generated
-elementwise Triton kernel over the token tensor (:mod:`forge_dist.kernels.prologue`: the
-chain written as a map of a tile, one read and one write, and its generated derivative for
-the backward), and the template's kernels do the rest, their Triton backward kernels
-included.  With ``fuse_prologues=True`` (``dsl.variant``) the map is instead applied to every
+``FORGE_DIST_DSL_TRITON=1``) each prologue chain of two or more ops the codegen translates
+runs as one generated elementwise Triton kernel over the token tensor
+(:mod:`forge_dist.kernels.prologue`: the chain written as a map of a tile, one read and one
+write, and its generated derivative for the backward; a single op stays a PyTorch op, already
+one pass), and the template's kernels do the rest, their Triton backward kernels included.  With ``fuse_prologues=True`` (``dsl.variant``) the map is instead applied to every
 tile of that input the template's forward kernels load (no mapped copy is made; the backward
 maps the inputs again in PyTorch and differentiates the prologue).  That is off by default:
 on an H200 the walk, which is latency bound, lost more per chunk step than the pass it saves
@@ -53,6 +53,12 @@ _ARITH = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add,
 _TEMPLATES = {Kind.IDENTITY: ("linear_attn", None), Kind.SCALAR: ("simple_gla", ""),
               Kind.DIAGONAL: ("gla", "K")}
 _GATES = ("g", "beta")  # inputs passed to the kernels in their own dtype (fp32 gates)
+# A prologue chain of at least this many ops runs as one generated elementwise kernel; a
+# single op stays one PyTorch kernel, the same one pass with less launch overhead (H200,
+# scaling_benchmarks/results/dsl_prologue_NVIDIA-H200_2026-11-25_s24.json: elu + 1, two
+# PyTorch passes, at 64K tokens fwd 1.48 ms as a kernel vs 2.29, fwd+bwd 6.51 vs 7.30; relu
+# and logsigmoid alone at 4K fwd 0.212 vs 0.168, equal from 16K).
+PROLOGUE_KERNEL_MIN_OPS = 2
 
 
 def _elementwise_of(n: fx.Node, src: fx.Node) -> bool:
@@ -218,7 +224,7 @@ def lower(v, fuse: bool = False) -> Tuple[Optional[Lowering], str]:
                else None)
         if got is not None:
             fused[name] = InputMap(got[0], prologues[name])
-        elif prologues[name] is not None:  # one generated kernel pass (PyTorch elsewhere)
+        elif len(chain) - 1 >= PROLOGUE_KERNEL_MIN_OPS:  # one generated pass for the chain
             prologues[name] = kernel_prologue(codegen.triton_map(chain),
                                               codegen.triton_map_grad(chain),
                                               prologues[name], _use_kernels) or prologues[name]

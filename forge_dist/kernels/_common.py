@@ -503,7 +503,7 @@ def chunk_gate_cumsum(g: Tensor, BT: int, g_map=None) -> Tensor:
 # Up to this many tokens (B * T) the walks sum the scalar gates per chunk themselves
 # (``G_RAW``, fp32 gathers of stride H) instead of reading a gate sum launched before them.
 # H200, B=1, H=32, K=V=128 bf16, GPU time of the whole forward
-# (results/kernel_profile_gate-sum_NVIDIA-H200_2026-11-25.json): within 0.5 % from 1K to 32K
+# (results/kernel_profile_gate-sum_NVIDIA-H200_2026-11-25_s24.json): within 0.5 % from 1K to 32K
 # tokens (32K: 735 vs 734 us), and one launch (~7 us of host time) fewer; 8 % slower at 64K
 # and 256K, where the sum's contiguous reads pipeline and the gathers do not.
 SUM_GATES_IN_WALK_MAX_TOKENS = 32768

@@ -197,16 +197,23 @@ ACT_SG = dsl.variant("relu_logsigmoid_gla", chunk_mode=_act_sg_chunk, decay_mode
 ACT_HGRN = dsl.variant("silu_hgrn", chunk_mode=_act_hgrn_chunk, decay_mode=_act_hgrn_decay,
                        merge_mode=_act_hgrn_merge, state="vector", inputs=("x", "g"),
                        chunk_size=16, fuse_prologues=True)
-# the same programs with the default lowering: one generated elementwise kernel per prologue
-ACT_SG_K = dsl.variant("relu_logsigmoid_gla", chunk_mode=_act_sg_chunk,
-                       decay_mode=_act_sg_decay, merge_mode=_act_sg_merge,
-                       inputs=("q", "k", "v", "g"))
-ACT_HGRN_K = dsl.variant("silu_hgrn", chunk_mode=_act_hgrn_chunk, decay_mode=_act_hgrn_decay,
-                         merge_mode=_act_hgrn_merge, state="vector", inputs=("x", "g"),
-                         chunk_size=16)
 
 
-def test_prologues_are_fused_into_the_templates():
+def _kernel_prologue_variants(monkeypatch):
+    """The same programs with the default lowering, their one-op prologues made generated
+    elementwise kernels too (by default a single op stays a PyTorch op)."""
+    from forge_dist.dsl import lowering
+
+    monkeypatch.setattr(lowering, "PROLOGUE_KERNEL_MIN_OPS", 1)
+    sg = dsl.variant("relu_logsigmoid_gla", chunk_mode=_act_sg_chunk, decay_mode=_act_sg_decay,
+                     merge_mode=_act_sg_merge, inputs=("q", "k", "v", "g"))
+    hg = dsl.variant("silu_hgrn", chunk_mode=_act_hgrn_chunk, decay_mode=_act_hgrn_decay,
+                     merge_mode=_act_hgrn_merge, state="vector", inputs=("x", "g"),
+                     chunk_size=16)
+    return sg, hg
+
+
+def test_prologues_are_fused_into_the_templates(monkeypatch):
     """With fuse_prologues=True, feature maps and gate activations are written as Triton maps
     the templates apply as they load; the delta rule's kernels take no maps, so its
     prologues run as generated elementwise kernels, as every prologue does by default;
@@ -218,7 +225,12 @@ def test_prologues_are_fused_into_the_templates():
     assert not library.elu_linear_attn.lowering.fused  # the default
     assert "q -> elu -> add (Triton kernel)" in library.elu_linear_attn.describe()
     assert "(fused)" in ACT_SG.describe() and "q -> relu" in ACT_SG.describe()
-    assert {k: ACT_SG_K.lowering.how(k) for k in "qkvg"} == {
+    one_op = dsl.variant("relu_logsigmoid_gla", chunk_mode=_act_sg_chunk,
+                         decay_mode=_act_sg_decay, merge_mode=_act_sg_merge,
+                         inputs=("q", "k", "v", "g"))
+    assert {k: one_op.lowering.how(k) for k in "qkvg"} == {k: "PyTorch" for k in "qkvg"}
+    sg_k, _ = _kernel_prologue_variants(monkeypatch)
+    assert {k: sg_k.lowering.how(k) for k in "qkvg"} == {
         "q": "Triton kernel", "k": "Triton kernel", "v": "PyTorch", "g": "Triton kernel"}
 
     def alpha_merge(state, q, k, v, scale):  # add's alpha has no translation: PyTorch
@@ -232,7 +244,7 @@ def test_prologues_are_fused_into_the_templates():
         return builtins._gdn_merge(state, F.silu(q), k, g, u, w, scale)
     v = dsl.variant("silu_q_gdn", chunk_mode=builtins._gdn_chunk, decay_mode=builtins._gdn_decay,
                     merge_mode=gdn_merge, inputs=("q", "k", "v", "g", "beta"),
-                    fuse_prologues=True)
+                    fuse_prologues=True)  # (PROLOGUE_KERNEL_MIN_OPS = 1 here)
     assert v.lowering.template == "gated_delta_rule" and not v.lowering.fused
     assert "q: q -> silu (Triton kernel)" in v.describe()
 
@@ -252,7 +264,7 @@ def test_fused_prologue_variants_against_fp64(triton_on_cpu, monkeypatch, case, 
     monkeypatch.setattr(prologue, "_launch", lambda kernel, fn, *t: (
         launched.append(kernel), real_launch(kernel, fn, *t)))
     ACT_SG, ACT_HGRN = (globals()["ACT_SG"], globals()["ACT_HGRN"]) if fuse else (
-        ACT_SG_K, ACT_HGRN_K)
+        _kernel_prologue_variants(monkeypatch))
     cache.clear()
     gen = torch.Generator().manual_seed(7)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
