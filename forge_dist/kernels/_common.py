@@ -505,7 +505,8 @@ def chunk_gate_cumsum(g: Tensor, BT: int, g_map=None) -> Tensor:
 # H200, B=1, H=32, K=V=128 bf16, GPU time of the whole forward
 # (results/kernel_profile_gate-sum_NVIDIA-H200_2026-11-25_s24.json): within 0.5 % from 1K to 32K
 # tokens (32K: 735 vs 734 us), and one launch (~7 us of host time) fewer; 8 % slower at 64K
-# and 256K, where the sum's contiguous reads pipeline and the gathers do not.
+# and 256K, where the sum's contiguous reads pipeline and the gathers do not.  The delta
+# rule's fused walk keeps the launch (kernels.delta: it was 9 % slower summing in the walk).
 SUM_GATES_IN_WALK_MAX_TOKENS = 32768
 
 

@@ -452,8 +452,13 @@ class DeltaRuleWork(TritonWork):
         cfg = fused_config(k.shape[-1], v.shape[-1], k.dtype)
         self.execution, self.execution_reason = "fused", "decoupled not built for this pattern"
         w, u, a = self._wy_factors(q, k, v, g, beta, cfg)
+        # the gates' chunk sums are a launch of their own here at every length: summed in this
+        # fused walk (its few programs walk every chunk) the forward took 0.85 ms at 16K
+        # instead of 0.78 (H200, results/single_device_NVIDIA-H200_2026-11-25_s24-short.json
+        # against ..._2026-11-24_s22-fwd.json)
         return walk(k, u, q=q, g=g, gate=0 if g is None else 1, w=w, h0=S_in, scale=self.scale,
-                    out_dtype=self.out_dtype, cfg=cfg, prec=dot_precision(k.dtype), a=a)
+                    out_dtype=self.out_dtype, cfg=cfg, prec=dot_precision(k.dtype), a=a,
+                    raw_gates=False)
 
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g, beta = (ensure(t) for t in tensors)

@@ -162,8 +162,8 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
 
 def _matrix_lengths() -> Tuple[int, int]:
     """Sequence lengths whose programs cover every kernel a matrix-state plan can launch:
-    short inputs sum scalar gates in the walks, long ones launch a gate sum first
-    (``kernels._common.sum_gates_in_walk``); nothing else in a spec depends on T."""
+    short simple_gla inputs sum the scalar gates in the walks, long ones launch a gate sum
+    first (``kernels._common.sum_gates_in_walk``); nothing else in a spec depends on T."""
     from ..kernels._common import SUM_GATES_IN_WALK_MAX_TOKENS
 
     return 256, SUM_GATES_IN_WALK_MAX_TOKENS + 256

@@ -374,12 +374,11 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
            for grid, const, nw, ns in delta.wy_launches(B, T, H, K, V, dtype=dtype,
                                                           gated=gated, prec=wy_prec,
                                                           store_a=True)]
-    raw_gates = gated and sum_gates_in_walk(B, T)  # as for simple_gla above
-    cums = [_gate_cumsum(bufs, B=B, T=T, H=H, BT=BT)] if gated and not raw_gates else []
-    walks = _walk(bufs, q="q", k="k", v="u", g=("g" if raw_gates else "g_cum") if gated else None,
-                  w="w", h0=h0, o="o", ht="ht", B=B, T=T, H=H, K=K, V=V,
-                  gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec, a="a",
-                  raw_gates=raw_gates)
+    # the gate sum stays a launch of its own for the delta rule (kernels.delta: _finish_fwd)
+    cums = [_gate_cumsum(bufs, B=B, T=T, H=H, BT=BT)] if gated else []
+    walks = _walk(bufs, q="q", k="k", v="u", g="g_cum" if gated else None, w="w", h0=h0,
+                  o="o", ht="ht", B=B, T=T, H=H, K=K, V=V, gate=1 if gated else 0,
+                  scale=scale, cfg=cfg, prec=prec, a="a")
     return Program(wys + cums + walks, bufs, scheduler.FUSED, notes)
 
 
