@@ -37,34 +37,50 @@ def _num(x) -> Optional[str]:
     return repr(float(x))
 
 
-def _unary(name: str, a: str, kwargs: dict) -> Optional[str]:
-    """``tl`` expression of the unary op ``name`` on the fp32 value ``a``."""
+# parameters of the ops that take any, with PyTorch's defaults, in positional order
+_PARAMS = {"elu": (("alpha", 1.0),), "softplus": (("beta", 1.0), ("threshold", 20.0)),
+           "gelu": (("approximate", "none"),)}
+
+
+def _params(name: str, args, kwargs: dict) -> Optional[Dict[str, str]]:
+    """The op's parameters as code (numbers as float literals, gelu's ``approximate`` as
+    given) from its extra positional ``args`` and ``kwargs``, or ``None`` for any argument
+    the translation does not cover."""
+    spec = _PARAMS.get(name, ())
     kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
-    if name == "relu" and not kwargs:
+    if len(args) > len(spec):
+        return None
+    kwargs.update((pname, value) for (pname, _), value in zip(spec, args))
+    out = {}
+    for pname, default in spec:
+        value = kwargs.pop(pname, default)
+        if pname == "approximate":
+            if value not in ("none", "tanh"):
+                return None
+            out[pname] = value
+        else:
+            out[pname] = _num(value)
+            if out[pname] is None:
+                return None
+    return None if kwargs else out
+
+
+def _unary(name: str, a: str, p: Dict[str, str]) -> Optional[str]:
+    """``tl`` expression of the unary op ``name`` (parameters ``p``) on the fp32 value ``a``."""
+    if name == "relu":
         return f"tl.maximum({a}, 0.0)"
     if name == "elu":
-        alpha = _num(kwargs.pop("alpha", 1.0))
-        if alpha is None or kwargs:
-            return None
-        return f"tl.where({a} > 0.0, {a}, {alpha} * (tl.exp({a}) - 1.0))"
+        return f"tl.where({a} > 0.0, {a}, {p['alpha']} * (tl.exp({a}) - 1.0))"
     if name == "softplus":
-        beta = _num(kwargs.pop("beta", 1.0))
-        threshold = _num(kwargs.pop("threshold", 20.0))
-        if beta is None or threshold is None or kwargs:
-            return None
+        beta, threshold = p["beta"], p["threshold"]
         # PyTorch's: linear once beta * x passes the threshold
         return (f"tl.where({a} * {beta} > {threshold}, {a}, "
                 f"tl.log(1.0 + tl.exp(tl.minimum({a} * {beta}, {threshold}))) / {beta})")
     if name == "gelu":
-        approx = kwargs.pop("approximate", "none")
-        if kwargs or approx not in ("none", "tanh"):
-            return None
-        if approx == "none":
+        if p["approximate"] == "none":
             return f"0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476))"
         inner = f"0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a})"
         return f"{a} * tl.sigmoid(2.0 * ({inner}))"  # 0.5 (1 + tanh u) = sigmoid(2u)
-    if kwargs:
-        return None
     return {
         "sigmoid": f"tl.sigmoid({a})",
         "exp": f"tl.exp({a})",
@@ -83,34 +99,43 @@ _FUNC_NAMES = {torch.relu: "relu", F.relu: "relu", torch.sigmoid: "sigmoid", tor
                torch.tanh: "tanh", torch.abs: "abs", torch.neg: "neg", F.elu: "elu",
                F.silu: "silu", F.softplus: "softplus", F.logsigmoid: "logsigmoid",
                F.gelu: "gelu", torch.sqrt: "sqrt", torch.square: "square"}
+_METHOD_NAMES = {"relu", "sigmoid", "exp", "tanh", "abs", "neg", "sqrt", "square"}
 _ARITH = {operator.add: "+", torch.add: "+", operator.sub: "-", torch.sub: "-",
           operator.mul: "*", torch.mul: "*", operator.truediv: "/"}
 
 
+def _op(n: fx.Node, src: fx.Node) -> Optional[Tuple[str, Dict[str, str]]]:
+    """``(op name, parameters)`` of a unary chain node applied to ``src``, or ``None``."""
+    if n.op == "call_method":
+        ok = n.target in _METHOD_NAMES and len(n.args) == 1 and n.args[0] is src
+        name, extra = (n.target, ()) if ok else (None, ())
+    elif n.op == "call_function" and n.args and n.args[0] is src:
+        name, extra = _FUNC_NAMES.get(n.target), n.args[1:]
+    else:
+        name = None
+    if name is None:
+        return None
+    p = _params(name, extra, dict(n.kwargs))
+    return None if p is None else (name, p)
+
+
+def _arith(n: fx.Node, src: fx.Node, a: str) -> Optional[Tuple[str, List[Optional[str]]]]:
+    """``(operator, [operand code, operand code])`` of arithmetic with constants (``a`` for
+    ``src``), or ``None``."""
+    if n.op != "call_function" or n.target not in _ARITH or n.kwargs or len(n.args) != 2:
+        return None  # e.g. torch.add(x, c, alpha=...)
+    ops = [a if x is src else _num(x) for x in n.args]
+    return None if None in ops else (_ARITH[n.target], ops)
+
+
 def _expr(n: fx.Node, src: fx.Node, a: str) -> Optional[str]:
     """The expression of chain node ``n`` whose tensor operand ``src`` is held in ``a``."""
-    if n.op == "call_method":
-        return _unary(n.target, a, dict(n.kwargs)) if len(n.args) == 1 else None
-    if n.op != "call_function":
-        return None
-    if n.target in _ARITH:
-        if n.kwargs or len(n.args) != 2:
-            return None  # e.g. torch.add(x, c, alpha=...)
-        ops = [a if x is src else _num(x) for x in n.args]
-        if None in ops:
-            return None
-        return f"({ops[0]} {_ARITH[n.target]} {ops[1]})"
-    name = _FUNC_NAMES.get(n.target)
-    if name is None or n.args[0] is not src:
-        return None
-    kwargs = dict(n.kwargs)
-    params = {"elu": ("alpha",), "softplus": ("beta", "threshold"),
-              "gelu": ()}.get(name, ())
-    for pname, value in zip(params, n.args[1:]):
-        kwargs[pname] = value
-    if len(n.args) > 1 + len(params):
-        return None
-    return _unary(name, a, kwargs)
+    arith = _arith(n, src, a)
+    if arith is not None:
+        op, (x, y) = arith
+        return f"({x} {op} {y})"
+    got = _op(n, src)
+    return None if got is None else _unary(got[0], a, got[1])
 
 
 def source(chain: List[fx.Node]) -> Optional[str]:
@@ -126,37 +151,24 @@ def source(chain: List[fx.Node]) -> Optional[str]:
     return "\n".join(lines + [f"    return {var}"])
 
 
-def _unary_grad(name: str, a: str, y: str, kwargs: dict) -> Optional[str]:
-    """``d y / d a`` of the unary op ``name`` (``y`` its value at ``a``), PyTorch's
-    derivatives (relu' and abs' are 0 at 0, softplus' is 1 past its threshold)."""
-    kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
-    if name == "relu" and not kwargs:
-        return f"tl.where({a} > 0.0, 1.0, 0.0)"
+def _unary_grad(name: str, a: str, y: str, p: Dict[str, str]) -> Optional[str]:
+    """``d y / d a`` of the unary op ``name`` (parameters ``p``; ``y`` its value at ``a``),
+    PyTorch's derivatives (relu' and abs' are 0 at 0, softplus' is 1 past its threshold)."""
     if name == "elu":
-        alpha = _num(kwargs.pop("alpha", 1.0))
-        if alpha is None or kwargs:
-            return None
-        return f"tl.where({a} > 0.0, 1.0, {alpha} * tl.exp({a}))"
+        return f"tl.where({a} > 0.0, 1.0, {p['alpha']} * tl.exp({a}))"
     if name == "softplus":
-        beta = _num(kwargs.pop("beta", 1.0))
-        threshold = _num(kwargs.pop("threshold", 20.0))
-        if beta is None or threshold is None or kwargs:
-            return None
+        beta, threshold = p["beta"], p["threshold"]
         return f"tl.where({a} * {beta} > {threshold}, 1.0, tl.sigmoid({a} * {beta}))"
     if name == "gelu":
-        approx = kwargs.pop("approximate", "none")
-        if kwargs or approx not in ("none", "tanh"):
-            return None
-        if approx == "none":  # Phi(a) + a phi(a)
+        if p["approximate"] == "none":  # Phi(a) + a phi(a)
             return (f"(0.5 * (1.0 + tl.erf({a} * 0.7071067811865476)) + "
                     f"{a} * 0.3989422804014327 * tl.exp(-0.5 * {a} * {a}))")
         u = f"0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a})"
         t = f"(2.0 * tl.sigmoid(2.0 * ({u})) - 1.0)"  # tanh(u)
         return (f"(0.5 * (1.0 + {t}) + 0.5 * {a} * (1.0 - {t} * {t}) * 0.7978845608028654 "
                 f"* (1.0 + 0.134145 * {a} * {a}))")
-    if kwargs:
-        return None
     return {
+        "relu": f"tl.where({a} > 0.0, 1.0, 0.0)",
         "sigmoid": f"{y} * (1.0 - {y})",
         "exp": y,
         "tanh": f"(1.0 - {y} * {y})",
@@ -172,29 +184,22 @@ def _unary_grad(name: str, a: str, y: str, kwargs: dict) -> Optional[str]:
 def _grad_expr(n: fx.Node, src: fx.Node, a: str, y: str) -> Optional[str]:
     """``d n / d src`` for chain node ``n`` (its operand held in ``a``, its value in ``y``);
     the same cases as :func:`_expr`."""
-    if _expr(n, src, a) is None:
-        return None
-    if n.op == "call_method":
-        return _unary_grad(n.target, a, y, dict(n.kwargs))
-    if n.target in _ARITH:
-        op, (first, second) = _ARITH[n.target], n.args
-        if first is src and second is src:  # x + x, x - x, x * x, x / x
+    arith = _arith(n, src, a)
+    if arith is not None:
+        op, (first, second) = arith
+        if first == a and second == a:  # x + x, x - x, x * x, x / x
             return {"+": "2.0", "-": "0.0", "*": f"2.0 * {a}", "/": "0.0"}[op]
-        const = _num(second if first is src else first)
+        const = second if first == a else first
         if op == "+":
             return "1.0"
         if op == "-":
-            return "1.0" if first is src else "-1.0"
+            return "1.0" if first == a else "-1.0"
         if op == "*":
             return const
         # division: a / c or c / a
-        return f"(1.0 / {const})" if first is src else f"(-{const} / ({a} * {a}))"
-    name = _FUNC_NAMES[n.target]
-    kwargs = dict(n.kwargs)
-    params = {"elu": ("alpha",), "softplus": ("beta", "threshold")}.get(name, ())
-    for pname, value in zip(params, n.args[1:]):
-        kwargs[pname] = value
-    return _unary_grad(name, a, y, kwargs)
+        return f"(1.0 / {const})" if first == a else f"(-{const} / ({a} * {a}))"
+    got = _op(n, src)
+    return None if got is None else _unary_grad(got[0], a, y, got[1])
 
 
 def grad_source(chain: List[fx.Node]) -> Optional[str]:
