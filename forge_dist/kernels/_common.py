@@ -510,9 +510,10 @@ def chunk_gate_cumsum(g: Tensor, BT: int, g_map=None) -> Tensor:
 SUM_GATES_IN_WALK_MAX_TOKENS = 32768
 
 
-def sum_gates_in_walk(B: int, T: int) -> bool:
-    """Whether the walks read the per-token scalar gates and sum each chunk themselves."""
-    return B * T <= SUM_GATES_IN_WALK_MAX_TOKENS
+def sum_gates_in_walk(B: int, T: int, g_map=None) -> bool:
+    """Whether the walks read the per-token scalar gates and sum each chunk themselves (not
+    with a fused gate prologue ``g_map``: the gate-sum kernel applies that one)."""
+    return g_map is None and B * T <= SUM_GATES_IN_WALK_MAX_TOKENS
 
 
 def walker_gates(g: Optional[Tensor], gate: int, BT: int,
@@ -630,7 +631,7 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
         h0 = h0.to(torch.float32).contiguous()
     g_map = (maps or {}).get("g")
     if raw_gates is None:
-        raw_gates = gate == 1 and g_cum is None and g_map is None and sum_gates_in_walk(B, T)
+        raw_gates = gate == 1 and g_cum is None and sum_gates_in_walk(B, T, g_map)
     if raw_gates:
         if gate != 1 or g_cum is not None or g_map is not None:
             raise ValueError("walk: raw_gates needs gate=1, no g_cum and no gate map")

@@ -333,7 +333,7 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
         if gated and variant == "simple_gla":
             # kernels._common.walk's rule: short inputs sum the gates in the walks (one
             # launch fewer), long ones read a gate sum made before them
-            raw_gates = not (maps and maps.get("g")) and sum_gates_in_walk(B, T)
+            raw_gates = sum_gates_in_walk(B, T, (maps or {}).get("g"))
             if not raw_gates:
                 launches.append(_gate_cumsum(bufs, B=B, T=T, H=H, BT=cfg["BT"], maps=maps))
                 g_walk = "g_cum"
