@@ -349,6 +349,96 @@ def test_segment_count_validation(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------
+# Chained segment walks: summaries and outputs in one launch (kernels._common, CHAIN)
+# ------------------------------------------------------------------------------------------
+
+def _walk_inputs(gate, B=2, T=200, H=2, K=32, V=48, device=DEV):
+    inp = make("simple_gla" if gate == 1 else "linear_attn", B, T, H, K, V, device=device)
+    inp["g"] = inp.get("g") if gate == 1 else None
+    h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(1)).to(device)
+    return inp, h0
+
+
+@pytest.mark.parametrize("gate,raw_gates", [(0, False), (1, False), (1, True)],
+                         ids=["linear_attn", "simple_gla-gate-sum", "simple_gla-sum-in-walk"])
+@pytest.mark.parametrize("n_seg", [2, 3, 5])
+def test_chained_walk_matches_reference(monkeypatch, gate, n_seg, raw_gates):
+    """One launch (CHAIN) gives the fp64 recurrence's outputs and final state, the same as
+    the two-launch schedule bit for bit (same walks, same order of sums), with an incoming
+    state, two V tiles, a short last chunk and segments of unequal length (T=200, BT=16)."""
+    from forge_dist.kernels import _common
+
+    inp, h0 = _walk_inputs(gate)
+    q, k, v, g = inp["q"], inp["k"], inp["v"], inp["g"]
+    cfg = dict(BT=16, BV=32, num_warps=4, num_stages=1, tune=False)
+    launches = []
+    real = _common._walk_kernel
+    monkeypatch.setattr(_common, "_walk_kernel", _Counting(real, launches))
+    outs = {}
+    # each walk launch: None for a summary, else whether it chained the summaries in
+    for chain, want in (("1", [True]), ("0", [None, False])):
+        monkeypatch.setenv("FORGE_DIST_CHAIN_SEGMENTS", chain)
+        launches.clear()
+        outs[chain] = _common.walk(k, v, q=q, g=g, gate=gate, h0=h0, scale=0.3, cfg=cfg,
+                                   prec="ieee", n_seg=n_seg, raw_gates=raw_gates if gate else None)
+        assert launches == want
+    for a, b in zip(outs["1"], outs["0"]):
+        assert torch.equal(a, b)
+    ref_inp = {"q": q * 0.3 / 32 ** -0.5, "k": k, "v": v}  # the reference scales by K**-0.5
+    if gate:
+        ref_inp["g"] = g
+    ref_o, ref_h = reference("simple_gla" if gate else "linear_attn", ref_inp, h0)
+    assert rel(outs["1"][0], ref_o) < 1e-5 and rel(outs["1"][1], ref_h) < 1e-5
+    sync = _common.chain_sync_buffer(q.device, 1)
+    assert not sync.any()  # the last program zeroed tickets, count and flags again
+
+
+class _Counting:
+    """Stands in for ``_walk_kernel``: records each launch (CHAIN or not), then launches."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kw):
+            self.log.append(bool(kw.get("CHAIN", False)) if kw.get("STORE_O") else None)
+            return launch(*args, **kw)
+        return run
+
+
+def test_chained_walk_reports_a_missing_summary():
+    """A sync buffer that was not zeroed (its ticket count off by one) leaves a summary
+    unpublished: the walk fails loudly instead of returning outputs from a wrong state, and
+    the next call, from a clean buffer, is right again."""
+    from forge_dist.kernels import _common
+
+    inp, h0 = _walk_inputs(1, B=1, T=64, H=1, K=16, V=16)
+    cfg = dict(BT=16, BV=16, num_warps=4, num_stages=1, tune=False)
+    args = dict(q=inp["q"], g=inp["g"], gate=1, h0=h0, scale=0.5, cfg=cfg, prec="ieee",
+                n_seg=4)
+    sync = _common.chain_sync_buffer(inp["q"].device, 4)
+    if sync.device.type != "cpu":
+        pytest.skip("on a GPU the kernel traps, which ends the process's CUDA context")
+    sync[0] = 1
+    with pytest.raises(RuntimeError, match="never published"):
+        _common.walk(inp["k"], inp["v"], **args)
+    assert not sync.any()
+    o, ht = _common.walk(inp["k"], inp["v"], **args)
+    ref = _common.walk(inp["k"], inp["v"], **dict(args, n_seg=1))
+    assert rel(o, ref[0]) < 1e-6 and rel(ht, ref[1]) < 1e-6
+
+
+def test_chain_switch_validation(monkeypatch):
+    from forge_dist.kernels import _common
+
+    monkeypatch.setenv("FORGE_DIST_CHAIN_SEGMENTS", "yes")
+    with pytest.raises(ValueError, match="FORGE_DIST_CHAIN_SEGMENTS"):
+        _common.chain_segments()
+
+
+# ------------------------------------------------------------------------------------------
 # Real GPU: bf16 at real shapes against an fp32 reference, and FLA's forward if installed.
 # ------------------------------------------------------------------------------------------
 
