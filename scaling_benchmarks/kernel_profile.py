@@ -200,7 +200,7 @@ def chain_sweep(T: int, device, iters: int = 20) -> list:
             finally:
                 os.environ.pop("FORGE_DIST_CHAIN_SEGMENTS", None)
             row = {"op": op, "T": T, "chained": chain == "1", "n_seg": n_seg,
-                   "scheduled_n_seg": sched.n_seg, "kernels_us": per,
+                   "scheduled_n_seg": sched.n_seg, "launches": len(per), "kernels_us": per,
                    "gpu_us": sum(per.values()), "fwd_ms": wall}
             if ref is None:
                 ref = out

@@ -346,13 +346,14 @@ if HAVE_TRITON:
         The ticket order makes the wait finite (:func:`_walk_kernel`, ``CHAIN``), so running
         out of the bound (``CHAIN_WAIT_NS``) means a broken invariant (the sync buffer
         shared by concurrent launches, say): rather than walk on from a state that is not
-        there, the kernel sets the sticky error word ``err`` and, on a GPU, traps (the launch
-        fails with an unspecified launch failure).  The interpreter polls once (its programs
-        run in ticket order) and the host reads ``err`` after the launch (:func:`check_chain`).
-        No ``device_print`` here: its ``vprintf`` call makes ptxas serialise every wgmma of
-        the kernel (C7510), which cost the walk 15-36 % on an H200."""
+        there, the kernel says so, sets the sticky error word ``err`` and, on a GPU, traps
+        (the launch fails).  The interpreter polls once (its programs run in ticket order)
+        and the host reads ``err`` after the launch (:func:`check_chain`)."""
         val = wait_ge(flag, 1, CHAIN_WAIT_NS if ON_GPU else 1, ON_GPU)
         if val < 1:
+            tl.device_print("forge_dist walk: a segment summary was never published; "
+                            "is a chained walk's sync buffer shared by concurrent launches? flag",
+                            val)
             tl.atomic_xchg(err, 1, sem="release", scope="gpu")
             if ON_GPU:
                 tl.inline_asm_elementwise("{ .reg .pred p; setp.lt.s32 p, $1, 1; @p trap; "
