@@ -265,8 +265,8 @@ def main(argv=None):
     ap.add_argument("--host", action="store_true",
                     help="also profile the host side of each call (cProfile, wall time)")
     ap.add_argument("--sweep", default="", help="ops whose kernel configs to sweep "
-                    "(gate_sum: simple_gla's walks with and without the gate-sum launch; "
-                    "chain: segment walks in one launch or two)")
+                    "(gate_sum: simple_gla's walks with and without the gate-sum launch; chain: segment
+                    walks in one launch or two)")
     ap.add_argument("--sweep-T", default="65536", help="comma-separated")
     ap.add_argument("--hgrn-configs", default="",
                     help="hgrn sweep tiles as BTxBDxWARPS[xSTAGES],... (default: the built-in grid)")
