@@ -39,9 +39,6 @@
 #                                                     #   GPU runtime/ops tests, gate-sum sweep (~9 min)
 #   bash scaling_benchmarks/device_batch.sh prologbench # 1 GPU: launch overhead, DSL prologues, short-T
 #                                                     #   simple_gla/gdn fwd vs FLA (~8 min)
-#   bash scaling_benchmarks/device_batch.sh chain     # 1 GPU: chained segment walks: tests compiled,
-#                                                     #   runtime GPU tests, one launch vs two, launch
-#                                                     #   overhead, scalar-decay fwd vs FLA (~10 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -54,7 +51,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|chain) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -114,17 +111,6 @@ case "$stage" in
     step dsl_prologue 240 python3 scaling_benchmarks/dsl_prologue.py --out "$OUT"
     step single_short 240 python3 scaling_benchmarks/single_device.py --ops simple_gla,gated_delta_rule \
       --T 1024,4096,16384 --passes fwd --no-dsl --tag short --out "$OUT" ;;
-  chain)  # summaries chained into the outputs' launch (one launch per segmented walk)
-    step chain_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py \
-      -k "chain or real_shapes"
-    step chain_runtime_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime \
-      -k "not forge_graph"
-    step chain_sweep 200 python3 scaling_benchmarks/kernel_profile.py --ops simple_gla --T 4096 \
-      --passes fwd --impls forge_dist --sweep chain \
-      --sweep-T 1024,2048,4096,8192,16384,65536,262144 --tag chain --out "$OUT"
-    step launch_overhead 150 python3 scaling_benchmarks/launch_overhead.py --out "$OUT"
-    step single_chain 300 python3 scaling_benchmarks/single_device.py \
-      --ops linear_attn,simple_gla,gla --passes fwd --no-dsl --sweep "" --tag chain --out "$OUT" ;;
   runtime)
     step gpu_runtime_tests 180 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/runtime
     step launch_overhead 150 python3 scaling_benchmarks/launch_overhead.py --out "$OUT" ;;

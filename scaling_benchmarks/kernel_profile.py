@@ -9,8 +9,7 @@ iteration count, giving microseconds per call.  Same inputs as ``single_device.p
 behind the defaults in ``kernels/*.py``): hgrn's forward and backward over (BT, BD, warps)
 and segment counts; gated_delta_rule's forward over the WY kernel's and the walker's tiles;
 the scalar-decay walker's V tile and warps (simple_gla forward); ``gate_sum``: simple_gla's
-walks summing the gates themselves against a gate-sum launch before them; ``chain``: the
-segmented walks with the summaries chained into the outputs' launch against two launches.
+walks summing the gates themselves against a gate-sum launch before them.
 
     python scaling_benchmarks/kernel_profile.py --ops gla,hgrn --T 16384 [--sweep hgrn]
 """
@@ -168,50 +167,6 @@ def gate_sum_sweep(T: int, device, iters: int = 20) -> list:
     return rows
 
 
-def chain_sweep(T: int, device, iters: int = 20) -> list:
-    """linear_attn's and simple_gla's segmented forward walks with the summaries chained
-    into the outputs' launch (``CHAIN``, the default) against a summary launch before them
-    (``FORGE_DIST_CHAIN_SEGMENTS=0``), at the scheduler's segment count: GPU time of every
-    kernel (profiler) and ``do_bench``'s time of the whole call."""
-    import os
-
-    from forge_dist.kernels import _common, scalar, scheduler
-
-    rows = []
-    for op in ("linear_attn", "simple_gla"):
-        inp = make_inputs(op, T, device)
-        q, k, v, g = inp["q"], inp["k"], inp["v"], inp.get("g")
-        B, _, H, K = q.shape
-        V = v.shape[-1]
-        cfg = dict(scalar.fused_config(K, V), tune=False)
-        sched = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], V))
-        n_seg = max(2, sched.n_seg)  # the chain only exists with segments
-        fn = lambda: _common.walk(k, v, q=q, g=g, gate=0 if g is None else 1, cfg=cfg,  # noqa: E731
-                                  scale=K ** -0.5, prec=_common.dot_precision(q.dtype),
-                                  n_seg=n_seg, out_dtype=q.dtype)
-        ref = None
-        for chain in ("0", "1"):
-            os.environ["FORGE_DIST_CHAIN_SEGMENTS"] = chain
-            try:
-                with torch.no_grad():
-                    out = fn()
-                    per = kernel_times(fn, iters)
-                    wall = _bench(fn)
-            finally:
-                os.environ.pop("FORGE_DIST_CHAIN_SEGMENTS", None)
-            row = {"op": op, "T": T, "chained": chain == "1", "n_seg": n_seg,
-                   "scheduled_n_seg": sched.n_seg, "launches": len(per), "kernels_us": per,
-                   "gpu_us": sum(per.values()), "fwd_ms": wall}
-            if ref is None:
-                ref = out
-            else:  # the same walks in one launch: bit for bit the same
-                row["max_abs_diff"] = max((a.float() - b.float()).abs().max().item()
-                                          for a, b in zip(out, ref))
-            print(row, flush=True)
-            rows.append(row)
-    return rows
-
-
 HGRN_TILES = ((64, 32), (32, 64), (64, 64), (128, 32), (32, 128), (64, 128))
 
 
@@ -265,8 +220,7 @@ def main(argv=None):
     ap.add_argument("--host", action="store_true",
                     help="also profile the host side of each call (cProfile, wall time)")
     ap.add_argument("--sweep", default="", help="ops whose kernel configs to sweep "
-                    "(gate_sum: simple_gla's walks with and without the gate-sum launch; chain: segment
-                    walks in one launch or two)")
+                    "(gate_sum: simple_gla's walks with and without the gate-sum launch)")
     ap.add_argument("--sweep-T", default="65536", help="comma-separated")
     ap.add_argument("--hgrn-configs", default="",
                     help="hgrn sweep tiles as BTxBDxWARPS[xSTAGES],... (default: the built-in grid)")
@@ -329,8 +283,6 @@ def main(argv=None):
                               backward=not args.hgrn_no_bwd)
         elif op == "gate_sum":
             rows = gate_sum_sweep(sweep_T, device)
-        elif op == "chain":
-            rows = chain_sweep(sweep_T, device)
         else:
             rows = config_sweep(op, sweep_T, device)
         result["sweeps"].append({"op": op, "T": sweep_T, "rows": rows})

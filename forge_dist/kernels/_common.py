@@ -166,11 +166,6 @@ def ensure(t: Optional[Tensor]) -> Optional[Tensor]:
 
 scalar_gate_chunk = value_state_tiles = mapped_tile = None  # defined below when Triton is installed
 if HAVE_TRITON:
-    from ..comm.device import wait_ge  # the project's one bounded device-side wait
-
-    # Bound on a chained walk's wait for another program's summary (ns).  A legitimate wait
-    # lasts at most one segment's summary walk (microseconds to milliseconds).
-    CHAIN_WAIT_NS = tl.constexpr(10_000_000_000)
 
     @triton.jit
     def mapped_tile(x, MAP: tl.constexpr, r0, R, c0, C, BR: tl.constexpr, BC: tl.constexpr):
@@ -239,22 +234,93 @@ if HAVE_TRITON:
                 tl.load(p_ht, boundary_check=(0, 1)), tl.load(p_dht, boundary_check=(0, 1)))
 
     @triton.jit
-    def _walk_chunks(q, k, v, g, w, o, a, hc, vn, b_S, i_b, i_h, i_bh, i_v, t_lo, t_hi, T,
-                     scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    def _walk_kernel(q, k, v, g, w, h0, o, ht, gt, T, SEG, scale,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      GATE: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
-                     STORE_O: tl.constexpr, PREC: tl.constexpr, HAS_A: tl.constexpr,
-                     STORE_CHUNKS: tl.constexpr, Q_MAP: tl.constexpr, K_MAP: tl.constexpr,
-                     V_MAP: tl.constexpr, G_RAW: tl.constexpr):
-        """The chunk steps of one program over the tokens ``[t_lo, t_hi)`` from the state
-        ``b_S [BK, BV]`` fp32 (the recurrence of the module docstring; arguments as
-        :func:`_walk_kernel`'s).  Returns the end state and the summed log decay ``[BK]``."""
+                     HAS_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_HT: tl.constexpr,
+                     PREC: tl.constexpr, HAS_A: tl.constexpr = False, a=None,
+                     STORE_GT: tl.constexpr = False, HAS_SIN: tl.constexpr = False,
+                     s_in=None, cg=None, HT_LAST: tl.constexpr = False,
+                     STORE_CHUNKS: tl.constexpr = False, hc=None, vn=None,
+                     SCAN_IN: tl.constexpr = False, Q_MAP: tl.constexpr = None,
+                     K_MAP: tl.constexpr = None, V_MAP: tl.constexpr = None,
+                     G_RAW: tl.constexpr = False):
+        """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H, NSEG)``.
+
+        Program ``(i_v, i_bh, i_s)`` walks the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a
+        multiple of BT; one segment, ``SEG >= T``, is the plain fused walk).
+        q, k [B, T, H, K]; v [B, T, H, V]; g: none (GATE=0), the scalar gates' chunk-local
+        cumulative sums [B, H, T] fp32 (GATE=1, :func:`chunk_gate_cumsum`) or, for a
+        per-channel decay (GATE=2), the chunks' total log decays ``G_C [B, NT, H, K]`` with
+        q, k already carrying their in-chunk decays (``q * exp(G)``, ``k * exp(G_C - G)``)
+        and the in-chunk attention in ``a [B, T, H, BT]`` (all from
+        :func:`.vector.gate_chunks`); HAS_A: that attention (``A_ij`` of the module
+        docstring, unscaled, zero above the diagonal) read from ``a`` instead of formed
+        per V tile (always for GATE=2); w [B, T, H, K] (HAS_W); h0, ht [NSEG, B, H, K, V] fp32 (the
+        segment's start and end state); gt [NSEG, B, H, K] fp32: the segment's summed log
+        decay (STORE_GT; broadcast over K for scalar gates); o [B, T, H, V].
+        ``HAS_V=False`` means v = 0 (transition-only walks).
+        HAS_SIN: a state ``s_in [B, H, K, V]`` fp32 entering the whole walk is folded into
+        every segment's start, ``h0 + exp(cg) * s_in`` with ``cg [NSEG + 1, B, H, K]`` the
+        log decay from the walk's start to each segment's start (from the segment scan).
+        HT_LAST: only the last segment stores its end state, into ``ht [B, H, K, V]``.
+        SCAN_IN: the segment scan folded into the output walks: ``h0`` holds every segment's
+        end state from a zero start and ``gt`` their summed log decays (the summary launch's
+        outputs), and each program folds the segments before its own (and ``s_in``,
+        HAS_SIN, before the first) into its start state: no scan launch, and no
+        ``[NSEG, B, H, K, V]`` pass between the two walks.
+        G_RAW (GATE=1): ``g`` is the per-token gates ``[B, T, H]`` themselves and each chunk
+        sums them in the walk (:func:`scalar_gate_chunk`): no gate-sum launch before it.
+        Q_MAP, K_MAP, V_MAP: fused elementwise prologues (:func:`mapped_tile`) applied to
+        every q, k, v tile as it is loaded (``None``: the inputs as they are).
+        STORE_CHUNKS (for backward passes): every chunk's start state into
+        ``hc [B, NT, H, K, V]`` and the values the state update uses (the delta rule's
+        corrected ``v - w S``) into ``vn [B, T, H, V]``.
+        """
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_s = tl.program_id(2)
+        i_b = (i_bh // H).to(tl.int64)  # token offsets pass 2**31 at long T
+        i_h = i_bh % H
         bos = i_b * T
         DT = k.dtype.element_ty
+        i_sbh = i_s * tl.num_programs(1) + i_bh  # this segment's state slot
         NT = tl.cdiv(T, BT)
+        t_lo = i_s * SEG
+        t_hi = tl.minimum(T, t_lo + SEG)
+
         rows = tl.arange(0, BT)
         causal = rows[:, None] >= rows[None, :]
-        b_gt = tl.zeros([BK], dtype=tl.float32)  # the walked tokens' summed log decay
+
+        p_h = tl.make_block_ptr(h0 + i_sbh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        if SCAN_IN:
+            b_S = tl.zeros([BK, BV], dtype=tl.float32)
+            if HAS_SIN:
+                p_si = tl.make_block_ptr(s_in + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+                b_S = tl.load(p_si, boundary_check=(0, 1)).to(tl.float32)
+            o_kc = tl.arange(0, BK)
+            for j in range(0, i_s):
+                i_jbh = j * tl.num_programs(1) + i_bh
+                if GATE != 0:
+                    b_c = tl.load(gt + i_jbh * K + o_kc, mask=o_kc < K, other=0.0)
+                    b_S = b_S * tl.exp(b_c)[:, None]
+                p_hj = tl.make_block_ptr(h0 + i_jbh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+                b_S += tl.load(p_hj, boundary_check=(0, 1))
+        elif HAS_H0:
+            b_S = tl.load(p_h, boundary_check=(0, 1)).to(tl.float32)
+        else:
+            b_S = tl.zeros([BK, BV], dtype=tl.float32)
+        if HAS_SIN and not SCAN_IN:
+            p_si = tl.make_block_ptr(s_in + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+            b_si = tl.load(p_si, boundary_check=(0, 1)).to(tl.float32)
+            if GATE != 0:
+                o_kc = tl.arange(0, BK)
+                b_c = tl.load(cg + i_sbh * K + o_kc, mask=o_kc < K, other=0.0)
+                b_si = b_si * tl.exp(b_c)[:, None]
+            b_S += b_si
+        b_gt = tl.zeros([BK], dtype=tl.float32)  # segment's summed log decay (STORE_GT)
+
         for t0 in range(t_lo, t_hi, BT):
             if STORE_CHUNKS:
                 i_c = i_b * tl.cdiv(T, BT) + t0 // BT
@@ -337,154 +403,6 @@ if HAVE_TRITON:
                 b_gt += b_GC
             b_S += tl.dot(tl.trans(b_kd), b_v_upd, input_precision=PREC)
 
-        return b_S, b_gt
-
-    @triton.jit
-    def _wait_published(flag, err, ON_GPU: tl.constexpr):
-        """Wait until another program of a chained walk has published (``flag >= 1``).
-
-        The ticket order makes the wait finite (:func:`_walk_kernel`, ``CHAIN``), so running
-        out of the bound (``CHAIN_WAIT_NS``) means a broken invariant (the sync buffer
-        shared by concurrent launches, say): rather than walk on from a state that is not
-        there, the kernel says so, sets the sticky error word ``err`` and, on a GPU, traps
-        (the launch fails).  The interpreter polls once (its programs run in ticket order)
-        and the host reads ``err`` after the launch (:func:`check_chain`)."""
-        val = wait_ge(flag, 1, CHAIN_WAIT_NS if ON_GPU else 1, ON_GPU)
-        if val < 1:
-            tl.device_print("forge_dist walk: a segment summary was never published; "
-                            "is a chained walk's sync buffer shared by concurrent launches? flag",
-                            val)
-            tl.atomic_xchg(err, 1, sem="release", scope="gpu")
-            if ON_GPU:
-                tl.inline_asm_elementwise("{ .reg .pred p; setp.lt.s32 p, $1, 1; @p trap; "
-                                          "mov.b32 $0, 0; }", "=r,r", [val.to(tl.int32)],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _walk_kernel(q, k, v, g, w, h0, o, ht, gt, T, SEG, scale,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     GATE: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
-                     HAS_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_HT: tl.constexpr,
-                     PREC: tl.constexpr, HAS_A: tl.constexpr = False, a=None,
-                     STORE_GT: tl.constexpr = False, HAS_SIN: tl.constexpr = False,
-                     s_in=None, cg=None, HT_LAST: tl.constexpr = False,
-                     STORE_CHUNKS: tl.constexpr = False, hc=None, vn=None,
-                     SCAN_IN: tl.constexpr = False, Q_MAP: tl.constexpr = None,
-                     K_MAP: tl.constexpr = None, V_MAP: tl.constexpr = None,
-                     G_RAW: tl.constexpr = False, CHAIN: tl.constexpr = False,
-                     sync=None, ON_GPU: tl.constexpr = True):
-        """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H, NSEG)``.
-
-        Program ``(i_v, i_bh, i_s)`` walks the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a
-        multiple of BT; one segment, ``SEG >= T``, is the plain fused walk).
-        q, k [B, T, H, K]; v [B, T, H, V]; g: none (GATE=0), the scalar gates' chunk-local
-        cumulative sums [B, H, T] fp32 (GATE=1, :func:`chunk_gate_cumsum`) or, for a
-        per-channel decay (GATE=2), the chunks' total log decays ``G_C [B, NT, H, K]`` with
-        q, k already carrying their in-chunk decays (``q * exp(G)``, ``k * exp(G_C - G)``)
-        and the in-chunk attention in ``a [B, T, H, BT]`` (all from
-        :func:`.vector.gate_chunks`); HAS_A: that attention (``A_ij`` of the module
-        docstring, unscaled, zero above the diagonal) read from ``a`` instead of formed
-        per V tile (always for GATE=2); w [B, T, H, K] (HAS_W); h0, ht [NSEG, B, H, K, V] fp32 (the
-        segment's start and end state); gt [NSEG, B, H, K] fp32: the segment's summed log
-        decay (STORE_GT; broadcast over K for scalar gates); o [B, T, H, V].
-        ``HAS_V=False`` means v = 0 (transition-only walks).
-        HAS_SIN: a state ``s_in [B, H, K, V]`` fp32 entering the whole walk is folded into
-        every segment's start, ``h0 + exp(cg) * s_in`` with ``cg [NSEG + 1, B, H, K]`` the
-        log decay from the walk's start to each segment's start (from the segment scan).
-        HT_LAST: only the last segment stores its end state, into ``ht [B, H, K, V]``.
-        SCAN_IN: the segment scan folded into the output walks: ``h0`` holds every segment's
-        end state from a zero start and ``gt`` their summed log decays (the summary launch's
-        outputs), and each program folds the segments before its own (and ``s_in``,
-        HAS_SIN, before the first) into its start state: no scan launch, and no
-        ``[NSEG, B, H, K, V]`` pass between the two walks.
-        G_RAW (GATE=1): ``g`` is the per-token gates ``[B, T, H]`` themselves and each chunk
-        sums them in the walk (:func:`scalar_gate_chunk`): no gate-sum launch before it.
-        Q_MAP, K_MAP, V_MAP: fused elementwise prologues (:func:`mapped_tile`) applied to
-        every q, k, v tile as it is loaded (``None``: the inputs as they are).
-        STORE_CHUNKS (for backward passes): every chunk's start state into
-        ``hc [B, NT, H, K, V]`` and the values the state update uses (the delta rule's
-        corrected ``v - w S``) into ``vn [B, T, H, V]``.
-        CHAIN (with SCAN_IN, HT_LAST): the segment summaries run in the same launch.  Each
-        program takes a ticket from ``sync [3 + n_programs]`` int32 (tickets, finished
-        programs, a sticky error word, one flag per program; zeros before the launch): its
-        (segment, batch-head, V tile) in the order programs start, segment first.  It walks
-        its segment from a zero start (unless it is the last segment), writes that summary
-        into ``h0`` and ``gt`` and publishes it (``sync[3 + ticket]``),
-        then folds the published summaries of the segments before its own (waiting for each,
-        :func:`_wait_published`) and walks its segment again with outputs.  A program only
-        waits for programs that started before it, so the launch cannot deadlock whatever
-        the hardware's scheduling order; the last program to finish zeroes the tickets,
-        the count and the flags again (back-to-back launches and CUDA-graph replays reuse
-        the buffer).  One launch instead of two,
-        and no wave boundary between the summaries and the outputs.  ON_GPU: bounded waits
-        on the clock and a trap (else the interpreter: one poll and an assertion).
-        """
-        NPS = tl.num_programs(0) * tl.num_programs(1)  # programs per segment
-        if CHAIN:
-            ticket = tl.atomic_add(sync, 1, sem="relaxed", scope="gpu")
-            i_s = ticket // NPS
-            i_bh = ticket % NPS // tl.num_programs(0)
-            i_v = ticket % NPS % tl.num_programs(0)
-        else:
-            i_v = tl.program_id(0)
-            i_bh = tl.program_id(1)
-            i_s = tl.program_id(2)
-        i_b = (i_bh // H).to(tl.int64)  # token offsets pass 2**31 at long T
-        i_h = i_bh % H
-        bos = i_b * T
-        i_sbh = i_s * tl.num_programs(1) + i_bh  # this segment's state slot
-        t_lo = i_s * SEG
-        t_hi = tl.minimum(T, t_lo + SEG)
-
-        if CHAIN:  # this segment's summary, published for the segments after it
-            if i_s < tl.num_programs(2) - 1:
-                b_dS, b_dg = _walk_chunks(q, k, v, g, w, o, a, hc, vn,
-                                          tl.zeros([BK, BV], dtype=tl.float32), i_b, i_h,
-                                          i_bh, i_v, t_lo, t_hi, T, scale, H, K, V, BT, BK,
-                                          BV, GATE, HAS_V, HAS_W, False, PREC, False, False,
-                                          None, K_MAP, V_MAP, G_RAW)
-                p_hs = tl.make_block_ptr(h0 + i_sbh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-                tl.store(p_hs, b_dS, boundary_check=(0, 1))
-                if GATE != 0:  # every V tile writes the same decays: each reads its own
-                    o_kg = tl.arange(0, BK)
-                    tl.store(gt + i_sbh * K + o_kg, b_dg, mask=o_kg < K)
-                tl.debug_barrier()  # the whole tile is written before the flag says so
-                tl.atomic_xchg(sync + 3 + ticket, 1, sem="release", scope="gpu")
-
-        p_h = tl.make_block_ptr(h0 + i_sbh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        if SCAN_IN:
-            b_S = tl.zeros([BK, BV], dtype=tl.float32)
-            if HAS_SIN:
-                p_si = tl.make_block_ptr(s_in + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-                b_S = tl.load(p_si, boundary_check=(0, 1)).to(tl.float32)
-            o_kc = tl.arange(0, BK)
-            for j in range(0, i_s):
-                i_jbh = j * tl.num_programs(1) + i_bh
-                if CHAIN:
-                    _wait_published(sync + 3 + j * NPS + ticket % NPS, sync + 2, ON_GPU)
-                if GATE != 0:
-                    b_c = tl.load(gt + i_jbh * K + o_kc, mask=o_kc < K, other=0.0)
-                    b_S = b_S * tl.exp(b_c)[:, None]
-                p_hj = tl.make_block_ptr(h0 + i_jbh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-                b_S += tl.load(p_hj, boundary_check=(0, 1))
-        elif HAS_H0:
-            b_S = tl.load(p_h, boundary_check=(0, 1)).to(tl.float32)
-        else:
-            b_S = tl.zeros([BK, BV], dtype=tl.float32)
-        if HAS_SIN and not SCAN_IN:
-            p_si = tl.make_block_ptr(s_in + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-            b_si = tl.load(p_si, boundary_check=(0, 1)).to(tl.float32)
-            if GATE != 0:
-                o_kc = tl.arange(0, BK)
-                b_c = tl.load(cg + i_sbh * K + o_kc, mask=o_kc < K, other=0.0)
-                b_si = b_si * tl.exp(b_c)[:, None]
-            b_S += b_si
-        b_S, b_gt = _walk_chunks(q, k, v, g, w, o, a, hc, vn, b_S, i_b, i_h, i_bh, i_v, t_lo,
-                                 t_hi, T, scale, H, K, V, BT, BK, BV, GATE, HAS_V, HAS_W,
-                                 STORE_O, PREC, HAS_A, STORE_CHUNKS, Q_MAP, K_MAP, V_MAP,
-                                 G_RAW)
-
         if STORE_HT:
             if HT_LAST:
                 if i_s == tl.num_programs(2) - 1:
@@ -497,16 +415,6 @@ if HAVE_TRITON:
             if i_v == 0:
                 o_k = tl.arange(0, BK)
                 tl.store(gt + i_sbh * K + o_k, b_gt, mask=o_k < K)
-        if CHAIN:  # the last program to finish zeroes the tickets and flags for the next launch
-            n_all = NPS * tl.num_programs(2)
-            done = tl.atomic_add(sync + 1, 1, sem="acq_rel", scope="gpu")
-            if done == n_all - 1:
-                o_f = tl.arange(0, 1024)
-                for f0 in range(0, n_all, 1024):
-                    tl.store(sync + 3 + f0 + o_f, tl.zeros([1024], dtype=tl.int32),
-                             mask=f0 + o_f < n_all)
-                tl.store(sync, 0)
-                tl.store(sync + 1, 0)
 
     @triton.jit
     def _segment_scan_kernel(hs, gt, h0, ht, NSEG, K: tl.constexpr, V: tl.constexpr,
@@ -626,52 +534,6 @@ def map_flags(maps: Optional[dict], names: str) -> dict:
     return {f"{n.upper()}_MAP": maps[n] for n in names if maps.get(n) is not None}
 
 
-def chain_segments() -> bool:
-    """Whether a segmented walk with outputs runs its summaries in the same launch
-    (``CHAIN``, the default) or in a launch of its own before it
-    (``FORGE_DIST_CHAIN_SEGMENTS=0``, kept for comparisons).  Plans follow the same rule."""
-    raw = os.environ.get("FORGE_DIST_CHAIN_SEGMENTS", "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"FORGE_DIST_CHAIN_SEGMENTS: expected 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
-# One zeroed sync buffer per (device, stream): launches on one stream run one after the
-# other, and each chained launch leaves its buffer zeroed again; separate streams get
-# separate buffers, so concurrent launches never share tickets.
-_CHAIN_SYNC: Dict[tuple, Tensor] = {}
-
-
-def chain_sync_buffer(device: torch.device, n_programs: int) -> Tensor:
-    """The zeroed int32 ``[3 + n]`` (``n >= n_programs``) sync buffer of a chained walk on
-    ``device`` and its current stream (:func:`_walk_kernel`, ``CHAIN``)."""
-    stream = 0
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = torch.cuda.current_stream(index).cuda_stream
-    key = (device.type, device.index, stream)
-    buf = _CHAIN_SYNC.get(key)
-    if buf is None or buf.numel() < 3 + n_programs:
-        buf = torch.zeros(3 + max(n_programs, 1024), dtype=torch.int32, device=device)
-        _CHAIN_SYNC[key] = buf
-    return buf
-
-
-def chain_sync_size(n_programs: int) -> int:
-    """Elements of a chained walk's sync buffer for ``n_programs`` programs."""
-    return 3 + n_programs
-
-
-def check_chain(sync: Tensor) -> None:
-    """Raise if a chained walk on the CPU (the interpreter) found a summary missing; on a
-    GPU the kernel traps instead, so nothing is read back (no synchronisation)."""
-    if sync.device.type == "cpu" and int(sync[2]):
-        sync.zero_()  # the next launch starts from a clean buffer
-        raise RuntimeError("walk: a chained segment walk waited for a summary that was never "
-                           "published (its sync buffer was not zeroed, or was shared by "
-                           "concurrent launches); the outputs are not valid")
-
-
 def _tiles(k: Tensor, V: int, cfg: dict):
     """``(BT, BK, BV, NV)`` of the walker for keys ``k`` and value dim ``V``."""
     BV = min(cfg["BV"], next_pow2(V))
@@ -680,10 +542,9 @@ def _tiles(k: Tensor, V: int, cfg: dict):
 
 def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_ht, scale,
                  V, cfg, prec, a=None, s_in=None, cg=None, ht_last=False, hc=None,
-                 vn=None, scan_in=False, maps=None, raw_gates=False, sync=None) -> None:
+                 vn=None, scan_in=False, maps=None, raw_gates=False) -> None:
     """One walker launch over ``n`` segments of ``seg`` tokens (see ``_walk_kernel``);
-    ``raw_gates``: ``g`` is the per-token scalar gates, summed in the walk (``G_RAW``);
-    ``sync``: the summaries chained into this output launch (``CHAIN``, with ``scan_in``)."""
+    ``raw_gates``: ``g`` is the per-token scalar gates, summed in the walk (``G_RAW``)."""
     B, T, H, K = k.shape
     BT, BK, BV, NV = _tiles(k, V, cfg)
     args = (q if q is not None else k, k, v if v is not None else k,
@@ -698,8 +559,6 @@ def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_
         flags["SCAN_IN"] = True
     if raw_gates:
         flags["G_RAW"] = True
-    if sync is not None:
-        flags.update(CHAIN=True, sync=sync, ON_GPU=not interpreting())
     if s_in is not None:  # folded-in incoming state (and, gated, its decay per segment)
         flags.update(HAS_SIN=True, s_in=s_in)
         if not scan_in:  # SCAN_IN decays s_in through the summaries' own gt
@@ -710,8 +569,7 @@ def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_
         flags.update(STORE_CHUNKS=True, hc=hc, vn=vn)
     flags.update(map_flags(maps, ("q" if q is not None else "") + "k" + ("v" if v is not None
                                                                           else "")))
-    # (a chained launch's ticket count is its grid: it keeps the fixed tiles)
-    if use_autotune() and cfg.get("tune", True) and hc is None and sync is None:
+    if use_autotune() and cfg.get("tune", True) and hc is None:
         grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * H, n)  # noqa: E731
         _walk_tuned[grid](*args, **flags)
     else:
@@ -732,10 +590,8 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
     a zero start in parallel (``(V tiles, B * H, n_seg)`` programs), then every segment's
     outputs in parallel, each program folding the summaries of the segments before its own
     into its start state (the scan over segments, ``SCAN_IN``; without outputs the scan runs
-    alone, ``_segment_scan_kernel``).  With outputs both phases are one launch
-    (``CHAIN``: each program publishes its summary and waits for the ones it folds;
-    :func:`chain_segments`).  It re-reads k and v once more than FUSED but multiplies the
-    parallelism by ``n_seg``; the scheduler weighs the two.  Segments need a diagonal or scalar transition,
+    alone, ``_segment_scan_kernel``).  It re-reads k and v once more than FUSED but multiplies the parallelism by
+    ``n_seg``; the scheduler weighs the two.  Segments need a diagonal or scalar transition,
     so the delta rule (``w``) walks fused.
 
     Args:
@@ -799,12 +655,6 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
         return o, ht
     hs = torch.empty(n_seg, B, H, K, V, dtype=torch.float32, device=k.device)
     gt = torch.empty(n_seg, B, H, K, dtype=torch.float32, device=k.device) if gate else None
-    if q is not None and chain_segments():  # summaries and outputs in one launch (CHAIN)
-        sync = chain_sync_buffer(k.device, NV * B * H * n_seg)
-        _launch_walk(n_seg, seg, q=q, h0=hs, o=o, ht=ht, gt=gt, store_ht=True, a=a, s_in=h0,
-                     ht_last=True, scan_in=True, sync=sync, **common)
-        check_chain(sync)
-        return o, ht
     _launch_walk(n_seg, seg, q=None, h0=None, o=None, ht=hs, gt=gt, store_ht=True, **common)
     if q is not None:  # the output walks fold the segment scan in (SCAN_IN): two launches
         _launch_walk(n_seg, seg, q=q, h0=hs, o=o, ht=ht, gt=gt, store_ht=True, a=a, s_in=h0,

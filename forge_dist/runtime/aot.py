@@ -213,10 +213,7 @@ def _compile_one(spec: KernelSpec, target: str):
     const = dict(spec.constexprs)
     types = dict(spec.signature)
     signature, attrs = {}, {}
-    # constexprs a launch leaves at their defaults, and optional pointers it leaves out
-    # (``None``, which Triton's JIT also compiles as a constexpr)
-    defaults = {p.name: p.default for p in fn.params
-                if p.has_default and (p.is_constexpr or p.default is None)}
+    defaults = {p.name: p.default for p in fn.params if p.has_default and p.is_constexpr}
     for i, name in enumerate(fn.arg_names):
         if name not in const and name not in types and name in defaults:
             const[name] = defaults[name]  # a constexpr the launch leaves at its default

@@ -42,7 +42,6 @@ from torch import Tensor
 
 from . import jit_launch
 from . import programs as pg
-from ..kernels._common import check_chain
 
 _KIND = {"linear_attn": "identity", "simple_gla": "scalar", "gla": "diagonal"}
 SP_VARIANTS = tuple(_KIND)
@@ -87,8 +86,6 @@ class _Exec:
         for name, buf in program.buffers.items():
             if buf.role == "workspace":
                 self.workspaces[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
-            elif buf.role == "sync":  # zeroed once: every launch leaves it zeroed again
-                self.workspaces[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
         self.stream = None
         if dispatcher is not None:
             from .dispatcher import current_stream_fn
@@ -113,9 +110,6 @@ class _Exec:
         # JIT launches relaunch the kernel their first call compiled (jit_launch.py)
         self._compiled: List[Any] = [None] * len(program.launches)
         self._untried = [device.type == "cuda" and b is None for b in self.bound]
-        # the interpreter's chained walks report a broken wait here (a GPU traps instead)
-        self._sync_cpu = [t for n, t in self.workspaces.items()
-                          if program.buffers[n].role == "sync" and t.device.type == "cpu"]
 
     def __call__(self, tensors: Dict[str, Tensor]) -> None:
         ptrs = merged = None
@@ -146,8 +140,6 @@ class _Exec:
                 ln = self.program.launches[i]
                 self._compiled[i] = jit_launch.CompiledLaunch.make(
                     kernel, self.kernels[i], ln.grid, args, dict(ln.constexprs), merged)
-        for sync in self._sync_cpu:
-            check_chain(sync)
 
 
 class BoundRun:

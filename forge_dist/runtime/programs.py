@@ -38,7 +38,7 @@ KERNELS: Dict[str, Tuple[str, str]] = {
 MATRIX_VARIANTS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule")
 VARIANTS = MATRIX_VARIANTS + ("hgrn",)
 
-_TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+_TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
              torch.float64: "fp64"}
 
 
@@ -64,8 +64,7 @@ def resolve_kernel(name: str):
 
 @dataclass(frozen=True)
 class Buffer:
-    """A tensor a program reads or writes: ``role`` is input, output, workspace or sync (a
-    workspace zeroed once when the plan is made, which every launch leaves zeroed)."""
+    """A tensor a program reads or writes: ``role`` is input, output or workspace."""
 
     shape: Tuple[int, ...]
     dtype: torch.dtype
@@ -173,10 +172,9 @@ def _prec(dtype: torch.dtype, interp: bool) -> str:
 
 def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cfg, prec,
                  seg, n, store_ht=True, a=None, s_in=None, scan_in=False, maps=None,
-                 raw_gates=False, sync=None, interp=False) -> Launch:
+                 raw_gates=False) -> Launch:
     """One walker launch over ``n`` segments of ``seg`` tokens (``kernels._common.walk``);
-    ``scan_in``: the output walks that fold the segment scan in (``gt`` is then read);
-    ``sync``: the summaries chained into the same launch (``CHAIN``)."""
+    ``scan_in``: the output walks that fold the segment scan in (``gt`` is then read)."""
     BK = _pow2(K)
     BV = min(cfg["BV"], _pow2(V))
     args = (("q", "buf", q or k), ("k", "buf", k), ("v", "buf", v or k), ("g", "buf", g or k),
@@ -203,9 +201,6 @@ def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cf
     const = const + _map_consts(maps, ("q" if q else "") + "k" + ("v" if v else ""))
     if raw_gates:  # set only when on, as the kernels' launcher does (same compiled kernel)
         const = const + (("G_RAW", True),)
-    if sync is not None:
-        args = args + (("sync", "buf", sync),)
-        const = const + (("CHAIN", True), ("ON_GPU", not interp))
     return Launch("walk", (_cdiv(V, BV), B * H, n), args, const, cfg["num_warps"],
                   cfg["num_stages"])
 
@@ -223,13 +218,10 @@ def _gate_cumsum(buffers, *, B: int, T: int, H: int, BT: int, maps=None) -> Laun
 
 
 def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg, prec,
-          a=None, n_seg: int = 1, maps=None, raw_gates: bool = False,
-          interp: bool = False) -> List[Launch]:
+          a=None, n_seg: int = 1, maps=None, raw_gates: bool = False) -> List[Launch]:
     """The walker's launches, exactly as ``kernels._common.walk`` makes them: one fused
-    launch, or (``n_seg > 1``) the segment summaries chained into the outputs' launch
-    (``sync``: a zeroed workspace the launch leaves zeroed), or summaries then the segment
-    scan (no outputs), or summaries then outputs (``FORGE_DIST_CHAIN_SEGMENTS=0``)."""
-    from ..kernels._common import chain_segments, chain_sync_size, segment_length
+    launch, or (``n_seg > 1``) segment summaries, the segment scan and segment outputs."""
+    from ..kernels._common import segment_length
 
     BT, BK, BV = cfg["BT"], _pow2(K), min(cfg["BV"], _pow2(V))
     seg = segment_length(T, BT, n_seg)
@@ -243,11 +235,6 @@ def _walk(buffers, *, q, k, v, g, w, h0, o, ht, B, T, H, K, V, gate, scale, cfg,
     if gate:
         gt = "gt"
         buffers["gt"] = Buffer((n_seg, B, H, K), torch.float32, "workspace")
-    if q is not None and chain_segments():
-        buffers["sync"] = Buffer((chain_sync_size(_cdiv(V, BV) * B * H * n_seg),),
-                                 torch.int32, "sync")
-        return [_walk_launch(q=q, h0="hs", o=o, ht=ht, gt=gt, n=n_seg, a=a, s_in=h0,
-                             scan_in=True, sync="sync", interp=interp, **common)]
     launches = [_walk_launch(q=None, h0=None, o=None, ht="hs", gt=gt, n=n_seg, **common)]
     if q is not None:  # the output walks fold the segment scan in
         launches.append(_walk_launch(q=q, h0="hs", o=o, ht=ht, gt=gt, n=n_seg, a=a, s_in=h0,
@@ -353,8 +340,7 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
         gate = 2 if variant == "gla" else (1 if gated else 0)
         launches += _walk(bufs, q=q_walk, k=k_walk, v="v", g=g_walk, w=None, h0=h0, o=o, ht="ht", B=B, T=T,
                           H=H, K=K, V=V, gate=gate, scale=scale, cfg=cfg, prec=prec, a=a,
-                          n_seg=sched.n_seg, maps=walk_maps, raw_gates=raw_gates,
-                          interp=interp)
+                          n_seg=sched.n_seg, maps=walk_maps, raw_gates=raw_gates)
         return Program(launches, bufs, sched.strategy, notes)
 
     if execution not in (None, "auto", scheduler.FUSED):

@@ -254,31 +254,25 @@ def test_static_plan_packs_pointers_and_scalars(built, execution):
 def test_static_plan_falls_back_to_jit_for_missing_or_stale(built, tmp_path, monkeypatch):
     from forge_dist.kernels import _common
 
-    # the program of long inputs (gate sum, then the chained segment walk) at a small T, and
-    # the fused one (gate sum, walk): the two walks are two specs of one kernel
+    # the three-launch program of long inputs (gate sum, summaries, outputs) at a small T
     monkeypatch.setattr(_common, "SUM_GATES_IN_WALK_MAX_TOKENS", 0)
     d = _copy(built[0], tmp_path, "partial")
     man = json.loads((d / "manifest.json").read_text())
-    shape = dict(B=1, T=96, H=2, K=32, V=48, dtype=torch.float32)
-    keys = {ex: [s.key for s in programs.matrix_program(
-        "simple_gla", **shape, gated=True, has_h0=False, execution=ex).specs()]
-        for ex in ("decoupled", "fused")}
-    assert keys["decoupled"][0] == keys["fused"][0]  # the gates' chunk sums, left valid
-    assert keys["decoupled"][1] != keys["fused"][1]
-    del man["kernels"][keys["decoupled"][1]]                 # chained walk: missing
-    man["kernels"][keys["fused"][1]]["source_hash"] = "0" * 64  # fused walk: stale source
+    prog = programs.matrix_program("simple_gla", B=1, T=96, H=2, K=32, V=48,
+                                   dtype=torch.float32, gated=True, has_h0=False,
+                                   execution="decoupled")
+    keys = [s.key for s in prog.specs()][1:]  # [0]: the gates' chunk sums, left valid
+    del man["kernels"][keys[0]]                      # segment summaries (walk): missing
+    man["kernels"][keys[1]]["source_hash"] = "0" * 64  # segment outputs (walk): stale source
     (d / "manifest.json").write_text(json.dumps(man))
     disp = dispatcher.Dispatcher(_verified_cache(d), FakeDriver())
     disp.stream_fn = lambda device_index: (lambda: 0)
-    paths = {ex: [x["path"] for x in plan("simple_gla", **shape, device="cpu",
-                                          backend="static", dispatcher=disp,
-                                          execution=ex).describe()["launches"]]
-             for ex in ("decoupled", "fused")}
-    assert all(x[0].startswith("cubin ") for x in paths.values())
-    assert paths["decoupled"][1:] == ["jit (not in the cache)"]
-    assert paths["fused"][1:] == ["jit (source of walk changed)"]
-    p = plan("simple_gla", **shape, device="cpu", backend="static", dispatcher=disp,
-             execution="decoupled")
+    p = plan("simple_gla", B=1, T=96, H=2, K=32, V=48, dtype=torch.float32, device="cpu",
+             backend="static", dispatcher=disp, execution="decoupled")
+    paths = [x["path"] for x in p.describe()["launches"]]
+    assert keys[1] != keys[0]  # the outputs walk is another spec of the same kernel
+    assert paths[0].startswith("cubin ")
+    assert paths[1:] == ["jit (not in the cache)", "jit (source of walk changed)"]
     assert any("fall back to the JIT" in n for n in p.notes)
     # an untouched copy of the cache serves every launch from cubins
     p2 = plan("simple_gla", B=1, T=96, H=2, K=32, V=48, dtype=torch.float32, device="cpu",

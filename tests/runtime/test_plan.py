@@ -284,27 +284,15 @@ def test_describe_reports_choices():
              execution="decoupled")
     d = p.describe()
     assert d["execution"] == "decoupled" and d["backend"] == "triton"
-    # one launch: the segment summaries chained into the outputs, which fold the scan over
-    # segments in; the walk sums the scalar gates per chunk itself at this length (G_RAW)
-    assert [x["kernel"] for x in d["launches"]] == ["walk"]
-    const = d["launches"][0]["constexprs"]
-    assert const["SCAN_IN"] is True and const["CHAIN"] is True and const["G_RAW"] is True
-    n_prog = 1 * B * H * 2  # V=48 -> one BV=64 tile, 2 segments
-    assert d["workspaces"] == {"hs": [2, B, H, K, V], "gt": [2, B, H, K], "sync": [2 + n_prog]}
-    assert d["launches"][0]["grid"] == [1, B * H, 2]
-    assert all(x["path"] == "jit" for x in d["launches"])
-    assert d["inputs"]["g"] == {"shape": [B, T, H], "dtype": "torch.float32"}
-
-
-def test_unchained_decoupled_plan(monkeypatch):
-    """``FORGE_DIST_CHAIN_SEGMENTS=0``: summaries, then outputs, two launches (comparisons)."""
-    monkeypatch.setenv("FORGE_DIST_CHAIN_SEGMENTS", "0")
-    p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
-             execution="decoupled")
-    d = p.describe()
+    # segment summaries, then the outputs with the scan over segments folded in; both walks
+    # sum the scalar gates per chunk themselves at this length (G_RAW)
     assert [x["kernel"] for x in d["launches"]] == ["walk", "walk"]
     assert d["launches"][1]["constexprs"]["SCAN_IN"] is True
-    assert "CHAIN" not in d["launches"][1]["constexprs"] and "sync" not in d["workspaces"]
+    assert all(x["constexprs"]["G_RAW"] is True for x in d["launches"])
+    assert d["workspaces"] == {"hs": [2, B, H, K, V], "gt": [2, B, H, K]}
+    assert d["launches"][0]["grid"] == [1, B * H, 2]  # V=48 -> one BV=64 tile, 2 segments
+    assert all(x["path"] == "jit" for x in d["launches"])
+    assert d["inputs"]["g"] == {"shape": [B, T, H], "dtype": "torch.float32"}
 
 
 @pytest.mark.parametrize("execution", ["fused", "decoupled"])
@@ -328,8 +316,8 @@ def test_gate_sum_launch_by_length(monkeypatch, execution):
         assert set(raw) == {limit == B * T}
         o, ht = p.run(*[inp[n] for n in names])
         assert _rel(o, ref_o) < 1e-5 and _rel(ht, ref_h) < 1e-5
-    # decoupled: the summaries chained into the outputs' launch, one walk either way
-    assert kernels == {B * T: ["walk"], B * T - 1: ["gate_cumsum", "walk"]}
+    walks = ["walk"] * (1 if execution == "fused" else 2)
+    assert kernels == {B * T: walks, B * T - 1: ["gate_cumsum"] + walks}
 
 
 _FORBIDDEN = {"item", "tolist", "synchronize", "cpu", "numpy", "nonzero"}
