@@ -9,7 +9,8 @@ iteration count, giving microseconds per call.  Same inputs as ``single_device.p
 behind the defaults in ``kernels/*.py``): hgrn's forward and backward over (BT, BD, warps)
 and segment counts; gated_delta_rule's forward over the WY kernel's and the walker's tiles;
 the scalar-decay walker's V tile and warps (simple_gla forward); ``gate_sum``: simple_gla's
-walks summing the gates themselves against a gate-sum launch before them.
+walks summing the gates themselves against a gate-sum launch before them; ``segments``: the
+scalar-decay forward walks over segment counts (1 = fused).
 
     python scaling_benchmarks/kernel_profile.py --ops gla,hgrn --T 16384 [--sweep hgrn]
 """
@@ -167,6 +168,38 @@ def gate_sum_sweep(T: int, device, iters: int = 20) -> list:
     return rows
 
 
+def segments_sweep(T: int, device, iters: int = 20, counts=(1, 2, 4, 8, 16)) -> list:
+    """linear_attn's and simple_gla's forward walks over segment counts (1: FUSED, one
+    launch; more: DECOUPLED, summaries then outputs): GPU time of every kernel (profiler)
+    and ``do_bench``'s time of the whole call, beside the scheduler's choice."""
+    from forge_dist.kernels import _common, scalar, scheduler
+
+    rows = []
+    for op in ("linear_attn", "simple_gla"):
+        inp = make_inputs(op, T, device)
+        q, k, v, g = inp["q"], inp["k"], inp["v"], inp.get("g")
+        B, _, H, K = q.shape
+        V = v.shape[-1]
+        cfg = dict(scalar.fused_config(K, V), tune=False)
+        sched = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], V))
+        for n in counts:
+            if n > 1 and T // n < cfg["BT"] * scheduler.MIN_CHUNKS_PER_SEGMENT:
+                continue
+            fn = lambda: _common.walk(k, v, q=q, g=g, gate=0 if g is None else 1,  # noqa: E731
+                                      cfg=cfg, scale=K ** -0.5,
+                                      prec=_common.dot_precision(q.dtype), n_seg=n,
+                                      out_dtype=q.dtype)
+            with torch.no_grad():
+                fn()
+                per = kernel_times(fn, iters)
+                wall = _bench(fn)
+            row = {"op": op, "T": T, "n_seg": n, "scheduled_n_seg": sched.n_seg,
+                   "kernels_us": per, "gpu_us": sum(per.values()), "fwd_ms": wall}
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
 HGRN_TILES = ((64, 32), (32, 64), (64, 64), (128, 32), (32, 128), (64, 128))
 
 
@@ -283,6 +316,8 @@ def main(argv=None):
                               backward=not args.hgrn_no_bwd)
         elif op == "gate_sum":
             rows = gate_sum_sweep(sweep_T, device)
+        elif op == "segments":
+            rows = segments_sweep(sweep_T, device)
         else:
             rows = config_sweep(op, sweep_T, device)
         result["sweeps"].append({"op": op, "T": sweep_T, "rows": rows})
