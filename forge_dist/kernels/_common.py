@@ -166,6 +166,10 @@ def ensure(t: Optional[Tensor]) -> Optional[Tensor]:
 
 scalar_gate_chunk = value_state_tiles = mapped_tile = None  # defined below when Triton is installed
 if HAVE_TRITON:
+    # Largest in-chunk log decay for which the scalar-gate walk factors its in-chunk decay
+    # (``FACTORED``): exp(60) ~ 1e26 and exp(-60) ~ 1e-26 stay finite and normal in fp32
+    # and bf16, with room for the values and scores they multiply.
+    FACTOR_SPAN = tl.constexpr(60.0)
 
     @triton.jit
     def mapped_tile(x, MAP: tl.constexpr, r0, R, c0, C, BR: tl.constexpr, BC: tl.constexpr):
@@ -232,6 +236,167 @@ if HAVE_TRITON:
                                   (0, 1))
         return (tl.load(p_v, boundary_check=(0, 1)), tl.load(p_do, boundary_check=(0, 1)),
                 tl.load(p_ht, boundary_check=(0, 1)), tl.load(p_dht, boundary_check=(0, 1)))
+
+    @triton.jit
+    def _chunk_decays_within(g, i_b, i_h, i_bh, t_lo, t_hi, T, H: tl.constexpr,
+                             BT: tl.constexpr, G_RAW: tl.constexpr):
+        """Whether every chunk of ``[t_lo, t_hi)`` decays by at most ``FACTOR_SPAN`` in log
+        (its gates sum to ``>= -FACTOR_SPAN``): then :func:`_walk_chunks` may factor the
+        in-chunk decay (``FACTORED``).  ``g``: per-token gates ``[B, T, H]`` (G_RAW) or the
+        chunk-local cumulative sums ``[B, H, T]`` (a chunk's total at its last token)."""
+        NC: tl.constexpr = 16  # chunks per step
+        o_c = tl.arange(0, NC)
+        lowest = tl.full([NC], 0.0, dtype=tl.float32)
+        for c0 in range(t_lo, t_hi, NC * BT):
+            if G_RAW:
+                o_t = c0 + o_c[:, None] * BT + tl.arange(0, BT)[None, :]
+                b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=(o_t < t_hi), other=0.0)
+                lowest = tl.minimum(lowest, tl.sum(b_g.to(tl.float32), axis=1))
+            else:
+                o_end = tl.minimum(c0 + (o_c + 1) * BT, t_hi) - 1
+                b_c = tl.load(g + i_bh.to(tl.int64) * T + o_end,
+                              mask=c0 + o_c * BT < t_hi, other=0.0)
+                lowest = tl.minimum(lowest, b_c)
+        return tl.min(lowest, axis=0) >= -FACTOR_SPAN
+
+    @triton.jit
+    def _walk_chunks(q, k, v, g, w, o, a, hc, vn, b_S, i_b, i_h, i_bh, i_v, t_lo, t_hi, T,
+                     scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     GATE: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
+                     STORE_O: tl.constexpr, PREC: tl.constexpr, HAS_A: tl.constexpr,
+                     STORE_CHUNKS: tl.constexpr, Q_MAP: tl.constexpr, K_MAP: tl.constexpr,
+                     V_MAP: tl.constexpr, G_RAW: tl.constexpr, FACTORED: tl.constexpr):
+        """The chunk steps of one program over the tokens ``[t_lo, t_hi)`` from the state
+        ``b_S [BK, BV]`` fp32 (the recurrence of the module docstring; arguments as
+        :func:`_walk_kernel`'s).  Returns the end state and the summed log decay ``[BK]``.
+
+        FACTORED (scalar gates with outputs; every chunk's total log decay at least
+        ``-FACTOR_SPAN``): the in-chunk decay ``exp(G_i - G_j)`` is factored as
+        ``exp(G_i - G_C) * exp(G_C - G_j)``.  The right factor is the one the state update
+        already puts on the values (``v * exp(G_C - G)``), so the intra-chunk term is
+        ``exp(G - G_C) * (causal(q k^T) v_upd)``: BT exponentials per chunk instead of
+        BT^2, and no gate broadcast along columns.  ``exp(G_i - G_C) <= exp(FACTOR_SPAN)``
+        stays finite and ``v_upd`` normal in bf16 and fp32."""
+        bos = i_b * T
+        DT = k.dtype.element_ty
+        NT = tl.cdiv(T, BT)
+        rows = tl.arange(0, BT)
+        causal = rows[:, None] >= rows[None, :]
+        b_gt = tl.zeros([BK], dtype=tl.float32)  # the walked tokens' summed log decay
+        for t0 in range(t_lo, t_hi, BT):
+            if STORE_CHUNKS:
+                i_c = i_b * tl.cdiv(T, BT) + t0 // BT
+                p_hc = tl.make_block_ptr(hc + (i_c * H + i_h) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+                tl.store(p_hc, b_S.to(p_hc.dtype.element_ty), boundary_check=(0, 1))
+            p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
+            b_k = tl.load(p_k, boundary_check=(0, 1))
+            if K_MAP is not None:
+                b_k = mapped_tile(b_k, K_MAP, t0, T, 0, K, BT, BK)
+            # values in the operand dtype: an fp32 copy would hold 32 more registers per
+            # thread through the chunk (the delta rule's correction makes its own)
+            if HAS_V:
+                p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+                b_v = tl.load(p_v, boundary_check=(0, 1))
+                if V_MAP is not None:
+                    b_v = mapped_tile(b_v, V_MAP, t0, T, i_v * BV, V, BT, BV)
+            else:
+                b_v = tl.zeros([BT, BV], dtype=DT)
+            if HAS_W:
+                p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
+                b_w = tl.load(p_w, boundary_check=(0, 1))
+                b_v = b_v.to(tl.float32) - tl.dot(b_w, b_S.to(b_w.dtype), input_precision=PREC)
+            if STORE_CHUNKS:
+                p_vn = tl.make_block_ptr(vn + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+                tl.store(p_vn, b_v.to(p_vn.dtype.element_ty), boundary_check=(0, 1))
+
+            # gates: in-chunk cumulative log decay G, the chunk total G_C (padding: g = 0)
+            if GATE == 1:
+                # a scalar gate per token scales rows: (k * d)^T v = k^T (d * v) and
+                # (q * e)^T S = e * (q^T S), so the decays go onto the [BT, BV] value and
+                # output tiles instead of the [BT, BK] key and query tiles (half the
+                # elementwise work at BK = 2 BV, and k, q stay the loaded 16-bit tiles)
+                if G_RAW:
+                    b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
+                else:
+                    b_G, b_GC = scalar_gate_cum(g, i_bh, t0, T, BT)
+                b_kd = b_k
+                b_v_upd = (b_v.to(tl.float32) * tl.exp(b_GC - b_G)[:, None]).to(DT)
+            elif GATE == 2:  # pre-gated inputs: only the chunk's total decay is left
+                o_kc = tl.arange(0, BK)
+                b_GC = tl.load(g + ((i_b * NT + t0 // BT) * H + i_h) * K + o_kc,
+                               mask=o_kc < K, other=0.0)
+                b_kd = b_k
+            else:
+                b_kd = b_k
+            b_vd = b_v.to(DT)
+            if GATE != 1:
+                b_v_upd = b_vd
+
+            if STORE_O:
+                p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
+                b_q = tl.load(p_q, boundary_check=(0, 1))
+                if Q_MAP is not None:
+                    b_q = mapped_tile(b_q, Q_MAP, t0, T, 0, K, BT, BK)
+                if HAS_A:  # the in-chunk attention precomputed (once, not per V tile)
+                    b_qg = b_q  # GATE 1: its decay exp(G) scales the output rows below
+                    p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
+                    b_A = tl.load(p_a, boundary_check=(0, 1))
+                elif GATE == 1 and FACTORED:
+                    b_qg = b_q
+                    b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+                    b_A = tl.where(causal, b_A, 0.0)
+                elif GATE == 1:
+                    b_qg = b_q  # its decay exp(G) scales the output rows below
+                    b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+                    b_A = b_A * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
+                else:
+                    b_qg = b_q
+                    b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+                    b_A = tl.where(causal, b_A, 0.0)
+                # inter-chunk (chunk-start state) + intra-chunk
+                if GATE == 1 and FACTORED and not HAS_A:
+                    # exp(G - G_C) * (exp(G_C) q S + causal(q k^T) v_upd)
+                    b_o = tl.dot(b_qg, b_S.to(DT), input_precision=PREC) * tl.exp(b_GC)
+                    b_o = tl.dot(b_A.to(DT), b_v_upd, b_o, input_precision=PREC)
+                    b_o = b_o * tl.exp(b_G - b_GC)[:, None]
+                else:
+                    b_o = tl.dot(b_qg, b_S.to(DT), input_precision=PREC)
+                    if GATE == 1:
+                        b_o = b_o * tl.exp(b_G)[:, None]
+                    b_o += tl.dot(b_A.to(DT), b_vd, input_precision=PREC)
+                p_o = tl.make_block_ptr(o + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+                tl.store(p_o, (b_o * scale).to(p_o.dtype.element_ty), boundary_check=(0, 1))
+
+            if GATE == 1:
+                b_S = b_S * tl.exp(b_GC)
+                b_gt += b_GC
+            elif GATE == 2:
+                b_S = b_S * tl.exp(b_GC)[:, None]
+                b_gt += b_GC
+            b_S += tl.dot(tl.trans(b_kd), b_v_upd, input_precision=PREC)
+
+        return b_S, b_gt
+
+    @triton.jit
+    def _wait_published(flag, ON_GPU: tl.constexpr):
+        """Wait until another program of a chained walk has published (``flag >= 1``).
+
+        The ticket order makes the wait finite (:func:`_walk_kernel`, ``CHAIN``), so running
+        out of the bound (``CHAIN_WAIT_NS``) means a broken invariant (the sync buffer
+        shared by concurrent launches, say): the kernel says so and traps (the launch fails
+        with an error) rather than walk on from a state that is not there."""
+        val = wait_ge(flag, 1, CHAIN_WAIT_NS if ON_GPU else 1, ON_GPU)
+        if val < 1:
+            tl.device_print("forge_dist walk: a segment summary was never published; "
+                            "is a chained walk's sync buffer shared by concurrent launches? flag",
+                            val)
+            if ON_GPU:
+                tl.inline_asm_elementwise("{ .reg .pred p; setp.lt.s32 p, $1, 1; @p trap; "
+                                          "mov.b32 $0, 0; }", "=r,r", [val.to(tl.int32)],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                tl.device_assert(val >= 1, "forge_dist walk: segment summary never published")
 
     @triton.jit
     def _walk_kernel(q, k, v, g, w, h0, o, ht, gt, T, SEG, scale,
@@ -321,87 +486,24 @@ if HAVE_TRITON:
             b_S += b_si
         b_gt = tl.zeros([BK], dtype=tl.float32)  # segment's summed log decay (STORE_GT)
 
-        for t0 in range(t_lo, t_hi, BT):
-            if STORE_CHUNKS:
-                i_c = i_b * tl.cdiv(T, BT) + t0 // BT
-                p_hc = tl.make_block_ptr(hc + (i_c * H + i_h) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-                tl.store(p_hc, b_S.to(p_hc.dtype.element_ty), boundary_check=(0, 1))
-            p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-            b_k = tl.load(p_k, boundary_check=(0, 1))
-            if K_MAP is not None:
-                b_k = mapped_tile(b_k, K_MAP, t0, T, 0, K, BT, BK)
-            # values in the operand dtype: an fp32 copy would hold 32 more registers per
-            # thread through the chunk (the delta rule's correction makes its own)
-            if HAS_V:
-                p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-                b_v = tl.load(p_v, boundary_check=(0, 1))
-                if V_MAP is not None:
-                    b_v = mapped_tile(b_v, V_MAP, t0, T, i_v * BV, V, BT, BV)
+        if GATE == 1 and STORE_O and not HAS_A:
+            # the factored in-chunk decay where this segment's gates allow it (one check of
+            # every chunk's total before the walk: the loop itself stays branch-free)
+            if _chunk_decays_within(g, i_b, i_h, i_bh, t_lo, t_hi, T, H, BT, G_RAW):
+                b_S, b_gt = _walk_chunks(q, k, v, g, w, o, a, hc, vn, b_S, i_b, i_h, i_bh,
+                                         i_v, t_lo, t_hi, T, scale, H, K, V, BT, BK, BV, GATE,
+                                         HAS_V, HAS_W, STORE_O, PREC, HAS_A, STORE_CHUNKS,
+                                         Q_MAP, K_MAP, V_MAP, G_RAW, True)
             else:
-                b_v = tl.zeros([BT, BV], dtype=DT)
-            if HAS_W:
-                p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-                b_w = tl.load(p_w, boundary_check=(0, 1))
-                b_v = b_v.to(tl.float32) - tl.dot(b_w, b_S.to(b_w.dtype), input_precision=PREC)
-            if STORE_CHUNKS:
-                p_vn = tl.make_block_ptr(vn + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-                tl.store(p_vn, b_v.to(p_vn.dtype.element_ty), boundary_check=(0, 1))
-
-            # gates: in-chunk cumulative log decay G, the chunk total G_C (padding: g = 0)
-            if GATE == 1:
-                # a scalar gate per token scales rows: (k * d)^T v = k^T (d * v) and
-                # (q * e)^T S = e * (q^T S), so the decays go onto the [BT, BV] value and
-                # output tiles instead of the [BT, BK] key and query tiles (half the
-                # elementwise work at BK = 2 BV, and k, q stay the loaded 16-bit tiles)
-                if G_RAW:
-                    b_G, b_GC = scalar_gate_chunk(g, bos, t0, T, i_h, H, BT)
-                else:
-                    b_G, b_GC = scalar_gate_cum(g, i_bh, t0, T, BT)
-                b_kd = b_k
-                b_v_upd = (b_v.to(tl.float32) * tl.exp(b_GC - b_G)[:, None]).to(DT)
-            elif GATE == 2:  # pre-gated inputs: only the chunk's total decay is left
-                o_kc = tl.arange(0, BK)
-                b_GC = tl.load(g + ((i_b * NT + t0 // BT) * H + i_h) * K + o_kc,
-                               mask=o_kc < K, other=0.0)
-                b_kd = b_k
-            else:
-                b_kd = b_k
-            b_vd = b_v.to(DT)
-            if GATE != 1:
-                b_v_upd = b_vd
-
-            if STORE_O:
-                p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-                b_q = tl.load(p_q, boundary_check=(0, 1))
-                if Q_MAP is not None:
-                    b_q = mapped_tile(b_q, Q_MAP, t0, T, 0, K, BT, BK)
-                if HAS_A:  # the in-chunk attention precomputed (once, not per V tile)
-                    b_qg = b_q  # GATE 1: its decay exp(G) scales the output rows below
-                    p_a = tl.make_block_ptr(a + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-                    b_A = tl.load(p_a, boundary_check=(0, 1))
-                elif GATE == 1:
-                    b_qg = b_q  # its decay exp(G) scales the output rows below
-                    b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-                    b_A = b_A * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
-                else:
-                    b_qg = b_q
-                    b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-                    b_A = tl.where(causal, b_A, 0.0)
-                # inter-chunk (chunk-start state) + intra-chunk
-                b_o = tl.dot(b_qg, b_S.to(DT), input_precision=PREC)
-                if GATE == 1:
-                    b_o = b_o * tl.exp(b_G)[:, None]
-                b_o += tl.dot(b_A.to(DT), b_vd, input_precision=PREC)
-                p_o = tl.make_block_ptr(o + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-                tl.store(p_o, (b_o * scale).to(p_o.dtype.element_ty), boundary_check=(0, 1))
-
-            if GATE == 1:
-                b_S = b_S * tl.exp(b_GC)
-                b_gt += b_GC
-            elif GATE == 2:
-                b_S = b_S * tl.exp(b_GC)[:, None]
-                b_gt += b_GC
-            b_S += tl.dot(tl.trans(b_kd), b_v_upd, input_precision=PREC)
+                b_S, b_gt = _walk_chunks(q, k, v, g, w, o, a, hc, vn, b_S, i_b, i_h, i_bh,
+                                         i_v, t_lo, t_hi, T, scale, H, K, V, BT, BK, BV, GATE,
+                                         HAS_V, HAS_W, STORE_O, PREC, HAS_A, STORE_CHUNKS,
+                                         Q_MAP, K_MAP, V_MAP, G_RAW, False)
+        else:
+            b_S, b_gt = _walk_chunks(q, k, v, g, w, o, a, hc, vn, b_S, i_b, i_h, i_bh, i_v,
+                                     t_lo, t_hi, T, scale, H, K, V, BT, BK, BV, GATE, HAS_V,
+                                     HAS_W, STORE_O, PREC, HAS_A, STORE_CHUNKS, Q_MAP, K_MAP,
+                                     V_MAP, G_RAW, False)
 
         if STORE_HT:
             if HT_LAST:

@@ -133,6 +133,31 @@ def test_steep_gates_stay_finite(variant):
     assert rel(o, ro) <= 1e-4
 
 
+@pytest.mark.parametrize("raw_gates", [False, True], ids=["gate-sum", "sum-in-walk"])
+@pytest.mark.parametrize("n_seg", [1, 3])
+def test_scalar_walk_factored_and_exact_decays(raw_gates, n_seg):
+    """simple_gla's output walk factors the in-chunk decay where a segment's chunks decay by
+    at most FACTOR_SPAN (60) in log and takes the exact BT^2 form elsewhere: mild, steep and
+    borderline chunks in one launch (a steep chunk in the middle segment only; a chunk
+    summing to exactly -60, still factored, and one just past it; head 2 mild throughout),
+    against the fp64 recurrence."""
+    from forge_dist.kernels import _common
+
+    B, T, H, K, V, BT = 1, 192, 3, 32, 48, 16
+    inp = make("simple_gla", B, T, H, K, V)
+    g = inp["g"].clone()
+    g[:, 80:96, 0] = -9.0          # head 0: one chunk summing to -144 (exact form there)
+    g[:, 16:32, 1] = -60.0 / 16    # head 1: a chunk summing to -60 (factored)
+    g[:, 160:176, 1] = -61.0 / 16  # and one just past it (exact form)
+    inp["g"] = g
+    cfg = dict(BT=BT, BV=32, num_warps=4, num_stages=1, tune=False)
+    o, ht = _common.walk(inp["k"], inp["v"], q=inp["q"], g=g, gate=1, scale=K ** -0.5,
+                         cfg=cfg, prec="ieee", n_seg=n_seg, raw_gates=raw_gates)
+    ro, rh = reference("simple_gla", inp, None)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel(o, ro) < 1e-5 and rel(ht, rh) < 1e-5
+
+
 @pytest.mark.parametrize("variant", ["linear_attn", "simple_gla", "gla", "gated_delta_rule",
                                      "deltanet", "hgrn"])
 def test_summary_composes(variant):
