@@ -10,7 +10,10 @@ tile ``S [BK, BV]`` on chip and walks the chunks of ``BT`` tokens in order, per 
 
 with ``G`` the in-chunk cumulative log decay (a scalar per token, or a K-vector per token).
 Every exponent is a non-positive difference: the ``i < j`` entries are masked *before* the
-exponential, so gates of -20 per token cannot overflow.  A per-channel decay arrives with
+exponential, so gates of -20 per token cannot overflow.  The one exception is bounded: a
+scalar-gate output walk whose segment's chunks each decay by at most ``FACTOR_SPAN`` (60) in
+log computes ``exp(G_i - G_j)`` as ``exp(G_i - G_C) * exp(G_C - G_j)``, exponents within
+[-60, 60] (``_walk_chunks``, ``FACTORED``); steeper segments take the masked form.  A per-channel decay arrives with
 its in-chunk factors already applied and ``A`` precomputed (:mod:`.vector`), so the walker
 only decays the state by ``exp(G_C)``.  With ``STORE_O=False`` the same kernel is the
 summary kernel (final state from a zero or given start, no outputs).
