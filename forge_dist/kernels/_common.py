@@ -170,9 +170,12 @@ def ensure(t: Optional[Tensor]) -> Optional[Tensor]:
 scalar_gate_chunk = value_state_tiles = mapped_tile = None  # defined below when Triton is installed
 if HAVE_TRITON:
     # Largest in-chunk log decay for which the scalar-gate walk factors its in-chunk decay
-    # (``FACTORED``): exp(60) ~ 1e26 and exp(-60) ~ 1e-26 stay finite and normal in fp32
-    # and bf16, with room for the values and scores they multiply.
+    # (``FACTORED``): the values scaled by exp(G_C - G) (down to exp(-span)) must stay
+    # normal numbers in the operand dtype, since the factor exp(G - G_C) brings them back.
+    # exp(-60) ~ 1e-26 is normal in fp32 and bf16 (down to 1e-38); fp16's normals end at
+    # 6e-5 ~ exp(-9.7), so 16-bit-half inputs factor only chunks within 8.
     FACTOR_SPAN = tl.constexpr(60.0)
+    FACTOR_SPAN_FP16 = tl.constexpr(8.0)
 
     @triton.jit
     def mapped_tile(x, MAP: tl.constexpr, r0, R, c0, C, BR: tl.constexpr, BC: tl.constexpr):
@@ -242,9 +245,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _chunk_decays_within(g, i_b, i_h, i_bh, t_lo, t_hi, T, H: tl.constexpr,
-                             BT: tl.constexpr, G_RAW: tl.constexpr):
-        """Whether every chunk of ``[t_lo, t_hi)`` decays by at most ``FACTOR_SPAN`` in log
-        (its gates sum to ``>= -FACTOR_SPAN``): then :func:`_walk_chunks` may factor the
+                             BT: tl.constexpr, G_RAW: tl.constexpr, SPAN: tl.constexpr):
+        """Whether every chunk of ``[t_lo, t_hi)`` decays by at most ``SPAN`` in log
+        (its gates sum to ``>= -SPAN``): then :func:`_walk_chunks` may factor the
         in-chunk decay (``FACTORED``).  ``g``: per-token gates ``[B, T, H]`` (G_RAW) or the
         chunk-local cumulative sums ``[B, H, T]`` (a chunk's total at its last token)."""
         NC: tl.constexpr = 16  # chunks per step
@@ -260,7 +263,7 @@ if HAVE_TRITON:
                 b_c = tl.load(g + i_bh.to(tl.int64) * T + o_end,
                               mask=c0 + o_c * BT < t_hi, other=0.0)
                 lowest = tl.minimum(lowest, b_c)
-        return tl.min(lowest, axis=0) >= -FACTOR_SPAN
+        return tl.min(lowest, axis=0) >= -SPAN
 
     @triton.jit
     def _walk_chunks(q, k, v, g, w, o, a, hc, vn, b_S, i_b, i_h, i_bh, i_v, t_lo, t_hi, T,
@@ -275,12 +278,13 @@ if HAVE_TRITON:
         :func:`_walk_kernel`'s).  Returns the end state and the summed log decay ``[BK]``.
 
         FACTORED (scalar gates with outputs; every chunk's total log decay at least
-        ``-FACTOR_SPAN``): the in-chunk decay ``exp(G_i - G_j)`` is factored as
-        ``exp(G_i - G_C) * exp(G_C - G_j)``.  The right factor is the one the state update
-        already puts on the values (``v * exp(G_C - G)``), so the intra-chunk term is
+        ``-FACTOR_SPAN``, or ``-FACTOR_SPAN_FP16`` for fp16 operands): the in-chunk decay
+        ``exp(G_i - G_j)`` is factored as ``exp(G_i - G_C) * exp(G_C - G_j)``.  The right
+        factor is the one the state update already puts on the values
+        (``v * exp(G_C - G)``), so the intra-chunk term is
         ``exp(G - G_C) * (causal(q k^T) v_upd)``: BT exponentials per chunk instead of
-        BT^2, and no gate broadcast along columns.  ``exp(G_i - G_C) <= exp(FACTOR_SPAN)``
-        stays finite and ``v_upd`` normal in bf16 and fp32."""
+        BT^2, and no gate broadcast along columns.  Within the span ``exp(G_i - G_C)``
+        stays finite and ``v_upd`` a normal number of the operand dtype."""
         bos = i_b * T
         DT = k.dtype.element_ty
         NT = tl.cdiv(T, BT)
@@ -492,7 +496,8 @@ if HAVE_TRITON:
         if GATE == 1 and STORE_O and not HAS_A:
             # the factored in-chunk decay where this segment's gates allow it (one check of
             # every chunk's total before the walk: the loop itself stays branch-free)
-            if _chunk_decays_within(g, i_b, i_h, i_bh, t_lo, t_hi, T, H, BT, G_RAW):
+            SPAN: tl.constexpr = FACTOR_SPAN_FP16 if k.dtype.element_ty == tl.float16 else FACTOR_SPAN
+            if _chunk_decays_within(g, i_b, i_h, i_bh, t_lo, t_hi, T, H, BT, G_RAW, SPAN):
                 b_S, b_gt = _walk_chunks(q, k, v, g, w, o, a, hc, vn, b_S, i_b, i_h, i_bh,
                                          i_v, t_lo, t_hi, T, scale, H, K, V, BT, BK, BV, GATE,
                                          HAS_V, HAS_W, STORE_O, PREC, HAS_A, STORE_CHUNKS,

@@ -158,6 +158,30 @@ def test_scalar_walk_factored_and_exact_decays(raw_gates, n_seg):
     assert rel(o, ro) < 1e-5 and rel(ht, rh) < 1e-5
 
 
+def test_scalar_walk_factored_decay_fp16():
+    """fp16 operands factor only chunks that decay by at most FACTOR_SPAN_FP16 (8): the
+    values scaled by exp(G_C - G) would leave fp16's normal range (6e-5 ~ exp(-9.7)) in a
+    chunk decaying by 20, and the first tokens' own contributions would be lost."""
+    from forge_dist.kernels import _common
+
+    B, T, H, K, V, BT = 1, 64, 2, 16, 16, 16
+    inp = make("simple_gla", B, T, H, K, V)
+    g = inp["g"].clone()
+    g[:, :, 0] = -1.25  # head 0: every chunk decays by 20 (exact form in fp16)
+    g[:, :, 1] = -0.4   # head 1: by 6.4 (factored)
+    inp["g"] = g
+    half = {n: t.to(torch.float16) for n, t in inp.items()}
+    cfg = dict(BT=BT, BV=16, num_warps=4, num_stages=1, tune=False)
+    o, ht = _common.walk(half["k"], half["v"], q=half["q"], g=g, gate=1, scale=K ** -0.5,
+                         cfg=cfg, prec="ieee", n_seg=1, out_dtype=torch.float32)
+    ref_in = {n: t.to(torch.float16).float() for n, t in inp.items()}
+    ref_in["g"] = g
+    ro, rh = reference("simple_gla", ref_in, None)
+    for h in range(H):
+        assert rel(o[:, :, h], ro[:, :, h]) < 3e-3, h
+    assert rel(ht, rh) < 3e-3
+
+
 @pytest.mark.parametrize("variant", ["linear_attn", "simple_gla", "gla", "gated_delta_rule",
                                      "deltanet", "hgrn"])
 def test_summary_composes(variant):
