@@ -11,9 +11,10 @@ tile ``S [BK, BV]`` on chip and walks the chunks of ``BT`` tokens in order, per 
 with ``G`` the in-chunk cumulative log decay (a scalar per token, or a K-vector per token).
 Every exponent is a non-positive difference: the ``i < j`` entries are masked *before* the
 exponential, so gates of -20 per token cannot overflow.  The one exception is bounded: a
-scalar-gate output walk whose segment's chunks each decay by at most ``FACTOR_SPAN`` (60) in
-log computes ``exp(G_i - G_j)`` as ``exp(G_i - G_C) * exp(G_C - G_j)``, exponents within
-[-60, 60] (``_walk_chunks``, ``FACTORED``); steeper segments take the masked form.  A per-channel decay arrives with
+scalar-gate output walk whose segment's chunks each decay by at most ``FACTOR_SPAN`` (60; 8
+for fp16 operands) in log computes ``exp(G_i - G_j)`` as ``exp(G_i - G_C) * exp(G_C - G_j)``,
+exponents within that span (``_walk_chunks``, ``FACTORED``); steeper segments take the
+masked form.  A per-channel decay arrives with
 its in-chunk factors already applied and ``A`` precomputed (:mod:`.vector`), so the walker
 only decays the state by ``exp(G_C)``.  With ``STORE_O=False`` the same kernel is the
 summary kernel (final state from a zero or given start, no outputs).
@@ -384,26 +385,6 @@ if HAVE_TRITON:
             b_S += tl.dot(tl.trans(b_kd), b_v_upd, input_precision=PREC)
 
         return b_S, b_gt
-
-    @triton.jit
-    def _wait_published(flag, ON_GPU: tl.constexpr):
-        """Wait until another program of a chained walk has published (``flag >= 1``).
-
-        The ticket order makes the wait finite (:func:`_walk_kernel`, ``CHAIN``), so running
-        out of the bound (``CHAIN_WAIT_NS``) means a broken invariant (the sync buffer
-        shared by concurrent launches, say): the kernel says so and traps (the launch fails
-        with an error) rather than walk on from a state that is not there."""
-        val = wait_ge(flag, 1, CHAIN_WAIT_NS if ON_GPU else 1, ON_GPU)
-        if val < 1:
-            tl.device_print("forge_dist walk: a segment summary was never published; "
-                            "is a chained walk's sync buffer shared by concurrent launches? flag",
-                            val)
-            if ON_GPU:
-                tl.inline_asm_elementwise("{ .reg .pred p; setp.lt.s32 p, $1, 1; @p trap; "
-                                          "mov.b32 $0, 0; }", "=r,r", [val.to(tl.int32)],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-            else:
-                tl.device_assert(val >= 1, "forge_dist walk: segment summary never published")
 
     @triton.jit
     def _walk_kernel(q, k, v, g, w, h0, o, ht, gt, T, SEG, scale,
