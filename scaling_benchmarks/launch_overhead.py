@@ -9,7 +9,10 @@ gate) at T in {1K, 2K, 4K, 8K} through:
   every call (``FORGE_DIST_JIT_RELAUNCH=0``);
 * ``jit_relaunch`` -- the same plan relaunching the kernels its first call compiled (the
   default without cubins, ``forge_dist/runtime/jit_launch.py``);
-* ``static``   -- the same plan through the static dispatcher (AOT cubins, cuda.bindings);
+* ``static``   -- the same plan through the static dispatcher (AOT cubins, cuda.bindings):
+  ``plan.run``, the run specialised to the plan (``forge_dist/runtime/fastpath.py``);
+* ``static_general`` -- the same plan's general run (``Plan._run_general``: the loops over
+  names and slots that the specialised run replaces; what ``static`` measured before it);
 * ``static_ctypes`` -- the static dispatcher over libcuda through ctypes;
 * ``static_ctypes_out`` -- the same with a preallocated output (``run(..., out=o)``);
 * ``static_bound`` -- the static plan bound to fixed buffers once (``plan.bind``), then
@@ -46,8 +49,8 @@ from scaling_benchmarks import results_io  # noqa: E402
 
 B, H, K, V = 1, 32, 128, 128
 T_ALL = (1024, 2048, 4096, 8192)
-PATHS = ("ops", "jit", "jit_relaunch", "static", "static_ctypes", "static_ctypes_out", "static_bound",
-         "raw_launch", "graph", "kernel")
+PATHS = ("ops", "jit", "jit_relaunch", "static", "static_general", "static_ctypes",
+         "static_ctypes_out", "static_bound", "raw_launch", "graph", "kernel")
 
 
 def make_inputs(T, device):
@@ -194,13 +197,19 @@ def main(argv=None) -> int:
             elif path == "jit_relaunch":
                 pl = plan("simple_gla", backend="triton", **common)
                 fn = lambda: pl.run(q, k, v, g)  # noqa: E731
-            elif path in ("static", "static_ctypes", "static_ctypes_out"):
-                disp = Dispatcher(cache, None if path == "static" else CtypesDriver())
+            elif path in ("static", "static_general", "static_ctypes", "static_ctypes_out"):
+                disp = Dispatcher(cache, None if path in ("static", "static_general")
+                                  else CtypesDriver())
                 pl = plan("simple_gla", backend="static", dispatcher=disp, **common)
                 plans[(T, path)] = pl
+                if "run" not in vars(pl):
+                    raise RuntimeError("the static plan was not specialised (a launch "
+                                       f"without a cubin?): {pl.describe()['launches']}")
                 if path == "static_ctypes_out":
                     o_buf = torch.empty(B, T, H, V, dtype=torch.bfloat16, device=device)
                     fn = lambda: pl.run(q, k, v, g, out=o_buf)  # noqa: E731
+                elif path == "static_general":
+                    fn = lambda: pl._run_general(q, k, v, g)  # noqa: E731
                 else:
                     fn = lambda: pl.run(q, k, v, g)  # noqa: E731
             elif path in ("static_bound", "raw_launch"):

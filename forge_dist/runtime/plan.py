@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import jit_launch
+from . import fastpath, jit_launch
 from . import programs as pg
 
 _KIND = {"linear_attn": "identity", "simple_gla": "scalar", "gla": "diagonal"}
@@ -112,8 +112,7 @@ class _Exec:
         self._untried = [device.type == "cuda" and b is None for b in self.bound]
 
     def __call__(self, tensors: Dict[str, Tensor]) -> None:
-        ptrs = merged = None
-        fast_ok = jit_launch.usable()
+        ptrs = merged = fast_ok = None
         for i, (launch, args, kw) in enumerate(self._jit_calls):
             b = self.bound[i]
             if b is not None:
@@ -125,6 +124,8 @@ class _Exec:
             if fast is not None or self._untried[i]:
                 if merged is None:
                     merged = {**self.workspaces, **tensors}
+                if fast_ok is None:  # reads the environment: only where a JIT launch runs
+                    fast_ok = jit_launch.usable()
                 if fast is not None and fast_ok and fast.aligned(merged):
                     fast(merged, _raw_stream(self.device.index))
                     continue
@@ -244,7 +245,12 @@ class Plan:
             return self._run_local(tensors, initial_state, o)
         return self._run_sp(tensors, initial_state, o)
 
-    __call__ = run
+    # the general path; plan() replaces a qualifying plan's ``run`` with a function
+    # specialised to it (:mod:`.fastpath`), which calls this one on anything unusual
+    _run_general = run
+
+    def __call__(self, *inputs: Tensor, **kw):
+        return self.run(*inputs, **kw)
 
     def bind(self, *inputs: Tensor, initial_state: Optional[Tensor] = None,
              out: Optional[Tensor] = None, final_state: Optional[Tensor] = None) -> "BoundRun":
@@ -583,6 +589,9 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         p._ht_scratch = torch.empty(p.ht_shape, dtype=torch.float32, device=device)
     if size > 1:
         _plan_sp(p, strategy, simulated, B, T, H, K, V, dtype, gated)
+    fast = fastpath.specialise(p)
+    if fast is not None:
+        p.run = fast  # straight-line checks and launches; the general path on any miss
     return p
 
 

@@ -17,22 +17,11 @@ import torch
 from forge_dist.runtime import aot, compile_cli, dispatcher, programs
 from forge_dist.runtime.plan import plan
 
+from .static_fakes import SMALL, TARGET, FakeDriver, verified_cache
+
 ROOT = Path(__file__).resolve().parents[2]
-TARGET = "cuda:90"
 pytestmark = pytest.mark.skipif(aot.ptxas_version(TARGET) is None,
                                 reason="Triton's bundled ptxas is not available here")
-
-# a small but real config: scalar decay fused + decoupled, gla, delta, hgrn, SP summaries
-SMALL = dict(variants=["simple_gla", "hgrn"], heads=[2], head_dims=[[32, 48]],
-             hgrn_dims=[40], dtypes=["float32"], execution=["fused", "decoupled"],
-             initial_state=[False, True], sequence_parallel=True)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    d = tmp_path_factory.mktemp("aot") / "cache"
-    rep = aot.compile_all(SMALL, target=TARGET, cache_dir=d)
-    return d, rep
 
 
 def test_compile_all_for_sm90_on_cpu(built):
@@ -185,37 +174,10 @@ def test_argpack_layout():
         dispatcher.ArgPack(["tensordesc<fp16[64]>"])
 
 
-class FakeDriver:
-    """Records loads and launches; reads the packed parameters at launch time."""
-
-    name = "fake"
-
-    def __init__(self):
-        self.loads, self.launches = [], []
-
-    def load(self, image, name, shared, device):
-        assert image[:4] == b"\x7fELF"
-        self.loads.append((name, shared, device))
-        return object(), f"fn:{name}:{len(self.loads)}"
-
-    def launch(self, fn, grid, block_x, shared, stream, params):
-        arr = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
-        self.launches.append((fn, grid, block_x, shared, stream, arr))
-
-
-def _verified_cache(d):
-    """A CubinCache whose source-hash check ran in a child (interpreter on here)."""
-    cache = aot.CubinCache(d, TARGET)
-    v = aot.verify(d, TARGET)
-    cache._checked = {k: None for k in v["valid"]}
-    cache._checked.update(v["stale"])
-    return cache
-
-
 @pytest.mark.parametrize("execution", ["fused", "decoupled"])
 def test_static_plan_packs_pointers_and_scalars(built, execution):
     d, _ = built
-    disp = dispatcher.Dispatcher(_verified_cache(d), FakeDriver())
+    disp = dispatcher.Dispatcher(verified_cache(d), FakeDriver())
     disp.stream_fn = lambda device_index: (lambda: 1234)
     B, T, H, K, V = 1, 96, 2, 32, 48
     p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
@@ -265,7 +227,7 @@ def test_static_plan_falls_back_to_jit_for_missing_or_stale(built, tmp_path, mon
     del man["kernels"][keys[0]]                      # segment summaries (walk): missing
     man["kernels"][keys[1]]["source_hash"] = "0" * 64  # segment outputs (walk): stale source
     (d / "manifest.json").write_text(json.dumps(man))
-    disp = dispatcher.Dispatcher(_verified_cache(d), FakeDriver())
+    disp = dispatcher.Dispatcher(verified_cache(d), FakeDriver())
     disp.stream_fn = lambda device_index: (lambda: 0)
     p = plan("simple_gla", B=1, T=96, H=2, K=32, V=48, dtype=torch.float32, device="cpu",
              backend="static", dispatcher=disp, execution="decoupled")
@@ -277,12 +239,12 @@ def test_static_plan_falls_back_to_jit_for_missing_or_stale(built, tmp_path, mon
     # an untouched copy of the cache serves every launch from cubins
     p2 = plan("simple_gla", B=1, T=96, H=2, K=32, V=48, dtype=torch.float32, device="cpu",
               backend="static", execution="decoupled",
-              dispatcher=dispatcher.Dispatcher(_verified_cache(built[0]), FakeDriver()))
+              dispatcher=dispatcher.Dispatcher(verified_cache(built[0]), FakeDriver()))
     assert all(x["path"].startswith("cubin ") for x in p2.describe()["launches"])
 
 
 def test_static_alignment_check(built):
-    disp = dispatcher.Dispatcher(_verified_cache(built[0]), FakeDriver())
+    disp = dispatcher.Dispatcher(verified_cache(built[0]), FakeDriver())
     disp.stream_fn = lambda device_index: (lambda: 0)
     p = plan("hgrn", B=1, T=64, D=40, dtype=torch.float32, device="cpu", backend="static",
              dispatcher=disp)

@@ -1,0 +1,152 @@
+"""The specialised run of static plans (runtime/fastpath.py), on the CPU with a recording
+driver: the same launches, parameters and results as the general path; every input the
+plan does not take goes to the general path's error before anything is launched."""
+import pytest
+import torch
+
+from forge_dist.runtime import aot, dispatcher
+from forge_dist.runtime.plan import Plan, PlanError, plan
+
+from .static_fakes import TARGET, FakeDriver, verified_cache
+
+pytestmark = pytest.mark.skipif(aot.ptxas_version(TARGET) is None,
+                                reason="Triton's bundled ptxas is not available here")
+
+B, T, H, K, V = 1, 96, 2, 32, 48
+
+
+def _static_plan(built, op="simple_gla", **kw):
+    drv = FakeDriver()
+    disp = dispatcher.Dispatcher(verified_cache(built[0]), drv)
+    disp.stream_fn = lambda device_index: (lambda: 77)
+    dims = dict(D=40) if op == "hgrn" else dict(H=H, K=K, V=V)
+    p = plan(op, B=B, T=T, dtype=torch.float32, device="cpu", backend="static",
+             dispatcher=disp, **dims, **kw)
+    drv.packs = {b.fn: b.pack for b in p.finish_exec.bound}
+    return p, drv
+
+
+def _inputs(op="simple_gla"):
+    if op == "hgrn":
+        return torch.randn(B, T, 40), -torch.rand(B, T, 40)
+    q, k, v = (torch.randn(B, T, H, n) for n in (K, K, V))
+    return q, k, v, -torch.rand(B, T, H)
+
+
+@pytest.mark.parametrize("execution", ["fused", "decoupled"])
+@pytest.mark.parametrize("initial_state", [False, True])
+@pytest.mark.parametrize("output_final_state", [False, True])
+def test_fast_run_launches_what_the_general_run_does(built, execution, initial_state,
+                                                     output_final_state):
+    p, drv = _static_plan(built, execution=execution, initial_state=initial_state,
+                          output_final_state=output_final_state)
+    assert p.run is not Plan.run.__get__(p) and "def run(" in p.run.__source__
+    inputs = _inputs()
+    h0 = torch.randn(B, H, K, V) if initial_state else None
+    out = torch.empty(B, T, H, V)
+    o_fast, ht_fast = p.run(*inputs, initial_state=h0, out=out)
+    fast = list(drv.values)
+    drv.values.clear()
+    o_gen, ht_gen = p._run_general(*inputs, initial_state=h0, out=out)
+    general = list(drv.values)
+    assert o_fast is out and o_gen is out
+    assert (ht_fast is None) == (ht_gen is None) == (not output_final_state)
+    assert len(fast) == len(p.describe()["launches"]) >= 1
+    # the same functions with the same parameters, the final state's pointer apart
+    # (each call allocates its own)
+    if output_final_state:
+        fast = [(fn, tuple(ht_gen.data_ptr() if x == ht_fast.data_ptr() else x for x in vals))
+                for fn, vals in fast]
+        assert any(ht_gen.data_ptr() in vals for _, vals in fast)
+    assert fast == general
+    # without out=: the output is allocated, and its pointer is what the launch wrote
+    drv.values.clear()
+    o, _ = p.run(*inputs, initial_state=h0)
+    assert o.shape == (B, T, H, V) and o.dtype == torch.float32
+    assert any(o.data_ptr() in vals for _, vals in drv.values)
+    assert all(launch[4] == 77 for launch in drv.launches)  # the stream of the plan
+
+
+def test_decoupled_run_allocates_the_output_after_the_first_launch(built):
+    p, _ = _static_plan(built, execution="decoupled")
+    src = p.run.__source__
+    assert len(p.finish_exec.bound) >= 2
+    # the summaries' launch reads inputs only: o's allocation follows it
+    assert src.index("launch0(") < src.index("empty(OUT_SHAPE") < src.index("launch1(")
+
+
+def test_hgrn_plan_is_specialised(built):
+    p, drv = _static_plan(built, op="hgrn", output_final_state=True)
+    assert "    x, g, = inputs" in p.run.__source__
+    x, g = _inputs("hgrn")
+    o, ht_fast = p.run(x, g)
+    fast = [(fn, tuple(-1 if v == ht_fast.data_ptr() else v for v in vals))
+            for fn, vals in drv.values]
+    drv.values.clear()
+    _, ht_gen = p._run_general(x, g, out=o)
+    general = [(fn, tuple(-1 if v == ht_gen.data_ptr() else v for v in vals))
+               for fn, vals in drv.values]
+    assert fast == general and len(fast) == len(p.describe()["launches"])
+
+
+def _bad_calls(p):
+    """``(label, args, kwargs, message)`` of calls the plan must refuse."""
+    q, k, v, g = _inputs()
+    misaligned = torch.randn(B * T * H * K + 1)[1:].view(B, T, H, K)
+    needs_grad = q.clone().requires_grad_()
+    return [
+        ("shape", (q[:, :64], k, v, g), {}, "shape"),
+        ("dtype", (q.double(), k, v, g), {}, "dtype"),
+        ("not a tensor", (q.numpy(), k, v, g), {}, "expected a torch.Tensor"),
+        ("non-contiguous", (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, g), {},
+         "contiguous"),
+        ("misaligned", (misaligned, k, v, g), {}, "not 16-byte aligned"),
+        ("needs grad", (needs_grad, k, v, g), {}, "forward-only"),
+        ("initial_state", (q, k, v, g), {"initial_state": torch.zeros(B, H, K, V)},
+         "initial_state=False"),
+        ("out dtype", (q, k, v, g), {"out": torch.empty(B, T, H, V, dtype=torch.float64)},
+         "dtype"),
+        ("out misaligned", (q, k, v, g),
+         {"out": torch.randn(B * T * H * V + 1)[1:].view(B, T, H, V)}, "aligned"),
+        ("count", (q, k, v), {}, "expected 4 inputs"),
+    ]
+
+
+def test_refused_inputs_get_the_general_errors_and_launch_nothing(built):
+    p, drv = _static_plan(built, execution="decoupled")
+    for label, args, kw, message in _bad_calls(p):
+        before = len(drv.launches)
+        with pytest.raises((PlanError, TypeError), match=message):
+            p.run(*args, **kw)
+        assert len(drv.launches) == before, label
+    # under no_grad an input that requires grad is fine
+    q, k, v, g = _inputs()
+    with torch.no_grad():
+        p.run(q.requires_grad_(), k, v, g)
+    assert len(drv.launches) == 2
+
+
+def test_plans_that_do_not_qualify_keep_the_general_run(built, tmp_path):
+    import json
+    import shutil
+
+    from forge_dist.runtime import programs
+
+    # a launch without a cubin (JIT fallback): not specialised
+    d = tmp_path / "partial"
+    shutil.copytree(built[0], d)
+    man = json.loads((d / "manifest.json").read_text())
+    prog = programs.matrix_program("simple_gla", B=B, T=T, H=H, K=K, V=V,
+                                   dtype=torch.float32, gated=True, has_h0=False,
+                                   execution="decoupled")
+    del man["kernels"][prog.specs()[-1].key]
+    (d / "manifest.json").write_text(json.dumps(man))
+    disp = dispatcher.Dispatcher(verified_cache(d), FakeDriver())
+    disp.stream_fn = lambda device_index: (lambda: 0)
+    p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+             backend="static", dispatcher=disp, execution="decoupled")
+    assert "run" not in vars(p)
+    # the torch backend: not specialised either
+    p2 = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+              backend="torch")
+    assert "run" not in vars(p2)
