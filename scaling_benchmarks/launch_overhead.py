@@ -4,7 +4,11 @@ Paper section 4.3 (Figure 6): at T=1K the Triton runtime added ~207 us to a 47 u
 kernel.  This benchmark times one ``simple_gla`` forward (B=1, H=32, K=V=128, bf16, fp32
 gate) at T in {1K, 2K, 4K, 8K} through:
 
-* ``ops``      -- the public op ``forge_dist.ops.simple_gla`` (checks + JIT kernels);
+* ``ops``      -- the public op ``forge_dist.ops.simple_gla`` without an AOT cache: a
+  repeated call goes from the ops' front (``forge_dist/ops/planned.py``) to its cached
+  plan, on the Triton backend (the kernels its first call compiled);
+* ``ops_static`` -- the same op with ``FORGE_DIST_AOT_CACHE`` pointing at the cubins: its
+  plan is a static one;
 * ``jit``      -- a plan (``forge_dist.runtime.plan``) launching through Triton's JIT on
   every call (``FORGE_DIST_JIT_RELAUNCH=0``);
 * ``jit_relaunch`` -- the same plan relaunching the kernels its first call compiled (the
@@ -20,7 +24,9 @@ gate) at T in {1K, 2K, 4K, 8K} through:
 * ``raw_launch`` -- the floor of any Python-issued launch: the plan's cubins launched by
   bare ``cuLaunchKernel`` calls through ctypes with their parameters packed beforehand;
 * ``graph``    -- a CUDA graph of the static plan's run, replayed;
-* ``kernel``   -- GPU time alone (CUDA events around the graph replay of the launches).
+* ``kernel``   -- GPU time alone (CUDA events around the graph replay of the launches);
+* ``sync_only`` -- no call at all: what ``torch.cuda.synchronize()`` alone adds to the
+  end-to-end time on this machine, a floor under every path's ``us_overhead``.
 
 Per path and T, in microseconds: ``us_host`` (median Python time of one call, GPU idle
 before it: the CPU-side overhead), ``us_e2e`` (median of call + synchronize, idle GPU
@@ -49,8 +55,9 @@ from scaling_benchmarks import results_io  # noqa: E402
 
 B, H, K, V = 1, 32, 128, 128
 T_ALL = (1024, 2048, 4096, 8192)
-PATHS = ("ops", "jit", "jit_relaunch", "static", "static_general", "static_ctypes",
-         "static_ctypes_out", "static_bound", "raw_launch", "graph", "kernel")
+PATHS = ("ops", "ops_static", "jit", "jit_relaunch", "static", "static_general",
+         "static_ctypes", "static_ctypes_out", "static_bound", "raw_launch", "graph",
+         "sync_only", "kernel")
 
 
 def make_inputs(T, device):
@@ -191,6 +198,22 @@ def main(argv=None) -> int:
                           execution=args.execution)
             if path == "ops":
                 fn = lambda: ops.simple_gla(q, k, v, g)  # noqa: E731
+            elif path == "ops_static":
+                import os
+
+                from forge_dist.runtime import cache as plan_cache
+
+                plan_cache.clear()  # the ops path's plan of this T has the same key
+                os.environ["FORGE_DIST_AOT_CACHE"] = str(cache_dir)
+                try:  # the plan is made (and its backend chosen) on the first call
+                    ops.simple_gla(q, k, v, g)
+                finally:
+                    del os.environ["FORGE_DIST_AOT_CACHE"]
+                pl = next(p_ for p_ in plan_cache._PLANS.values() if p_.op == "simple_gla"
+                          and p_.shapes["q"][1] == T and p_.backend == "static")
+                fn = lambda: ops.simple_gla(q, k, v, g)  # noqa: E731
+            elif path == "sync_only":
+                fn = lambda: None  # noqa: E731
             elif path == "jit":
                 pl = plan("simple_gla", backend="triton", **common)
                 fn = _without_relaunch(lambda: pl.run(q, k, v, g))
@@ -237,7 +260,7 @@ def main(argv=None) -> int:
                 with torch.cuda.graph(graph):
                     pl.run(q, k, v, g, out=out)
                 fn = graph.replay
-            describe = pl.describe() if path not in ("ops",) else None
+            describe = pl.describe() if path not in ("ops", "sync_only") else None
             for _ in range(args.warmup):
                 fn()
             torch.cuda.synchronize()
@@ -254,10 +277,12 @@ def main(argv=None) -> int:
                    "us_host": host, "us_e2e": e2e, "us_pipelined": pipe}
             if describe is not None:
                 row["launch_paths"] = [ln["path"] for ln in describe["launches"]]
+            if path == "sync_only":
+                row["us_overhead"] = e2e  # nothing to subtract
             result["rows"].append(row)
             if kernel_us is not None:
                 for r in result["rows"]:
-                    if r["T"] == T:
+                    if r["T"] == T and r["dispatch"] != "sync_only":
                         r["us_kernel"] = kernel_us
                         if r.get("us_e2e") is not None:  # failed paths have none
                             r["us_overhead"] = r["us_e2e"] - kernel_us

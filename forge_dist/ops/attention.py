@@ -94,9 +94,17 @@ def _prepare(spec: VariantSpec, *, B, T, dims, device, dtype, initial_state, sta
     return cu, strat
 
 
+def _front(op: str, tensors, *, cu_seqlens, group, **kw):
+    """:func:`planned.front` for calls it can take: ``(signature or None, result or None)``."""
+    if cu_seqlens is not None or group is not None:
+        return None, None
+    return planned.front(op, tensors, **kw)
+
+
 def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
                summarize: Callable, *, scale, initial_state, output_final_state, cu_seqlens,
-               group, strategy, gate_flags: int) -> Tuple[Tensor, Optional[Tensor]]:
+               group, strategy, gate_flags: int, front_key=None
+               ) -> Tuple[Tensor, Optional[Tensor]]:
     checks.tensor("q", q, [None, None, None, None])
     B, T, H, K = q.shape
     checks.tensor("k", k, [B, T, H, K])
@@ -110,7 +118,8 @@ def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
     short = planned.matrix_call(spec.name, q, k, v, gates, scale=scale,
                                 initial_state=initial_state,
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                group=group, use_kernels=_use_kernels(device))
+                                group=group, use_kernels=_use_kernels(device),
+                                front_key=front_key)
     if short is not None:  # one GPU, no grad: a cached plan (forge_dist/ops/planned.py)
         return short
     cu, strat = _prepare(spec, B=B, T=T, dims={"H": H, "K": K, "V": V}, device=device,
@@ -148,11 +157,19 @@ def linear_attn(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = Non
     Returns:
         ``o [B, T, H, V]`` (dtype of q) and the fp32 final state or ``None``.
     """
+    front_key, hit = _front("linear_attn", (q, k, v), cu_seqlens=cu_seqlens, group=group,
+                            initial_state=initial_state,
+                            output_final_state=output_final_state, scale=scale,
+                            strategy=strategy)
+    if hit is not None:
+        return hit
+
     def summarize(p, s, need_M):
         return decay_attention.summarize(p["q"], p["k"], p["v"], None, s, need_transition=need_M)
     return _matrix_op(LINEAR_ATTN, q, k, v, {}, summarize, scale=scale,
                       initial_state=initial_state, output_final_state=output_final_state,
-                      cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=0)
+                      cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=0,
+                      front_key=front_key)
 
 
 @checks.collective
@@ -170,6 +187,14 @@ def simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
         return linear_attn(q, k, v, scale=scale, initial_state=initial_state,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                            group=group, strategy=strategy)
+    front_key = None
+    if g_gamma is None:
+        front_key, hit = _front("simple_gla", (q, k, v, g), cu_seqlens=cu_seqlens,
+                                group=group, initial_state=initial_state,
+                                output_final_state=output_final_state, scale=scale,
+                                strategy=strategy)
+        if hit is not None:
+            return hit
     checks.tensor("q", q, [None, None, None, None])
     B, T, H, _ = q.shape
     if g is not None:
@@ -186,7 +211,8 @@ def simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
                                          need_transition=need_M)
     return _matrix_op(SIMPLE_GLA, q, k, v, {"g": g}, summarize, scale=scale,
                       initial_state=initial_state, output_final_state=output_final_state,
-                      cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=1)
+                      cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=1,
+                      front_key=front_key)
 
 
 @checks.collective
@@ -198,6 +224,12 @@ def gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[float] = 
     Args:
         g: ``[B, T, H, K]`` log decays.
     """
+    front_key, hit = _front("gla", (q, k, v, g), cu_seqlens=cu_seqlens, group=group,
+                            initial_state=initial_state,
+                            output_final_state=output_final_state, scale=scale,
+                            strategy=strategy)
+    if hit is not None:
+        return hit
     checks.tensor("q", q, [None, None, None, None])
     checks.tensor("g", g, list(q.shape))
 
@@ -206,7 +238,8 @@ def gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[float] = 
                                          need_transition=need_M)
     return _matrix_op(GLA, q, k, v, {"g": g}, summarize, scale=scale,
                       initial_state=initial_state, output_final_state=output_final_state,
-                      cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=2)
+                      cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=2,
+                      front_key=front_key)
 
 
 @checks.collective
@@ -223,6 +256,15 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta:
         use_qk_l2norm_in_kernel: L2-normalise q and k over the head dimension first (FLA's
             flag of the same name).
     """
+    front_key = None
+    if not use_qk_l2norm_in_kernel:
+        tensors = (q, k, v, g, beta) if g is not None else (q, k, v, beta)
+        front_key, hit = _front("gated_delta_rule", tensors, cu_seqlens=cu_seqlens,
+                                group=group, initial_state=initial_state,
+                                output_final_state=output_final_state, scale=scale,
+                                strategy=strategy)
+        if hit is not None:
+            return hit
     checks.tensor("q", q, [None, None, None, None])
     B, T, H, K = q.shape
     if g is not None:
@@ -239,7 +281,8 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta:
     return _matrix_op(GATED_DELTA_RULE, q, k, v, {"g": g, "beta": beta}, summarize,
                       scale=scale, initial_state=initial_state,
                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                      group=group, strategy=strategy, gate_flags=3 if g is not None else 4)
+                      group=group, strategy=strategy, gate_flags=3 if g is not None else 4,
+                      front_key=front_key)
 
 
 @checks.collective
@@ -254,6 +297,11 @@ def hgrn(x: Tensor, g: Tensor, *, initial_state: Optional[Tensor] = None,
     Returns:
         ``o [B, T, D]`` and the fp32 final state ``[B, D]`` or ``None``.
     """
+    front_key, hit = _front("hgrn", (x, g), cu_seqlens=cu_seqlens, group=group,
+                            initial_state=initial_state,
+                            output_final_state=output_final_state, strategy=strategy)
+    if hit is not None:
+        return hit
     checks.tensor("x", x, [None, None, None])
     B, T, D = x.shape
     checks.tensor("g", g, [B, T, D])
@@ -261,7 +309,8 @@ def hgrn(x: Tensor, g: Tensor, *, initial_state: Optional[Tensor] = None,
     checks.strategy(strategy)
     short = planned.hgrn_call(x, g, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                              group=group, use_kernels=_use_kernels(device))
+                              group=group, use_kernels=_use_kernels(device),
+                              front_key=front_key)
     if short is not None:
         return short
     cu, strat = _prepare(HGRN, B=B, T=T, dims={"D": D}, device=device, dtype=x.dtype,

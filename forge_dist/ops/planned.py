@@ -17,6 +17,14 @@ the planner refuses.  Plans are cached per CUDA stream (a plan's workspaces are 
 every run, so two streams must not share one).  ``FORGE_DIST_OPS_PLANS=0`` turns the short
 path off.  Results match the general path to fp32 rounding (both run the Triton kernels; the
 plan may split the sequence into segments differently), not bit for bit.
+
+The front (:func:`front`): the checks above, the plan-cache key and the op's own argument
+checks cost more host time than the plan's run (s26, ``launch_overhead``: ``ops`` against
+``static``).  So a call whose exact signature (every tensor's shape and dtype, the device,
+the stream, the scalar arguments and the three environment switches) an earlier call
+resolved to a plan goes straight to that plan's ``run``, which checks each tensor against
+the plan as always; a refusal there (``PlanError``, raised before any launch) sends the
+call down the full path, which gives the op's own error or runs it another way.
 """
 from __future__ import annotations
 
@@ -26,6 +34,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..runtime import cache as plan_cache
+from ..runtime.plan import PlanError
 from .runner import needs_grad
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -71,6 +81,61 @@ def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_
     return True
 
 
+# call signature -> plan cache key, filled by calls the short path ran (see the docstring)
+_FRONT: Dict[Tuple, Tuple] = {}
+# every switch the short path's eligibility reads: part of the signature, so that a change
+# sends the next call down the full path, which decides afresh
+_FRONT_ENV = ("FORGE_DIST_OPS_PLANS", "FORGE_DIST_KERNELS", "FORGE_DIST_CHECK_FINITE")
+
+
+def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_state,
+          scale=None, strategy="auto") -> Tuple[Optional[Tuple], Optional[tuple]]:
+    """``(signature, result)``: ``result`` is the op's ``(o, final_state)`` when an earlier
+    call of this exact signature ran on a plan, else ``None``; ``signature`` (``None`` when
+    the front cannot take such a call) goes to :func:`matrix_call` / :func:`hgrn_call`,
+    which remember it when they run the call on a plan.
+
+    Args:
+        tensors: the op's tensor inputs in the plan's order (``q, k, v[, g][, beta]`` or
+            ``x, g``); the caller passes only calls without ``cu_seqlens``, a group or
+            arguments the plans do not take (``g_gamma``, in-kernel l2 norm).
+    """
+    first = tensors[0]
+    if type(first) is not Tensor:
+        return None, None
+    if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors) or (
+            initial_state is not None and initial_state.requires_grad)):
+        return None, None  # autograd: the full path
+    index = first.get_device()
+    if index >= 0 and torch.cuda.is_current_stream_capturing():
+        return None, None
+    get = os.environ.get
+    key = (op, tuple([t.shape for t in tensors]), tuple([t.dtype for t in tensors]), index,
+           _raw_stream(index) if index >= 0 else 0, initial_state is None,
+           bool(output_final_state), scale, strategy,
+           get(_FRONT_ENV[0]), get(_FRONT_ENV[1]), get(_FRONT_ENV[2]))
+    try:
+        plan_key = _FRONT.get(key)
+    except TypeError:  # an unhashable scale or strategy: the full path checks it
+        return None, None
+    if plan_key is None:
+        return key, None
+    p = plan_cache.lookup(plan_key)
+    if p is None:  # evicted
+        return key, None
+    try:
+        return key, p.run(*tensors, initial_state=initial_state)
+    except PlanError:
+        return key, None
+
+
+def _remember(front_key: Optional[Tuple], p) -> None:
+    if front_key is not None and getattr(p, "cache_key", None) is not None:
+        if len(_FRONT) >= 4 * max(1, plan_cache.maxsize()):
+            _FRONT.clear()
+        _FRONT[front_key] = p.cache_key
+
+
 def _plan(op: str, initial_state, output_final_state, maps=None, **plan_kw):
     """The cached plan of this call, or ``None`` where the planner refuses it.  ``maps``:
     fused prologues (input name -> jitted map), keyed as sorted items."""
@@ -89,11 +154,14 @@ def _plan(op: str, initial_state, output_final_state, maps=None, **plan_kw):
 
 
 def _run(op: str, names, inputs: Dict[str, Tensor], initial_state, output_final_state,
-         maps=None, **plan_kw) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+         maps=None, front_key=None, **plan_kw) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     p = _plan(op, initial_state, output_final_state, maps, **plan_kw)
     if p is None:
         return None
-    return p.run(*[inputs[n] for n in names], initial_state=initial_state)
+    out = p.run(*[inputs[n] for n in names], initial_state=initial_state)
+    if not maps:
+        _remember(front_key, p)
+    return out
 
 
 class _PlannedHgrn(torch.autograd.Function):
@@ -122,11 +190,12 @@ class _PlannedHgrn(torch.autograd.Function):
 
 def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optional[Tensor]],
                 *, scale: float, initial_state, output_final_state, cu_seqlens, group,
-                use_kernels: bool, maps: Optional[dict] = None
+                use_kernels: bool, maps: Optional[dict] = None, front_key=None
                 ) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """``(o, final_state)`` through a cached plan, or ``None`` when the call is not eligible
     (the caller then runs the general path).  Arguments are already checked by the op.
-    ``maps``: fused prologues of the DSL's lowered variants (input name -> jitted map)."""
+    ``maps``: fused prologues of the DSL's lowered variants (input name -> jitted map).
+    ``front_key``: the call's signature from :func:`front`, remembered if a plan runs it."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if q.dtype not in _DTYPES or not (16 <= K <= 256 and 16 <= V <= 256):
@@ -145,11 +214,12 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
         kw["gate_dtype"] = present.get("g", present.get("beta")).dtype
         if "beta" in present:
             kw["beta_dtype"] = present["beta"].dtype
-    return _run(op, names, inputs, initial_state, output_final_state, maps, **kw)
+    return _run(op, names, inputs, initial_state, output_final_state, maps,
+                front_key=front_key, **kw)
 
 
 def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seqlens, group,
-              use_kernels: bool, maps: Optional[dict] = None
+              use_kernels: bool, maps: Optional[dict] = None, front_key=None
               ) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """As :func:`matrix_call`, for ``hgrn`` (``x, g [B, T, D]``, state ``[B, D]``); with
     ``maps``, forward only (the planned backward takes the mapped gates)."""
@@ -168,4 +238,7 @@ def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seq
         if p.backend == "torch":
             return None
         return _PlannedHgrn.apply(p, x, g, initial_state)
-    return p.run(x, g, initial_state=initial_state)
+    out = p.run(x, g, initial_state=initial_state)
+    if not maps:
+        _remember(front_key, p)
+    return out

@@ -79,13 +79,11 @@ def get(op: str, stream: int = 0, **kw) -> Plan:
                 if len(_INDEX) >= 4 * max(1, maxsize()):
                     _INDEX.clear()
                 _INDEX[raw] = k
-    with _LOCK:
-        p = _PLANS.get(k)
-        if p is not None:
-            _PLANS.move_to_end(k)
-            _STATS["hits"] += 1
-            return p
+    p = lookup(k)
+    if p is not None:
+        return p
     p = plan(op, **kw)
+    p.cache_key = k
     with _LOCK:
         _STATS["misses"] += 1
         _PLANS[k] = p
@@ -94,6 +92,16 @@ def get(op: str, stream: int = 0, **kw) -> Plan:
             _PLANS.popitem(last=False)
             _STATS["evictions"] += 1
     return p
+
+
+def lookup(k: Tuple):
+    """The cached plan of key ``k`` (a plan's ``cache_key``), or ``None`` once evicted."""
+    with _LOCK:
+        p = _PLANS.get(k)
+        if p is not None:
+            _PLANS.move_to_end(k)
+            _STATS["hits"] += 1
+        return p
 
 
 def clear() -> None:

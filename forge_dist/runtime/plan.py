@@ -355,7 +355,21 @@ class Plan:
         if h0 is not None:
             tensors["h0"] = h0
         self.finish_exec(tensors)
+        if self._specialise_pending:
+            self._specialise_compiled()
         return o, (self._final(ht) if self.output_final_state else None)
+
+    def _specialise_compiled(self) -> None:
+        """Triton plans on a GPU: once the JIT has compiled every launch (the first run),
+        ``run`` becomes the function specialised to those kernels (:mod:`.fastpath`)."""
+        exe = self.finish_exec
+        if all(c is not None for c in exe._compiled):
+            self._specialise_pending = False
+            fast = fastpath.specialise(self)
+            if fast is not None:
+                self.run = fast
+        elif not any(exe._untried):  # a launch the relaunch cannot keep: JIT every call
+            self._specialise_pending = False
 
     def _run_sp(self, tensors, h0, o):
         from ..variants.transitions import Kind
@@ -582,7 +596,9 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              group=group, strategy=None, strategy_obj=None, kind=_KIND.get(op),
              finish_exec=finish_exec, summary_exec=summary_exec, channels=None,
              static=backend == "static", delta=None, zeros=None, _ht_scratch=None,
-             execution_request=execution, _dispatcher=disp, _bwd_execs={})
+             execution_request=execution, _dispatcher=disp, _bwd_execs={},
+             _specialise_pending=(backend == "triton" and device.type == "cuda"
+                                  and size == 1))
 
     if size == 1 and backend != "torch" and not output_final_state:
         # the kernels write a final state nobody returns: one scratch for every run

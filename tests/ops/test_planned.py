@@ -188,3 +188,45 @@ def test_hgrn_with_fp32_gates_keeps_the_general_path_for_gradients():
     assert cache.stats()["misses"] == 0
     o.float().sum().backward()
     assert t["x"].grad is not None and t["g"].grad is not None
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_front_takes_a_repeated_call_straight_to_its_plan(op, monkeypatch):
+    """The second call of a signature runs its plan without the op's own checks."""
+    from forge_dist.ops import checks, planned
+
+    t = _inputs(op)
+    with torch.no_grad():
+        o, _ = _call(op, t)
+        assert len(planned._FRONT) >= 1
+
+        def full_path(*args, **kwargs):
+            raise AssertionError("the full path ran")
+        monkeypatch.setattr(checks, "tensor", full_path)
+        o2, _ = _call(op, t)
+    assert torch.equal(o, o2) and cache.stats() == {"hits": 1, "misses": 1,
+                                                    "evictions": 0, "size": 1}
+
+
+def test_front_sends_what_the_plan_refuses_down_the_full_path(monkeypatch):
+    t = _inputs("simple_gla")
+    with torch.no_grad():
+        o, _ = _call("simple_gla", t)
+        # the same signature with a non-contiguous k: the plan refuses it before launching,
+        # the op's general path runs it
+        k_strided = t["k"].transpose(1, 2).contiguous().transpose(1, 2)
+        o2, _ = _call("simple_gla", dict(t, k=k_strided))
+        assert _rel(o2, o) < 1e-5 and cache.stats()["hits"] == 1
+        # another k shape: the op's own error, naming k
+        with pytest.raises(ValueError, match="k"):
+            _call("simple_gla", dict(t, k=t["k"][:, :40]))
+        # a switch flipped between calls: the full path decides afresh (no plan now)
+        monkeypatch.setenv("FORGE_DIST_OPS_PLANS", "0")
+        o3, _ = _call("simple_gla", t)
+        assert cache.stats()["hits"] == 1 and _rel(o3, o) < 1e-5
+    monkeypatch.delenv("FORGE_DIST_OPS_PLANS")
+    # grad mode and an input that needs a gradient: autograd, not the plan
+    t4 = {n: x.clone().requires_grad_(True) for n, x in t.items()}
+    o4, _ = _call("simple_gla", t4)
+    o4.sum().backward()
+    assert t4["q"].grad is not None and cache.stats()["hits"] == 1

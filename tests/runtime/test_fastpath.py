@@ -40,7 +40,7 @@ def test_fast_run_launches_what_the_general_run_does(built, execution, initial_s
                                                      output_final_state):
     p, drv = _static_plan(built, execution=execution, initial_state=initial_state,
                           output_final_state=output_final_state)
-    assert p.run is not Plan.run.__get__(p) and "def run(" in p.run.__source__
+    assert "run" in vars(p) and "def run(" in p.run.__source__
     inputs = _inputs()
     h0 = torch.randn(B, H, K, V) if initial_state else None
     out = torch.empty(B, T, H, V)
@@ -150,3 +150,67 @@ def test_plans_that_do_not_qualify_keep_the_general_run(built, tmp_path):
     p2 = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
               backend="torch")
     assert "run" not in vars(p2)
+
+
+class _FakeCompiledKernel:
+    """What the JIT returns for a compiled kernel; its launcher records each call."""
+
+    def __init__(self, name, calls):
+        self.function, self.packed_metadata = f"fn:{name}", ("meta", name)
+        self._calls = calls
+
+    def run(self, *args):
+        self._calls.append(args)
+
+
+def _params_of(interpreted):
+    """A JITFunction's ``params`` (name, has_default, default) for the interpreter's
+    function, which has none."""
+    import inspect
+    from types import SimpleNamespace
+
+    sig = inspect.signature(interpreted.fn)
+    return SimpleNamespace(params=[
+        SimpleNamespace(name=n, has_default=q.default is not q.empty, default=q.default)
+        for n, q in sig.parameters.items()])
+
+
+def test_triton_plan_specialised_to_the_kernels_its_first_run_compiled(monkeypatch):
+    """On a GPU the first run compiles the kernels and keeps their launchers
+    (jit_launch.CompiledLaunch); here fakes stand in for them."""
+    import importlib
+
+    from forge_dist.runtime import fastpath, jit_launch
+
+    plan_module = importlib.import_module("forge_dist.runtime.plan")
+    p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+             backend="triton", execution="decoupled")
+    assert "run" not in vars(p) and fastpath.specialise(p) is None  # nothing compiled yet
+    exe = p.finish_exec
+    q, k, v, g = _inputs()
+    o = torch.empty(B, T, H, V)
+    tensors = {"q": q, "k": k, "v": v, "g": g, "o": o, "ht": p._ht_scratch, **exe.workspaces}
+    calls = []
+    exe._compiled = [
+        jit_launch.CompiledLaunch.make(_FakeCompiledKernel(ln.kernel, calls), _params_of(fn),
+                                       ln.grid, ln.args, dict(ln.constexprs), tensors)
+        for ln, fn in zip(exe.program.launches, exe.kernels)]
+    assert all(c is not None for c in exe._compiled)
+    exe.stream = lambda: 55
+    monkeypatch.setattr(plan_module, "_raw_stream", lambda index: 55)
+    fast = fastpath.specialise(p)
+    assert fast is not None and "relaunch_usable()" in fast.__source__
+    fast(q, k, v, g, out=o)
+    specialised = list(calls)
+    calls.clear()
+    p._run_general(q, k, v, g, out=o)  # CompiledLaunch.__call__, tensors as tensors
+    general = [tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in c)
+               for c in calls]
+    assert len(specialised) == len(exe.program.launches) and specialised == general
+    assert specialised[0][:5] == (*exe.program.launches[0].grid, 55, "fn:walk")
+    # relaunches switched off (as a launch hook does): the specialised run launches nothing
+    # itself and the general path runs the JIT (here the interpreter)
+    calls.clear()
+    monkeypatch.setenv("FORGE_DIST_JIT_RELAUNCH", "0")
+    o2, _ = fast(q, k, v, g)
+    assert calls == [] and torch.isfinite(o2).all()

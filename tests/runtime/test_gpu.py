@@ -112,12 +112,16 @@ def test_bound_static_run_equals_run(cache_dir, op, execution):
 @pytest.mark.parametrize("op,execution", CASES)
 def test_jit_plans_relaunch_their_compiled_kernels(op, execution):
     """After its first call a JIT plan relaunches each compiled kernel directly
-    (runtime/jit_launch.py): same results as the first call and as a fresh plan's JIT call;
+    (runtime/jit_launch.py) through its specialised run (runtime/fastpath.py): same results
+    as the first call and as a fresh plan's JIT call;
     an input at an unaligned address goes back through the JIT and stays correct."""
     p = _plan(op, execution, "triton", None)
     x = _inputs(op)
+    assert "run" not in vars(p)
     o1, h1 = p.run(*x)
     assert all(c is not None for c in p.finish_exec._compiled)
+    # run is now specialised to the compiled kernels (runtime/fastpath.py)
+    assert "run" in vars(p) and "relaunch_usable()" in p.run.__source__
     o2, h2 = p.run(*x)
     torch.cuda.synchronize()
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
