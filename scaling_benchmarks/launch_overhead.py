@@ -31,7 +31,9 @@ gate) at T in {1K, 2K, 4K, 8K} through:
 Per path and T, in microseconds: ``us_host`` (median Python time of one call, GPU idle
 before it: the CPU-side overhead), ``us_e2e`` (median of call + synchronize, idle GPU
 before: what a latency-bound caller sees), ``us_pipelined`` (back-to-back calls, wall time
-per call: max of host and GPU time) and ``us_overhead = us_e2e - us_kernel``.  ``ms`` is
+per call: max of host and GPU time) and ``us_overhead = us_e2e - us_kernel``.  Each is the
+median of ``--repeats`` medians of ``--iters`` calls (``us_e2e_runs``: the repeats' e2e),
+since this host's numbers drift by several microseconds from one window to the next.  ``ms`` is
 ``us_e2e / 1000`` (the shared schema's latency field).  Results: JSON + PNG via
 ``results_io`` under ``scaling_benchmarks/results/``.
 
@@ -156,6 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--T", default=",".join(str(t) for t in T_ALL))
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="medians of --iters calls taken this many times per path; the "
+                        "row is their median, us_e2e_runs lists them")
     p.add_argument("--cache-dir", default=None, help="AOT cache (default: a fresh build under "
                    "~/.cache/forge_dist/aot_bench)")
     p.add_argument("--execution", default="decoupled", choices=("fused", "decoupled"),
@@ -188,6 +193,7 @@ def main(argv=None) -> int:
     result = results_io.header("launch_overhead", {
         "B": B, "H": H, "K": K, "V": V, "dtype": "bfloat16", "gate_dtype": "float32",
         "op": "simple_gla", "execution": args.execution, "iters": args.iters,
+        "repeats": args.repeats,
         "target": target, "cache_dir": str(cache_dir)})
     todo = [(T, path) for T in Ts for path in PATHS]
     plans = {}
@@ -265,16 +271,22 @@ def main(argv=None) -> int:
                 fn()
             torch.cuda.synchronize()
             kernel_us = None
+            runs = []  # one (host, e2e, e2e_min, pipelined) per repeat, back to back
+            for _ in range(args.repeats):
+                if path == "kernel":
+                    us = _events(fn, args.iters)
+                    runs.append((None, us, us, us))
+                else:
+                    runs.append((*_host_and_e2e(fn, args.iters), _pipelined(fn, args.iters)))
+            host, e2e, pipe = (None if runs[0][i] is None else
+                               statistics.median(r[i] for r in runs) for i in (0, 1, 3))
+            e2e_min = min(r[2] for r in runs)
             if path == "kernel":
-                us = _events(fn, args.iters)
-                host, e2e, e2e_min, pipe = None, us, us, us
-                kernel_us = us
-            else:
-                host, e2e, e2e_min = _host_and_e2e(fn, args.iters)
-                pipe = _pipelined(fn, args.iters)
+                kernel_us = e2e
             row = {"op": "simple_gla", "T": T, "pass": "fwd", "impl": "forge_dist",
                    "dispatch": path, "ms": e2e / 1e3, "ms_min": e2e_min / 1e3,
-                   "us_host": host, "us_e2e": e2e, "us_pipelined": pipe}
+                   "us_host": host, "us_e2e": e2e, "us_pipelined": pipe,
+                   "us_e2e_runs": [r[1] for r in runs]}
             if describe is not None:
                 row["launch_paths"] = [ln["path"] for ln in describe["launches"]]
             if path == "sync_only":

@@ -8,17 +8,19 @@ but the tensors is known once the plan's kernels are, so :func:`specialise` writ
 function for the plan, with every shape, dtype, device, grid, workspace pointer and scalar a
 constant, compiles it with ``exec`` (as Triton generates its launchers) and returns it:
 
-* the general path's checks as one condition (type, shape, dtype, device, contiguity,
-  16-byte alignment, ``initial_state`` / ``out`` as planned, no input needing a gradient
-  while grad mode is on).  Any miss calls the general path, which raises the error that
-  names the argument, so error messages live in one place and nothing is launched first;
+* the general path's checks (type, shape, dtype, device, contiguity, 16-byte alignment,
+  ``initial_state`` / ``out`` as planned, no input needing a gradient while grad mode is
+  on), each tensor's just before the first launch that reads it: the decoupled program's
+  first launch (the segment summaries) reads k, v and g, so q's checks run while the GPU
+  already works.  Any miss calls the general path, which raises the error that names the
+  argument (error messages live in one place) or runs the call; a launch issued before the
+  miss has only written the plan's workspaces;
 * each launch is one call: a cubin's parameters packed with one ``struct.pack_into`` and
   ``cuLaunchKernel`` (static backend), or the generated launcher of the kernel the JIT
   compiled on the plan's first call, with the pointers as integers (Triton backend on a GPU,
   ``jit_launch.py``; only while no launch hook is installed, as there);
-* an output is allocated just before the first launch that writes it: the decoupled
-  program's first launch (the segment summaries) reads only the inputs, so the output's
-  ``torch.empty`` runs on the host while the GPU already works.
+* an output is allocated (or ``out=`` checked) just before the first launch that writes
+  it, which for the decoupled program is after the first launch too.
 
 Single-device plans qualify when every launch has a cubin, or, on the Triton backend, once
 every launch has a compiled kernel (after the first run).  The generated source is kept as
@@ -76,25 +78,27 @@ def specialise(plan) -> Optional[Callable]:
                            "S_OUT": torch.Size(plan.out_shape)}
     fallback = "return general(*inputs, initial_state=initial_state, out=out)"
 
-    # the checks: (python name, shape, dtype) of every tensor the caller passes
-    checked = [(n, tuple(plan.shapes[n]), plan.dtypes[n]) for n in names]
+    # the tensors the caller passes: (python name, the kernels' buffer name, shape, dtype)
+    checked = [(n, n, tuple(plan.shapes[n]), plan.dtypes[n]) for n in names]
     if plan.initial_state:
-        checked.append(("initial_state", tuple(plan.state_shape), torch.float32))
-    cond: List[str] = ["initial_state is not None" if plan.initial_state
-                       else "initial_state is None"]
-    for i, (n, shape, dtype) in enumerate(checked):
+        checked.append(("initial_state", "h0", tuple(plan.state_shape), torch.float32))
+    for i, (n, _, shape, dtype) in enumerate(checked):
         env[f"S{i}"], env[f"D{i}"] = torch.Size(shape), dtype
-        cond.append(f"type({n}) is Tensor and {n}.shape == S{i} and {n}.dtype is D{i} "
-                    f"and {on_device(n)} and {n}.is_contiguous()")
-    cond.append(f"(out is None or (type(out) is Tensor and out.shape == S_OUT and "
-                f"out.dtype is OUT_DTYPE and {on_device('out')} and "
-                f"out.is_contiguous() and not out.data_ptr() & ALIGN_MASK))")
-    grads = " or ".join(f"{n}.requires_grad" for n, _, _ in checked)
-    cond.append(f"not (grad_enabled() and ({grads}))")
 
-    body: List[str] = [f"    p_{n} = {n}.data_ptr()" for n, _, _ in checked]
-    body.append("    if (" + " | ".join(f"p_{n}" for n, _, _ in checked) + ") & ALIGN_MASK:")
-    body.append(f"        {fallback}")
+    def check(group) -> None:
+        """The general path's checks of ``group``, as one condition; then its pointers."""
+        conds = [f"type({n}) is Tensor and {n}.shape == S{i} and {n}.dtype is D{i} and "
+                 f"{on_device(n)} and {n}.is_contiguous()" for i, (n, *_) in group]
+        grads = " or ".join(f"{n}.requires_grad" for _, (n, *_) in group)
+        conds.append(f"not (grad_enabled() and ({grads}))")
+        body.append(f"    if not ({' and '.join(f'({c})' for c in conds)}):")
+        body.append(f"        {fallback}")
+        body.extend(f"    p_{n} = {n}.data_ptr()" for _, (n, *_) in group)
+        body.append("    if (" + " | ".join(f"p_{n}" for _, (n, *_) in group) +
+                    ") & ALIGN_MASK:")
+        body.append(f"        {fallback}")
+
+    body: List[str] = []
     stream = exe.stream  # the dispatcher's (cubins), or one a test injects
     if stream is None:
         raw, index = torch._C._cuda_getCurrentRawStream, plan.device.index
@@ -104,15 +108,11 @@ def specialise(plan) -> Optional[Callable]:
         env["relaunch_usable"] = jit_launch.usable
         body.append("    if not relaunch_usable():  # a launch hook: the JIT path sees it")
         body.append(f"        {fallback}")
-    body.append("    st = stream()")
 
-    # pointer expressions: inputs now, outputs when first written, workspaces constant
-    ptr_of = {n: f"p_{n}" for n in names}
-    if plan.initial_state:
-        ptr_of["h0"] = "p_initial_state"
-    for n, t in exe.workspaces.items():
-        env[f"W_{n}"] = t.data_ptr()
-        ptr_of[n] = f"W_{n}"
+    # pointer expressions: inputs once checked, outputs when first written, workspaces
+    # constant
+    ptr_of = {n: f"W_{n}" for n in exe.workspaces}
+    env.update({f"W_{n}": t.data_ptr() for n, t in exe.workspaces.items()})
     returns_ht = plan.output_final_state
     if not returns_ht:  # the kernels write a final state nobody returns: the plan's scratch
         env["HT_SCRATCH"] = plan._ht_scratch.data_ptr()
@@ -120,8 +120,14 @@ def specialise(plan) -> Optional[Callable]:
 
     def allocate(needed) -> None:
         if "o" in needed and "o" not in ptr_of:
-            body.append("    o = out if out is not None else "
-                        "empty(OUT_SHAPE, dtype=OUT_DTYPE, device=DEVICE)")
+            body.append("    if out is None:")
+            body.append("        o = empty(OUT_SHAPE, dtype=OUT_DTYPE, device=DEVICE)")
+            body.append("    elif (type(out) is Tensor and out.shape == S_OUT and "
+                        f"out.dtype is OUT_DTYPE and {on_device('out')} and "
+                        "out.is_contiguous() and not out.data_ptr() & ALIGN_MASK):")
+            body.append("        o = out")
+            body.append("    else:")
+            body.append(f"        {fallback}")
             body.append("    p_o = o.data_ptr()")  # torch.empty: 512-byte aligned
             ptr_of["o"] = "p_o"
         if "ht" in needed and "ht" not in ptr_of:
@@ -129,15 +135,34 @@ def specialise(plan) -> Optional[Callable]:
             body.append("    p_ht = ht.data_ptr()")
             ptr_of["ht"] = "p_ht"
 
-    for i, ln in enumerate(launches):
-        # (is a buffer, buffer name or fixed value) per kernel parameter, in order
+    def slots_of(ln):
+        """(is a buffer, buffer name or fixed value) per kernel parameter, in order."""
         if kind == "cubin":
             per_call = dict(ln._slots)  # slot -> buffer name; workspaces are baked in
-            slots = [(True, per_call[j]) if j in per_call else (False, v)
-                     for j, v in enumerate(ln.fixed)]
-        else:
-            slots = list(ln._slots)
-        allocate({v for is_buf, v in slots if is_buf})
+            return [(True, per_call[j]) if j in per_call else (False, v)
+                    for j, v in enumerate(ln.fixed)]
+        return list(ln._slots)
+
+    all_slots = [slots_of(ln) for ln in launches]
+    read = [{v for is_buf, v in slots if is_buf} for slots in all_slots]
+    pending = list(enumerate(checked))
+    # a tensor no launch reads is still checked, before the first launch
+    unread = [(i, c) for i, c in pending if not any(c[1] in r for r in read)]
+    for i, ln in enumerate(launches):
+        slots = all_slots[i]
+        # check the inputs this launch is the first to read just before it: the decoupled
+        # program's summaries read k, v, g, so q's checks run while the GPU works.  A miss
+        # after a launch has run it on the plan's workspaces only; the general path then
+        # raises or runs the whole program.
+        group = [(j, c) for j, c in pending if c[1] in read[i]] + (unread if i == 0 else [])
+        pending = [(j, c) for j, c in pending if (j, c) not in group]
+        if group:
+            check(group)
+            for _, (n, buffer, *_) in group:
+                ptr_of[buffer] = f"p_{n}"
+        if i == 0:
+            body.append("    st = stream()")
+        allocate(read[i])
         values = []
         for j, (is_buf, v) in enumerate(slots):
             if is_buf:
@@ -164,12 +189,11 @@ def specialise(plan) -> Optional[Callable]:
         return None  # a program that never writes o is not a run() program
     body.append(f"    return o, {'ht' if returns_ht else 'None'}")
     args = ", ".join(names)
+    state = "initial_state is None" if not plan.initial_state else "initial_state is not None"
     src = (f"def run(*inputs, initial_state=None, out=None):\n"
-           f"    if len(inputs) != {len(names)}:\n"
+           f"    if len(inputs) != {len(names)} or not ({state}):\n"
            f"        {fallback}\n"
-           f"    {args}, = inputs\n"
-           f"    if not ({' and '.join(f'({c})' for c in cond)}):\n"
-           f"        {fallback}\n" + "\n".join(body) + "\n")
+           f"    {args}, = inputs\n" + "\n".join(body) + "\n")
     exec(compile(src, f"<forge_dist plan run: {plan.op}, {kind}>", "exec"), env)
     run = env["run"]
     run.__source__ = src
