@@ -39,6 +39,8 @@ since this host's numbers drift by several microseconds from one window to the n
 
     python scaling_benchmarks/launch_overhead.py [--T 1024,2048,4096,8192] [--iters 200]
         [--cache-dir DIR] [--execution fused|decoupled] [--out DIR]
+    python scaling_benchmarks/launch_overhead.py --merge A.json B.json ... [--tag TAG]
+        # per (T, path): the median of the passes' values, their range in *_spread
 """
 from __future__ import annotations
 
@@ -132,25 +134,64 @@ def plot(result, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for path in PATHS:
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = ["-", "--", ":"]
+    for i, path in enumerate(p_ for p_ in PATHS if p_ != "kernel"):
         rows = [r for r in result["rows"] if r["dispatch"] == path]
         if not rows:
             continue
         Ts = [r["T"] for r in rows]
-        ax[0].plot(Ts, [r["us_e2e"] for r in rows], marker="o", label=path)
-        if path != "kernel":
-            ax[1].plot(Ts, [r["us_host"] for r in rows], marker="o", label=path)
-    for a, title in zip(ax, ("end-to-end latency of one call (us)", "host time of one call (us)")):
+        kw = dict(marker="o", label=path, linestyle=styles[i // 10], color=f"C{i % 10}")
+        if all(r.get("us_overhead") is not None for r in rows):
+            ax[0].plot(Ts, [r["us_overhead"] for r in rows], **kw)
+        ax[1].plot(Ts, [r["us_host"] for r in rows], **kw)
+    ax[0].axhline(10, color="k", linewidth=0.8, linestyle="-.", label="10 us target")
+    for a, title in zip(ax, ("end to end minus kernel time (us)", "host time of one call (us)")):
         a.set_xscale("log", base=2)
         a.set_yscale("log")
         a.set_xlabel("T")
         a.set_title(title)
         a.grid(True, which="both", alpha=0.3)
-        a.legend(fontsize=8)
-    fig.suptitle(f"simple_gla fwd, B={B} H={H} K=V={K} bf16, {result['device']}")
+    ax[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"simple_gla fwd, B={B} H={H} K=V={K} bf16, {result['device']}"
+                 + (f" ({len(result['passes'])}-pass median)" if "passes" in result else ""))
     fig.tight_layout()
     fig.savefig(png, dpi=120)
+
+
+METRICS = ("us_host", "us_e2e", "us_pipelined", "us_kernel", "us_overhead")
+
+
+def merge(paths, tag=None, out=None) -> Path:
+    """One results file from several passes of this benchmark (same config and commit):
+    each row's metrics are the passes' median, ``<metric>_spread`` their [min, max]."""
+    passes = [results_io.load(p_) for p_ in paths]
+    first = passes[0]
+    for other in passes[1:]:
+        for field in ("benchmark", "device", "commit", "config"):
+            if other[field] != first[field]:
+                raise SystemExit(f"--merge: {field} differs between passes "
+                                 f"({first[field]!r} vs {other[field]!r})")
+    result = {k: v for k, v in first.items() if k != "rows"}
+    result.update(tag=tag or "merged", passes=[str(p_) for p_ in paths], rows=[])
+    for row in first["rows"]:
+        same = [r for d in passes for r in d["rows"]
+                if r["T"] == row["T"] and r["dispatch"] == row["dispatch"]
+                and r.get("ms") is not None]
+        if len(same) != len(passes):
+            continue  # a path that failed in some pass
+        merged = {k: v for k, v in row.items() if k not in METRICS + ("us_e2e_runs",)}
+        for m in METRICS:
+            vals = [r[m] for r in same if r.get(m) is not None]
+            if vals:
+                merged[m] = statistics.median(vals)
+                merged[m + "_spread"] = [min(vals), max(vals)]
+        merged["ms"] = merged["us_e2e"] / 1e3
+        merged["ms_min"] = min(r["ms_min"] for r in same)
+        result["rows"].append(merged)
+    path = results_io.write(result, out or Path(paths[0]).parent)
+    plot(result, path.with_suffix(".png"))
+    return path
 
 
 def main(argv=None) -> int:
@@ -167,7 +208,13 @@ def main(argv=None) -> int:
                    help="decoupled (the scheduler's choice at these shapes: two launches) or "
                         "fused (one launch, a 4 us step per chunk, 1.9x slower at T=1K)")
     p.add_argument("--out", default=None, help="results directory")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="merge passes of this benchmark into one file of medians")
+    p.add_argument("--tag", default=None, help="with --merge: the merged file's tag")
     args = p.parse_args(argv)
+    if args.merge:
+        print(f"wrote {merge(args.merge, args.tag, args.out)}")
+        return 0
     if not torch.cuda.is_available():
         print("launch_overhead: needs a CUDA GPU", file=sys.stderr)
         return 2
