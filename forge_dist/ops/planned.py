@@ -41,11 +41,13 @@ from .runner import needs_grad
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _raw_stream(index: int) -> int:
     """The current CUDA stream's handle (what Triton's launcher reads; cheap)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(index)
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
     return torch.cuda.current_stream(index).cuda_stream
 
 
@@ -100,9 +102,12 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
             ``x, g``); the caller passes only calls without ``cu_seqlens``, a group or
             arguments the plans do not take (``g_gamma``, in-kernel l2 norm).
     """
-    first = tensors[0]
-    if type(first) is not Tensor:
+    for t in tensors:
+        if type(t) is not Tensor:  # None, a subclass, anything else: the full path checks
+            return None, None
+    if initial_state is not None and type(initial_state) is not Tensor:
         return None, None
+    first = tensors[0]
     if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors) or (
             initial_state is not None and initial_state.requires_grad)):
         return None, None  # autograd: the full path
@@ -112,7 +117,7 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
     get = os.environ.get
     key = (op, tuple([t.shape for t in tensors]), tuple([t.dtype for t in tensors]), index,
            _raw_stream(index) if index >= 0 else 0, initial_state is None,
-           bool(output_final_state), scale, strategy,
+           output_final_state, scale, strategy,
            get(_FRONT_ENV[0]), get(_FRONT_ENV[1]), get(_FRONT_ENV[2]))
     try:
         plan_key = _FRONT.get(key)
