@@ -23,8 +23,9 @@ checks cost more host time than the plan's run (s26, ``launch_overhead``: ``ops`
 ``static``).  So a call whose exact signature (every tensor's shape and dtype, the device,
 the stream, the scalar arguments and the three environment switches) an earlier call
 resolved to a plan goes straight to that plan's ``run``, which checks each tensor against
-the plan as always; a refusal there (``PlanError``, raised before any launch) sends the
-call down the full path, which gives the op's own error or runs it another way.
+the plan as always; a refusal there (``PlanError``, raised before any launch that reads
+the refused tensor or writes a caller's) sends the call down the full path, which gives the
+op's own error or runs it another way.
 """
 from __future__ import annotations
 
