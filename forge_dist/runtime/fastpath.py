@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from . import jit_launch
+from .dispatcher import current_stream_fn
 
 ALIGN_MASK = jit_launch.ALIGN - 1  # kernels are specialised on 16-byte aligned pointers
 
@@ -85,6 +86,8 @@ def specialise(plan) -> Optional[Callable]:
     for i, (n, _, shape, dtype) in enumerate(checked):
         env[f"S{i}"], env[f"D{i}"] = torch.Size(shape), dtype
 
+    body: List[str] = []
+
     def check(group) -> None:
         """The general path's checks of ``group``, as one condition; then its pointers."""
         conds = [f"type({n}) is Tensor and {n}.shape == S{i} and {n}.dtype is D{i} and "
@@ -98,12 +101,9 @@ def specialise(plan) -> Optional[Callable]:
                     ") & ALIGN_MASK:")
         body.append(f"        {fallback}")
 
-    body: List[str] = []
-    stream = exe.stream  # the dispatcher's (cubins), or one a test injects
-    if stream is None:
-        raw, index = torch._C._cuda_getCurrentRawStream, plan.device.index
-        stream = lambda: raw(index)  # noqa: E731 - what Triton's launcher reads
-    env["stream"] = stream
+    # the dispatcher's stream function (cubins) or one a test injects, else the current
+    # stream as Triton's launcher reads it
+    env["stream"] = exe.stream or current_stream_fn(plan.device.index)
     if kind == "jit":
         env["relaunch_usable"] = jit_launch.usable
         body.append("    if not relaunch_usable():  # a launch hook: the JIT path sees it")
