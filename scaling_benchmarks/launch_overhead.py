@@ -210,7 +210,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="results directory")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="merge passes of this benchmark into one file of medians")
-    p.add_argument("--tag", default=None, help="with --merge: the merged file's tag")
+    p.add_argument("--tag", default=None, help="the results file's tag (with --merge: the "
+                   "merged file's)")
     args = p.parse_args(argv)
     if args.merge:
         print(f"wrote {merge(args.merge, args.tag, args.out)}")
@@ -242,6 +243,8 @@ def main(argv=None) -> int:
         "op": "simple_gla", "execution": args.execution, "iters": args.iters,
         "repeats": args.repeats,
         "target": target, "cache_dir": str(cache_dir)})
+    if args.tag:
+        result["tag"] = args.tag
     todo = [(T, path) for T in Ts for path in PATHS]
     plans = {}
     for T, path in tqdm(todo, desc="launch_overhead", file=sys.stdout):

@@ -72,7 +72,8 @@ def specialise(plan) -> Optional[Callable]:
         def on_device(n: str) -> str:
             return f"{n}.device.type == 'cpu'"
     env: Dict[str, Any] = {"Tensor": Tensor, "grad_enabled": torch.is_grad_enabled,
-                           "empty": torch.empty, "general": plan._run_general,
+                           "empty": torch.empty, "empty_like": torch.empty_like,
+                           "CONTIGUOUS": torch.contiguous_format, "general": plan._run_general,
                            "DEVICE": plan.device, "OUT_SHAPE": tuple(plan.out_shape),
                            "OUT_DTYPE": plan.out_dtype, "HT_SHAPE": tuple(plan.ht_shape),
                            "F32": torch.float32, "ALIGN_MASK": ALIGN_MASK,
@@ -120,8 +121,20 @@ def specialise(plan) -> Optional[Callable]:
 
     def allocate(needed) -> None:
         if "o" in needed and "o" not in ptr_of:
+            # the output is allocated between the first two launches, where host time can
+            # leave the GPU idle when the first kernel is short (T = 1K: a 3.7 us gap after a
+            # 10 us summary).  empty_like of a checked input of the output's shape and dtype
+            # costs 1.7 us on an H200 host, torch.empty with a shape tuple 3.1, with the
+            # sizes as separate arguments 2.1 (results/logs/alloc_probe_*_s27.json).  The
+            # explicit format: empty_like would copy strides is_contiguous() ignores.
+            like = next((n for n, buf, shape, dtype in checked
+                         if ptr_of.get(buf) == f"p_{n}" and shape == tuple(plan.out_shape)
+                         and dtype is plan.out_dtype), None)
             body.append("    if out is None:")
-            body.append("        o = empty(OUT_SHAPE, dtype=OUT_DTYPE, device=DEVICE)")
+            if like is not None:
+                body.append(f"        o = empty_like({like}, memory_format=CONTIGUOUS)")
+            else:
+                body.append("        o = empty(*OUT_SHAPE, dtype=OUT_DTYPE, device=DEVICE)")
             body.append("    elif (type(out) is Tensor and out.shape == S_OUT and "
                         f"out.dtype is OUT_DTYPE and {on_device('out')} and "
                         "out.is_contiguous() and not out.data_ptr() & ALIGN_MASK):")
@@ -131,7 +144,7 @@ def specialise(plan) -> Optional[Callable]:
             body.append("    p_o = o.data_ptr()")  # torch.empty: 512-byte aligned
             ptr_of["o"] = "p_o"
         if "ht" in needed and "ht" not in ptr_of:
-            body.append("    ht = empty(HT_SHAPE, dtype=F32, device=DEVICE)")
+            body.append("    ht = empty(*HT_SHAPE, dtype=F32, device=DEVICE)")
             body.append("    p_ht = ht.data_ptr()")
             ptr_of["ht"] = "p_ht"
 

@@ -4,7 +4,7 @@ plan does not take goes to the general path's error before anything is launched.
 import pytest
 import torch
 
-from forge_dist.runtime import aot, dispatcher
+from forge_dist.runtime import aot, dispatcher, fastpath
 from forge_dist.runtime.plan import Plan, PlanError, plan
 
 from .static_fakes import TARGET, FakeDriver, verified_cache
@@ -71,8 +71,24 @@ def test_decoupled_run_allocates_the_output_after_the_first_launch(built):
     p, _ = _static_plan(built, execution="decoupled")
     src = p.run.__source__
     assert len(p.finish_exec.bound) >= 2
-    # the summaries' launch reads inputs only: o's allocation follows it
-    assert src.index("launch0(") < src.index("empty(OUT_SHAPE") < src.index("launch1(")
+    # the summaries' launch reads inputs only: o's allocation follows it, as an empty_like
+    # of v (checked by then, the output's shape and dtype: the cheaper allocation)
+    assert (src.index("launch0(") < src.index("o = empty_like(v, memory_format=CONTIGUOUS)")
+            < src.index("launch1("))
+
+
+def test_allocated_output_is_contiguous_and_new_whatever_the_template_strides(built):
+    """``empty_like`` copies strides that ``is_contiguous`` ignores (a size-1 batch dim's):
+    the output must still get the plain contiguous strides, and never share memory."""
+    p, _ = _static_plan(built, execution="decoupled")
+    q, k, v, g = _inputs()
+    odd = torch.empty(B * T * H * V + 7).as_strided((B, T, H, V), (12345, H * V, V, 1))
+    odd.copy_(v)
+    assert odd.is_contiguous() and odd.stride()[0] == 12345
+    assert torch.empty_like(odd).stride()[0] == 12345  # what a bare empty_like would give
+    o, _ = p.run(q, k, odd, g)
+    assert o.stride() == torch.empty(B, T, H, V).stride()
+    assert o.data_ptr() not in {t.data_ptr() for t in (q, k, odd, g)}
 
 
 def test_hgrn_plan_is_specialised(built):
@@ -196,7 +212,7 @@ def test_triton_plan_specialised_to_the_kernels_its_first_run_compiled(monkeypat
     import importlib
 
     from forge_dist.kernels import interpreting
-    from forge_dist.runtime import fastpath, jit_launch
+    from forge_dist.runtime import jit_launch
 
     if not interpreting():  # a Triton plan of CPU tensors runs only in the interpreter
         pytest.skip("needs TRITON_INTERPRET=1 (on a GPU, test_gpu.py covers this path)")
@@ -233,3 +249,14 @@ def test_triton_plan_specialised_to_the_kernels_its_first_run_compiled(monkeypat
     monkeypatch.setenv("FORGE_DIST_JIT_RELAUNCH", "0")
     o2, _ = fast(q, k, v, g)
     assert calls == [] and torch.isfinite(o2).all()
+
+
+def test_output_without_a_template_input_is_allocated_from_its_shape(built):
+    """A program whose output matches no input's shape and dtype allocates with
+    ``torch.empty``; here the plan's output dtype is changed before specialising."""
+    p, _ = _static_plan(built, execution="decoupled")
+    p.out_dtype = torch.float64
+    run = fastpath.specialise(p)
+    assert "o = empty(*OUT_SHAPE, dtype=OUT_DTYPE, device=DEVICE)" in run.__source__
+    o, _ = run(*_inputs())
+    assert o.dtype == torch.float64 and o.shape == (B, T, H, V) and o.is_contiguous()
