@@ -13,8 +13,9 @@ pays a few launches instead of the runner's autograd.
 Anything else (gradients of the matrix-state ops, sequence parallelism, varlen, fp16 and
 fp64 inputs, non-contiguous tensors, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside the
 kernels' range, calls inside a CUDA graph capture) takes the general path, as does a call
-the planner refuses.  Plans are cached per CUDA stream (a plan's workspaces are reused by
-every run, so two streams must not share one).  ``FORGE_DIST_OPS_PLANS=0`` turns the short
+the planner refuses.  Plans are cached per CUDA stream and per thread (a plan's workspaces
+and launch parameter buffers are reused by every run, so two streams or two threads must
+not share one).  ``FORGE_DIST_OPS_PLANS=0`` turns the short
 path off.  Results match the general path to fp32 rounding (both run the Triton kernels; the
 plan may split the sequence into segments differently), not bit for bit.
 
@@ -30,6 +31,7 @@ op's own error or runs it another way.
 from __future__ import annotations
 
 import os
+from threading import get_ident
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -90,13 +92,18 @@ _FRONT: Dict[Tuple, Tuple] = {}
 # sends the next call down the full path, which decides afresh
 _FRONT_ENV = ("FORGE_DIST_OPS_PLANS", "FORGE_DIST_KERNELS", "FORGE_DIST_CHECK_FINITE")
 # os.environ.get encodes its key and goes through the Mapping machinery: 0.8 us per switch
-# on the CPU, a sixth of the front.  The dict os.environ keeps (CPython's ``_data``, kept
-# in step by every os.environ assignment) read with pre-encoded keys gives the same values.
-try:
-    _ENV_DATA = os.environ._data  # type: ignore[attr-defined]
-    _ENV_KEYS = tuple(os.environ.encodekey(n) for n in _FRONT_ENV)  # type: ignore[attr-defined]
-except AttributeError:  # another Python: the public (slower) way
-    _ENV_DATA, _ENV_KEYS = os.environ, _FRONT_ENV
+# on the CPU, a sixth of the front.  The dict os.environ keeps (CPython's ``_data``, kept in
+# step by every os.environ assignment) read with pre-encoded keys gives the same values.  It
+# is looked up per call: a test may replace os.environ itself (then: the public way).
+_ENV_KEYS = tuple(getattr(os.environ, "encodekey", lambda n: n)(n) for n in _FRONT_ENV)
+
+
+def _switches() -> Tuple:
+    data = getattr(os.environ, "_data", None)
+    if type(data) is dict:
+        return data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1]), data.get(_ENV_KEYS[2])
+    get = os.environ.get
+    return get(_FRONT_ENV[0]), get(_FRONT_ENV[1]), get(_FRONT_ENV[2])
 
 
 def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_state,
@@ -123,11 +130,11 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
     index = first.get_device()
     if index >= 0 and torch.cuda.is_current_stream_capturing():
         return None, None
-    get = _ENV_DATA.get
+    if scale is not None and type(scale) not in (float, int):
+        return None, None  # a tensor scale may change in place: the full path reads it
     key = (op, tuple([t.shape for t in tensors]), tuple([t.dtype for t in tensors]), index,
-           _raw_stream(index) if index >= 0 else 0, initial_state is None,
-           output_final_state, scale, strategy,
-           get(_ENV_KEYS[0]), get(_ENV_KEYS[1]), get(_ENV_KEYS[2]))
+           _raw_stream(index) if index >= 0 else 0, get_ident(), initial_state is None,
+           output_final_state, scale, strategy, _switches())
     try:
         plan_key = _FRONT.get(key)
     except TypeError:  # an unhashable scale or strategy: the full path checks it
@@ -161,7 +168,8 @@ def _plan(op: str, initial_state, output_final_state, maps=None, **plan_kw):
     device = plan_kw["device"]
     stream = _raw_stream(device.index) if device.type == "cuda" else 0
     try:
-        return cache.get(op, stream=stream, initial_state=initial_state is not None,
+        return cache.get(op, stream=stream, thread=get_ident(),
+                         initial_state=initial_state is not None,
                          output_final_state=bool(output_final_state), **plan_kw)
     except PlanError:
         return None  # a shape or dtype the planner does not cover: the general path runs it
@@ -172,7 +180,10 @@ def _run(op: str, names, inputs: Dict[str, Tensor], initial_state, output_final_
     p = _plan(op, initial_state, output_final_state, maps, **plan_kw)
     if p is None:
         return None
-    out = p.run(*[inputs[n] for n in names], initial_state=initial_state)
+    try:
+        out = p.run(*[inputs[n] for n in names], initial_state=initial_state)
+    except PlanError:  # e.g. a cubin plan and a contiguous tensor off 16-byte alignment:
+        return None    # refused before any launch that reads it; the general path runs it
     if not maps:
         _remember(front_key, p)
     return out
@@ -251,8 +262,14 @@ def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seq
     if needs_grad(inputs, initial_state):
         if p.backend == "torch":
             return None
-        return _PlannedHgrn.apply(p, x, g, initial_state)
-    out = p.run(x, g, initial_state=initial_state)
+        try:
+            return _PlannedHgrn.apply(p, x, g, initial_state)
+        except PlanError:  # as in _run
+            return None
+    try:
+        out = p.run(x, g, initial_state=initial_state)
+    except PlanError:  # as in _run
+        return None
     if not maps:
         _remember(front_key, p)
     return out

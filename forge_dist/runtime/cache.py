@@ -61,19 +61,20 @@ def key(op: str, **kw) -> Tuple:
     return (op,) + tuple(sorted((k, _norm(v)) for k, v in kw.items()))
 
 
-def get(op: str, stream: int = 0, **kw) -> Plan:
+def get(op: str, stream: int = 0, thread: int = 0, **kw) -> Plan:
     """The cached plan for this signature, planning it on a miss (LRU eviction).
 
-    ``stream`` (a raw CUDA stream handle, part of the key only) keeps calls on different
-    streams on different plans: a plan's workspaces are reused by every run, so two streams
-    running one plan at the same time would race on them."""
+    ``stream`` (a raw CUDA stream handle) and ``thread`` (a thread id), part of the key only,
+    keep calls on different streams or threads on different plans: a plan's workspaces and
+    launch parameter buffers are reused by every run, so two streams or threads running one
+    plan at the same time would race on them."""
     try:
-        raw: Any = (op, stream, tuple(kw.items()))
+        raw: Any = (op, stream, thread, tuple(kw.items()))
         k = _INDEX.get(raw)
     except TypeError:
         raw = k = None
     if k is None:
-        k = key(op, **kw) + (("stream", int(stream)),)
+        k = key(op, **kw) + (("stream", int(stream)), ("thread", int(thread)))
         if raw is not None:
             with _LOCK:
                 if len(_INDEX) >= 4 * max(1, maxsize()):

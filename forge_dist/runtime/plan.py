@@ -177,7 +177,11 @@ class BoundRun:
 
 
 class Plan:
-    """A planned op call; make one with :func:`plan`."""
+    """A planned op call; make one with :func:`plan`.
+
+    Not thread-safe: every run reuses the plan's workspaces and launch parameter buffers,
+    so two threads (or two streams) must not run one plan at the same time; make one plan
+    per thread and stream (the ops' plan cache keys on both)."""
 
     def __init__(self, **kw):
         self.__dict__.update(kw)

@@ -230,3 +230,68 @@ def test_front_sends_what_the_plan_refuses_down_the_full_path(monkeypatch):
     o4, _ = _call("simple_gla", t4)
     o4.sum().backward()
     assert t4["q"].grad is not None and cache.stats()["hits"] == 1
+
+
+def test_front_reads_a_tensor_scale_afresh_each_call():
+    """A 0-d tensor scale changed in place: the second call must use the new value (a front
+    keyed on the tensor's identity returned the first call's result)."""
+    t = _inputs("simple_gla")
+    s = torch.tensor(0.5)
+    with torch.no_grad():
+        _call("simple_gla", t, scale=s)
+        s.fill_(0.125)
+        o2, _ = _call("simple_gla", t, scale=s)
+        ref, _ = _call("simple_gla", t, scale=0.125)
+    assert _rel(o2, ref) < 1e-6
+
+
+@pytest.mark.parametrize("op,grad", [("simple_gla", False), ("hgrn", False), ("hgrn", True)])
+def test_a_plan_refusal_inside_the_ops_falls_back_to_the_general_path(op, grad, monkeypatch):
+    """A cubin plan refuses a contiguous tensor off 16-byte alignment (PlanError); the op
+    must then run the general path, not raise the plan's error."""
+    from forge_dist.runtime import PlanError
+
+    t = _inputs(op, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        o, _ = _call(op, t)
+        (p,) = cache._PLANS.values()
+
+        def refuse(*args, **kwargs):
+            raise PlanError("k: data pointer not 16-byte aligned (the cubins assume it)")
+        monkeypatch.setattr(p, "run", refuse)
+        o2, _ = _call(op, t)
+    assert _rel(o2, o) < 1e-5
+    if grad:
+        o2.sum().backward()
+        assert t["x"].grad is not None
+
+
+def test_front_sees_switches_when_os_environ_is_replaced(monkeypatch):
+    import os
+
+    t = _inputs("simple_gla")
+    with torch.no_grad():
+        _call("simple_gla", t)
+        hits = cache.stats()["hits"]
+        monkeypatch.setattr(os, "environ", dict(os.environ, FORGE_DIST_OPS_PLANS="0"))
+        _call("simple_gla", t)
+    assert cache.stats()["hits"] == hits  # the switch turned the short path off
+
+
+def test_each_thread_gets_its_own_plan():
+    """A plan's workspaces and parameter buffers are shared by its runs: two threads must
+    not run one plan, so the cache keys on the thread too."""
+    import threading
+
+    t = _inputs("simple_gla")
+    got = {}
+
+    def call():
+        with torch.no_grad():
+            got["o"] = _call("simple_gla", t)[0]
+    with torch.no_grad():
+        o, _ = _call("simple_gla", t)
+    th = threading.Thread(target=call)
+    th.start()
+    th.join()
+    assert cache.stats()["misses"] == 2 and _rel(got["o"], o) < 1e-6
