@@ -15,9 +15,9 @@ fp64 inputs, non-contiguous tensors, ``FORGE_DIST_CHECK_FINITE=1``, head dims ou
 kernels' range, calls inside a CUDA graph capture) takes the general path, as does a call
 the planner refuses.  Plans are cached per CUDA stream and per thread (a plan's workspaces
 and launch parameter buffers are reused by every run, so two streams or two threads must
-not share one).  ``FORGE_DIST_OPS_PLANS=0`` turns the short
-path off.  Results match the general path to fp32 rounding (both run the Triton kernels; the
-plan may split the sequence into segments differently), not bit for bit.
+not share one).  ``FORGE_DIST_OPS_PLANS=0`` turns the short path off.  Results match the
+general path to fp32 rounding (both run the Triton kernels; the plan may split the sequence
+into segments differently), not bit for bit.
 
 The front (:func:`front`): the checks above, the plan-cache key and the op's own argument
 checks cost more host time than the plan's run (s26, ``launch_overhead``: ``ops`` against

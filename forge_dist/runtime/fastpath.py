@@ -141,7 +141,7 @@ def specialise(plan) -> Optional[Callable]:
             body.append("        o = out")
             body.append("    else:")
             body.append(f"        {fallback}")
-            body.append("    p_o = o.data_ptr()")  # torch.empty: 512-byte aligned
+            body.append("    p_o = o.data_ptr()")  # a fresh allocation: 512-byte aligned
             ptr_of["o"] = "p_o"
         if "ht" in needed and "ht" not in ptr_of:
             body.append("    ht = empty(*HT_SHAPE, dtype=F32, device=DEVICE)")
