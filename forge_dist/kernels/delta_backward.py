@@ -312,6 +312,114 @@ def default_tiles(K: int, V: int) -> dict:
             "wy_warps": 8}
 
 
+def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype,
+                     gated: bool, has_h0: bool, has_dht: bool, scale: float, prec: str,
+                     beta_dtype: torch.dtype = torch.float32,
+                     do_dtype: torch.dtype | None = None, tiles: dict | None = None):
+    """The launches of :func:`delta_rule_backward` as a
+    :class:`~forge_dist.runtime.programs.Program` (one source for the function, the plans'
+    backward and the AOT cache).
+
+    Buffers: inputs ``q, k [B, T, H, K]``, ``v`` and ``do [B, T, H, V]`` (``dtype``;
+    ``do_dtype`` for ``do`` when it differs), ``g`` fp32 ``[B, T, H]`` (``gated``), ``beta
+    [B, T, H]`` (``beta_dtype``), ``h0`` and ``dht`` fp32 ``[B, H, K, V]`` (``has_h0``,
+    ``has_dht``); outputs ``dq, dk, dv`` (``dtype``), ``dg`` (``gated``) and ``dbeta`` fp32
+    ``[B, T, H]``, ``dh0`` fp32 (``has_h0``); scratch: the WY factors ``w, u`` and ``xs``,
+    the chunk states ``hc`` and corrected values ``vn``, the walk's unread final state
+    ``ht`` (and its gate sums ``g_cum`` where the walk does not sum the gates itself), the
+    reverse walk's ``dhc, dvn``, and the partial gradients ``dk_part, dw, dG``.
+    """
+    from . import delta
+    from ._common import segment_length, sum_gates_in_walk
+    from ..runtime.programs import Buffer, Launch, Program, _gate_cumsum, _walk_launch
+
+    cfg = default_tiles(K, V)
+    if tiles:
+        cfg.update(tiles)
+    BT = BT_DELTA
+    NT = triton.cdiv(T, BT)
+    NK = triton.cdiv(K, cfg["dqk_BK"])
+    f32 = torch.float32
+    low = dtype in (torch.float16, torch.bfloat16)
+    wy_prec = "tf32" if low and prec != "ieee" else prec
+    sdt = f32 if dtype == f32 else dtype  # stored states: what the dots consume
+    scale = float(scale)
+    bufs = {"q": Buffer((B, T, H, K), dtype, "input"), "k": Buffer((B, T, H, K), dtype, "input"),
+            "v": Buffer((B, T, H, V), dtype, "input"),
+            "beta": Buffer((B, T, H), beta_dtype, "input"),
+            "do": Buffer((B, T, H, V), do_dtype or dtype, "input"),
+            "w": Buffer((B, T, H, K), dtype, "scratch"), "u": Buffer((B, T, H, V), dtype, "scratch"),
+            "xs": Buffer((B, T, H, BT), delta.wy_x_dtype(dtype, store_x=True), "scratch"),
+            "hc": Buffer((B, NT, H, K, V), sdt, "scratch"),
+            "vn": Buffer((B, T, H, V), sdt, "scratch"), "ht": Buffer((B, H, K, V), f32, "scratch"),
+            "dhc": Buffer((B, NT, H, K, V), sdt, "scratch"),
+            "dvn": Buffer((B, T, H, V), f32, "scratch"),
+            "dq": Buffer((B, T, H, K), dtype, "output"),
+            "dk_part": Buffer((B, T, H, K), f32, "scratch"),
+            "dw": Buffer((B, T, H, K), f32, "scratch"),
+            "dk": Buffer((B, T, H, K), dtype, "output"), "dv": Buffer((B, T, H, V), dtype, "output"),
+            "dbeta": Buffer((B, T, H), f32, "output")}
+    if gated:
+        bufs["g"] = Buffer((B, T, H), f32, "input")
+        bufs["dG"] = Buffer((NK, B, T, H), f32, "scratch")
+        bufs["dg"] = Buffer((B, T, H), f32, "output")
+    if has_h0:
+        bufs["h0"] = Buffer((B, H, K, V), f32, "input")
+        bufs["dh0"] = Buffer((B, H, K, V), f32, "output")
+    if has_dht:
+        bufs["dht"] = Buffer((B, H, K, V), f32, "input")
+
+    def buf(name, dummy="dvn"):  # absent optional tensors: a placeholder pointer, never read
+        return ("buf", name if name in bufs else dummy)
+
+    # 1: the WY factors, keeping X
+    wy_args = (("k", "buf", "k"), ("v", "buf", "v"), ("g", *buf("g", "beta")),
+               ("beta", "buf", "beta"), ("w", "buf", "w"), ("u", "buf", "u"),
+               ("xs", "buf", "xs"), ("T", "i32", T))
+    launches = [Launch("wy", grid, wy_args, tuple(const.items()), nw, ns)
+                for grid, const, nw, ns in delta.wy_launches(B, T, H, K, V, dtype=dtype,
+                                                              gated=gated, prec=wy_prec)]
+    # 2: the walker keeps the chunk states and v' (kernels._common.walk, fused)
+    walk_cfg = delta.fused_config(K, V)
+    raw_gates = gated and sum_gates_in_walk(B, T)
+    g_walk = "g" if gated else None
+    if gated and not raw_gates:
+        launches.append(_gate_cumsum(bufs, B=B, T=T, H=H, BT=BT))
+        bufs["g_cum"] = Buffer((B, H, T), f32, "scratch")
+        g_walk = "g_cum"
+    launches.append(_walk_launch(
+        q=None, k="k", v="u", g=g_walk, w="w", h0="h0" if has_h0 else None, o=None, ht="ht",
+        gt=None, B=B, T=T, H=H, K=K, V=V, gate=1 if gated else 0, scale=1.0, cfg=walk_cfg,
+        prec=prec, seg=segment_length(T, BT, 1), n=1, raw_gates=raw_gates, hc="hc", vn="vn"))
+    dims = (("H", H), ("K", K), ("V", V), ("BT", BT))
+    # 3: the reverse walk
+    launches.append(Launch(
+        "delta_dstates", (triton.cdiv(V, cfg["walk_BV"]), B * H, 1),
+        tuple((n, *buf(n)) for n in ("q", "k", "w", "g", "do", "dht", "dhc", "dvn", "dh0"))
+        + (("T", "i32", T), ("NT", "i32", NT), ("scale", "fp32", scale)),
+        dims + (("BK", next_pow2(K)), ("BV", cfg["walk_BV"]), ("GATE", gated),
+                ("HAS_DHT", has_dht), ("STORE_DH0", has_h0), ("PREC", prec)),
+        cfg["walk_warps"], cfg["walk_stages"]))
+    # 4: dq, the Aq/S' parts of dk, dW, dG shares
+    launches.append(Launch(
+        "delta_dqk", (NT, NK, B * H),
+        tuple((n, *buf(n)) for n in ("q", "k", "g", "hc", "dhc", "vn", "dvn", "do", "dq"))
+        + (("dk", *buf("dk_part")), ("dw", *buf("dw")), ("dG", *buf("dG")), ("T", "i32", T),
+           ("NT", "i32", NT), ("NBT", "i32", B * T), ("scale", "fp32", scale)),
+        dims + (("BK", cfg["dqk_BK"]), ("BV", cfg["dqk_BV"]), ("GATE", gated), ("PREC", prec)),
+        cfg["dqk_warps"], cfg["dqk_stages"]))
+    # 5: the WY and Aw parts, dv, dbeta, dg
+    launches.append(Launch(
+        "delta_wy_bwd", (NT, B * H, 1),
+        tuple((n, *buf(n)) for n in ("k", "v", "g", "beta", "xs", "dvn", "dw", "dk_part", "dG",
+                                     "dk", "dv", "dbeta", "dg"))
+        + (("T", "i32", T), ("NK", "i32", NK), ("NBT", "i32", B * T)),
+        dims + (("BK", cfg["wy_BK"]), ("BV", cfg["wy_BV"]), ("GATE", gated),
+                ("PREC", wy_prec)), cfg["wy_warps"], 1))
+    return Program(launches, bufs, "backward",
+                   [f"backward: {len(launches)} launches, chunk states in {sdt}"])
+
+
 def delta_rule_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor,
                         S_in: Tensor | None, do: Tensor | None, dht: Tensor | None,
                         scale: float, *, tiles: dict | None = None):
@@ -327,9 +435,6 @@ def delta_rule_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta:
         ``(dq, dk, dv, dg, dbeta, dS_in)``: dq, dk, dv in the dtypes of q, k, v; dg (``None``
         without ``g``) and dbeta ``[B, T, H]`` fp32; dS_in fp32 (``None`` without ``S_in``).
     """
-    from . import delta
-    from ._common import walk
-
     B, T, H, K = q.shape
     V = v.shape[-1]
     if not (q.dtype == k.dtype == v.dtype):
@@ -340,117 +445,28 @@ def delta_rule_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta:
     for name, t in (("g", g), ("beta", beta)):
         if t is not None and tuple(t.shape) != (B, T, H):
             raise ValueError(f"{name}: expected shape {(B, T, H)}, got {tuple(t.shape)}")
-    dev = q.device
     f32 = torch.float32
-    q, k, v, beta = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
-    gate = g is not None
-    g32 = g.to(f32).contiguous() if gate else None
     do = torch.zeros_like(v) if do is None else do.contiguous()
-    cfg = default_tiles(K, V)
-    if tiles:
-        cfg.update(tiles)
-    BT = BT_DELTA
-    NT = triton.cdiv(T, BT)
-    BK = next_pow2(K)
-    prec = dot_precision(q.dtype)
-    low = q.dtype in (torch.float16, torch.bfloat16)
-    wy_prec = "tf32" if low and prec != "ieee" else prec
-    sdt = f32 if q.dtype == f32 else q.dtype  # stored states: what the dots consume
-
-    # 1-2: recompute the WY factors (keeping X) and the chunk-start states and v'
-    w, u, xs = delta.wy(k, v, g32, beta, BT=BT, prec=wy_prec, dtype=k.dtype, store_x=True)
-    hc = torch.empty(B, NT, H, K, V, dtype=sdt, device=dev)
-    vn = torch.empty(B, T, H, V, dtype=sdt, device=dev)
-    walk(k, u, g=g32, gate=1 if gate else 0, w=w, h0=S_in, cfg=delta.fused_config(K, V),
-         prec=prec, chunk_states=hc, walked_v=vn)
-    del u
-
-    # 3: reverse walk
-    dhc = torch.empty(B, NT, H, K, V, dtype=sdt, device=dev)
-    dvn = torch.empty(B, T, H, V, dtype=f32, device=dev)
-    dS_in = torch.empty(B, H, K, V, dtype=f32, device=dev) if S_in is not None else None
-    dht32 = None if dht is None else dht.to(f32).contiguous()
-    dummy = dvn
-    _dstates_kernel[(triton.cdiv(V, cfg["walk_BV"]), B * H)](
-        q, k, w, g32 if gate else dummy, do, dht32 if dht32 is not None else dummy, dhc, dvn,
-        dS_in if dS_in is not None else dummy, T, NT, float(scale), H=H, K=K, V=V, BT=BT,
-        BK=BK, BV=cfg["walk_BV"], GATE=gate, HAS_DHT=dht32 is not None,
-        STORE_DH0=dS_in is not None, PREC=prec, num_warps=cfg["walk_warps"],
-        num_stages=cfg["walk_stages"])
-    del w
-
-    # 4: dq, the Aq/S' parts of dk, dW, dG shares
-    NK = triton.cdiv(K, cfg["dqk_BK"])
-    dq = torch.empty_like(q)
-    dk_part = torch.empty(B, T, H, K, dtype=f32, device=dev)
-    dw = torch.empty(B, T, H, K, dtype=f32, device=dev)
-    dG = torch.empty(NK, B, T, H, dtype=f32, device=dev) if gate else None
-    _dqk_kernel[(NT, NK, B * H)](
-        q, k, g32 if gate else dummy, hc, dhc, vn, dvn, do, dq, dk_part, dw,
-        dG if gate else dummy, T, NT, B * T, float(scale), H=H, K=K, V=V, BT=BT,
-        BK=cfg["dqk_BK"], BV=cfg["dqk_BV"], GATE=gate, PREC=prec,
-        num_warps=cfg["dqk_warps"], num_stages=cfg["dqk_stages"])
-    del hc, dhc, vn
-
-    # 5: the WY and Aw parts, dv, dbeta, dg
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    dbeta = torch.empty(B, T, H, dtype=f32, device=dev)
-    dg = torch.empty(B, T, H, dtype=f32, device=dev) if gate else None
-    _wy_bwd_kernel[(NT, B * H)](
-        k, v, g32 if gate else dummy, beta, xs, dvn, dw, dk_part, dG if gate else dummy, dk,
-        dv, dbeta, dg if gate else dummy, T, NK, B * T, H=H, K=K, V=V, BT=BT,
-        BK=cfg["wy_BK"], BV=cfg["wy_BV"], GATE=gate, PREC=wy_prec,
-        num_warps=cfg["wy_warps"])
-    return dq, dk, dv, dg, dbeta, dS_in
+    prog = backward_program(B, T, H, K, V, dtype=q.dtype, gated=g is not None,
+                            has_h0=S_in is not None, has_dht=dht is not None, scale=scale,
+                            prec=dot_precision(q.dtype), beta_dtype=beta.dtype,
+                            do_dtype=do.dtype, tiles=tiles)
+    tensors = {"q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(),
+               "beta": beta.contiguous(), "do": do}
+    if g is not None:
+        tensors["g"] = g.to(f32).contiguous()
+    if S_in is not None:
+        tensors["h0"] = S_in.to(f32).contiguous()
+    if dht is not None:
+        tensors["dht"] = dht.to(f32).contiguous()
+    prog.execute(tensors, q.device)
+    return (tensors["dq"], tensors["dk"], tensors["dv"], tensors.get("dg"), tensors["dbeta"],
+            tensors.get("dh0"))
 
 
 def kernel_specs(K: int = 128, V: int = 128, *, H: int = 32, dtype=torch.bfloat16) -> list:
     """The :class:`~forge_dist.runtime.programs.KernelSpec` of every launch of
     :func:`delta_rule_backward` at these dims with the default tiles, gated, with an incoming
-    state and a final-state gradient (for AOT compilation and the resource report), pointer
-    types as the launches pass them."""
-    from . import delta
-    from ..runtime.programs import KernelSpec, tl_type
-
-    t = default_tiles(K, V)
-    cfg = delta.fused_config(K, V)
-    io, f32 = "*" + tl_type(dtype), "*fp32"
-    st = "*" + tl_type(torch.float32 if dtype == torch.float32 else dtype)
-    prec, wy_prec = "tf32x3", ("tf32" if dtype != torch.float32 else "tf32x3")
-    ptr = lambda names, types: tuple((n, types.get(n, io)) for n in names)  # noqa: E731
-    types = {n: f32 for n in ("g", "beta", "dht", "dvn", "dh0", "dk_part", "dw", "dG", "dbeta",
-                              "dg", "xs", "h0", "ht", "gt")}
-    types.update(hc=st, vn=st, dhc=st)
-    dims = (("H", H), ("K", K), ("V", V), ("BT", BT_DELTA))
-    mod = "forge_dist.kernels"
-    return [
-        *delta.wy_kernel_specs(K, V, H=H, dtype=dtype, prec=wy_prec, store_x=True),
-        KernelSpec(f"{mod}._common:_walk_kernel",
-                   ptr(("q", "k", "v", "g", "w", "h0", "o", "ht", "gt"), types)
-                   + (("T", "i32"), ("SEG", "i32"), ("scale", "fp32"), ("hc", st), ("vn", st)),
-                   dims + (("BK", next_pow2(K)), ("BV", min(cfg["BV"], next_pow2(V))),
-                           ("GATE", 1), ("HAS_V", True), ("HAS_W", True), ("HAS_H0", True),
-                           ("STORE_O", False), ("STORE_HT", True), ("PREC", prec),
-                           ("HAS_A", False), ("a", None), ("STORE_GT", False),
-                           ("HAS_SIN", False), ("s_in", None), ("cg", None),
-                           ("HT_LAST", False), ("STORE_CHUNKS", True), ("SCAN_IN", False)),
-                   cfg["num_warps"], cfg["num_stages"]),
-        KernelSpec(f"{mod}.delta_backward:_dstates_kernel",
-                   ptr(("q", "k", "w", "g", "do", "dht", "dhc", "dvn", "dh0"), types)
-                   + (("T", "i32"), ("NT", "i32"), ("scale", "fp32")),
-                   dims + (("BK", next_pow2(K)), ("BV", t["walk_BV"]), ("GATE", True),
-                           ("HAS_DHT", True), ("STORE_DH0", True), ("PREC", prec)),
-                   t["walk_warps"], t["walk_stages"]),
-        KernelSpec(f"{mod}.delta_backward:_dqk_kernel",
-                   ptr(("q", "k", "g", "hc", "dhc", "vn", "dvn", "do", "dq", "dk", "dw", "dG"),
-                       dict(types, dk=f32))
-                   + (("T", "i32"), ("NT", "i32"), ("NBT", "i32"), ("scale", "fp32")),
-                   dims + (("BK", t["dqk_BK"]), ("BV", t["dqk_BV"]), ("GATE", True),
-                           ("PREC", prec)), t["dqk_warps"], t["dqk_stages"]),
-        KernelSpec(f"{mod}.delta_backward:_wy_bwd_kernel",
-                   ptr(("k", "v", "g", "beta", "xs", "dvn", "dw", "dk_part", "dG", "dk", "dv",
-                        "dbeta", "dg"), types) + (("T", "i32"), ("NK", "i32"), ("NBT", "i32")),
-                   dims + (("BK", t["wy_BK"]), ("BV", t["wy_BV"]), ("GATE", True),
-                           ("PREC", wy_prec)), t["wy_warps"], 1),
-    ]
+    state and a final-state gradient (for AOT compilation and the resource report)."""
+    return backward_program(1, 256, H, K, V, dtype=dtype, gated=True, has_h0=True,
+                            has_dht=True, scale=K ** -0.5, prec="tf32x3").specs()

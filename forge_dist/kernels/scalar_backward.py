@@ -324,14 +324,18 @@ if HAVE_TRITON:
         tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
 
 
-def _sm_count(device: torch.device) -> int:
+def _sm_count(device) -> int:
+    """SMs of ``device`` (an int passes through: a count a caller already has)."""
+    if isinstance(device, int):
+        return device
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # nominal (H100/H200) for CPU runs under the interpreter
 
 
-def default_tiles(B: int, H: int, K: int, V: int, device: torch.device) -> dict:
-    """Tile sizes per kernel (see the module docstring for the reasoning).
+def default_tiles(B: int, H: int, K: int, V: int, device: torch.device | int) -> dict:
+    """Tile sizes per kernel (see the module docstring for the reasoning); ``device``: the
+    device or its SM count.
 
     ``walk_BK/walk_BV``: state tile of the two sequential walks, shrunk (64 -> 32, K first)
     until there are 1.5 programs per SM.  ``dv_BV``/``dv_BK``: output tile / K loop tile of the
@@ -351,6 +355,88 @@ def default_tiles(B: int, H: int, K: int, V: int, device: torch.device) -> dict:
             "dv_BV": min(64, PV), "dv_BK": min(64, PK), "dv_warps": 4, "dv_stages": 2,
             "dqk_BK": dqk_BK, "dqk_BV": min(32, PV), "dqk_warps": 8 if dqk_BK >= 128 else 4,
             "dqk_stages": 3, "fuse_dv": True}
+
+
+def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype,
+                     gated: bool, has_h0: bool, has_dht: bool, scale: float, prec: str,
+                     BT: int = 64, tiles: dict | None = None,
+                     state_dtype: torch.dtype | None = None, sms: int = 132,
+                     do_dtype: torch.dtype | None = None):
+    """The launches of :func:`scalar_decay_backward` as a
+    :class:`~forge_dist.runtime.programs.Program` (one source for the function, the plans'
+    backward and the AOT cache).
+
+    Buffers: inputs ``q, k [B, T, H, K]``, ``v`` and ``do [B, T, H, V]`` (``dtype``), ``g``
+    fp32 ``[B, T, H]`` (``gated``), ``h0`` and ``dht`` fp32 ``[B, H, K, V]`` (``has_h0``,
+    ``has_dht``); outputs ``dq, dk, dv`` (``dtype``), ``dg_part`` fp32 ``[NK, B, T, H]``
+    (``gated``; the K tiles' shares, summed by the caller when ``NK > 1``) and ``dh0`` fp32
+    (``has_h0``); scratch ``h, dh [B, NT, H, K, V]`` (``state_dtype``, default fp32 for fp32
+    inputs, else ``dtype``).  ``sms``: the SM count the walk tiles are sized for;
+    ``do_dtype``: of ``do`` when it differs from ``dtype``.
+    """
+    from ..runtime.programs import Buffer, Launch, Program
+
+    cfg = default_tiles(B, H, K, V, sms)
+    if tiles:
+        cfg.update(tiles)
+    NT = triton.cdiv(T, BT)
+    sdt = state_dtype or (torch.float32 if dtype == torch.float32 else dtype)
+    f32 = torch.float32
+    NKq = triton.cdiv(K, cfg["dqk_BK"])
+    bufs = {"q": Buffer((B, T, H, K), dtype, "input"), "k": Buffer((B, T, H, K), dtype, "input"),
+            "v": Buffer((B, T, H, V), dtype, "input"),
+            "do": Buffer((B, T, H, V), do_dtype or dtype, "input"),
+            "dq": Buffer((B, T, H, K), dtype, "output"),
+            "dk": Buffer((B, T, H, K), dtype, "output"),
+            "dv": Buffer((B, T, H, V), dtype, "output"),
+            "h": Buffer((B, NT, H, K, V), sdt, "scratch"),
+            "dh": Buffer((B, NT, H, K, V), sdt, "scratch")}
+    if gated:
+        bufs["g"] = Buffer((B, T, H), f32, "input")
+        bufs["dg_part"] = Buffer((NKq, B, T, H), f32, "output")
+    if has_h0:
+        bufs["h0"] = Buffer((B, H, K, V), f32, "input")
+        bufs["dh0"] = Buffer((B, H, K, V), f32, "output")
+    if has_dht:
+        bufs["dht"] = Buffer((B, H, K, V), f32, "input")
+
+    def buf(name):  # absent optional tensors: a placeholder pointer, never read
+        return ("buf", name if name in bufs else "h")
+
+    dims = (("H", H), ("K", K), ("V", V), ("BT", BT))
+    wBK, wBV = cfg["walk_BK"], cfg["walk_BV"]
+    wgrid = (triton.cdiv(K, wBK), triton.cdiv(V, wBV), B * H)
+    walk = dims + (("BK", wBK), ("BV", wBV), ("GATE", int(gated)))
+    launches = [
+        Launch("chunk_states", wgrid,
+               (("k", *buf("k")), ("v", *buf("v")), ("g", *buf("g")), ("h0", *buf("h0")),
+                ("h", *buf("h")), ("T", "i32", T), ("NT", "i32", NT)),
+               walk + (("HAS_H0", has_h0), ("PREC", prec)),
+               cfg["walk_warps"], cfg["walk_stages"]),
+        Launch("chunk_states_bwd", wgrid,
+               (("q", *buf("q")), ("g", *buf("g")), ("do", *buf("do")), ("dht", *buf("dht")),
+                ("dh", *buf("dh")), ("dh0", *buf("dh0")), ("T", "i32", T), ("NT", "i32", NT),
+                ("scale", "fp32", float(scale))),
+               walk + (("HAS_DHT", has_dht), ("STORE_DH0", has_h0), ("PREC", prec)),
+               cfg["walk_warps"], cfg["walk_stages"])]
+    fuse = cfg["fuse_dv"] and NKq == 1
+    if not fuse:
+        launches.append(Launch(
+            "scalar_dv", (NT, triton.cdiv(V, cfg["dv_BV"]), B * H),
+            (("q", *buf("q")), ("k", *buf("k")), ("g", *buf("g")), ("do", *buf("do")),
+             ("dh", *buf("dh")), ("dv", *buf("dv")), ("T", "i32", T), ("NT", "i32", NT),
+             ("scale", "fp32", float(scale))),
+            dims + (("BK", cfg["dv_BK"]), ("BV", cfg["dv_BV"]), ("GATE", gated),
+                    ("PREC", prec)), cfg["dv_warps"], cfg["dv_stages"]))
+    launches.append(Launch(
+        "scalar_dqkg", (NT, NKq, B * H),
+        tuple((n, *buf(n)) for n in ("q", "k", "v", "g", "h", "do", "dh", "dq", "dk", "dv"))
+        + (("dg", *buf("dg_part")), ("T", "i32", T), ("NT", "i32", NT), ("NBT", "i32", B * T),
+           ("scale", "fp32", float(scale))),
+        dims + (("BK", cfg["dqk_BK"]), ("BV", cfg["dqk_BV"]), ("GATE", gated),
+                ("FUSE_DV", fuse), ("PREC", prec)), cfg["dqk_warps"], cfg["dqk_stages"]))
+    return Program(launches, bufs, "backward",
+                   [f"backward: {len(launches)} launches, chunk states in {sdt}"])
 
 
 def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
@@ -379,107 +465,37 @@ def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
         raise RuntimeError("scalar_decay_backward needs triton")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dev = q.device
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != q.shape or v.shape[:3] != q.shape[:3] or (g is not None
                                                            and g.shape != q.shape[:3]):
         raise ValueError("expected q, k [B, T, H, K], v [B, T, H, V], g [B, T, H]")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    gate = g is not None
-    g32 = g.to(torch.float32).contiguous() if gate else None
     do = torch.zeros_like(v) if do is None else do.contiguous()
-    dht = None if dht is None else dht.to(torch.float32).contiguous()
-    h0 = None if S_in is None else S_in.to(torch.float32).contiguous()
-    scale = float(scale)
-
-    cfg = default_tiles(B, H, K, V, dev)
-    if tiles:
-        cfg.update(tiles)
-    NT = triton.cdiv(T, BT)
-    prec = dot_precision(q.dtype)
-    sdt = state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
-    h = torch.empty(B, NT, H, K, V, dtype=sdt, device=dev)
-    dh = torch.empty(B, NT, H, K, V, dtype=sdt, device=dev)
-    dS_in = torch.empty(B, H, K, V, dtype=torch.float32, device=dev) if S_in is not None else None
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    NKq = triton.cdiv(K, cfg["dqk_BK"])
-    dg_part = (torch.empty(NKq, B, T, H, dtype=torch.float32, device=dev) if gate else None)
-
-    dummy = h  # placeholder pointer for absent optional tensors (never read)
-    wBK, wBV = cfg["walk_BK"], cfg["walk_BV"]
-    wgrid = (triton.cdiv(K, wBK), triton.cdiv(V, wBV), B * H)
-    _fwd_states_kernel[wgrid](
-        k, v, g32 if gate else dummy, h0 if h0 is not None else dummy, h, T, NT,
-        H=H, K=K, V=V, BT=BT, BK=wBK, BV=wBV, GATE=int(gate), HAS_H0=h0 is not None,
-        PREC=prec,
-        num_warps=cfg["walk_warps"], num_stages=cfg["walk_stages"])
-    _bwd_states_kernel[wgrid](
-        q, g32 if gate else dummy, do, dht if dht is not None else dummy, dh,
-        dS_in if dS_in is not None else dummy, T, NT, scale,
-        H=H, K=K, V=V, BT=BT, BK=wBK, BV=wBV, GATE=int(gate), HAS_DHT=dht is not None,
-        STORE_DH0=dS_in is not None, PREC=prec, num_warps=cfg["walk_warps"],
-        num_stages=cfg["walk_stages"])
-    fuse = cfg["fuse_dv"] and NKq == 1
-    if not fuse:
-        _dv_kernel[(NT, triton.cdiv(V, cfg["dv_BV"]), B * H)](
-            q, k, g32 if gate else dummy, do, dh, dv, T, NT, scale,
-            H=H, K=K, V=V, BT=BT, BK=cfg["dv_BK"], BV=cfg["dv_BV"], GATE=gate, PREC=prec,
-            num_warps=cfg["dv_warps"], num_stages=cfg["dv_stages"])
-    _dqkg_kernel[(NT, NKq, B * H)](
-        q, k, v, g32 if gate else dummy, h, do, dh, dq, dk, dv,
-        dg_part if gate else dummy, T, NT, B * T, scale,
-        H=H, K=K, V=V, BT=BT, BK=cfg["dqk_BK"], BV=cfg["dqk_BV"], GATE=gate, FUSE_DV=fuse,
-        PREC=prec, num_warps=cfg["dqk_warps"], num_stages=cfg["dqk_stages"])
+    prog = backward_program(B, T, H, K, V, dtype=q.dtype, gated=g is not None,
+                            has_h0=S_in is not None, has_dht=dht is not None, scale=scale,
+                            prec=dot_precision(q.dtype), BT=BT, tiles=tiles,
+                            state_dtype=state_dtype, sms=_sm_count(q.device),
+                            do_dtype=do.dtype)
+    tensors = {"q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(), "do": do}
+    if g is not None:
+        tensors["g"] = g.to(torch.float32).contiguous()
+    if S_in is not None:
+        tensors["h0"] = S_in.to(torch.float32).contiguous()
+    if dht is not None:
+        tensors["dht"] = dht.to(torch.float32).contiguous()
+    prog.execute(tensors, q.device)
     dg = None
-    if gate:
-        dg = dg_part[0] if NKq == 1 else dg_part.sum(0)
-    return dq, dk, dv, dg, dS_in
+    if g is not None:
+        part = tensors["dg_part"]
+        dg = part[0] if part.shape[0] == 1 else part.sum(0)
+    return tensors["dq"], tensors["dk"], tensors["dv"], dg, tensors.get("dh0")
 
 
 def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16, *,
                  B: int = 1, H: int = 32, gate: bool = True, BT: int = 64) -> list:
     """The :class:`~forge_dist.runtime.programs.KernelSpec` of every launch of
-    :func:`scalar_decay_backward` at these dims with the default tiles (``device`` sizing as
-    a nominal 132-SM H100/H200), with an incoming state and a final-state gradient, for AOT
+    :func:`scalar_decay_backward` at these dims with the default tiles (sized for a nominal
+    132-SM H100/H200), with an incoming state and a final-state gradient, for AOT
     compilation and the resource report."""
-    from ..runtime.programs import KernelSpec, tl_type
-
-    cfg = default_tiles(B, H, K, V, torch.device("cpu"))
-    io, f32 = "*" + tl_type(dtype), "*fp32"
-    st = "*" + tl_type(torch.float32 if dtype == torch.float32 else dtype)
-    prec = "tf32x3"
-    dims = (("H", H), ("K", K), ("V", V), ("BT", BT))
-    mod = "forge_dist.kernels.scalar_backward"
-    walk = (("BK", cfg["walk_BK"]), ("BV", cfg["walk_BV"]), ("GATE", int(gate)))
-    NKq = triton.cdiv(K, cfg["dqk_BK"])
-    fuse = cfg["fuse_dv"] and NKq == 1
-    specs = [
-        KernelSpec(f"{mod}:_fwd_states_kernel",
-                   (("k", io), ("v", io), ("g", f32), ("h0", f32), ("h", st), ("T", "i32"),
-                    ("NT", "i32")),
-                   dims + walk + (("HAS_H0", True), ("PREC", prec)),
-                   cfg["walk_warps"], cfg["walk_stages"]),
-        KernelSpec(f"{mod}:_bwd_states_kernel",
-                   (("q", io), ("g", f32), ("do", io), ("dht", f32), ("dh", st), ("dh0", f32),
-                    ("T", "i32"), ("NT", "i32"), ("scale", "fp32")),
-                   dims + walk + (("HAS_DHT", True), ("STORE_DH0", True), ("PREC", prec)),
-                   cfg["walk_warps"], cfg["walk_stages"]),
-        KernelSpec(f"{mod}:_dqkg_kernel",
-                   (("q", io), ("k", io), ("v", io), ("g", f32), ("h", st), ("do", io),
-                    ("dh", st), ("dq", io), ("dk", io), ("dv", io), ("dg", f32), ("T", "i32"),
-                    ("NT", "i32"), ("NBT", "i32"), ("scale", "fp32")),
-                   dims + (("BK", cfg["dqk_BK"]), ("BV", cfg["dqk_BV"]), ("GATE", gate),
-                           ("FUSE_DV", fuse), ("PREC", prec)),
-                   cfg["dqk_warps"], cfg["dqk_stages"]),
-    ]
-    if not fuse:
-        specs.append(KernelSpec(
-            f"{mod}:_dv_kernel",
-            (("q", io), ("k", io), ("g", f32), ("do", io), ("dh", st), ("dv", io), ("T", "i32"),
-             ("NT", "i32"), ("scale", "fp32")),
-            dims + (("BK", cfg["dv_BK"]), ("BV", cfg["dv_BV"]), ("GATE", gate),
-                    ("PREC", prec)), cfg["dv_warps"], cfg["dv_stages"]))
-    return specs
+    return backward_program(B, 256, H, K, V, dtype=dtype, gated=gate, has_h0=True,
+                            has_dht=True, scale=K ** -0.5, prec="tf32x3", BT=BT).specs()

@@ -631,6 +631,112 @@ def _check(name: str, t: Tensor | None, shape: tuple, device: torch.device, *,
         raise ValueError(f"{name}: on {t.device}, q on {device}")
 
 
+def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype,
+                     has_h0: bool, has_dht: bool, scale: float, prec: str, BT: int = CHUNK,
+                     tiles: dict | None = None, state_dtype: torch.dtype | None = None,
+                     sms: int = 132, do_dtype: torch.dtype | None = None,
+                     fuse_dv: bool | None = None):
+    """The launches of :func:`vector_decay_backward` as a
+    :class:`~forge_dist.runtime.programs.Program` (one source for the function, the plans'
+    backward and the AOT cache).
+
+    Buffers: inputs ``q, k [B, T, H, K]``, ``v`` and ``do [B, T, H, V]`` (``dtype``;
+    ``do_dtype`` for ``do`` when it differs), ``g`` fp32 ``[B, T, H, K]``, ``h0`` and
+    ``dht`` fp32 ``[B, H, K, V]`` (``has_h0``, ``has_dht``); outputs ``dq, dk, dv``
+    (``dtype``), ``dg`` fp32 ``[B, T, H, K]`` and ``dh0`` fp32 (``has_h0``); scratch ``h,
+    dh [B, NT, H, K, V]`` (``state_dtype``), the fast kernel's ``flags`` int32 and, unless
+    dv fuses into it, the partial attentions ``a [NK, B, T, H, BT]`` fp32.  ``sms``: the
+    SM count the walk tiles and the exact kernel's chunks per program are sized for;
+    ``fuse_dv=False`` forces the separate dv kernel.
+    """
+    from ..runtime.programs import Buffer, Launch, Program
+
+    if BT not in (16, 32, 64):
+        raise ValueError(f"BT: expected 16, 32 or 64, got {BT}")
+    cfg = default_tiles(B, H, K, V, sms, dtype=dtype, BT=BT)
+    if tiles:
+        unknown = set(tiles) - set(cfg)
+        if unknown:
+            raise ValueError(f"tiles: unknown keys {sorted(unknown)}; known: {sorted(cfg)}")
+        cfg.update(tiles)
+    for key in ("dqk_BK", "dqk_BKS", "dqk_BV", "exact_BK"):
+        if cfg[key] < 1 or cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"tiles: {key} must be a power of two, got {cfg[key]}")
+    BKS = min(cfg["dqk_BKS"], cfg["dqk_BK"])
+    if cfg["dqk_BK"] // BKS > 31:  # the fast kernel's flags hold one bit per slice
+        raise ValueError(f"tiles: at most 31 slices of dqk_BKS per dqk_BK, got "
+                         f"{cfg['dqk_BK']} // {BKS}")
+    NT = triton.cdiv(T, BT)
+    NK = triton.cdiv(K, cfg["dqk_BK"])
+    fuse = (bool(cfg["fuse_dv"]) and NK == 1) if fuse_dv is None else fuse_dv
+    sdt = state_dtype or (torch.float32 if dtype == torch.float32 else dtype)
+    f32 = torch.float32
+    bufs = {"q": Buffer((B, T, H, K), dtype, "input"), "k": Buffer((B, T, H, K), dtype, "input"),
+            "v": Buffer((B, T, H, V), dtype, "input"), "g": Buffer((B, T, H, K), f32, "input"),
+            "do": Buffer((B, T, H, V), do_dtype or dtype, "input"),
+            "dq": Buffer((B, T, H, K), dtype, "output"),
+            "dk": Buffer((B, T, H, K), dtype, "output"),
+            "dv": Buffer((B, T, H, V), dtype, "output"),
+            "dg": Buffer((B, T, H, K), f32, "output"),
+            "h": Buffer((B, NT, H, K, V), sdt, "scratch"),
+            "dh": Buffer((B, NT, H, K, V), sdt, "scratch"),
+            "flags": Buffer((NT * NK * B * H,), torch.int32, "scratch")}
+    if not fuse:
+        bufs["a"] = Buffer((NK, B, T, H, BT), f32, "scratch")
+    if has_h0:
+        bufs["h0"] = Buffer((B, H, K, V), f32, "input")
+        bufs["dh0"] = Buffer((B, H, K, V), f32, "output")
+    if has_dht:
+        bufs["dht"] = Buffer((B, H, K, V), f32, "input")
+
+    def buf(name, dummy="h"):  # absent optional tensors: a placeholder pointer, never read
+        return ("buf", name if name in bufs else dummy)
+
+    dims = (("H", H), ("K", K), ("V", V), ("BT", BT))
+    wgrid = (triton.cdiv(K, cfg["walk_BK"]), triton.cdiv(V, cfg["walk_BV"]), B * H)
+    walk = dims + (("BK", cfg["walk_BK"]), ("BV", cfg["walk_BV"]), ("GATE", 2))
+    # the two walks are scalar_backward's (GATE=2: per-channel gates)
+    launches = [
+        Launch("chunk_states", wgrid,
+               (("k", *buf("k")), ("v", *buf("v")), ("g", *buf("g")), ("h0", *buf("h0")),
+                ("h", *buf("h")), ("T", "i32", T), ("NT", "i32", NT)),
+               walk + (("HAS_H0", has_h0), ("PREC", prec)),
+               cfg["walk_warps"], cfg["walk_stages"]),
+        Launch("chunk_states_bwd", wgrid,
+               (("q", *buf("q")), ("g", *buf("g")), ("do", *buf("do")), ("dht", *buf("dht")),
+                ("dh", *buf("dh")), ("dh0", *buf("dh0")), ("T", "i32", T), ("NT", "i32", NT),
+                ("scale", "fp32", float(scale))),
+               walk + (("HAS_DHT", has_dht), ("STORE_DH0", has_h0), ("PREC", prec)),
+               cfg["walk_warps"], cfg["walk_stages"])]
+    args = tuple((n, *buf(n)) for n in ("q", "k", "v", "g", "h", "do", "dh", "dq", "dk",
+                                         "dv", "dg")) + (
+        ("a", *buf("a", dummy="dg")), ("flags", *buf("flags")), ("T", "i32", T),
+        ("NT", "i32", NT), ("NBT", "i32", B * T), ("scale", "fp32", float(scale)))
+    flags = (("FUSE_DV", fuse), ("STORE_A", not fuse), ("PREC", prec))
+    tiles_dqk = dims + (("BK", cfg["dqk_BK"]), ("BV", cfg["dqk_BV"]), ("BKS", BKS))
+    launches.append(Launch("gla_dqkg", (NT, NK, B * H),
+                           args + (("span_limit", "fp32", vector.span_max(dtype)),),
+                           tiles_dqk + flags, cfg["dqk_warps"], cfg["dqk_stages"]))
+    # about 8 exact-kernel programs per SM, CH chunks each
+    CH = cfg["exact_CH"] or max(1, min(64, NT * NK * B * H // (8 * sms)))
+    launches.append(Launch("gla_dqkg_exact", (triton.cdiv(NT, CH), NK, B * H),
+                           args + (("CH", "i32", CH),),
+                           tiles_dqk + (("BKE", min(cfg["exact_BK"], BKS)),
+                                        ("NB", 2 if BT == 64 else 1), ("VP", next_pow2(V)),
+                                        ("BF", EXACT_BF)) + flags,
+                           cfg["exact_warps"], 1))
+    if not fuse:
+        launches.append(Launch(
+            "gla_dv", (NT, triton.cdiv(V, cfg["dv_BV"]), B * H),
+            (("k", *buf("k")), ("g", *buf("g")), ("do", *buf("do")), ("dh", *buf("dh")),
+             ("a", *buf("a")), ("dv", *buf("dv")), ("T", "i32", T), ("NT", "i32", NT),
+             ("NBT", "i32", B * T), ("NA", "i32", NK), ("scale", "fp32", float(scale))),
+            dims + (("BK", cfg["dv_BK"]), ("BV", cfg["dv_BV"]), ("PREC", prec)),
+            cfg["dv_warps"], cfg["dv_stages"]))
+    return Program(launches, bufs, "backward",
+                   [f"backward: {len(launches)} launches, chunk states in {sdt}"])
+
+
 def vector_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S_in: Tensor | None,
                           do: Tensor | None, dht: Tensor | None, scale: float, *,
                           BT: int = CHUNK, tiles: dict | None = None,
@@ -678,73 +784,19 @@ def vector_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S_in: Tens
     for name, d in (("K (q.shape[-1])", K), ("V (v.shape[-1])", V)):
         if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
             raise ValueError(f"{name}: head dim {d} outside [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
-    if BT not in (16, 32, 64):
-        raise ValueError(f"BT: expected 16, 32 or 64, got {BT}")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g32 = g.to(torch.float32).contiguous()
     do = torch.zeros_like(v) if do is None else do.contiguous()
-    dht = None if dht is None else dht.to(torch.float32).contiguous()
-    h0 = None if S_in is None else S_in.to(torch.float32).contiguous()
-    scale = float(scale)
-
-    cfg = default_tiles(B, H, K, V, dev, dtype=q.dtype, BT=BT)
-    if tiles:
-        unknown = set(tiles) - set(cfg)
-        if unknown:
-            raise ValueError(f"tiles: unknown keys {sorted(unknown)}; known: {sorted(cfg)}")
-        cfg.update(tiles)
-    for key in ("dqk_BK", "dqk_BKS", "dqk_BV", "exact_BK"):
-        if cfg[key] < 1 or cfg[key] & (cfg[key] - 1):
-            raise ValueError(f"tiles: {key} must be a power of two, got {cfg[key]}")
-    BKS = min(cfg["dqk_BKS"], cfg["dqk_BK"])
-    if cfg["dqk_BK"] // BKS > 31:  # the fast kernel's flags hold one bit per slice
-        raise ValueError(f"tiles: at most 31 slices of dqk_BKS per dqk_BK, got "
-                         f"{cfg['dqk_BK']} // {BKS}")
-    NT = triton.cdiv(T, BT)
-    prec = dot_precision(q.dtype)
-    sdt = state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
-    h = torch.empty(B, NT, H, K, V, dtype=sdt, device=dev)
-    dh = torch.empty(B, NT, H, K, V, dtype=sdt, device=dev)
-    dS_in = torch.empty(B, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    dg = torch.empty(B, T, H, K, dtype=torch.float32, device=dev)
-
-    dummy = h  # placeholder pointer for absent optional tensors (never read)
-    wBK, wBV = cfg["walk_BK"], cfg["walk_BV"]
-    wgrid = (triton.cdiv(K, wBK), triton.cdiv(V, wBV), B * H)
-    _fwd_states_kernel[wgrid](
-        k, v, g32, h0 if h0 is not None else dummy, h, T, NT,
-        H=H, K=K, V=V, BT=BT, BK=wBK, BV=wBV, GATE=2, HAS_H0=h0 is not None, PREC=prec,
-        num_warps=cfg["walk_warps"], num_stages=cfg["walk_stages"])
-    _bwd_states_kernel[wgrid](
-        q, g32, do, dht if dht is not None else dummy, dh,
-        dS_in if dS_in is not None else dummy, T, NT, scale,
-        H=H, K=K, V=V, BT=BT, BK=wBK, BV=wBV, GATE=2, HAS_DHT=dht is not None,
-        STORE_DH0=dS_in is not None, PREC=prec, num_warps=cfg["walk_warps"],
-        num_stages=cfg["walk_stages"])
-    NK = triton.cdiv(K, cfg["dqk_BK"])
-    fuse = bool(cfg["fuse_dv"]) and NK == 1
-    a = None if fuse else torch.empty(NK, B, T, H, BT, dtype=torch.float32, device=dev)
-    flags = torch.empty(NT * NK * B * H, dtype=torch.int32, device=dev)
-    args = (q, k, v, g32, h, do, dh, dq, dk, dv, dg, a if a is not None else dg,  # dg: unread
-            flags, T, NT, B * T, scale)
-    common = dict(H=H, K=K, V=V, BT=BT, BK=cfg["dqk_BK"], BV=cfg["dqk_BV"], BKS=BKS,
-                  FUSE_DV=fuse, STORE_A=not fuse, PREC=prec)
-    _dqkg_kernel[(NT, NK, B * H)](*args, vector.span_max(q.dtype), **common,
-                                  num_warps=cfg["dqk_warps"], num_stages=cfg["dqk_stages"])
-    # about 8 exact-kernel programs per SM, CH chunks each
-    CH = cfg["exact_CH"] or max(1, min(64, NT * NK * B * H // (8 * _sm_count(dev))))
-    _dqkg_exact_kernel[(triton.cdiv(NT, CH), NK, B * H)](
-        *args, CH, **common, BKE=min(cfg["exact_BK"], BKS), NB=2 if BT == 64 else 1,
-        VP=next_pow2(V), BF=EXACT_BF, num_warps=cfg["exact_warps"], num_stages=1)
-    if not fuse:
-        _dv_kernel[(NT, triton.cdiv(V, cfg["dv_BV"]), B * H)](
-            k, g32, do, dh, a, dv, T, NT, B * T, NK, scale,
-            H=H, K=K, V=V, BT=BT, BK=cfg["dv_BK"], BV=cfg["dv_BV"], PREC=prec,
-            num_warps=cfg["dv_warps"], num_stages=cfg["dv_stages"])
-    return dq, dk, dv, dg, dS_in
+    prog = backward_program(B, T, H, K, V, dtype=q.dtype, has_h0=S_in is not None,
+                            has_dht=dht is not None, scale=scale, prec=dot_precision(q.dtype),
+                            BT=BT, tiles=tiles, state_dtype=state_dtype, sms=_sm_count(dev),
+                            do_dtype=do.dtype)
+    tensors = {"q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(),
+               "g": g.to(torch.float32).contiguous(), "do": do}
+    if S_in is not None:
+        tensors["h0"] = S_in.to(torch.float32).contiguous()
+    if dht is not None:
+        tensors["dht"] = dht.to(torch.float32).contiguous()
+    prog.execute(tensors, dev)
+    return tensors["dq"], tensors["dk"], tensors["dv"], tensors["dg"], tensors.get("dh0")
 
 
 def kernel_specs(K: int, V: int, dtype: torch.dtype = torch.bfloat16, *, B: int = 1,
@@ -757,55 +809,7 @@ def kernel_specs(K: int, V: int, dtype: torch.dtype = torch.bfloat16, *, B: int 
     ``fuse_dv=False`` lists the unfused dq/dk/dg kernels and the dv kernel whatever K is;
     ``do_dtype`` defaults to ``dtype``; ``device`` sizes the walk tiles by its SM count
     ("cpu": a nominal 132-SM H100/H200)."""
-    from ..runtime.programs import KernelSpec, tl_type
-
-    cfg = default_tiles(B, H, K, V, torch.device(device), dtype=dtype, BT=BT)
-    cfg.update(tiles or {})
-    mod = "forge_dist.kernels"
-    io = "*" + tl_type(dtype)
-    st = "*" + tl_type(torch.float32 if dtype == torch.float32 else dtype)
-    f32 = "*fp32"
-    dot = "*" + tl_type(do_dtype or dtype)
-    prec = "tf32x3"  # what dot_precision gives on a GPU (16-bit dots ignore it)
-    dims = (("H", H), ("K", K), ("V", V), ("BT", BT))
-    wtile = (("BK", cfg["walk_BK"]), ("BV", cfg["walk_BV"]), ("GATE", 2))
-    specs = [
-        KernelSpec(f"{mod}.scalar_backward:_fwd_states_kernel",
-                   (("k", io), ("v", io), ("g", f32), ("h0", f32 if has_h0 else st), ("h", st),
-                    ("T", "i32"), ("NT", "i32")),
-                   dims + wtile + (("HAS_H0", has_h0), ("PREC", prec)),
-                   cfg["walk_warps"], cfg["walk_stages"]),
-        KernelSpec(f"{mod}.scalar_backward:_bwd_states_kernel",
-                   (("q", io), ("g", f32), ("do", dot), ("dht", f32 if has_dht else st),
-                    ("dh", st), ("dh0", f32 if has_h0 else st), ("T", "i32"), ("NT", "i32"),
-                    ("scale", "fp32")),
-                   dims + wtile + (("HAS_DHT", has_dht), ("STORE_DH0", has_h0),
-                                   ("PREC", prec)),
-                   cfg["walk_warps"], cfg["walk_stages"]),
-    ]
-    NK = triton.cdiv(K, cfg["dqk_BK"])
-    fuse = (NK == 1 and cfg["fuse_dv"]) if fuse_dv is None else fuse_dv
-    BKS = min(cfg["dqk_BKS"], cfg["dqk_BK"])
-    args = (("q", io), ("k", io), ("v", io), ("g", f32), ("h", st), ("do", dot), ("dh", st),
-            ("dq", io), ("dk", io), ("dv", io), ("dg", f32), ("a", f32), ("flags", "*i32"),
-            ("T", "i32"), ("NT", "i32"), ("NBT", "i32"), ("scale", "fp32"))
-    flags = (("FUSE_DV", fuse), ("STORE_A", not fuse), ("PREC", prec))
-    specs.append(KernelSpec(f"{mod}.vector_backward:_dqkg_kernel",
-                            args + (("span_limit", "fp32"),),
-                            dims + (("BK", cfg["dqk_BK"]), ("BV", cfg["dqk_BV"]), ("BKS", BKS))
-                            + flags, cfg["dqk_warps"], cfg["dqk_stages"]))
-    specs.append(KernelSpec(f"{mod}.vector_backward:_dqkg_exact_kernel",
-                            args + (("CH", "i32"),),
-                            dims + (("BK", cfg["dqk_BK"]), ("BV", cfg["dqk_BV"]),
-                                    ("BKS", BKS), ("BKE", min(cfg["exact_BK"], BKS)),
-                                    ("NB", 2 if BT == 64 else 1), ("VP", next_pow2(V)),
-                                    ("BF", EXACT_BF)) + flags,
-                            cfg["exact_warps"], 1))
-    if not fuse:
-        specs.append(KernelSpec(
-            f"{mod}.vector_backward:_dv_kernel",
-            (("k", io), ("g", f32), ("do", dot), ("dh", st), ("a", f32), ("dv", io),
-             ("T", "i32"), ("NT", "i32"), ("NBT", "i32"), ("NA", "i32"), ("scale", "fp32")),
-            dims + (("BK", cfg["dv_BK"]), ("BV", cfg["dv_BV"]), ("PREC", prec)),
-            cfg["dv_warps"], cfg["dv_stages"]))
-    return specs
+    return backward_program(B, 256, H, K, V, dtype=dtype, has_h0=has_h0, has_dht=has_dht,
+                            scale=K ** -0.5, prec="tf32x3", BT=BT, tiles=tiles,
+                            sms=_sm_count(torch.device(device)), do_dtype=do_dtype,
+                            fuse_dv=fuse_dv).specs()

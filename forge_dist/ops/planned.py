@@ -5,15 +5,18 @@ does not need the runner, the autograd function or the cross-rank checks: the pl
 call signature (:mod:`forge_dist.runtime.cache`) checks its tensors and launches the same
 kernels.  At T = 1K-8K the ops path costs 240-380 us of host time per call on an H200
 against ~20 us for a plan (``scaling_benchmarks/results/launch_overhead_*``), which is what
-inference and evaluation loops pay.  ``hgrn`` takes this path with gradients too: its
-outputs are its states, so the backward is one more planned program on the kept outputs
-(:meth:`forge_dist.runtime.plan.Plan.run_backward`), and a training step at short sequences
-pays a few launches instead of the runner's autograd.
+inference and evaluation loops pay.  Calls with gradients take it too: the backward is one
+more planned program (:meth:`forge_dist.runtime.plan.Plan.run_backward`), on hgrn's kept
+outputs (its states) or on the matrix-state ops' kept inputs (the backward kernels recompute
+the chunk states, as the general path's do), so a training step at short sequences pays a
+few launches instead of the runner's autograd (at T = 1K-8K on an H100 that was 1.2-2.2 ms
+of host time per forward + backward against 0.08-2.2 ms of GPU time,
+``results/logs/train_probe_*_s28.json``).
 
-Anything else (gradients of the matrix-state ops, sequence parallelism, varlen, fp16 and
-fp64 inputs, non-contiguous tensors, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside the
-kernels' range, calls inside a CUDA graph capture) takes the general path, as does a call
-the planner refuses.  Plans are cached per CUDA stream and per thread (a plan's workspaces
+Anything else (sequence parallelism, varlen, fp16 and fp64 inputs, non-contiguous tensors,
+the DSL's fused prologues with gradients, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside
+the kernels' range, calls inside a CUDA graph capture) takes the general path, as does a
+call the planner refuses.  Plans are cached per CUDA stream and per thread (a plan's workspaces
 and launch parameter buffers are reused by every run, so two streams or two threads must
 not share one).  ``FORGE_DIST_OPS_PLANS=0`` turns the short path off.  Results match the
 general path to fp32 rounding (both run the Triton kernels; the plan may split the sequence
@@ -213,6 +216,40 @@ class _PlannedHgrn(torch.autograd.Function):
         return None, dx, dg, dS
 
 
+class _PlannedMatrix(torch.autograd.Function):
+    """A matrix-state op through a plan, differentiable: the forward keeps the inputs (and
+    the initial state); the backward runs the plan's backward program, which recomputes the
+    chunk states from them (:meth:`forge_dist.runtime.plan.Plan.run_backward`)."""
+
+    @staticmethod
+    def forward(ctx, p, initial_state, *inputs):
+        o, final = p.run(*inputs, initial_state=initial_state)
+        ctx.plan = p
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(initial_state, *inputs)
+        return o, final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        p = ctx.plan
+        h0, *inputs = ctx.saved_tensors
+        # autograd's gradients may be views or (rarely) another dtype: the plan takes its own
+        do = (torch.zeros(p.out_shape, dtype=p.out_dtype, device=p.device) if do is None
+              else _plan_ready(do, p.out_dtype))
+        if dht is not None:
+            dht = _plan_ready(dht, torch.float32)
+        *grads, dS = p.run_backward(*inputs, do, dht=dht, initial_state=h0,
+                                    need_initial_grad=ctx.needs_input_grad[1])
+        return (None, dS, *grads)
+
+
+def _plan_ready(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` as a plan takes it: ``dtype``, contiguous and 16-byte aligned (cubins)."""
+    t = t.to(dtype).contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optional[Tensor]],
                 *, scale: float, initial_state, output_final_state, cu_seqlens, group,
                 use_kernels: bool, maps: Optional[dict] = None, front_key=None
@@ -229,7 +266,8 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
     if {t.dtype for t in present.values()} - {torch.float32, q.dtype}:
         return None
     inputs = {"q": q, "k": k, "v": v, **present}
-    if not _eligible(inputs, initial_state, (B, H, K, V), group, cu_seqlens, use_kernels):
+    if not _eligible(inputs, initial_state, (B, H, K, V), group, cu_seqlens, use_kernels,
+                     grads=not maps):
         return None
     names = ["q", "k", "v"] + [n for n in ("g", "beta") if n in present]
     kw = dict(B=B, T=T, H=H, K=K, V=V, dtype=q.dtype, scale=scale, device=q.device)
@@ -239,6 +277,14 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
         kw["gate_dtype"] = present.get("g", present.get("beta")).dtype
         if "beta" in present:
             kw["beta_dtype"] = present["beta"].dtype
+    if needs_grad(inputs, initial_state):
+        p = _plan(op, initial_state, output_final_state, **kw)
+        if p is None or p.backend == "torch":
+            return None
+        try:
+            return _PlannedMatrix.apply(p, initial_state, *[inputs[n] for n in names])
+        except PlanError:  # as in _run: refused before any launch that reads the tensor
+            return None
     return _run(op, names, inputs, initial_state, output_final_state, maps,
                 front_key=front_key, **kw)
 

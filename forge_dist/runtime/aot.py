@@ -43,8 +43,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .programs import (KernelSpec, hgrn_backward_program, hgrn_program, matrix_program,
-                       resolve_kernel)
+from .programs import (KernelSpec, hgrn_backward_program, hgrn_program,
+                       matrix_backward_program, matrix_program, resolve_kernel)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -63,7 +63,9 @@ DEFAULTS: Dict[str, Any] = {
     "gated": [True],                 # simple_gla, gated_delta_rule: with g (False: no gate)
     "initial_state": [False, True],  # HAS_H0 off / on
     "sequence_parallel": True,       # also the summary programs a sequence-parallel plan runs
-    "backward": True,                # also the backward programs (hgrn's differentiable plans)
+    "backward": True,                # also the backward programs (the plans' run_backward)
+    "batch_sizes": [1],              # B of the backward programs (their walk tiles shrink
+                                     # with B * H to fill the SMs; others fall back to the JIT)
     "chunk_sizes": [],               # BT overrides ([]: the kernels' own tile tables)
 }
 
@@ -156,6 +158,16 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                             variant, B=1, T=T, H=int(H), K=int(K), V=int(V), dtype=dtype,
                             gated=gated, has_h0=h0, store_o=store_o, execution=mode,
                             tiles=tiles, gate_dtype=gate_dtype, beta_dtype=beta_dtype)
+                        out.update((s.key, s) for s in prog.specs())
+                    if not cfg.get("backward", True) or bt is not None:
+                        continue  # the backward kernels keep their own chunk sizes
+                    for gated, Bb, has_dht in itertools.product(
+                            _gates(variant, cfg["gated"]), cfg.get("batch_sizes", [1]),
+                            (False, True)):
+                        prog = matrix_backward_program(
+                            variant, B=int(Bb), T=T, H=int(H), K=int(K), V=int(V),
+                            dtype=dtype, gated=gated, has_h0=h0, has_dht=has_dht,
+                            beta_dtype=beta_dtype or gate_dtype)
                         out.update((s.key, s) for s in prog.specs())
     return list(out.values())
 

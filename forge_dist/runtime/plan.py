@@ -22,8 +22,9 @@ Backends (``backend=``):
 
 JIT launches call the kernel their first call compiled directly after that call
 (:mod:`.jit_launch`), so a plan without cubins also skips Triton's per-call path.
-Single-device hgrn plans also have :meth:`Plan.run_backward` (the gradients from a run's
-outputs, which are hgrn's states), which ``forge_dist.ops.hgrn`` wraps in autograd.
+Single-device plans also have :meth:`Plan.run_backward`, the gradients of a run (hgrn from
+the run's outputs, which are its states; the matrix-state ops from its inputs, recomputing
+the chunk states as their backward kernels do), which the ops wrap in autograd.
 
 ``run`` is forward-only (no autograd) and CUDA-graph capturable on one GPU: it allocates only
 its outputs (``torch.empty``, which capture serves from the graph's pool; pass ``out=`` to
@@ -110,10 +111,33 @@ class _Exec:
         # JIT launches relaunch the kernel their first call compiled (jit_launch.py)
         self._compiled: List[Any] = [None] * len(program.launches)
         self._untried = [device.type == "cuda" and b is None for b in self.bound]
+        # programs with per-call scratch (the backward programs): when to allocate and drop
+        self._scoped = (program.lifetimes() if any(b.role == "scratch"
+                                                   for b in program.buffers.values()) else None)
 
     def __call__(self, tensors: Dict[str, Tensor]) -> None:
+        """Launch the program on ``tensors`` (its inputs and outputs by buffer name).  A
+        program with scratch buffers also gets each output and scratch buffer that
+        ``tensors`` lacks allocated just before its first launch, and its scratch dropped
+        after its last (so that a backward's peak memory is its kernels' own)."""
+        if self._scoped is None:
+            self._launch(tensors, range(len(self._jit_calls)))
+            return
+        allocate_at, free_at = self._scoped
+        buffers = self.program.buffers
+        for i, (new, done) in enumerate(zip(allocate_at, free_at)):
+            for name in new:
+                if name not in tensors:
+                    buf = buffers[name]
+                    tensors[name] = torch.empty(buf.shape, dtype=buf.dtype, device=self.device)
+            self._launch(tensors, (i,))
+            for name in done:
+                del tensors[name]
+
+    def _launch(self, tensors: Dict[str, Tensor], which) -> None:
         ptrs = merged = fast_ok = None
-        for i, (launch, args, kw) in enumerate(self._jit_calls):
+        for i in which:
+            launch, args, kw = self._jit_calls[i]
             b = self.bound[i]
             if b is not None:
                 if ptrs is None:
@@ -296,56 +320,99 @@ class Plan:
         return BoundRun(self.finish_exec, tensors,
                         (out, final_state if self.output_final_state else None))
 
-    def run_backward(self, g: Tensor, o: Tensor, do: Tensor, *, dht: Optional[Tensor] = None,
+    def run_backward(self, *tensors: Tensor, dht: Optional[Tensor] = None,
                      initial_state: Optional[Tensor] = None, need_initial_grad: bool = False
-                     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """Gradients of one :meth:`run` of an hgrn plan, from that run's outputs (hgrn's
-        outputs are its states, so nothing is recomputed): ``(dx, dg, dS_in or None)``.
+                     ) -> Tuple[Optional[Tensor], ...]:
+        """Gradients of one :meth:`run` of a single-device plan: those of the plan's inputs
+        in ``input_names`` order, then ``dS_in`` (the gradient of ``initial_state``, or
+        ``None``).  Gradients come in their inputs' dtypes.
 
         Args:
-            g: the gates the run took; o: its outputs; do: the gradient of ``o``
-                (``[B, T, D]``, contiguous, ``o``'s dtype).
-            dht: the gradient of the final state ``[B, D]`` fp32, or ``None``.
+            tensors: hgrn: ``(g, o, do)``, the gates the run took, its outputs (hgrn's
+                outputs are its states, so nothing is recomputed) and their gradient; the
+                matrix-state ops: ``(*inputs, do)``, the inputs the run took (the backward
+                recomputes the chunk states from them, as the ops' backward does) and the
+                gradient of ``o``.  ``do``: ``o``'s shape and dtype.
+            dht: the gradient of the final state (the plan's state shape, fp32), or ``None``.
             initial_state: the state the run took (required iff the plan has one).
-            need_initial_grad: also return ``dS_in`` (the gradient of ``initial_state``).
-        Launches only, like :meth:`run`; the two backward programs (with and without
-        ``dht``) are built on first use, so call it once eagerly before a graph capture.
+            need_initial_grad: also return ``dS_in``.
+        Launches only, like :meth:`run` (per-call buffers come from PyTorch's allocator);
+        the backward programs (with and without ``dht``) are built on first use, so call it
+        once eagerly before a graph capture.
         """
-        if self.op != "hgrn" or self.size != 1 or self.backend == "torch":
-            raise PlanError("run_backward: single-device hgrn plans on the Triton or static "
-                            f"backend only (this plan: {self.op}, backend {self.backend}, "
-                            f"world {self.size}); use forge_dist.ops for gradients")
-        tensors = {"g": g, "h": o, "do": do}  # the backward program's buffer names
-        for name, t, dtype in (("g", g, self.dtypes["g"]), ("o", o, self.out_dtype),
-                               ("do", do, self.out_dtype)):
-            self._check(name, t, self.out_shape, dtype)
+        if self.size != 1 or self.backend == "torch":
+            raise PlanError("run_backward: single-device plans on the Triton or static backend "
+                            f"only (this plan: {self.op}, backend {self.backend}, world "
+                            f"{self.size}); use forge_dist.ops for gradients")
+        hgrn = self.op == "hgrn"
+        names = ("g", "o", "do") if hgrn else tuple(self.input_names) + ("do",)
+        if len(tensors) != len(names):
+            raise PlanError(f"run_backward: expected {len(names)} tensors ({', '.join(names)}), "
+                            f"got {len(tensors)}")
+        *inputs, do = tensors
+        if hgrn:  # the backward program's names: the kept outputs are the states h
+            shapes = {"g": self.out_shape, "h": self.out_shape}
+            dtypes = {"g": self.dtypes["g"], "h": self.out_dtype}
+            given = dict(zip(("g", "h"), inputs))
+        else:
+            shapes, dtypes, given = self.shapes, self.dtypes, dict(zip(self.input_names, inputs))
+        for name, t in given.items():
+            self._check("o" if name == "h" else name, t, shapes[name], dtypes[name])
+        self._check("do", do, self.out_shape, self.out_dtype)
         if self.initial_state:
             if initial_state is None:
                 raise PlanError("initial_state: the plan was made with initial_state=True; "
                                 "pass the state its run took")
             self._check("initial_state", initial_state, self.state_shape, torch.float32)
-            tensors["h0"] = initial_state
+            given["h0"] = initial_state
         elif initial_state is not None:
             raise PlanError("initial_state: the plan was made with initial_state=False")
         if dht is not None:
             self._check("dht", dht, self.state_shape, torch.float32)
-            tensors["dht"] = dht
+            given["dht"] = dht
+        given["do"] = do
         exe = self._backward_exec(dht is not None)
-        tensors["dx"] = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
-        tensors["dg"] = torch.empty(self.out_shape, dtype=self.dtypes["g"], device=self.device)
-        exe(tensors)
-        dS = exe.workspaces["cout"][0].clone() if need_initial_grad and self.initial_state \
-            else None
-        return tensors["dx"], tensors["dg"], dS
+        if hgrn:
+            given["dx"] = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+            given["dg"] = torch.empty(self.out_shape, dtype=self.dtypes["g"],
+                                      device=self.device)
+            exe(given)
+            dS = (exe.workspaces["cout"][0].clone() if need_initial_grad and self.initial_state
+                  else None)
+            return given["dx"], given["dg"], dS
+        g = given.get("g")
+        if g is not None and g.dtype != torch.float32:  # the backward kernels read fp32 gates
+            given["g"] = g.float()
+        exe(given)  # allocates the gradients and the scratch it needs, drops the scratch
+        if "dg_part" in given:  # simple_gla: the K tiles' shares of dg
+            part = given["dg_part"]
+            given["dg"] = part[0] if part.shape[0] == 1 else part.sum(0)
+        grads = [given["dq"], given["dk"], given["dv"]]
+        if g is not None:
+            grads.append(given["dg"].to(g.dtype))
+        if self.op == "gated_delta_rule":
+            grads.append(given["dbeta"].to(self.dtypes["beta"]))
+        grads.append(given.get("dh0") if need_initial_grad else None)
+        return tuple(grads)
 
     def _backward_exec(self, has_dht: bool) -> "_Exec":
         exe = self._bwd_execs.get(has_dht)
         if exe is None:
-            B, T, D = self.out_shape
-            prog = pg.hgrn_backward_program(B=B, T=T, D=D, dtype=self.out_dtype,
-                                            gate_dtype=self.dtypes["g"],
-                                            has_h0=self.initial_state, has_dht=has_dht,
-                                            execution=self.execution_request)
+            if self.op == "hgrn":
+                B, T, D = self.out_shape
+                prog = pg.hgrn_backward_program(B=B, T=T, D=D, dtype=self.out_dtype,
+                                                gate_dtype=self.dtypes["g"],
+                                                has_h0=self.initial_state, has_dht=has_dht,
+                                                execution=self.execution_request)
+            else:
+                B, T, H, K = self.shapes["q"]
+                sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                       if self.device.type == "cuda" else 132)
+                prog = pg.matrix_backward_program(
+                    self.op, B=B, T=T, H=H, K=K, V=self.out_shape[-1], dtype=self.out_dtype,
+                    gated="g" in self.shapes, has_h0=self.initial_state, has_dht=has_dht,
+                    scale=self.scale, interp=self._interp,
+                    beta_dtype=self.dtypes.get("beta", torch.float32), sms=sms)
             exe = self._bwd_execs[has_dht] = _Exec(prog, self.device, self._dispatcher)
             self.notes.extend(n for n in prog.notes if n not in self.notes)
         return exe
@@ -600,7 +667,7 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              group=group, strategy=None, strategy_obj=None, kind=_KIND.get(op),
              finish_exec=finish_exec, summary_exec=summary_exec, channels=None,
              static=backend == "static", delta=None, zeros=None, _ht_scratch=None,
-             execution_request=execution, _dispatcher=disp, _bwd_execs={},
+             execution_request=execution, _dispatcher=disp, _bwd_execs={}, _interp=interp,
              _specialise_pending=(backend == "triton" and device.type == "cuda"
                                   and size == 1))
 

@@ -1,4 +1,4 @@
-"""Launch programs: the exact kernel launches of one forward call, fixed ahead of time.
+"""Launch programs: the exact kernel launches of one call, fixed ahead of time.
 
 A *program* is a list of :class:`Launch` records (kernel, grid, runtime arguments bound to
 named buffers, constexprs, warps, stages) plus the buffers it needs (inputs, outputs,
@@ -7,10 +7,14 @@ dispatcher launches from cubins, and what :mod:`forge_dist.runtime.aot` enumerat
 which kernels to compile: one source for all three, so a plan can never ask for a kernel
 the AOT step did not build.
 
-The builders mirror the launch code of :mod:`forge_dist.kernels` (``walk`` with its fused and
-segmented schedules, ``gate_chunks``, ``wy``, ``hgrn_forward``) and take their tile
+The forward builders mirror the launch code of :mod:`forge_dist.kernels` (``walk`` with its
+fused and segmented schedules, ``gate_chunks``, ``wy``, ``hgrn_forward``) and take their tile
 configs from the kernels' own tables (``fused_config`` & co.) and the scheduler.  The tests
 check every program against :func:`forge_dist.kernels.forward`, so a drift shows up there.
+The matrix-state backward programs are built by the kernel modules themselves
+(``backward_program`` in ``kernels.scalar_backward``, ``vector_backward``,
+``delta_backward``), whose backward functions run them through :meth:`Program.execute`:
+there the program is the launch code.
 """
 from __future__ import annotations
 
@@ -33,13 +37,24 @@ KERNELS: Dict[str, Tuple[str, str]] = {
     "hgrn": ("forge_dist.kernels.vector_state", "_hgrn_kernel"),
     "hgrn_scan": ("forge_dist.kernels.vector_state", "_hgrn_scan_kernel"),
     "hgrn_bwd": ("forge_dist.kernels.vector_state", "_hgrn_bwd_kernel"),
+    # the matrix-state backward programs (built by the kernel modules, backward_program)
+    "chunk_states": ("forge_dist.kernels.scalar_backward", "_fwd_states_kernel"),
+    "chunk_states_bwd": ("forge_dist.kernels.scalar_backward", "_bwd_states_kernel"),
+    "scalar_dv": ("forge_dist.kernels.scalar_backward", "_dv_kernel"),
+    "scalar_dqkg": ("forge_dist.kernels.scalar_backward", "_dqkg_kernel"),
+    "gla_dqkg": ("forge_dist.kernels.vector_backward", "_dqkg_kernel"),
+    "gla_dqkg_exact": ("forge_dist.kernels.vector_backward", "_dqkg_exact_kernel"),
+    "gla_dv": ("forge_dist.kernels.vector_backward", "_dv_kernel"),
+    "delta_dstates": ("forge_dist.kernels.delta_backward", "_dstates_kernel"),
+    "delta_dqk": ("forge_dist.kernels.delta_backward", "_dqk_kernel"),
+    "delta_wy_bwd": ("forge_dist.kernels.delta_backward", "_wy_bwd_kernel"),
 }
 
 MATRIX_VARIANTS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule")
 VARIANTS = MATRIX_VARIANTS + ("hgrn",)
 
 _TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-             torch.float64: "fp64"}
+             torch.float64: "fp64", torch.int32: "i32"}
 
 
 def tl_type(dtype: torch.dtype) -> str:
@@ -64,7 +79,9 @@ def resolve_kernel(name: str):
 
 @dataclass(frozen=True)
 class Buffer:
-    """A tensor a program reads or writes: ``role`` is input, output or workspace."""
+    """A tensor a program reads or writes: ``role`` is input, output, workspace (allocated
+    once per plan, its pointer fixed) or scratch (allocated per call, like an output, and
+    dropped after it: the backward programs' chunk-state stacks grow with T)."""
 
     shape: Tuple[int, ...]
     dtype: torch.dtype
@@ -156,6 +173,48 @@ class Program:
     def specs(self) -> List[KernelSpec]:
         return [ln.spec(self.buffers) for ln in self.launches]
 
+    def lifetimes(self) -> Tuple[List[List[str]], List[List[str]]]:
+        """``(allocate_at, free_at)``: per launch, the output and scratch buffers first
+        used by it (allocated just before it) and the scratch buffers last used by it
+        (dropped right after): a backward program's peak memory is then that of its
+        kernels' own function, which freed its chunk states before the last launches."""
+        first: Dict[str, int] = {}
+        last: Dict[str, int] = {}
+        for i, ln in enumerate(self.launches):
+            for _, kind, value in ln.args:
+                if kind == "buf" and self.buffers[value].role in ("output", "scratch"):
+                    first.setdefault(value, i)
+                    last[value] = i
+        allocate_at: List[List[str]] = [[] for _ in self.launches]
+        free_at: List[List[str]] = [[] for _ in self.launches]
+        for name, i in first.items():
+            allocate_at[i].append(name)
+        for name, i in last.items():
+            if self.buffers[name].role == "scratch":
+                free_at[i].append(name)
+        return allocate_at, free_at
+
+    def execute(self, tensors: Dict[str, torch.Tensor], device) -> Dict[str, torch.Tensor]:
+        """Launch every kernel through Triton's JIT (how the kernel modules' own functions
+        run a program they built).  ``tensors`` holds the inputs by name; each output and
+        scratch buffer it lacks is allocated on ``device`` before its first launch, and
+        scratch is dropped after its last; returns ``tensors`` with the outputs.  The
+        kernels are looked up at each call (tests wrap them)."""
+        allocate_at, free_at = self.lifetimes()
+        for ln, new, done in zip(self.launches, allocate_at, free_at):
+            for name in new:
+                if name not in tensors:
+                    buf = self.buffers[name]
+                    tensors[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+            call = {name: tensors[value] if kind == "buf" else value
+                    for name, kind, value in ln.args}
+            resolve_kernel(ln.kernel)[ln.grid](**call, **dict(ln.constexprs),
+                                               num_warps=ln.num_warps,
+                                               num_stages=ln.num_stages)
+            for name in done:
+                del tensors[name]
+        return tensors
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -172,9 +231,11 @@ def _prec(dtype: torch.dtype, interp: bool) -> str:
 
 def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cfg, prec,
                  seg, n, store_ht=True, a=None, s_in=None, scan_in=False, maps=None,
-                 raw_gates=False) -> Launch:
+                 raw_gates=False, hc=None, vn=None) -> Launch:
     """One walker launch over ``n`` segments of ``seg`` tokens (``kernels._common.walk``);
-    ``scan_in``: the output walks that fold the segment scan in (``gt`` is then read)."""
+    ``scan_in``: the output walks that fold the segment scan in (``gt`` is then read);
+    ``hc, vn``: the buffers a backward pass keeps, every chunk's start state and the values
+    the state update used (``STORE_CHUNKS``)."""
     BK = _pow2(K)
     BV = min(cfg["BV"], _pow2(V))
     args = (("q", "buf", q or k), ("k", "buf", k), ("v", "buf", v or k), ("g", "buf", g or k),
@@ -196,8 +257,13 @@ def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cf
     else:
         const = const + (("s_in", None),)
     # the sequence-parallel extra (the incoming state folded through cg) stays off here
-    const = const + (("cg", None), ("HT_LAST", scan_in), ("STORE_CHUNKS", False), ("hc", None),
-                     ("vn", None), ("SCAN_IN", scan_in))
+    if hc is not None:
+        args = args + (("hc", "buf", hc), ("vn", "buf", vn))
+        const = const + (("cg", None), ("HT_LAST", scan_in), ("STORE_CHUNKS", True))
+    else:
+        const = const + (("cg", None), ("HT_LAST", scan_in), ("STORE_CHUNKS", False),
+                         ("hc", None), ("vn", None))
+    const = const + (("SCAN_IN", scan_in),)
     const = const + _map_consts(maps, ("q" if q else "") + "k" + ("v" if v else ""))
     if raw_gates:  # set only when on, as the kernels' launcher does (same compiled kernel)
         const = const + (("G_RAW", True),)
@@ -380,6 +446,35 @@ def matrix_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                   o="o", ht="ht", B=B, T=T, H=H, K=K, V=V, gate=1 if gated else 0,
                   scale=scale, cfg=cfg, prec=prec, a="a")
     return Program(wys + cums + walks, bufs, scheduler.FUSED, notes)
+
+
+def matrix_backward_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
+                            dtype: torch.dtype, gated: bool, has_h0: bool, has_dht: bool,
+                            scale: Optional[float] = None, interp: bool = False,
+                            beta_dtype: torch.dtype = torch.float32, sms: int = 132) -> Program:
+    """Program of one matrix-state backward on one device: the launches of the pattern's own
+    backward function (``kernels.scalar_backward``, ``vector_backward``, ``delta_backward``,
+    which build it), with the plan's precision rule and ``sms`` (the device's SM count, which
+    sizes the walk tiles).
+
+    Buffers (the kernels' names): inputs ``q, k, v, do`` and, by variant, ``g`` (fp32),
+    ``beta`` (``beta_dtype``), ``h0``, ``dht``; outputs ``dq, dk, dv``, ``dg`` (gla,
+    gated_delta_rule) or ``dg_part`` (``[NK, B, T, H]``, simple_gla: the K tiles' shares),
+    ``dbeta`` (gated_delta_rule), ``dh0`` (``has_h0``); the rest per-call scratch.
+    """
+    from ..kernels import delta_backward, scalar_backward, vector_backward
+
+    if variant not in MATRIX_VARIANTS:
+        raise ValueError(f"variant: expected one of {MATRIX_VARIANTS}, got {variant!r}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    common = dict(dtype=dtype, has_h0=has_h0, has_dht=has_dht, scale=scale,
+                  prec=_prec(dtype, interp))
+    if variant in ("linear_attn", "simple_gla"):
+        return scalar_backward.backward_program(B, T, H, K, V, gated=gated, sms=sms, **common)
+    if variant == "gla":
+        return vector_backward.backward_program(B, T, H, K, V, sms=sms, **common)
+    return delta_backward.backward_program(B, T, H, K, V, gated=gated, beta_dtype=beta_dtype,
+                                           **common)
 
 
 def hgrn_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,

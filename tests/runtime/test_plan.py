@@ -149,8 +149,93 @@ def test_run_backward_errors():
         p.run_backward(inp["g"], o[:, 1:], o, initial_state=torch.zeros(B, 40))
     m = _inputs("linear_attn")
     pm = plan("linear_attn", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
-    with pytest.raises(PlanError, match="single-device hgrn plans"):
+    with pytest.raises(PlanError, match=r"^run_backward: expected 4 tensors \(q, k, v, do\)"):
         pm.run_backward(m["q"], m["v"], m["v"])
+    with pytest.raises(PlanError, match="^k: the plan was made for shape"):
+        pm.run_backward(m["q"], m["k"][:, 1:], m["v"], m["v"])
+    with pytest.raises(PlanError, match="^do: the plan was made for shape"):
+        pm.run_backward(m["q"], m["k"], m["v"], m["q"])
+    torch_plan = plan("linear_attn", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32,
+                      device="cpu", backend="torch")
+    with pytest.raises(PlanError, match="^run_backward: single-device plans on the Triton"):
+        torch_plan.run_backward(m["q"], m["k"], m["v"], m["v"])
+
+
+MATRIX_BACKWARD = {"linear_attn": "scalar_backward", "simple_gla": "scalar_backward",
+                   "gla": "vector_backward", "gated_delta_rule": "delta_backward"}
+
+
+@pytest.mark.parametrize("op", list(MATRIX_BACKWARD))
+@pytest.mark.parametrize("h0,dht", [(True, True), (False, False)])
+def test_matrix_plan_backward_is_the_kernels_backward(op, h0, dht):
+    """``run_backward`` of a matrix-state plan launches exactly the launches of the pattern's
+    backward function (bitwise equal gradients under the interpreter), and they equal fp64
+    autograd through the PyTorch chunk form."""
+    from forge_dist.kernels import delta_backward, scalar_backward, vector_backward
+
+    inp = _inputs(op, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    s0 = torch.randn(B, H, K, V, generator=gen) if h0 else None
+    do = torch.randn(B, T, H, V, generator=gen)
+    d_ht = torch.randn(B, H, K, V, generator=gen) if dht else None
+    p = plan(op, B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+             initial_state=h0, output_final_state=True)
+    names = p.input_names
+    grads = p.run_backward(*[inp[n] for n in names], do, dht=d_ht, initial_state=s0,
+                           need_initial_grad=h0)
+    assert len(grads) == len(names) + 1
+    if op == "gated_delta_rule":
+        want = delta_backward.delta_rule_backward(inp["q"], inp["k"], inp["v"], inp["g"],
+                                                  inp["beta"], s0, do, d_ht, K ** -0.5)
+        want = want[:5] + (want[5],)
+    else:
+        fn = (vector_backward.vector_decay_backward if op == "gla"
+              else scalar_backward.scalar_decay_backward)
+        want = fn(inp["q"], inp["k"], inp["v"], inp.get("g"), s0, do, d_ht, K ** -0.5)
+        if op == "linear_attn":
+            want = want[:3] + want[4:]
+    for n, a, b in zip(list(names) + ["initial_state"], grads, want):
+        assert (a is None) == (b is None), n
+        assert a is None or torch.equal(a, b), n
+    # and the gradients themselves, against fp64 autograd of the op's PyTorch path
+    leaves = {n: inp[n].double().requires_grad_(True) for n in names}
+    s_ref = s0.double().requires_grad_(True) if h0 else None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FORGE_DIST_KERNELS", "torch")
+        args = [leaves[n] for n in names]
+        if op == "gated_delta_rule":
+            o_r, s_r = ops.gated_delta_rule(*args, initial_state=s_ref, output_final_state=True)
+        else:
+            o_r, s_r = getattr(ops, op)(*args, initial_state=s_ref, output_final_state=True)
+    loss = (o_r * do.double()).sum() + ((s_r * d_ht.double()).sum() if dht else 0)
+    loss.backward()
+    for n, grad in zip(names, grads):
+        assert _rel(grad, leaves[n].grad) < 1e-5, n
+    if h0:
+        assert _rel(grads[-1], s_ref.grad) < 1e-5
+    else:
+        assert grads[-1] is None
+
+
+def test_matrix_plan_backward_drops_its_scratch():
+    """The backward's chunk-state stacks are per call: nothing of them stays with the plan,
+    and each is dropped after the last launch that reads it."""
+    inp = _inputs("gated_delta_rule", seed=3)
+    p = plan("gated_delta_rule", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
+    names = p.input_names
+    out = p.run_backward(*[inp[n] for n in names], torch.ones(B, T, H, V))
+    exe = p._bwd_execs[False]
+    assert exe.workspaces == {}
+    allocate_at, free_at = exe.program.lifetimes()
+    freed = [n for step in free_at for n in step]
+    roles = {n: b.role for n, b in exe.program.buffers.items()}
+    assert sorted(freed) == sorted(n for n, r in roles.items() if r == "scratch")
+    assert all(roles[n] != "scratch" for n in ("dq", "dk", "dv", "dg", "dbeta"))
+    # the chunk states go before the last launch allocates dk, dv, dbeta, dg
+    last = len(exe.program.launches) - 1
+    assert {"hc", "dhc", "vn"} <= set(free_at[last - 1])
+    assert {"dk", "dv", "dbeta", "dg"} <= set(allocate_at[last])
+    assert all(torch.isfinite(t).all() for t in out if t is not None)
 
 
 def test_bind_errors():
@@ -332,7 +417,7 @@ def _calls(fn):
 @pytest.mark.parametrize("fn", [
     plan_mod.Plan.run, plan_mod.Plan._check, plan_mod.Plan._run_local, plan_mod.Plan._run_sp,
     plan_mod.Plan.run_backward,
-    plan_mod._Exec.__call__,
+    plan_mod._Exec.__call__, plan_mod._Exec._launch,
     dispatcher.BoundLaunch.launch, dispatcher.BoundLaunch.values,
     dispatcher.ArgPack.pack], ids=lambda f: f.__qualname__)
 def test_run_path_has_no_host_sync_in_source(fn):

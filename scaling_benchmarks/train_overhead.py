@@ -1,0 +1,207 @@
+"""Host overhead of one training call (forward + backward) of each op on one GPU.
+
+At short sequences a training step is host-bound: through the runner's autograd (the general
+path, ``FORGE_DIST_OPS_PLANS=0``) one forward + backward of a matrix-state op cost 1.2-2.2 ms
+of host time on an H100 against 0.08-0.6 ms of GPU time at T = 1K-2K.  The ops' planned path
+(``forge_dist/ops/planned.py``) runs the forward through the call's cached plan and the
+backward through the plan's backward program (``Plan.run_backward``).  For each op and T this
+times both paths on the same inputs:
+
+* ``us_host``: Python time per call, ``--calls`` calls issued back to back (gradients set to
+  ``None`` before each call, as ``zero_grad`` does), before any synchronisation;
+* ``us_wall``: the same calls' wall time per call up to a synchronize: what a training loop
+  pays, the larger of host and GPU time;
+* ``us_gpu``: the GPU time per call (``torch.profiler``, the sum of the device kernels);
+
+each the median of ``--repeats`` windows.  ``grad_rel_diff`` is the largest relative
+difference between the two paths' gradients (both run the same backward kernels on the same
+inputs).  B=1, H=32, K=V=128 bf16 with fp32 gates (hgrn: D=4096), T in {1K, 2K, 4K, 8K}.
+Results: JSON + PNG through ``results_io`` under ``scaling_benchmarks/results/``.
+
+    python scaling_benchmarks/train_overhead.py [--ops linear_attn,...] [--T 1024,...]
+        [--calls 30] [--repeats 5] [--out DIR] [--tag TAG]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scaling_benchmarks import results_io  # noqa: E402
+
+B, H, K, V, D = 1, 32, 128, 128, 4096
+OPS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn")
+PATHS = {"planned": "1", "general": "0"}  # FORGE_DIST_OPS_PLANS
+
+
+def make_inputs(op: str, T: int, device) -> dict:
+    """Leaves that need gradients, in the op's argument order, and the output gradient."""
+    gen = torch.Generator(device="cpu").manual_seed(T)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+    if op == "hgrn":
+        t = {"x": r(B, T, D).bfloat16(), "g": F.logsigmoid(r(B, T, D) + 2).bfloat16()}
+        do = r(B, T, D).bfloat16()
+    else:
+        t = {"q": r(B, T, H, K).bfloat16(), "k": F.normalize(r(B, T, H, K), dim=-1).bfloat16(),
+             "v": r(B, T, H, V).bfloat16()}
+        if op in ("simple_gla", "gated_delta_rule"):
+            t["g"] = F.logsigmoid(r(B, T, H) + 4)
+        if op == "gla":
+            t["g"] = F.logsigmoid(r(B, T, H, K) + 4)
+        if op == "gated_delta_rule":
+            t["beta"] = torch.sigmoid(r(B, T, H))
+        do = r(B, T, H, V).bfloat16()
+    return {"leaves": {n: x.requires_grad_(True) for n, x in t.items()}, "do": do}
+
+
+def train_call(op: str, inputs: dict):
+    """One forward + backward through the public op; returns the call."""
+    from forge_dist import ops
+
+    fn = getattr(ops, op)
+    leaves, do = list(inputs["leaves"].values()), inputs["do"]
+
+    def call():
+        for x in leaves:
+            x.grad = None
+        o, _ = fn(*leaves)
+        o.backward(do)
+    return call
+
+
+def _windows(call, calls: int, repeats: int):
+    host, wall = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / calls * 1e6)
+        wall.append((t2 - t0) / calls * 1e6)
+    return host, wall
+
+
+def _gpu_us(call, calls: int) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    total = sum(e.self_device_time_total for e in prof.key_averages())
+    return total / calls
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    worst = 0.0
+    for n in a:
+        x, y = a[n].double(), b[n].double()
+        worst = max(worst, float((x - y).norm() / y.norm().clamp_min(1e-30)))
+    return worst
+
+
+def measure(op: str, T: int, calls: int, repeats: int, device) -> list:
+    inputs = make_inputs(op, T, device)
+    rows, grads = [], {}
+    for path, switch in PATHS.items():
+        os.environ["FORGE_DIST_OPS_PLANS"] = switch
+        call = train_call(op, inputs)
+        for _ in range(3):  # compile, plan, warm the allocator
+            call()
+        host, wall = _windows(call, calls, repeats)
+        gpu = _gpu_us(call, max(3, calls // 3))
+        call()
+        grads[path] = {n: x.grad.detach().clone() for n, x in inputs["leaves"].items()}
+        rows.append({"op": op, "T": T, "pass": "fwdbwd", "impl": "forge_dist", "path": path,
+                     "us_host": statistics.median(host), "us_wall": statistics.median(wall),
+                     "us_gpu": gpu, "us_wall_runs": wall,
+                     "ms": statistics.median(wall) / 1000})
+    os.environ.pop("FORGE_DIST_OPS_PLANS", None)
+    diff = _max_rel(grads["planned"], grads["general"])
+    for r in rows:
+        r["grad_rel_diff"] = diff
+    return rows
+
+
+def plot(result, png) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops_ = list(dict.fromkeys(r["op"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(ops_), figsize=(3.6 * len(ops_), 3.4), squeeze=False)
+    for ax, op in zip(axes[0], ops_):
+        for path, style in (("general", "o-"), ("planned", "s-")):
+            rows = sorted(results_io.rows_where(result, op=op, path=path), key=lambda r: r["T"])
+            Ts = [r["T"] for r in rows]
+            ax.plot(Ts, [r["us_wall"] for r in rows], style, label=f"{path}: wall")
+            if path == "planned":
+                ax.plot(Ts, [r["us_gpu"] for r in rows], "k--", label="GPU time")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(op)
+        ax.set_xlabel("T (tokens)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("us per forward + backward")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"one training call through forge_dist.ops, {result['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--T", default="1024,2048,4096,8192")
+    p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None, help="results directory")
+    p.add_argument("--tag", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("train_overhead: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    ops_ = [o for o in args.ops.split(",") if o]
+    unknown = set(ops_) - set(OPS)
+    if unknown:
+        p.error(f"--ops: unknown {sorted(unknown)}; known: {OPS}")
+    Ts = [int(t) for t in args.T.split(",")]
+    result = results_io.header("train_overhead", {"B": B, "H": H, "K": K, "V": V, "D": D,
+                                                  "dtype": "bfloat16", "gate_dtype": "float32",
+                                                  "calls": args.calls,
+                                                  "repeats": args.repeats})
+    result["tag"] = args.tag
+    for op in ops_:
+        for T in Ts:
+            rows = measure(op, T, args.calls, args.repeats, device)
+            result["rows"] += rows
+            pl, ge = rows
+            print(f"{op:18s} T={T:5d}  general {ge['us_wall']:8.1f} us (host {ge['us_host']:7.1f})"
+                  f"  planned {pl['us_wall']:8.1f} us (host {pl['us_host']:7.1f})  GPU "
+                  f"{pl['us_gpu']:8.1f} / {ge['us_gpu']:8.1f}  grads {pl['grad_rel_diff']:.1e}",
+                  flush=True)
+    path = results_io.write(result, args.out)
+    plot(result, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
