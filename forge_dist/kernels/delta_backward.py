@@ -306,10 +306,15 @@ def default_tiles(K: int, V: int) -> dict:
     K = V = 64..256 with these tiles)."""
     PK, PV = next_pow2(K), next_pow2(V)
     wide = PK >= 256
+    dqk_BK, dqk_BV, wy_BK, wy_BV = min(64, PK), min(64, PV), min(32, PK), min(32, PV)
+    # 8 warps only where every tile is at least 32 wide: compiled by Triton 3.6 for sm_90,
+    # the 8-warp kernels with a 16-wide tile made illegal memory accesses on an H100 (dq/dk
+    # at fp32 K = V = 16; the WY backward at fp32 K or V = 16 and bf16 K = V = 16;
+    # results/logs/delta_bwd_small_dims_*_s28.log).  4 warps run them all.
     return {"walk_BV": min(16 if wide else 32, PV), "walk_warps": 8 if wide else 4,
-            "walk_stages": 2, "dqk_BK": min(64, PK), "dqk_BV": min(64, PV),
-            "dqk_warps": 8, "dqk_stages": 2, "wy_BK": min(32, PK), "wy_BV": min(32, PV),
-            "wy_warps": 8}
+            "walk_stages": 2, "dqk_BK": dqk_BK, "dqk_BV": dqk_BV,
+            "dqk_warps": 8 if min(dqk_BK, dqk_BV) >= 32 else 4, "dqk_stages": 2,
+            "wy_BK": wy_BK, "wy_BV": wy_BV, "wy_warps": 8 if min(wy_BK, wy_BV) >= 32 else 4}
 
 
 def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype,

@@ -125,17 +125,20 @@ class _Exec:
             return
         allocate_at, free_at = self._scoped
         buffers = self.program.buffers
+        fast_ok = None if self.device.type != "cuda" else jit_launch.usable()
         for i, (new, done) in enumerate(zip(allocate_at, free_at)):
             for name in new:
                 if name not in tensors:
                     buf = buffers[name]
                     tensors[name] = torch.empty(buf.shape, dtype=buf.dtype, device=self.device)
-            self._launch(tensors, (i,))
+            self._launch(tensors, (i,), fast_ok)
             for name in done:
                 del tensors[name]
 
-    def _launch(self, tensors: Dict[str, Tensor], which) -> None:
-        ptrs = merged = fast_ok = None
+    def _launch(self, tensors: Dict[str, Tensor], which, fast_ok: Optional[bool] = None) -> None:
+        """Launch ``which`` (indices into the program) on ``tensors``; ``fast_ok``: whether
+        compiled kernels may be relaunched (read from the environment when ``None``)."""
+        ptrs = merged = None
         for i in which:
             launch, args, kw = self._jit_calls[i]
             b = self.bound[i]
@@ -147,7 +150,7 @@ class _Exec:
             fast = self._compiled[i]
             if fast is not None or self._untried[i]:
                 if merged is None:
-                    merged = {**self.workspaces, **tensors}
+                    merged = {**self.workspaces, **tensors} if self.workspaces else tensors
                 if fast_ok is None:  # reads the environment: only where a JIT launch runs
                     fast_ok = jit_launch.usable()
                 if fast is not None and fast_ok and fast.aligned(merged):
