@@ -39,8 +39,9 @@
 #                                                     #   GPU runtime/ops tests, gate-sum sweep (~9 min)
 #   bash scaling_benchmarks/device_batch.sh prologbench # 1 GPU: launch overhead, DSL prologues, short-T
 #                                                     #   simple_gla/gdn fwd vs FLA (~8 min)
-#   bash scaling_benchmarks/device_batch.sh trainstep # 1 GPU: planned backward GPU tests, ops' short path
-#                                                     #   compiled, training-call overhead (~9 min)
+#   bash scaling_benchmarks/device_batch.sh trainstep # 1 GPU: delta-rule backward tests and the ops' short
+#                                                     #   path compiled, training-call overhead (~9 min)
+#   bash scaling_benchmarks/device_batch.sh trainstep-kernels # 1 GPU: the backward kernels' GPU tests (~3 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -53,7 +54,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -114,11 +115,14 @@ case "$stage" in
     step single_short 240 python3 scaling_benchmarks/single_device.py --ops simple_gla,gated_delta_rule \
       --T 1024,4096,16384 --passes fwd --no-dsl --tag short --out "$OUT" ;;
   trainstep)  # the ops' training calls through plans (forward + planned backward)
+    step delta_backward_tests 220 python3 -m pytest -q -p no:cacheprovider \
+      tests/kernels/test_delta_backward.py
+    step planned_tests 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_planned.py
+    step train_overhead 240 python3 scaling_benchmarks/train_overhead.py --out "$OUT" ;;
+  trainstep-kernels)  # the backward kernels' GPU tests and the runtime's
     step backward_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/kernels/test_scalar_backward.py tests/kernels/test_vector_backward.py \
-      tests/kernels/test_delta_backward.py tests/runtime/test_gpu.py
-    step planned_tests 240 python3 -m pytest -q -p no:cacheprovider tests/ops/test_planned.py
-    step train_overhead 300 python3 scaling_benchmarks/train_overhead.py --out "$OUT" ;;
+      tests/kernels/test_delta_backward.py tests/runtime/test_gpu.py ;;
   runtime)
     step gpu_runtime_tests 180 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/runtime
     step launch_overhead 150 python3 scaling_benchmarks/launch_overhead.py --out "$OUT" ;;
