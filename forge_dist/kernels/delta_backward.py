@@ -306,15 +306,22 @@ def default_tiles(K: int, V: int) -> dict:
     K = V = 64..256 with these tiles)."""
     PK, PV = next_pow2(K), next_pow2(V)
     wide = PK >= 256
-    dqk_BK, dqk_BV, wy_BK, wy_BV = min(64, PK), min(64, PV), min(32, PK), min(32, PV)
-    # 8 warps only where every tile is at least 32 wide: compiled by Triton 3.6 for sm_90,
-    # the 8-warp kernels with a 16-wide tile made illegal memory accesses on an H100 (dq/dk
-    # at fp32 K = V = 16; the WY backward at fp32 K or V = 16 and bf16 K = V = 16;
-    # results/logs/delta_bwd_small_dims_*_s28.log).  4 warps run them all.
-    return {"walk_BV": min(16 if wide else 32, PV), "walk_warps": 8 if wide else 4,
-            "walk_stages": 2, "dqk_BK": dqk_BK, "dqk_BV": dqk_BV,
-            "dqk_warps": 8 if min(dqk_BK, dqk_BV) >= 32 else 4, "dqk_stages": 2,
-            "wy_BK": wy_BK, "wy_BV": wy_BV, "wy_warps": 8 if min(wy_BK, wy_BV) >= 32 else 4}
+    return _safe_warps({"walk_BV": min(16 if wide else 32, PV), "walk_warps": 8 if wide else 4,
+                        "walk_stages": 2, "dqk_BK": min(64, PK), "dqk_BV": min(64, PV),
+                        "dqk_stages": 2, "wy_BK": min(32, PK), "wy_BV": min(32, PV)})
+
+
+def _safe_warps(cfg: dict, given: dict | None = None) -> dict:
+    """``cfg`` with the dq/dk and WY kernels' warps (unless ``given`` sets them): 8 only
+    where both of the kernel's tiles are at least 32 wide.  Compiled by Triton 3.6 for
+    sm_90, the 8-warp kernels with a 16-wide tile made illegal memory accesses on an H100
+    (dq/dk at fp32 K = V = 16; the WY backward at fp32 K or V = 16 and bf16 K = V = 16;
+    ``results/logs/delta_bwd_small_dims_*_s28.log``); 4 warps run them all."""
+    given = given or {}
+    for name in ("dqk", "wy"):
+        if f"{name}_warps" not in given:
+            cfg[f"{name}_warps"] = 8 if min(cfg[f"{name}_BK"], cfg[f"{name}_BV"]) >= 32 else 4
+    return cfg
 
 
 def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype,
@@ -340,7 +347,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
 
     cfg = default_tiles(K, V)
     if tiles:
-        cfg.update(tiles)
+        cfg = _safe_warps(dict(cfg, **tiles), tiles)  # the warps follow overridden tiles
     BT = BT_DELTA
     NT = triton.cdiv(T, BT)
     NK = triton.cdiv(K, cfg["dqk_BK"])

@@ -350,10 +350,13 @@ def default_tiles(B: int, H: int, K: int, V: int, device: torch.device | int) ->
             BK //= 2
         else:
             BV //= 2
-    dqk_BK = min(128, PK)
+    dqk_BK, dqk_BV = min(128, PK), min(32, PV)
+    # 8 warps not with a 16-wide V tile: the delta rule's 8-warp kernels with one made
+    # illegal memory accesses (Triton 3.6, sm_90; results/logs/delta_bwd_small_dims_*_s28.log)
     return {"walk_BK": BK, "walk_BV": BV, "walk_warps": 4, "walk_stages": 3,
             "dv_BV": min(64, PV), "dv_BK": min(64, PK), "dv_warps": 4, "dv_stages": 2,
-            "dqk_BK": dqk_BK, "dqk_BV": min(32, PV), "dqk_warps": 8 if dqk_BK >= 128 else 4,
+            "dqk_BK": dqk_BK, "dqk_BV": dqk_BV,
+            "dqk_warps": 8 if dqk_BK >= 128 and dqk_BV >= 32 else 4,
             "dqk_stages": 3, "fuse_dv": True}
 
 

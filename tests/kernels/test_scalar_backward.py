@@ -135,6 +135,18 @@ def test_absent_do_and_mixed_dtypes():
 # ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("K,V", [(16, 16), (128, 16), (16, 128)])
+def test_gpu_small_head_dims(dtype, K, V):
+    """Compiled for the GPU at head dims of 16 (the delta rule's 8-warp kernels with a
+    16-wide tile made illegal memory accesses there): agreement with fp64 autograd (bf16:
+    the inputs' own rounding)."""
+    x = make(1, 80, 2, K, V, gate=True, s_in=True, dht=True, seed=2, dtype=dtype,
+             device="cuda")
+    check(x, K ** -0.5, tol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gate", [True, False], ids=["simple_gla", "linear_attn"])
 @pytest.mark.parametrize("K,V", [(128, 128), (256, 64)])
 def test_gpu_bf16_real_shape(gate, K, V):
