@@ -25,8 +25,9 @@ into segments differently), not bit for bit.
 The front (:func:`front`): the checks above, the plan-cache key and the op's own argument
 checks cost more host time than the plan's run (s26, ``launch_overhead``: ``ops`` against
 ``static``).  So a call whose exact signature (every tensor's shape and dtype, the device,
-the stream, the scalar arguments and the three environment switches) an earlier call
-resolved to a plan goes straight to that plan's ``run``, which checks each tensor against
+the stream, the scalar arguments, the three environment switches and whether autograd will
+differentiate it) an earlier call resolved to a plan goes straight to that plan's ``run``
+(or, with gradients, the op's autograd function over the plan), which checks each tensor against
 the plan as always; a refusal there (``PlanError``, raised before any launch that reads
 the refused tensor or writes a caller's) sends the call down the full path, which gives the
 op's own error or runs it another way.
@@ -127,9 +128,8 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
     if initial_state is not None and type(initial_state) is not Tensor:
         return None, None
     first = tensors[0]
-    if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors) or (
-            initial_state is not None and initial_state.requires_grad)):
-        return None, None  # autograd: the full path
+    grad = torch.is_grad_enabled() and (any([t.requires_grad for t in tensors]) or (
+        initial_state is not None and initial_state.requires_grad))
     index = first.get_device()
     if index >= 0 and torch.cuda.is_current_stream_capturing():
         return None, None
@@ -137,7 +137,7 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
         return None, None  # a tensor scale may change in place: the full path reads it
     key = (op, tuple([t.shape for t in tensors]), tuple([t.dtype for t in tensors]), index,
            _raw_stream(index) if index >= 0 else 0, get_ident(), initial_state is None,
-           output_final_state, scale, strategy, _switches())
+           output_final_state, scale, strategy, _switches(), grad)
     try:
         plan_key = _FRONT.get(key)
     except TypeError:  # an unhashable scale or strategy: the full path checks it
@@ -148,6 +148,8 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
     if p is None:  # evicted
         return key, None
     try:
+        if grad:  # the op's autograd function over this plan, as the first call made it
+            return key, _differentiable(p, tensors, initial_state)
         return key, p.run(*tensors, initial_state=initial_state)
     except PlanError:
         return key, None
@@ -244,6 +246,13 @@ class _PlannedMatrix(torch.autograd.Function):
         return (None, dS, *grads)
 
 
+def _differentiable(p, tensors, initial_state):
+    """``(o, final_state)`` of a call with gradients through plan ``p``'s autograd function."""
+    if p.op == "hgrn":
+        return _PlannedHgrn.apply(p, *tensors, initial_state)
+    return _PlannedMatrix.apply(p, initial_state, *tensors)
+
+
 def _plan_ready(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` as a plan takes it: ``dtype``, contiguous and 16-byte aligned (cubins)."""
     t = t.to(dtype).contiguous()
@@ -282,9 +291,11 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
         if p is None or p.backend == "torch":
             return None
         try:
-            return _PlannedMatrix.apply(p, initial_state, *[inputs[n] for n in names])
+            out = _differentiable(p, [inputs[n] for n in names], initial_state)
         except PlanError:  # as in _run: refused before any launch that reads the tensor
             return None
+        _remember(front_key, p)
+        return out
     return _run(op, names, inputs, initial_state, output_final_state, maps,
                 front_key=front_key, **kw)
 
@@ -309,9 +320,11 @@ def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seq
         if p.backend == "torch":
             return None
         try:
-            return _PlannedHgrn.apply(p, x, g, initial_state)
+            out = _differentiable(p, (x, g), initial_state)
         except PlanError:  # as in _run
             return None
+        _remember(front_key, p)
+        return out
     try:
         out = p.run(x, g, initial_state=initial_state)
     except PlanError:  # as in _run

@@ -267,6 +267,35 @@ def test_front_takes_a_repeated_call_straight_to_its_plan(op, monkeypatch):
                                                     "evictions": 0, "size": 1}
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_front_takes_a_repeated_training_call_straight_to_its_plan(op, monkeypatch):
+    """With gradients too: the second call of a signature skips the op's checks and runs
+    the plan's autograd function; its gradients equal the first call's."""
+    from forge_dist.ops import checks
+
+    grads, op_checks = [], checks.tensor
+    for i in range(2):
+        t = _inputs(op, seed=2, requires_grad=True)
+        if i == 1:
+            def full_path(*args, **kwargs):
+                raise AssertionError("the full path ran")
+            monkeypatch.setattr(checks, "tensor", full_path)
+        o, _ = _call(op, t)
+        o.square().sum().backward()
+        grads.append([x.grad for x in t.values()])
+    assert cache.stats() == {"hits": 1, "misses": 1, "evictions": 0, "size": 1}
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    # the same signature without gradients is another front entry: the full path first
+    # (which finds the same plan), then the plan's run
+    monkeypatch.setattr(checks, "tensor", op_checks)
+    with torch.no_grad():
+        o1, _ = _call(op, _inputs(op, seed=2))
+        monkeypatch.setattr(checks, "tensor", full_path)
+        o2, _ = _call(op, _inputs(op, seed=2))
+    assert torch.equal(o1, o2) and cache.stats()["misses"] == 1 and cache.stats()["hits"] == 3
+
+
 def test_front_sends_what_the_plan_refuses_down_the_full_path(monkeypatch):
     t = _inputs("simple_gla")
     with torch.no_grad():
@@ -284,8 +313,8 @@ def test_front_sends_what_the_plan_refuses_down_the_full_path(monkeypatch):
         o3, _ = _call("simple_gla", t)
         assert cache.stats()["hits"] == 1 and _rel(o3, o) < 1e-5
     monkeypatch.delenv("FORGE_DIST_OPS_PLANS")
-    # grad mode and an input that needs a gradient: not the front (its signature holds no
-    # gradient flags), the op's checks, then the same plan with its backward
+    # grad mode and an input that needs a gradient: another signature for the front, so the
+    # op's checks, then the same plan with its backward
     t4 = {n: x.clone().requires_grad_(True) for n, x in t.items()}
     o4, _ = _call("simple_gla", t4)
     o4.sum().backward()
