@@ -1,8 +1,9 @@
 """Host overhead of one training call (forward + backward) of each op on one GPU.
 
 At short sequences a training step is host-bound: through the runner's autograd (the general
-path, ``FORGE_DIST_OPS_PLANS=0``) one forward + backward of a matrix-state op cost 1.2-2.2 ms
-of host time on an H100 against 0.08-0.6 ms of GPU time at T = 1K-2K.  The ops' planned path
+path, ``FORGE_DIST_OPS_PLANS=0``) one forward + backward took 1.5-2.7 ms on an H100 against
+0.09-0.82 ms of GPU time at T = 1K-2K (``results/train_overhead_*_s28-front.json``).  The
+ops' planned path
 (``forge_dist/ops/planned.py``) runs the forward through the call's cached plan and the
 backward through the plan's backward program (``Plan.run_backward``).  For each op and T this
 times both paths on the same inputs:

@@ -9,9 +9,9 @@ inference and evaluation loops pay.  Calls with gradients take it too: the backw
 more planned program (:meth:`forge_dist.runtime.plan.Plan.run_backward`), on hgrn's kept
 outputs (its states) or on the matrix-state ops' kept inputs (the backward kernels recompute
 the chunk states, as the general path's do), so a training step at short sequences pays a
-few launches instead of the runner's autograd (at T = 1K-8K on an H100 that was 1.2-2.2 ms
-of host time per forward + backward against 0.08-2.2 ms of GPU time,
-``results/logs/train_probe_*_s28.json``).
+few launches instead of the runner's autograd: at T = 1K-2K on an H100 one forward + backward
+took 1.5-2.7 ms through the runner and 0.48-1.2 ms planned, against 0.09-0.82 ms of GPU time
+(``scaling_benchmarks/results/train_overhead_*_s28-front.json``).
 
 Anything else (sequence parallelism, varlen, fp16 and fp64 inputs, non-contiguous tensors,
 the DSL's fused prologues with gradients, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside
