@@ -343,7 +343,8 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     """
     from . import delta
     from ._common import segment_length, sum_gates_in_walk
-    from ..runtime.programs import Buffer, Launch, Program, _gate_cumsum, _walk_launch
+    from ..runtime.programs import (Buffer, Launch, Program, _gate_cumsum, _walk_launch,
+                                    buffer_args, state_buffers)
 
     cfg = default_tiles(K, V)
     if tiles:
@@ -375,14 +376,8 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
         bufs["g"] = Buffer((B, T, H), f32, "input")
         bufs["dG"] = Buffer((NK, B, T, H), f32, "scratch")
         bufs["dg"] = Buffer((B, T, H), f32, "output")
-    if has_h0:
-        bufs["h0"] = Buffer((B, H, K, V), f32, "input")
-        bufs["dh0"] = Buffer((B, H, K, V), f32, "output")
-    if has_dht:
-        bufs["dht"] = Buffer((B, H, K, V), f32, "input")
-
-    def buf(name, dummy="dvn"):  # absent optional tensors: a placeholder pointer, never read
-        return ("buf", name if name in bufs else dummy)
+    state_buffers(bufs, (B, H, K, V), has_h0=has_h0, has_dht=has_dht)
+    buf = buffer_args(bufs, "dvn")
 
     # 1: the WY factors, keeping X
     wy_args = (("k", "buf", "k"), ("v", "buf", "v"), ("g", *buf("g", "beta")),

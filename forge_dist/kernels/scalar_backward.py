@@ -360,6 +360,33 @@ def default_tiles(B: int, H: int, K: int, V: int, device: torch.device | int) ->
             "dqk_stages": 3, "fuse_dv": True}
 
 
+def state_walks(buf, *, B: int, T: int, H: int, K: int, V: int, BT: int, gate: int,
+                has_h0: bool, has_dht: bool, scale: float, prec: str, cfg: dict) -> list:
+    """The two walks of a backward program as launches: every chunk-start state ``h`` from
+    ``h0``, then the reverse walk for ``dh`` (and ``dh0``); ``gate`` 0 / 1 (this pattern)
+    or 2 (per-channel gates, :mod:`.vector_backward`); ``buf(name)`` gives a pointer
+    argument (:func:`forge_dist.runtime.programs.buffer_args`); tiles from ``cfg``."""
+    from ..runtime.programs import Launch
+
+    NT = triton.cdiv(T, BT)
+    wBK, wBV = cfg["walk_BK"], cfg["walk_BV"]
+    grid = (triton.cdiv(K, wBK), triton.cdiv(V, wBV), B * H)
+    const = (("H", H), ("K", K), ("V", V), ("BT", BT), ("BK", wBK), ("BV", wBV),
+             ("GATE", gate))
+    return [
+        Launch("chunk_states", grid,
+               (("k", *buf("k")), ("v", *buf("v")), ("g", *buf("g")), ("h0", *buf("h0")),
+                ("h", *buf("h")), ("T", "i32", T), ("NT", "i32", NT)),
+               const + (("HAS_H0", has_h0), ("PREC", prec)),
+               cfg["walk_warps"], cfg["walk_stages"]),
+        Launch("chunk_states_bwd", grid,
+               (("q", *buf("q")), ("g", *buf("g")), ("do", *buf("do")), ("dht", *buf("dht")),
+                ("dh", *buf("dh")), ("dh0", *buf("dh0")), ("T", "i32", T), ("NT", "i32", NT),
+                ("scale", "fp32", float(scale))),
+               const + (("HAS_DHT", has_dht), ("STORE_DH0", has_h0), ("PREC", prec)),
+               cfg["walk_warps"], cfg["walk_stages"])]
+
+
 def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype,
                      gated: bool, has_h0: bool, has_dht: bool, scale: float, prec: str,
                      BT: int = 64, tiles: dict | None = None,
@@ -377,7 +404,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     inputs, else ``dtype``).  ``sms``: the SM count the walk tiles are sized for;
     ``do_dtype``: of ``do`` when it differs from ``dtype``.
     """
-    from ..runtime.programs import Buffer, Launch, Program
+    from ..runtime.programs import Buffer, Launch, Program, buffer_args, state_buffers
 
     cfg = default_tiles(B, H, K, V, sms)
     if tiles:
@@ -397,31 +424,11 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     if gated:
         bufs["g"] = Buffer((B, T, H), f32, "input")
         bufs["dg_part"] = Buffer((NKq, B, T, H), f32, "output")
-    if has_h0:
-        bufs["h0"] = Buffer((B, H, K, V), f32, "input")
-        bufs["dh0"] = Buffer((B, H, K, V), f32, "output")
-    if has_dht:
-        bufs["dht"] = Buffer((B, H, K, V), f32, "input")
-
-    def buf(name):  # absent optional tensors: a placeholder pointer, never read
-        return ("buf", name if name in bufs else "h")
-
+    state_buffers(bufs, (B, H, K, V), has_h0=has_h0, has_dht=has_dht)
+    buf = buffer_args(bufs, "h")
     dims = (("H", H), ("K", K), ("V", V), ("BT", BT))
-    wBK, wBV = cfg["walk_BK"], cfg["walk_BV"]
-    wgrid = (triton.cdiv(K, wBK), triton.cdiv(V, wBV), B * H)
-    walk = dims + (("BK", wBK), ("BV", wBV), ("GATE", int(gated)))
-    launches = [
-        Launch("chunk_states", wgrid,
-               (("k", *buf("k")), ("v", *buf("v")), ("g", *buf("g")), ("h0", *buf("h0")),
-                ("h", *buf("h")), ("T", "i32", T), ("NT", "i32", NT)),
-               walk + (("HAS_H0", has_h0), ("PREC", prec)),
-               cfg["walk_warps"], cfg["walk_stages"]),
-        Launch("chunk_states_bwd", wgrid,
-               (("q", *buf("q")), ("g", *buf("g")), ("do", *buf("do")), ("dht", *buf("dht")),
-                ("dh", *buf("dh")), ("dh0", *buf("dh0")), ("T", "i32", T), ("NT", "i32", NT),
-                ("scale", "fp32", float(scale))),
-               walk + (("HAS_DHT", has_dht), ("STORE_DH0", has_h0), ("PREC", prec)),
-               cfg["walk_warps"], cfg["walk_stages"])]
+    launches = state_walks(buf, B=B, T=T, H=H, K=K, V=V, BT=BT, gate=int(gated),
+                           has_h0=has_h0, has_dht=has_dht, scale=scale, prec=prec, cfg=cfg)
     fuse = cfg["fuse_dv"] and NKq == 1
     if not fuse:
         launches.append(Launch(

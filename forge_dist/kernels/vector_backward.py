@@ -129,7 +129,7 @@ from torch import Tensor
 
 from . import vector
 from ._common import HAVE_TRITON, dot_precision, next_pow2, tl, triton
-from .scalar_backward import _bwd_states_kernel, _fwd_states_kernel, _sm_count
+from .scalar_backward import _sm_count, state_walks
 
 __all__ = ["default_tiles", "kernel_specs", "vector_decay_backward"]
 
@@ -649,7 +649,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     SM count the walk tiles and the exact kernel's chunks per program are sized for;
     ``fuse_dv=False`` forces the separate dv kernel.
     """
-    from ..runtime.programs import Buffer, Launch, Program
+    from ..runtime.programs import Buffer, Launch, Program, buffer_args, state_buffers
 
     if BT not in (16, 32, 64):
         raise ValueError(f"BT: expected 16, 32 or 64, got {BT}")
@@ -683,31 +683,12 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
             "flags": Buffer((NT * NK * B * H,), torch.int32, "scratch")}
     if not fuse:
         bufs["a"] = Buffer((NK, B, T, H, BT), f32, "scratch")
-    if has_h0:
-        bufs["h0"] = Buffer((B, H, K, V), f32, "input")
-        bufs["dh0"] = Buffer((B, H, K, V), f32, "output")
-    if has_dht:
-        bufs["dht"] = Buffer((B, H, K, V), f32, "input")
-
-    def buf(name, dummy="h"):  # absent optional tensors: a placeholder pointer, never read
-        return ("buf", name if name in bufs else dummy)
-
+    state_buffers(bufs, (B, H, K, V), has_h0=has_h0, has_dht=has_dht)
+    buf = buffer_args(bufs, "h")
     dims = (("H", H), ("K", K), ("V", V), ("BT", BT))
-    wgrid = (triton.cdiv(K, cfg["walk_BK"]), triton.cdiv(V, cfg["walk_BV"]), B * H)
-    walk = dims + (("BK", cfg["walk_BK"]), ("BV", cfg["walk_BV"]), ("GATE", 2))
-    # the two walks are scalar_backward's (GATE=2: per-channel gates)
-    launches = [
-        Launch("chunk_states", wgrid,
-               (("k", *buf("k")), ("v", *buf("v")), ("g", *buf("g")), ("h0", *buf("h0")),
-                ("h", *buf("h")), ("T", "i32", T), ("NT", "i32", NT)),
-               walk + (("HAS_H0", has_h0), ("PREC", prec)),
-               cfg["walk_warps"], cfg["walk_stages"]),
-        Launch("chunk_states_bwd", wgrid,
-               (("q", *buf("q")), ("g", *buf("g")), ("do", *buf("do")), ("dht", *buf("dht")),
-                ("dh", *buf("dh")), ("dh0", *buf("dh0")), ("T", "i32", T), ("NT", "i32", NT),
-                ("scale", "fp32", float(scale))),
-               walk + (("HAS_DHT", has_dht), ("STORE_DH0", has_h0), ("PREC", prec)),
-               cfg["walk_warps"], cfg["walk_stages"])]
+    # the two walks are scalar_backward's, with per-channel gates
+    launches = state_walks(buf, B=B, T=T, H=H, K=K, V=V, BT=BT, gate=2, has_h0=has_h0,
+                           has_dht=has_dht, scale=scale, prec=prec, cfg=cfg)
     args = tuple((n, *buf(n)) for n in ("q", "k", "v", "g", "h", "do", "dh", "dq", "dk",
                                          "dv", "dg")) + (
         ("a", *buf("a", dummy="dg")), ("flags", *buf("flags")), ("T", "i32", T),

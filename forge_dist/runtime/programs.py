@@ -216,6 +216,25 @@ class Program:
         return tensors
 
 
+def state_buffers(bufs: Dict[str, Buffer], shape: Tuple[int, ...], *, has_h0: bool,
+                  has_dht: bool) -> None:
+    """Add a backward program's optional state buffers to ``bufs``, fp32 ``shape``: the
+    incoming state ``h0`` (input) and its gradient ``dh0`` (output) with ``has_h0``, the
+    final state's gradient ``dht`` (input) with ``has_dht``."""
+    if has_h0:
+        bufs["h0"] = Buffer(shape, torch.float32, "input")
+        bufs["dh0"] = Buffer(shape, torch.float32, "output")
+    if has_dht:
+        bufs["dht"] = Buffer(shape, torch.float32, "input")
+
+
+def buffer_args(bufs: Dict[str, Buffer], placeholder: str):
+    """``name -> ("buf", name)`` for a launch's pointer argument, or ``("buf",
+    placeholder)`` where ``bufs`` has no such buffer (an absent optional tensor, which the
+    kernel's constexpr flags keep it from reading)."""
+    return lambda name, dummy=placeholder: ("buf", name if name in bufs else dummy)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
