@@ -12,7 +12,8 @@ times both paths on the same inputs:
   ``None`` before each call, as ``zero_grad`` does), before any synchronisation;
 * ``us_wall``: the same calls' wall time per call up to a synchronize: what a training loop
   pays, the larger of host and GPU time;
-* ``us_gpu``: the GPU time per call (``torch.profiler``, the sum of the device kernels);
+* ``us_gpu``: the GPU time per call (``kernel_profile.kernel_times``: ``torch.profiler``, the
+  sum of the device kernels);
 
 each the median of ``--repeats`` windows.  ``grad_rel_diff`` is the largest relative
 difference between the two paths' gradients (both run the same backward kernels on the same
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scaling_benchmarks import results_io  # noqa: E402
+from scaling_benchmarks.kernel_profile import kernel_times  # noqa: E402
 
 B, H, K, V, D = 1, 32, 128, 128, 4096
 OPS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn")
@@ -96,18 +98,6 @@ def _windows(call, calls: int, repeats: int):
     return host, wall
 
 
-def _gpu_us(call, calls: int) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    total = sum(e.self_device_time_total for e in prof.key_averages())
-    return total / calls
-
-
 def _max_rel(a: dict, b: dict) -> float:
     worst = 0.0
     for n in a:
@@ -125,7 +115,7 @@ def measure(op: str, T: int, calls: int, repeats: int, device) -> list:
         for _ in range(3):  # compile, plan, warm the allocator
             call()
         host, wall = _windows(call, calls, repeats)
-        gpu = _gpu_us(call, max(3, calls // 3))
+        gpu = sum(kernel_times(call, max(3, calls // 3)).values())
         call()
         grads[path] = {n: x.grad.detach().clone() for n, x in inputs["leaves"].items()}
         rows.append({"op": op, "T": T, "pass": "fwdbwd", "impl": "forge_dist", "path": path,

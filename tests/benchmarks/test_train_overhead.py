@@ -1,0 +1,44 @@
+"""scaling_benchmarks/train_overhead.py on the CPU: the training call it times runs (the
+kernels under Triton's interpreter), a refused op is named, and the plot draws."""
+import pytest
+import torch
+
+from scaling_benchmarks import results_io, train_overhead
+
+
+def test_a_training_call_fills_every_gradient(monkeypatch):
+    from forge_dist.kernels import interpreting
+
+    if not interpreting():
+        pytest.skip("needs the Triton interpreter")
+    monkeypatch.setattr(train_overhead, "H", 2)
+    monkeypatch.setenv("FORGE_DIST_KERNELS", "triton")
+    inputs = train_overhead.make_inputs("simple_gla", 64, torch.device("cpu"))
+    inputs["leaves"] = {n: x.detach().float().requires_grad_(True)
+                        for n, x in inputs["leaves"].items()}
+    inputs["do"] = inputs["do"].float()
+    call = train_overhead.train_call("simple_gla", inputs)
+    call()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all()
+               for x in inputs["leaves"].values())
+
+
+def test_unknown_op_is_named(capsys):
+    if not torch.cuda.is_available():
+        assert train_overhead.main(["--ops", "nope"]) == 2  # no GPU: refused first
+        return
+    with pytest.raises(SystemExit):
+        train_overhead.main(["--ops", "nope"])
+    assert "nope" in capsys.readouterr().err
+
+
+def test_plot_draws_both_paths(tmp_path):
+    result = results_io.header("train_overhead", {})
+    for op in ("linear_attn", "hgrn"):
+        for T in (1024, 2048):
+            for path, us in (("general", 1500.0), ("planned", 500.0)):
+                result["rows"].append({"op": op, "T": T, "path": path, "us_wall": us,
+                                       "us_gpu": 100.0 * T / 1024})
+    png = tmp_path / "t.png"
+    train_overhead.plot(result, png)
+    assert png.stat().st_size > 1000
