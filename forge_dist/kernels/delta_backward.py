@@ -308,7 +308,8 @@ def default_tiles(K: int, V: int) -> dict:
     wide = PK >= 256
     return _safe_warps({"walk_BV": min(16 if wide else 32, PV), "walk_warps": 8 if wide else 4,
                         "walk_stages": 2, "dqk_BK": min(64, PK), "dqk_BV": min(64, PV),
-                        "dqk_stages": 2, "wy_BK": min(32, PK), "wy_BV": min(32, PV)})
+                        "dqk_stages": 2, "wy_BK": min(32, PK), "wy_BV": min(32, PV),
+                        "wy_stages": 3})  # Triton's default, what the WY backward was timed with
 
 
 def _safe_warps(cfg: dict, given: dict | None = None) -> dict:
@@ -391,8 +392,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     raw_gates = gated and sum_gates_in_walk(B, T)
     g_walk = "g" if gated else None
     if gated and not raw_gates:
-        launches.append(_gate_cumsum(bufs, B=B, T=T, H=H, BT=BT))
-        bufs["g_cum"] = Buffer((B, H, T), f32, "scratch")
+        launches.append(_gate_cumsum(bufs, B=B, T=T, H=H, BT=BT, role="scratch"))
         g_walk = "g_cum"
     launches.append(_walk_launch(
         q=None, k="k", v="u", g=g_walk, w="w", h0="h0" if has_h0 else None, o=None, ht="ht",
@@ -422,7 +422,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
                                      "dk", "dv", "dbeta", "dg"))
         + (("T", "i32", T), ("NK", "i32", NK), ("NBT", "i32", B * T)),
         dims + (("BK", cfg["wy_BK"]), ("BV", cfg["wy_BV"]), ("GATE", gated),
-                ("PREC", wy_prec)), cfg["wy_warps"], 1))
+                ("PREC", wy_prec)), cfg["wy_warps"], cfg["wy_stages"]))
     return Program(launches, bufs, "backward",
                    [f"backward: {len(launches)} launches, chunk states in {sdt}"])
 

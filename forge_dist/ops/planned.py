@@ -58,6 +58,9 @@ def _raw_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
 def enabled() -> bool:
     """``FORGE_DIST_OPS_PLANS`` (``1`` default, ``0`` off)."""
     raw = os.environ.get("FORGE_DIST_OPS_PLANS", "1")
@@ -70,6 +73,8 @@ def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_
               group, cu_seqlens, use_kernels: bool, grads: bool = False) -> bool:
     """Whether the short path takes this call; ``grads``: it can differentiate it."""
     if group is not None or cu_seqlens is not None or not use_kernels or not enabled():
+        return False
+    if _compiling():  # a plan object and its host-side launches are not for tracing
         return False
     from .checks import check_finite_enabled
 
@@ -122,6 +127,8 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
             ``x, g``); the caller passes only calls without ``cu_seqlens``, a group or
             arguments the plans do not take (``g_gamma``, in-kernel l2 norm).
     """
+    if _compiling():  # torch.compile / export trace the full path, as they always did
+        return None, None
     for t in tensors:
         if type(t) is not Tensor:  # None, a subclass, anything else: the full path checks
             return None, None
@@ -210,9 +217,9 @@ class _PlannedHgrn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
         g, o, h0 = ctx.saved_tensors
-        do = torch.zeros_like(o) if do is None else do.contiguous()
+        do = torch.zeros_like(o) if do is None else _plan_ready(do, o.dtype)
         if dht is not None:
-            dht = dht.to(torch.float32).contiguous()
+            dht = _plan_ready(dht, torch.float32)
         dx, dg, dS = ctx.plan.run_backward(g, o, do, dht=dht, initial_state=h0,
                                            need_initial_grad=ctx.needs_input_grad[3])
         return None, dx, dg, dS

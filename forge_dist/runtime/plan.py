@@ -347,6 +347,10 @@ class Plan:
             raise PlanError("run_backward: single-device plans on the Triton or static backend "
                             f"only (this plan: {self.op}, backend {self.backend}, world "
                             f"{self.size}); use forge_dist.ops for gradients")
+        if self.prologues:
+            raise PlanError(f"run_backward: this plan maps {', '.join(self.prologues)} with "
+                            "fused prologues, which the backward programs do not differentiate; "
+                            "use forge_dist.ops (or the DSL's variant) for gradients")
         hgrn = self.op == "hgrn"
         names = ("g", "o", "do") if hgrn else tuple(self.input_names) + ("do",)
         if len(tensors) != len(names):
@@ -677,6 +681,7 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              finish_exec=finish_exec, summary_exec=summary_exec, channels=None,
              static=backend == "static", delta=None, zeros=None, _ht_scratch=None,
              execution_request=execution, _dispatcher=disp, _bwd_execs={}, _interp=interp,
+             prologues=tuple(sorted(maps)),
              _specialise_pending=(backend == "triton" and device.type == "cuda"
                                   and size == 1))
 

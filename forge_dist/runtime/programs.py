@@ -169,6 +169,8 @@ class Program:
     buffers: Dict[str, Buffer]
     execution: str
     notes: List[str] = field(default_factory=list)
+    _lifetimes: Optional[Tuple[List[List[str]], List[List[str]]]] = field(
+        default=None, repr=False, compare=False)
 
     def specs(self) -> List[KernelSpec]:
         return [ln.spec(self.buffers) for ln in self.launches]
@@ -177,7 +179,13 @@ class Program:
         """``(allocate_at, free_at)``: per launch, the output and scratch buffers first
         used by it (allocated just before it) and the scratch buffers last used by it
         (dropped right after): a backward program's peak memory is then that of its
-        kernels' own function, which freed its chunk states before the last launches."""
+        kernels' own function, which freed its chunk states before the last launches.
+        Computed once: a program is not changed after it is built."""
+        if self._lifetimes is None:
+            self._lifetimes = self._schedule()
+        return self._lifetimes
+
+    def _schedule(self) -> Tuple[List[List[str]], List[List[str]]]:
         first: Dict[str, int] = {}
         last: Dict[str, int] = {}
         for i, ln in enumerate(self.launches):
@@ -290,12 +298,14 @@ def _walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B, T, H, K, V, gate, scale, cf
                   cfg["num_stages"])
 
 
-def _gate_cumsum(buffers, *, B: int, T: int, H: int, BT: int, maps=None) -> Launch:
+def _gate_cumsum(buffers, *, B: int, T: int, H: int, BT: int, maps=None,
+                 role: str = "workspace") -> Launch:
     """The scalar gates' chunk-local cumulative sums for the walker
-    (``kernels._common.chunk_gate_cumsum``): ``g [B, T, H]`` -> workspace ``g_cum [B, H, T]``."""
+    (``kernels._common.chunk_gate_cumsum``): ``g [B, T, H]`` -> ``g_cum [B, H, T]`` (a
+    buffer of ``role``)."""
     from ..kernels._common import GATE_CUMSUM_WARPS
 
-    buffers["g_cum"] = Buffer((B, H, T), torch.float32, "workspace")
+    buffers["g_cum"] = Buffer((B, H, T), torch.float32, role)
     return Launch("gate_cumsum", (_cdiv(T, BT), B, 1),
                   (("g", "buf", "g"), ("gc", "buf", "g_cum"), ("T", "i32", T)),
                   (("H", H), ("BT", BT), ("BH", _pow2(H))) + _map_consts(maps, "g"),

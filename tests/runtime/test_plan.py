@@ -161,6 +161,24 @@ def test_run_backward_errors():
         torch_plan.run_backward(m["q"], m["k"], m["v"], m["v"])
 
 
+def test_run_backward_refuses_fused_prologues():
+    """A plan with fused prologues differentiates nothing of them: its run_backward would
+    return the unmapped op's gradients, so it refuses (the ops' training path never asks)."""
+    import torch.fx as fx
+    import torch.nn.functional as F
+
+    from forge_dist.dsl import codegen
+
+    graph = fx.symbolic_trace(lambda x: F.elu(x) + 1.0).graph
+    feature, _ = codegen.triton_map([n for n in graph.nodes if n.op != "output"])
+    m = _inputs("simple_gla")
+    p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+             maps={"q": feature})
+    p.run(*[m[n] for n in p.input_names])
+    with pytest.raises(PlanError, match="^run_backward: this plan maps q with fused prologues"):
+        p.run_backward(*[m[n] for n in p.input_names], m["v"])
+
+
 MATRIX_BACKWARD = {"linear_attn": "scalar_backward", "simple_gla": "scalar_backward",
                    "gla": "vector_backward", "gated_delta_rule": "delta_backward"}
 
