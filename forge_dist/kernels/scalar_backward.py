@@ -324,7 +324,7 @@ if HAVE_TRITON:
         tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
 
 
-def _sm_count(device) -> int:
+def sm_count(device) -> int:
     """SMs of ``device`` (an int passes through: a count a caller already has)."""
     if isinstance(device, int):
         return device
@@ -344,7 +344,7 @@ def default_tiles(B: int, H: int, K: int, V: int, device: torch.device | int) ->
     """
     PK, PV = next_pow2(K), next_pow2(V)
     BK, BV = min(64, PK), min(64, PV)
-    target = 3 * _sm_count(device) // 2
+    target = 3 * sm_count(device) // 2
     while B * H * triton.cdiv(K, BK) * triton.cdiv(V, BV) < target and max(BK, BV) > 32:
         if BK >= BV:
             BK //= 2
@@ -484,7 +484,7 @@ def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
     prog = backward_program(B, T, H, K, V, dtype=q.dtype, gated=g is not None,
                             has_h0=S_in is not None, has_dht=dht is not None, scale=scale,
                             prec=dot_precision(q.dtype), BT=BT, tiles=tiles,
-                            state_dtype=state_dtype, sms=_sm_count(q.device),
+                            state_dtype=state_dtype, sms=sm_count(q.device),
                             do_dtype=do.dtype)
     tensors = {"q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(), "do": do}
     if g is not None:
@@ -494,11 +494,14 @@ def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
     if dht is not None:
         tensors["dht"] = dht.to(torch.float32).contiguous()
     prog.execute(tensors, q.device)
-    dg = None
-    if g is not None:
-        part = tensors["dg_part"]
-        dg = part[0] if part.shape[0] == 1 else part.sum(0)
+    dg = summed_gate_grad(tensors["dg_part"]) if g is not None else None
     return tensors["dq"], tensors["dk"], tensors["dv"], dg, tensors.get("dh0")
+
+
+def summed_gate_grad(dg_part: Tensor) -> Tensor:
+    """``dg [B, T, H]`` from the program's ``dg_part [NK, B, T, H]``, the K tiles' shares
+    (a view when there is one tile)."""
+    return dg_part[0] if dg_part.shape[0] == 1 else dg_part.sum(0)
 
 
 def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16, *,

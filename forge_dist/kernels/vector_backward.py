@@ -129,7 +129,7 @@ from torch import Tensor
 
 from . import vector
 from ._common import HAVE_TRITON, dot_precision, next_pow2, tl, triton
-from .scalar_backward import _sm_count, state_walks
+from .scalar_backward import sm_count, state_walks
 
 __all__ = ["default_tiles", "kernel_specs", "vector_decay_backward"]
 
@@ -594,7 +594,7 @@ def default_tiles(B: int, H: int, K: int, V: int, device: torch.device, *,
     """
     PK, PV = next_pow2(K), next_pow2(V)
     BK, BV = min(64, PK), min(64, PV)
-    target = 3 * _sm_count(device) // 2
+    target = 3 * sm_count(device) // 2
     while B * H * triton.cdiv(K, BK) * triton.cdiv(V, BV) < target and max(BK, BV) > 32:
         if BK >= BV:
             BK //= 2
@@ -768,7 +768,7 @@ def vector_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S_in: Tens
     do = torch.zeros_like(v) if do is None else do.contiguous()
     prog = backward_program(B, T, H, K, V, dtype=q.dtype, has_h0=S_in is not None,
                             has_dht=dht is not None, scale=scale, prec=dot_precision(q.dtype),
-                            BT=BT, tiles=tiles, state_dtype=state_dtype, sms=_sm_count(dev),
+                            BT=BT, tiles=tiles, state_dtype=state_dtype, sms=sm_count(dev),
                             do_dtype=do.dtype)
     tensors = {"q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(),
                "g": g.to(torch.float32).contiguous(), "do": do}
@@ -792,5 +792,5 @@ def kernel_specs(K: int, V: int, dtype: torch.dtype = torch.bfloat16, *, B: int 
     ("cpu": a nominal 132-SM H100/H200)."""
     return backward_program(B, 256, H, K, V, dtype=dtype, has_h0=has_h0, has_dht=has_dht,
                             scale=K ** -0.5, prec="tf32x3", BT=BT, tiles=tiles,
-                            sms=_sm_count(torch.device(device)), do_dtype=do_dtype,
+                            sms=sm_count(torch.device(device)), do_dtype=do_dtype,
                             fuse_dv=fuse_dv).specs()

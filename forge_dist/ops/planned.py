@@ -260,6 +260,19 @@ def _differentiable(p, tensors, initial_state):
     return _PlannedMatrix.apply(p, initial_state, *tensors)
 
 
+def _train(p, tensors, initial_state, front_key):
+    """A call with gradients through plan ``p`` (``None``: no plan, or a refusal before any
+    launch that reads the refused tensor: the caller runs the general path)."""
+    if p is None or p.backend == "torch":
+        return None
+    try:
+        out = _differentiable(p, tensors, initial_state)
+    except PlanError:
+        return None
+    _remember(front_key, p)
+    return out
+
+
 def _plan_ready(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` as a plan takes it: ``dtype``, contiguous and 16-byte aligned (cubins)."""
     t = t.to(dtype).contiguous()
@@ -294,15 +307,8 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
         if "beta" in present:
             kw["beta_dtype"] = present["beta"].dtype
     if needs_grad(inputs, initial_state):
-        p = _plan(op, initial_state, output_final_state, **kw)
-        if p is None or p.backend == "torch":
-            return None
-        try:
-            out = _differentiable(p, [inputs[n] for n in names], initial_state)
-        except PlanError:  # as in _run: refused before any launch that reads the tensor
-            return None
-        _remember(front_key, p)
-        return out
+        return _train(_plan(op, initial_state, output_final_state, **kw),
+                      [inputs[n] for n in names], initial_state, front_key)
     return _run(op, names, inputs, initial_state, output_final_state, maps,
                 front_key=front_key, **kw)
 
@@ -324,14 +330,7 @@ def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seq
     if p is None:
         return None
     if needs_grad(inputs, initial_state):
-        if p.backend == "torch":
-            return None
-        try:
-            out = _differentiable(p, (x, g), initial_state)
-        except PlanError:  # as in _run
-            return None
-        _remember(front_key, p)
-        return out
+        return _train(p, (x, g), initial_state, front_key)
     try:
         out = p.run(x, g, initial_state=initial_state)
     except PlanError:  # as in _run

@@ -111,29 +111,20 @@ class _Exec:
         # JIT launches relaunch the kernel their first call compiled (jit_launch.py)
         self._compiled: List[Any] = [None] * len(program.launches)
         self._untried = [device.type == "cuda" and b is None for b in self.bound]
-        # programs with per-call scratch (the backward programs): when to allocate and drop
-        self._scoped = (program.lifetimes() if any(b.role == "scratch"
-                                                   for b in program.buffers.values()) else None)
+        # programs with per-call scratch (the backward programs) allocate and drop it per call
+        self._scoped = any(b.role == "scratch" for b in program.buffers.values())
 
     def __call__(self, tensors: Dict[str, Tensor]) -> None:
         """Launch the program on ``tensors`` (its inputs and outputs by buffer name).  A
         program with scratch buffers also gets each output and scratch buffer that
         ``tensors`` lacks allocated just before its first launch, and its scratch dropped
         after its last (so that a backward's peak memory is its kernels' own)."""
-        if self._scoped is None:
+        if not self._scoped:
             self._launch(tensors, range(len(self._jit_calls)))
             return
-        allocate_at, free_at = self._scoped
-        buffers = self.program.buffers
         fast_ok = None if self.device.type != "cuda" else jit_launch.usable()
-        for i, (new, done) in enumerate(zip(allocate_at, free_at)):
-            for name in new:
-                if name not in tensors:
-                    buf = buffers[name]
-                    tensors[name] = torch.empty(buf.shape, dtype=buf.dtype, device=self.device)
-            self._launch(tensors, (i,), fast_ok)
-            for name in done:
-                del tensors[name]
+        self.program.run_scoped(tensors, self.device,
+                                lambda i, t: self._launch(t, (i,), fast_ok))
 
     def _launch(self, tensors: Dict[str, Tensor], which, fast_ok: Optional[bool] = None) -> None:
         """Launch ``which`` (indices into the program) on ``tensors``; ``fast_ok``: whether
@@ -398,8 +389,9 @@ class Plan:
             given["g"] = g.float()
         exe(given)  # allocates the gradients and the scratch it needs, drops the scratch
         if "dg_part" in given:  # simple_gla: the K tiles' shares of dg
-            part = given["dg_part"]
-            given["dg"] = part[0] if part.shape[0] == 1 else part.sum(0)
+            from ..kernels.scalar_backward import summed_gate_grad
+
+            given["dg"] = summed_gate_grad(given["dg_part"])
         grads = [given["dq"], given["dk"], given["dv"]]
         if g is not None:
             grads.append(given["dg"].to(g.dtype))
@@ -418,14 +410,15 @@ class Plan:
                                                 has_h0=self.initial_state, has_dht=has_dht,
                                                 execution=self.execution_request)
             else:
+                from ..kernels.scalar_backward import sm_count
+
                 B, T, H, K = self.shapes["q"]
-                sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                       if self.device.type == "cuda" else 132)
                 prog = pg.matrix_backward_program(
                     self.op, B=B, T=T, H=H, K=K, V=self.out_shape[-1], dtype=self.out_dtype,
                     gated="g" in self.shapes, has_h0=self.initial_state, has_dht=has_dht,
                     scale=self.scale, interp=self._interp,
-                    beta_dtype=self.dtypes.get("beta", torch.float32), sms=sms)
+                    beta_dtype=self.dtypes.get("beta", torch.float32),
+                    sms=sm_count(self.device))
             exe = self._bwd_execs[has_dht] = _Exec(prog, self.device, self._dispatcher)
             self.notes.extend(n for n in prog.notes if n not in self.notes)
         return exe

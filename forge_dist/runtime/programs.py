@@ -23,7 +23,7 @@ import importlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -202,26 +202,36 @@ class Program:
                 free_at[i].append(name)
         return allocate_at, free_at
 
-    def execute(self, tensors: Dict[str, torch.Tensor], device) -> Dict[str, torch.Tensor]:
-        """Launch every kernel through Triton's JIT (how the kernel modules' own functions
-        run a program they built).  ``tensors`` holds the inputs by name; each output and
-        scratch buffer it lacks is allocated on ``device`` before its first launch, and
-        scratch is dropped after its last; returns ``tensors`` with the outputs.  The
-        kernels are looked up at each call (tests wrap them)."""
+    def run_scoped(self, tensors: Dict[str, torch.Tensor], device,
+                   launch: Callable[[int, Dict[str, torch.Tensor]], None]
+                   ) -> Dict[str, torch.Tensor]:
+        """``launch(i, tensors)`` for every launch in order, with each output and scratch
+        buffer that ``tensors`` lacks allocated on ``device`` just before its first launch
+        and each scratch buffer dropped right after its last (:meth:`lifetimes`); returns
+        ``tensors`` with the outputs."""
         allocate_at, free_at = self.lifetimes()
-        for ln, new, done in zip(self.launches, allocate_at, free_at):
+        for i, (new, done) in enumerate(zip(allocate_at, free_at)):
             for name in new:
                 if name not in tensors:
                     buf = self.buffers[name]
                     tensors[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+            launch(i, tensors)
+            for name in done:
+                del tensors[name]
+        return tensors
+
+    def execute(self, tensors: Dict[str, torch.Tensor], device) -> Dict[str, torch.Tensor]:
+        """Launch every kernel through Triton's JIT (how the kernel modules' own functions
+        run a program they built), buffers as in :meth:`run_scoped`.  The kernels are looked
+        up at each call (tests wrap them)."""
+        def launch(i, tensors):
+            ln = self.launches[i]
             call = {name: tensors[value] if kind == "buf" else value
                     for name, kind, value in ln.args}
             resolve_kernel(ln.kernel)[ln.grid](**call, **dict(ln.constexprs),
                                                num_warps=ln.num_warps,
                                                num_stages=ln.num_stages)
-            for name in done:
-                del tensors[name]
-        return tensors
+        return self.run_scoped(tensors, device, launch)
 
 
 def state_buffers(bufs: Dict[str, Buffer], shape: Tuple[int, ...], *, has_h0: bool,
