@@ -42,6 +42,10 @@
 #   bash scaling_benchmarks/device_batch.sh trainstep # 1 GPU: delta-rule backward tests and the ops' short
 #                                                     #   path compiled, training-call overhead (~9 min)
 #   bash scaling_benchmarks/device_batch.sh trainstep-kernels # 1 GPU: the backward kernels' GPU tests (~3 min)
+#   bash scaling_benchmarks/device_batch.sh trainhost-tests # 1 GPU: the specialised backward programs'
+#                                                     #   and the ops' planned path's GPU tests (~5 min)
+#   bash scaling_benchmarks/device_batch.sh trainhost-bench # 1 GPU: training-call overhead, launch
+#                                                     #   overhead (~6 min)
 # Several stages run in order: device_batch.sh kernels single runtime
 #
 # Every step has a timeout (spin-waits can hang) and tees its log into $OUT; a step that
@@ -54,7 +58,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -123,6 +127,15 @@ case "$stage" in
     step backward_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/kernels/test_scalar_backward.py tests/kernels/test_vector_backward.py \
       tests/kernels/test_delta_backward.py tests/runtime/test_gpu.py ;;
+  trainhost-tests)  # the backward programs' straight-line runs (fastpath.specialise_program)
+    step backward_program_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/runtime/test_gpu.py -k "backward or relaunch or static_equals"
+    step planned_tests 220 python3 -m pytest -q -p no:cacheprovider tests/ops/test_planned.py ;;
+  trainhost-bench)
+    step train_overhead 300 python3 scaling_benchmarks/train_overhead.py --out "$OUT" \
+      ${TRAIN_TAG:+--tag "$TRAIN_TAG"}
+    step launch_overhead 200 python3 scaling_benchmarks/launch_overhead.py --repeats 3 \
+      --out "$OUT" ${TRAIN_TAG:+--tag "$TRAIN_TAG"} ;;
   runtime)
     step gpu_runtime_tests 180 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/runtime
     step launch_overhead 150 python3 scaling_benchmarks/launch_overhead.py --out "$OUT" ;;

@@ -28,7 +28,7 @@ every launch has a compiled kernel (after the first run).  The generated source 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -50,6 +50,47 @@ def _launchers(plan):
     if plan.backend == "triton" and all(c is not None for c in exe._compiled):
         return "jit", exe._compiled
     return None
+
+
+def _slots_of(ln, kind: str) -> List[Tuple[bool, Any]]:
+    """(is a buffer, buffer name or fixed value) per kernel parameter of a cubin launch
+    (:class:`~.dispatcher.BoundLaunch`, workspaces baked in) or a compiled one
+    (:class:`~.jit_launch.CompiledLaunch`), in order."""
+    if kind == "cubin":
+        per_call = dict(ln._slots)  # slot -> buffer name; workspaces are baked in
+        return [(True, per_call[j]) if j in per_call else (False, v)
+                for j, v in enumerate(ln.fixed)]
+    return list(ln._slots)
+
+
+def _emit_launch(i: int, ln, kind: str, slots, ptr_of: Dict[str, str], env: Dict[str, Any],
+                 body: List[str]) -> bool:
+    """Append launch ``i`` as one line (a cubin: one ``pack_into`` first) to ``body``, with
+    each buffer's pointer expression from ``ptr_of`` and the fixed values as constants in
+    ``env``; ``False`` (nothing appended) when a buffer has no pointer expression."""
+    values = []
+    for j, (is_buf, v) in enumerate(slots):
+        if is_buf:
+            if v not in ptr_of:
+                return False
+            values.append(ptr_of[v])
+        else:
+            env[f"F{i}_{j}"] = v
+            values.append(f"F{i}_{j}")
+    if kind == "cubin":
+        env[f"pack{i}"], env[f"buf{i}"] = ln.pack.struct.pack_into, ln.pack.buffer
+        env[f"launch{i}"], env[f"fn{i}"] = ln.driver.launch, ln.fn
+        env[f"grid{i}"], env[f"params{i}"] = ln.grid, ln.pack.params_address
+        body.append(f"    pack{i}(buf{i}, 0, {', '.join(values)})")
+        body.append(f"    launch{i}(fn{i}, grid{i}, {ln.block_x}, {ln.shared}, st, "
+                    f"params{i})")
+    else:
+        env[f"launch{i}"], env[f"fn{i}"], env[f"meta{i}"] = (
+            ln._run, ln._function, ln._packed)
+        gx, gy, gz = ln._grid
+        body.append(f"    launch{i}({gx}, {gy}, {gz}, st, fn{i}, meta{i}, None, None, "
+                    f"None, {', '.join(values)})")
+    return True
 
 
 def specialise(plan) -> Optional[Callable]:
@@ -148,15 +189,7 @@ def specialise(plan) -> Optional[Callable]:
             body.append("    p_ht = ht.data_ptr()")
             ptr_of["ht"] = "p_ht"
 
-    def slots_of(ln):
-        """(is a buffer, buffer name or fixed value) per kernel parameter, in order."""
-        if kind == "cubin":
-            per_call = dict(ln._slots)  # slot -> buffer name; workspaces are baked in
-            return [(True, per_call[j]) if j in per_call else (False, v)
-                    for j, v in enumerate(ln.fixed)]
-        return list(ln._slots)
-
-    all_slots = [slots_of(ln) for ln in launches]
+    all_slots = [_slots_of(ln, kind) for ln in launches]
     read = [{v for is_buf, v in slots if is_buf} for slots in all_slots]
     pending = list(enumerate(checked))
     # a tensor no launch reads is still checked, before the first launch
@@ -176,28 +209,8 @@ def specialise(plan) -> Optional[Callable]:
         if i == 0:
             body.append("    st = stream()")
         allocate(read[i])
-        values = []
-        for j, (is_buf, v) in enumerate(slots):
-            if is_buf:
-                if v not in ptr_of:
-                    return None  # a buffer this path does not know: keep the general path
-                values.append(ptr_of[v])
-            else:
-                env[f"F{i}_{j}"] = v
-                values.append(f"F{i}_{j}")
-        if kind == "cubin":
-            env[f"pack{i}"], env[f"buf{i}"] = ln.pack.struct.pack_into, ln.pack.buffer
-            env[f"launch{i}"], env[f"fn{i}"] = ln.driver.launch, ln.fn
-            env[f"grid{i}"], env[f"params{i}"] = ln.grid, ln.pack.params_address
-            body.append(f"    pack{i}(buf{i}, 0, {', '.join(values)})")
-            body.append(f"    launch{i}(fn{i}, grid{i}, {ln.block_x}, {ln.shared}, st, "
-                        f"params{i})")
-        else:
-            env[f"launch{i}"], env[f"fn{i}"], env[f"meta{i}"] = (
-                ln._run, ln._function, ln._packed)
-            gx, gy, gz = ln._grid
-            body.append(f"    launch{i}({gx}, {gy}, {gz}, st, fn{i}, meta{i}, None, None, "
-                        f"None, {', '.join(values)})")
+        if not _emit_launch(i, ln, kind, slots, ptr_of, env, body):
+            return None  # a buffer this path does not know: keep the general path
     if "o" not in ptr_of:
         return None  # a program that never writes o is not a run() program
     body.append(f"    return o, {'ht' if returns_ht else 'None'}")
@@ -211,4 +224,96 @@ def specialise(plan) -> Optional[Callable]:
     run = env["run"]
     run.__source__ = src
     run.__doc__ = plan._run_general.__doc__
+    return run
+
+
+def specialise_program(exe) -> Optional[Callable[[Dict[str, Tensor]], None]]:
+    """``_Exec.__call__`` for ``exe`` (a :class:`~.plan._Exec`) as straight-line Python, or
+    ``None`` unless every launch has a cubin or a compiled kernel.
+
+    The plans' backward programs run through it: the general call builds a pointer dict per
+    launch, goes through the compiled kernel's launcher with tensors (which reads each
+    ``data_ptr`` again) and allocates through :meth:`~.programs.Program.run_scoped`'s loops,
+    ~30 us of host time per launch on the H100 machine's host (a linear_attn backward of
+    three launches: 93 us, ``results/logs/train_split_*_s29.log``).  The function takes the
+    same dict and does what the general call does, in the same order: the program's inputs
+    (and, for a program without scratch buffers, its outputs) read from it; each output and
+    scratch buffer of a scoped program allocated just before its first launch (outputs
+    stored in the dict), each scratch buffer dropped after its last.  A dict of any other
+    keys, a pointer off 16-byte alignment (the kernels were specialised on aligned
+    pointers) or relaunches switched off (``jit_launch.usable``) go to the general call.
+    """
+    program = exe.program
+    n = len(program.launches)
+    launches, kinds = [], []
+    for i in range(n):
+        if exe.bound[i] is not None:
+            launches.append(exe.bound[i])
+            kinds.append("cubin")
+        elif exe._compiled[i] is not None:
+            launches.append(exe._compiled[i])
+            kinds.append("jit")
+        else:
+            return None
+    buffers = program.buffers
+    scoped = exe._scoped
+    inputs = [b for b, buf in buffers.items() if buf.role == "input"]
+    given = inputs if scoped else inputs + [b for b, buf in buffers.items()
+                                            if buf.role == "output"]
+    env: Dict[str, Any] = {"general": exe._call_general, "empty": torch.empty,
+                           "empty_like": torch.empty_like, "CONTIGUOUS": torch.contiguous_format,
+                           "DEVICE": exe.device, "ALIGN_MASK": ALIGN_MASK}
+    fallback = "return general(t)"
+    body: List[str] = [f"    if len(t) != {len(given)}:", f"        {fallback}"]
+    if "jit" in kinds:
+        env["relaunch_usable"] = jit_launch.usable
+        body += ["    if not relaunch_usable():  # a launch hook: the JIT path sees it",
+                 f"        {fallback}"]
+    ptr_of = {b: f"W_{b}" for b in exe.workspaces}
+    env.update({f"W_{b}": t.data_ptr() for b, t in exe.workspaces.items()})
+    for b in given:
+        body.append(f"    b_{b} = t[{b!r}]")
+        body.append(f"    p_{b} = b_{b}.data_ptr()")
+        ptr_of[b] = f"p_{b}"
+    if given:
+        body += ["    if (" + " | ".join(f"p_{b}" for b in given) + ") & ALIGN_MASK:",
+                 f"        {fallback}"]
+    if "cubin" in kinds:
+        env["stream"] = exe.stream
+    if "jit" in kinds:
+        from .plan import _raw_stream
+
+        env["raw_stream"], env["INDEX"] = _raw_stream, exe.device.index
+    body.append("    st = stream()" if "jit" not in kinds else "    st = raw_stream(INDEX)")
+    if "cubin" in kinds and "jit" in kinds:
+        body.append("    st_cubin = stream()")
+    allocate_at, free_at = program.lifetimes() if scoped else ([[]] * n, [[]] * n)
+    for i, ln in enumerate(launches):
+        for b in allocate_at[i]:
+            buf = buffers[b]
+            # empty_like of an input of the same shape and dtype is the cheaper allocation
+            # (fastpath.specialise's note); the explicit format ignores its strides
+            like = next((x for x in inputs if buffers[x].shape == buf.shape
+                         and buffers[x].dtype == buf.dtype), None)
+            if like is not None:
+                body.append(f"    b_{b} = empty_like(b_{like}, memory_format=CONTIGUOUS)")
+            else:
+                env[f"S_{b}"], env[f"D_{b}"] = tuple(buf.shape), buf.dtype
+                body.append(f"    b_{b} = empty(*S_{b}, dtype=D_{b}, device=DEVICE)")
+            if buf.role == "output":
+                body.append(f"    t[{b!r}] = b_{b}")
+            body.append(f"    p_{b} = b_{b}.data_ptr()")
+            ptr_of[b] = f"p_{b}"
+        if not _emit_launch(i, ln, kinds[i], _slots_of(ln, kinds[i]), ptr_of, env, body):
+            return None
+        if kinds[i] == "cubin" and "jit" in kinds:
+            body[-1] = body[-1].replace(", st, ", ", st_cubin, ")
+        for b in free_at[i]:  # dropped here, as run_scoped does
+            body.append(f"    del b_{b}")
+            ptr_of.pop(b)
+    src = "def run(t):\n" + "\n".join(body) + "\n"
+    kernels = ", ".join(ln.kernel for ln in program.launches)
+    exec(compile(src, f"<forge_dist program run: {kernels}>", "exec"), env)
+    run = env["run"]
+    run.__source__ = src
     return run

@@ -36,7 +36,7 @@ capturable too (device-side epochs; see ``forge_dist/runtime/__init__.py``).
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -77,7 +77,8 @@ def _rank_size(group) -> Tuple[int, int, bool]:
 class _Exec:
     """Runs one :class:`~.programs.Program`: JIT launches, or bound cubins where available."""
 
-    def __init__(self, program: pg.Program, device: torch.device, dispatcher=None):
+    def __init__(self, program: pg.Program, device: torch.device, dispatcher=None,
+                 specialise: bool = False):
         self.program = program
         self.device = device
         self.kernels = [pg.resolve_kernel(ln.kernel) for ln in program.launches]
@@ -113,12 +114,26 @@ class _Exec:
         self._untried = [device.type == "cuda" and b is None for b in self.bound]
         # programs with per-call scratch (the backward programs) allocate and drop it per call
         self._scoped = any(b.role == "scratch" for b in program.buffers.values())
+        # specialise: once every launch has a cubin or a compiled kernel, calls go through
+        # straight-line code made for this program (fastpath.specialise_program)
+        self._specialise_pending = specialise
+        self._fast: Optional[Callable[[Dict[str, Tensor]], None]] = None
 
     def __call__(self, tensors: Dict[str, Tensor]) -> None:
         """Launch the program on ``tensors`` (its inputs and outputs by buffer name).  A
         program with scratch buffers also gets each output and scratch buffer that
         ``tensors`` lacks allocated just before its first launch, and its scratch dropped
         after its last (so that a backward's peak memory is its kernels' own)."""
+        fast = self._fast
+        if fast is not None:
+            fast(tensors)  # calls _call_general on anything it does not take
+            return
+        self._call_general(tensors)
+        if self._specialise_pending and not any(self._untried):
+            self._specialise_pending = False  # one try: a launch without either stays JIT
+            self._fast = fastpath.specialise_program(self)
+
+    def _call_general(self, tensors: Dict[str, Tensor]) -> None:
         if not self._scoped:
             self._launch(tensors, range(len(self._jit_calls)))
             return
@@ -419,7 +434,8 @@ class Plan:
                     scale=self.scale, interp=self._interp,
                     beta_dtype=self.dtypes.get("beta", torch.float32),
                     sms=sm_count(self.device))
-            exe = self._bwd_execs[has_dht] = _Exec(prog, self.device, self._dispatcher)
+            exe = self._bwd_execs[has_dht] = _Exec(prog, self.device, self._dispatcher,
+                                                   specialise=True)
             self.notes.extend(n for n in prog.notes if n not in self.notes)
         return exe
 

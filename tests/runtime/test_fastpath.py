@@ -260,3 +260,96 @@ def test_output_without_a_template_input_is_allocated_from_its_shape(built):
     assert "o = empty(*OUT_SHAPE, dtype=OUT_DTYPE, device=DEVICE)" in run.__source__
     o, _ = run(*_inputs())
     assert o.dtype == torch.float64 and o.shape == (B, T, H, V) and o.is_contiguous()
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "gated_delta_rule", "hgrn"])
+def test_backward_program_specialised_launches_what_the_general_call_does(monkeypatch, op):
+    """A plan's backward program after its first call (``_Exec`` with ``specialise``): the
+    straight-line run (``fastpath.specialise_program``) makes the general call's launches
+    with the same parameters, allocates the same buffers in the same order, leaves the same
+    outputs in the dict and drops the scratch; a dict of other keys, an unaligned pointer
+    or relaunches switched off go to the general call before anything is launched.  Fake
+    compiled kernels stand in for the GPU's (as in the forward's test above)."""
+    import importlib
+
+    from forge_dist.kernels import interpreting
+    from forge_dist.runtime import jit_launch
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (on a GPU, test_gpu.py covers this path)")
+    plan_module = importlib.import_module("forge_dist.runtime.plan")
+    monkeypatch.setattr(plan_module, "_raw_stream", lambda index: 55)
+    if op == "hgrn":  # two launches at this T would be one: the decoupled schedule's three
+        p = plan("hgrn", B=B, T=T, D=40, dtype=torch.float32, device="cpu",
+                 execution="decoupled")
+    else:
+        p = plan(op, B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
+    exe = p._backward_exec(False)
+    buffers = exe.program.buffers
+    assert exe._specialise_pending and exe._scoped == (op != "hgrn")
+    gen = torch.Generator().manual_seed(3)
+    given = {n: torch.randn(b.shape, generator=gen).to(b.dtype) for n, b in buffers.items()
+             if b.role == "input" or (b.role == "output" and not exe._scoped)}
+    calls = []
+    every = {**given, **exe.workspaces, **{n: torch.empty(b.shape, dtype=b.dtype)
+                                           for n, b in buffers.items() if n not in given}}
+    exe._compiled = [
+        jit_launch.CompiledLaunch.make(_FakeCompiledKernel(ln.kernel, calls), _params_of(fn),
+                                       ln.grid, ln.args, dict(ln.constexprs), every)
+        for ln, fn in zip(exe.program.launches, exe.kernels)]
+    assert all(c is not None for c in exe._compiled)
+
+    allocated = []  # every allocation of a call, kept alive: distinct pointers, numbered
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def recording(make):
+        def alloc(*a, **k):
+            t = make(*a, **k)
+            allocated.append(t)
+            return t
+        return alloc
+    monkeypatch.setattr(torch, "empty", recording(real_empty))
+    monkeypatch.setattr(torch, "empty_like", recording(real_like))
+
+    def run(call):
+        """The launches of ``call`` on a copy of ``given``, pointers named, and the dict."""
+        calls.clear()
+        allocated.clear()
+        t = dict(given)
+        call(t)
+        names = {x.data_ptr(): n for n, x in given.items()}
+        names.update({w.data_ptr(): f"workspace {n}" for n, w in exe.workspaces.items()})
+        names.update({a.data_ptr(): f"allocation {j} {tuple(a.shape)} {a.dtype}"
+                      for j, a in enumerate(allocated)})
+        named = [tuple(names.get(x.data_ptr() if isinstance(x, torch.Tensor) else x, x)
+                       for x in c) for c in calls]
+        return named, t
+
+    general, t_general = run(exe)  # the first call: the general one, then specialised
+    assert exe._fast is not None and not exe._specialise_pending
+    assert "def run(t):" in exe._fast.__source__
+    fast, t_fast = run(exe)
+    assert len(fast) == len(exe.program.launches) and fast == general
+    assert all(c[3] == 55 for c in calls)  # the current stream
+    outputs = {n for n, b in buffers.items() if b.role == "output"}
+    assert set(t_fast) == set(t_general) == set(given) | outputs  # no scratch left
+    if exe._scoped:
+        scratch = [n for n, b in buffers.items() if b.role == "scratch"]
+        assert scratch and len(allocated) == len(outputs) + len(scratch)
+        src = exe._fast.__source__
+        assert all(f"    del b_{n}" in src for n in scratch)
+
+    # what it does not take goes to the general call, before any launch
+    fell = []
+    monkeypatch.setattr(exe, "_call_general", lambda t: fell.append(set(t)))
+    fast_run = fastpath.specialise_program(exe)
+    first = next(iter(given))
+    shifted = real_empty(given[first].numel() + 1, dtype=given[first].dtype)[1:]
+    shifted = shifted.view(given[first].shape)  # 4 bytes past an aligned address
+    for t in ({**given, first: shifted}, {**given, "extra": shifted}):
+        calls.clear()
+        fast_run(t)
+        assert calls == [] and fell.pop() == set(t)
+    monkeypatch.setenv("FORGE_DIST_JIT_RELAUNCH", "0")
+    fast_run(dict(given))
+    assert calls == [] and fell.pop() == set(given)

@@ -171,6 +171,40 @@ def test_hgrn_plan_backward_on_the_gpu(cache_dir, backend):
     assert _rel(dx, xf.grad) < 1e-2 and _rel(dg, gf.grad) < 1e-2 and _rel(dS, sf.grad) < 1e-2
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["static", "triton"])
+@pytest.mark.parametrize("op", ["linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"])
+def test_backward_programs_run_specialised(cache_dir, backend, op):
+    """From its second call a plan's backward program runs its straight-line code
+    (``fastpath.specialise_program``): gradients bitwise equal to the first, general call's;
+    on the Triton backend an unaligned ``do`` goes through the general call (the JIT) and
+    gives them too."""
+    if backend == "static" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the AOT config targets sm_90")
+    p = _plan(op, None, backend, cache_dir)
+    x = _inputs(op, seed=6)
+    o, _ = p.run(*x)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+    first = p.run_backward(*((x[1], o, do) if op == "hgrn" else (*x, do)))
+    exe = p._bwd_execs[False]
+    assert exe._fast is not None, exe.paths
+    if backend == "static":
+        assert all(path.startswith("cubin") for path in exe.paths), exe.paths
+    runs = [p.run_backward(*((x[1], o, do) if op == "hgrn" else (*x, do))) for _ in range(2)]
+    if backend == "triton":
+        shifted = torch.empty(do.numel() + 8, dtype=do.dtype, device="cuda")[1:do.numel() + 1]
+        shifted = shifted.view(do.shape)  # 2 bytes past a 16-byte boundary
+        shifted.copy_(do)
+        runs.append(p.run_backward(*((x[1], o, shifted) if op == "hgrn" else (*x, shifted))))
+    torch.cuda.synchronize()
+    for again in runs:
+        assert len(again) == len(first)
+        for a, b in zip(first, again):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
 @pytest.mark.gpu
 def test_ctypes_driver(cache_dir):
     if torch.cuda.get_device_capability() != (9, 0):
