@@ -18,10 +18,16 @@ times both paths on the same inputs:
 each the median of ``--repeats`` windows.  ``grad_rel_diff`` is the largest relative
 difference between the two paths' gradients (both run the same backward kernels on the same
 inputs).  B=1, H=32, K=V=128 bf16 with fp32 gates (hgrn: D=4096), T in {1K, 2K, 4K, 8K}.
+
+With ``--layers N`` a call runs the op N times stacked (each layer's ``q`` / ``x`` the output
+of the layer below, one backward through the stack) and rows add ``us_*_per_layer``: what a
+layer costs inside a model, where autograd's engine starts once per backward (on the H100
+machines an autograd function that does nothing took 69-109 us of host time per backward
+call, ``results/logs/train_split_*_s29.log``).
 Results: JSON + PNG through ``results_io`` under ``scaling_benchmarks/results/``.
 
     python scaling_benchmarks/train_overhead.py [--ops linear_attn,...] [--T 1024,...]
-        [--calls 30] [--repeats 5] [--out DIR] [--tag TAG]
+        [--calls 30] [--repeats 5] [--layers 1] [--out DIR] [--tag TAG]
 """
 from __future__ import annotations
 
@@ -68,18 +74,24 @@ def make_inputs(op: str, T: int, device) -> dict:
     return {"leaves": {n: x.requires_grad_(True) for n, x in t.items()}, "do": do}
 
 
-def train_call(op: str, inputs: dict):
-    """One forward + backward through the public op; returns the call."""
+def train_call(op: str, inputs: dict, layers: int = 1):
+    """One forward + backward through the public op; returns the call.  With ``layers`` > 1
+    the op is stacked: each layer's first input (``q``, hgrn's ``x``) is the output of the
+    layer below, the other inputs are shared, and one backward runs through the stack (as in
+    a model, where autograd's engine starts once per backward, not once per layer)."""
     from forge_dist import ops
 
     fn = getattr(ops, op)
     leaves, do = list(inputs["leaves"].values()), inputs["do"]
+    first, rest = leaves[0], leaves[1:]
 
     def call():
         for x in leaves:
             x.grad = None
-        o, _ = fn(*leaves)
-        o.backward(do)
+        h = first
+        for _ in range(layers):
+            h, _ = fn(h, *rest)
+        h.backward(do)
     return call
 
 
@@ -106,12 +118,12 @@ def _max_rel(a: dict, b: dict) -> float:
     return worst
 
 
-def measure(op: str, T: int, calls: int, repeats: int, device) -> list:
+def measure(op: str, T: int, calls: int, repeats: int, device, layers: int = 1) -> list:
     inputs = make_inputs(op, T, device)
     rows, grads = [], {}
     for path, switch in PATHS.items():
         os.environ["FORGE_DIST_OPS_PLANS"] = switch
-        call = train_call(op, inputs)
+        call = train_call(op, inputs, layers)
         for _ in range(3):  # compile, plan, warm the allocator
             call()
         host, wall = _windows(call, calls, repeats)
@@ -120,7 +132,10 @@ def measure(op: str, T: int, calls: int, repeats: int, device) -> list:
         grads[path] = {n: x.grad.detach().clone() for n, x in inputs["leaves"].items()}
         rows.append({"op": op, "T": T, "pass": "fwdbwd", "impl": "forge_dist", "path": path,
                      "us_host": statistics.median(host), "us_wall": statistics.median(wall),
-                     "us_gpu": gpu, "us_wall_runs": wall,
+                     "us_gpu": gpu, "us_wall_runs": wall, "layers": layers,
+                     "us_wall_per_layer": statistics.median(wall) / layers,
+                     "us_host_per_layer": statistics.median(host) / layers,
+                     "us_gpu_per_layer": gpu / layers,
                      "ms": statistics.median(wall) / 1000})
     os.environ.pop("FORGE_DIST_OPS_PLANS", None)
     diff = _max_rel(grads["planned"], grads["general"])
@@ -141,17 +156,21 @@ def plot(result, png) -> None:
         for path, style in (("general", "o-"), ("planned", "s-")):
             rows = sorted(results_io.rows_where(result, op=op, path=path), key=lambda r: r["T"])
             Ts = [r["T"] for r in rows]
-            ax.plot(Ts, [r["us_wall"] for r in rows], style, label=f"{path}: wall")
+            ax.plot(Ts, [r["us_wall"] / r.get("layers", 1) for r in rows], style,
+                    label=f"{path}: wall")
             if path == "planned":
-                ax.plot(Ts, [r["us_gpu"] for r in rows], "k--", label="GPU time")
+                ax.plot(Ts, [r["us_gpu"] / r.get("layers", 1) for r in rows], "k--",
+                        label="GPU time")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(op)
         ax.set_xlabel("T (tokens)")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("us per forward + backward")
+    layers = result.get("config", {}).get("layers", 1)
+    axes[0][0].set_ylabel("us per forward + backward" + (" per layer" if layers > 1 else ""))
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"one training call through forge_dist.ops, {result['device']}", fontsize=9)
+    what = "one training call" if layers == 1 else f"a stack of {layers} layers"
+    fig.suptitle(f"{what} through forge_dist.ops, {result['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
@@ -162,9 +181,13 @@ def main(argv=None) -> int:
     p.add_argument("--T", default="1024,2048,4096,8192")
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--layers", type=int, default=1, help="stack the op this many times (each "
+                   "layer's q or x the output below; one backward); rows add per-layer times")
     p.add_argument("--out", default=None, help="results directory")
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
+    if args.layers < 1:
+        p.error(f"--layers: expected at least 1, got {args.layers}")
     if not torch.cuda.is_available():
         print("train_overhead: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -177,17 +200,20 @@ def main(argv=None) -> int:
     result = results_io.header("train_overhead", {"B": B, "H": H, "K": K, "V": V, "D": D,
                                                   "dtype": "bfloat16", "gate_dtype": "float32",
                                                   "calls": args.calls,
-                                                  "repeats": args.repeats})
+                                                  "repeats": args.repeats,
+                                                  "layers": args.layers})
     result["tag"] = args.tag
     for op in ops_:
         for T in Ts:
-            rows = measure(op, T, args.calls, args.repeats, device)
+            rows = measure(op, T, args.calls, args.repeats, device, args.layers)
             result["rows"] += rows
             pl, ge = rows
-            print(f"{op:18s} T={T:5d}  general {ge['us_wall']:8.1f} us (host {ge['us_host']:7.1f})"
-                  f"  planned {pl['us_wall']:8.1f} us (host {pl['us_host']:7.1f})  GPU "
-                  f"{pl['us_gpu']:8.1f} / {ge['us_gpu']:8.1f}  grads {pl['grad_rel_diff']:.1e}",
-                  flush=True)
+            n = args.layers
+            print(f"{op:18s} T={T:5d}  general {ge['us_wall'] / n:8.1f} us (host "
+                  f"{ge['us_host'] / n:7.1f})  planned {pl['us_wall'] / n:8.1f} us (host "
+                  f"{pl['us_host'] / n:7.1f})  GPU {pl['us_gpu'] / n:8.1f} / "
+                  f"{ge['us_gpu'] / n:8.1f}{' per layer' if n > 1 else ''}  grads "
+                  f"{pl['grad_rel_diff']:.1e}", flush=True)
     path = results_io.write(result, args.out)
     plot(result, path.with_suffix(".png"))
     print(f"wrote {path}")

@@ -23,6 +23,38 @@ def test_a_training_call_fills_every_gradient(monkeypatch):
                for x in inputs["leaves"].values())
 
 
+def test_stacked_layers_chain_the_op_and_reach_every_leaf(monkeypatch):
+    """``--layers``: each layer takes the output below as its q; one backward reaches the
+    shared k, v, g through every layer (their gradients sum the layers' shares)."""
+    from forge_dist.kernels import interpreting
+
+    if not interpreting():
+        pytest.skip("needs the Triton interpreter")
+    monkeypatch.setattr(train_overhead, "H", 2)
+    monkeypatch.setenv("FORGE_DIST_KERNELS", "triton")
+    from forge_dist import ops
+
+    seen = []
+    real = ops.simple_gla
+    monkeypatch.setattr(ops, "simple_gla", lambda q, *rest: seen.append(q) or real(q, *rest))
+    inputs = train_overhead.make_inputs("simple_gla", 64, torch.device("cpu"))
+    inputs["leaves"] = {n: x.detach().float().requires_grad_(True)
+                        for n, x in inputs["leaves"].items()}
+    inputs["do"] = inputs["do"].float()
+    train_overhead.train_call("simple_gla", inputs, layers=3)()
+    assert len(seen) == 3 and seen[0] is inputs["leaves"]["q"]
+    assert all(not q.is_leaf for q in seen[1:])
+    one = {n: x.grad.clone() for n, x in inputs["leaves"].items()}
+    train_overhead.train_call("simple_gla", inputs, layers=1)()
+    assert all(torch.isfinite(g).all() for g in one.values())
+    assert not torch.equal(one["k"], inputs["leaves"]["k"].grad)  # three layers' shares
+
+
+def test_layers_below_one_are_refused():
+    with pytest.raises(SystemExit):
+        train_overhead.main(["--layers", "0"])
+
+
 def test_unknown_op_is_named(capsys):
     if not torch.cuda.is_available():
         assert train_overhead.main(["--ops", "nope"]) == 2  # no GPU: refused first
