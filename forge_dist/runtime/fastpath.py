@@ -233,15 +233,18 @@ def specialise_program(exe) -> Optional[Callable[[Dict[str, Tensor]], None]]:
 
     The plans' backward programs run through it: the general call builds a pointer dict per
     launch, goes through the compiled kernel's launcher with tensors (which reads each
-    ``data_ptr`` again) and allocates through :meth:`~.programs.Program.run_scoped`'s loops,
-    ~30 us of host time per launch on the H100 machine's host (a linear_attn backward of
-    three launches: 93 us, ``results/logs/train_split_*_s29.log``).  The function takes the
-    same dict and does what the general call does, in the same order: the program's inputs
-    (and, for a program without scratch buffers, its outputs) read from it; each output and
-    scratch buffer of a scoped program allocated just before its first launch (outputs
-    stored in the dict), each scratch buffer dropped after its last.  A dict of any other
-    keys, a pointer off 16-byte alignment (the kernels were specialised on aligned
-    pointers) or relaunches switched off (``jit_launch.usable``) go to the general call.
+    ``data_ptr`` again) and allocates through :meth:`~.programs.Program.run_scoped`'s loops:
+    93 us of host time for a linear_attn backward of three launches on an H100 machine
+    (``results/logs/train_split_*_s29-before.log``); in one process, A against B, the
+    straight-line run took 31-107 us off the matrix-state ops' ``o.backward`` at T = 1K
+    (hgrn's general call was direct already: 4 us; ``results/logs/ab_backward_*_s29.json``).
+    The function takes the same dict and does what the general call does, in the same
+    order: the program's inputs (and, for a program without scratch buffers, its outputs)
+    read from it; each output and scratch buffer of a scoped program allocated just before
+    its first launch (outputs stored in the dict), each scratch buffer dropped after its
+    last.  A dict of any other keys, a pointer off 16-byte alignment (the kernels were
+    specialised on aligned pointers) or relaunches switched off (``jit_launch.usable``) go
+    to the general call.
     """
     program = exe.program
     n = len(program.launches)
