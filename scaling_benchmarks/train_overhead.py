@@ -19,6 +19,11 @@ each the median of ``--repeats`` windows.  ``grad_rel_diff`` is the largest rela
 difference between the two paths' gradients (both run the same backward kernels on the same
 inputs).  B=1, H=32, K=V=128 bf16 with fp32 gates (hgrn: D=4096), T in {1K, 2K, 4K, 8K}.
 
+With ``--graphed`` rows of path ``graphed`` time the same stack captured by
+``torch.cuda.make_graphed_callables`` (forward and planned backward replayed as two CUDA
+graphs; ``us_gpu`` is the planned row's, the same kernels; ``grad_rel_diff`` against the
+planned path).
+
 With ``--layers N`` a call runs the op N times stacked (each layer's ``q`` / ``x`` the output
 of the layer below, one backward through the stack) and rows add ``us_*_per_layer``: what a
 layer costs inside a model, where autograd's engine starts once per backward (on the H100
@@ -27,7 +32,7 @@ call, ``results/logs/train_split_*_s29.log``).
 Results: JSON + PNG through ``results_io`` under ``scaling_benchmarks/results/``.
 
     python scaling_benchmarks/train_overhead.py [--ops linear_attn,...] [--T 1024,...]
-        [--calls 30] [--repeats 5] [--layers 1] [--out DIR] [--tag TAG]
+        [--calls 30] [--repeats 5] [--layers 1] [--graphed] [--out DIR] [--tag TAG]
 """
 from __future__ import annotations
 
@@ -95,6 +100,29 @@ def train_call(op: str, inputs: dict, layers: int = 1):
     return call
 
 
+def graphed_call(op: str, inputs: dict, layers: int = 1):
+    """:func:`train_call` with the stack captured by ``torch.cuda.make_graphed_callables``
+    (the leaves are its static inputs): each call replays the forward graph, and the
+    backward replays the backward graph."""
+    from forge_dist import ops
+
+    fn = getattr(ops, op)
+    leaves, do = list(inputs["leaves"].values()), inputs["do"]
+
+    def stack(*xs):
+        h = xs[0]
+        for _ in range(layers):
+            h, _ = fn(h, *xs[1:])
+        return h
+    graphed = torch.cuda.make_graphed_callables(stack, tuple(leaves))
+
+    def call():
+        for x in leaves:
+            x.grad = None
+        graphed(*leaves).backward(do)
+    return call
+
+
 def _windows(call, calls: int, repeats: int):
     host, wall = [], []
     for _ in range(repeats):
@@ -118,16 +146,21 @@ def _max_rel(a: dict, b: dict) -> float:
     return worst
 
 
-def measure(op: str, T: int, calls: int, repeats: int, device, layers: int = 1) -> list:
+def measure(op: str, T: int, calls: int, repeats: int, device, layers: int = 1,
+            graphed: bool = False) -> list:
     inputs = make_inputs(op, T, device)
     rows, grads = [], {}
-    for path, switch in PATHS.items():
+    paths = list(PATHS.items()) + ([("graphed", "1")] if graphed else [])
+    for path, switch in paths:
         os.environ["FORGE_DIST_OPS_PLANS"] = switch
-        call = train_call(op, inputs, layers)
+        call = (graphed_call if path == "graphed" else train_call)(op, inputs, layers)
         for _ in range(3):  # compile, plan, warm the allocator
             call()
         host, wall = _windows(call, calls, repeats)
-        gpu = sum(kernel_times(call, max(3, calls // 3)).values())
+        if path == "graphed":  # the planned path's kernels, replayed
+            gpu = rows[0]["us_gpu"]
+        else:
+            gpu = sum(kernel_times(call, max(3, calls // 3)).values())
         call()
         grads[path] = {n: x.grad.detach().clone() for n, x in inputs["leaves"].items()}
         rows.append({"op": op, "T": T, "pass": "fwdbwd", "impl": "forge_dist", "path": path,
@@ -141,6 +174,8 @@ def measure(op: str, T: int, calls: int, repeats: int, device, layers: int = 1) 
     diff = _max_rel(grads["planned"], grads["general"])
     for r in rows:
         r["grad_rel_diff"] = diff
+    if graphed:  # the graph's gradients against the planned path's (the same kernels)
+        rows[-1]["grad_rel_diff"] = _max_rel(grads["graphed"], grads["planned"])
     return rows
 
 
@@ -153,8 +188,10 @@ def plot(result, png) -> None:
     ops_ = list(dict.fromkeys(r["op"] for r in result["rows"]))
     fig, axes = plt.subplots(1, len(ops_), figsize=(3.6 * len(ops_), 3.4), squeeze=False)
     for ax, op in zip(axes[0], ops_):
-        for path, style in (("general", "o-"), ("planned", "s-")):
+        for path, style in (("general", "o-"), ("planned", "s-"), ("graphed", "^-")):
             rows = sorted(results_io.rows_where(result, op=op, path=path), key=lambda r: r["T"])
+            if not rows:
+                continue
             Ts = [r["T"] for r in rows]
             ax.plot(Ts, [r["us_wall"] / r.get("layers", 1) for r in rows], style,
                     label=f"{path}: wall")
@@ -181,6 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--T", default="1024,2048,4096,8192")
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--graphed", action="store_true", help="also time the stack captured "
+                   "by torch.cuda.make_graphed_callables (rows with path 'graphed')")
     p.add_argument("--layers", type=int, default=1, help="stack the op this many times (each "
                    "layer's q or x the output below; one backward); rows add per-layer times")
     p.add_argument("--out", default=None, help="results directory")
@@ -201,19 +240,23 @@ def main(argv=None) -> int:
                                                   "dtype": "bfloat16", "gate_dtype": "float32",
                                                   "calls": args.calls,
                                                   "repeats": args.repeats,
-                                                  "layers": args.layers})
+                                                  "layers": args.layers,
+                                                  "graphed": args.graphed})
     result["tag"] = args.tag
     for op in ops_:
         for T in Ts:
-            rows = measure(op, T, args.calls, args.repeats, device, args.layers)
+            rows = measure(op, T, args.calls, args.repeats, device, args.layers,
+                           args.graphed)
             result["rows"] += rows
-            pl, ge = rows
+            pl, ge = rows[:2]
             n = args.layers
+            gr = (f"  graphed {rows[2]['us_wall'] / n:8.1f} us (grads vs planned "
+                  f"{rows[2]['grad_rel_diff']:.1e})" if args.graphed else "")
             print(f"{op:18s} T={T:5d}  general {ge['us_wall'] / n:8.1f} us (host "
                   f"{ge['us_host'] / n:7.1f})  planned {pl['us_wall'] / n:8.1f} us (host "
                   f"{pl['us_host'] / n:7.1f})  GPU {pl['us_gpu'] / n:8.1f} / "
                   f"{ge['us_gpu'] / n:8.1f}{' per layer' if n > 1 else ''}  grads "
-                  f"{pl['grad_rel_diff']:.1e}", flush=True)
+                  f"{pl['grad_rel_diff']:.1e}{gr}", flush=True)
     path = results_io.write(result, args.out)
     plot(result, path.with_suffix(".png"))
     print(f"wrote {path}")

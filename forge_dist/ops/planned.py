@@ -15,10 +15,12 @@ took 1.5-2.7 ms through the runner and 0.48-1.2 ms planned, against 0.09-0.82 ms
 
 Anything else (sequence parallelism, varlen, fp16 and fp64 inputs, non-contiguous tensors,
 the DSL's fused prologues with gradients, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside
-the kernels' range, calls inside a CUDA graph capture) takes the general path, as does a
-call the planner refuses.  Plans are cached per CUDA stream and per thread (a plan's workspaces
-and launch parameter buffers are reused by every run, so two streams or two threads must
-not share one).  ``FORGE_DIST_OPS_PLANS=0`` turns the short path off.  Results match the
+the kernels' range) takes the general path, as does a call the planner refuses.  Plans are
+cached per CUDA stream and per thread (a plan's workspaces and launch parameter buffers are
+reused by every run, so two streams or two threads must not share one).  Inside a CUDA
+graph capture (``torch.cuda.graph``, ``torch.cuda.make_graphed_callables``: the forward and
+the planned backward are captured) the capture stream's plan is pinned in the cache, since
+the graph keeps its workspaces' addresses; the front is skipped there.  ``FORGE_DIST_OPS_PLANS=0`` turns the short path off.  Results match the
 general path to fp32 rounding (both run the Triton kernels; the plan may split the sequence
 into segments differently), not bit for bit.
 
@@ -84,10 +86,6 @@ def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_
     if not grads and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     if not all(t.is_contiguous() for t in tensors):
-        return False
-    # Inside a CUDA graph capture a new plan's workspaces would come from the graph's pool
-    # and then be reused by eager calls: the general path allocates per call instead.
-    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     if initial_state is not None and (initial_state.dtype != torch.float32
                                       or tuple(initial_state.shape) != state_shape):
@@ -180,11 +178,21 @@ def _plan(op: str, initial_state, output_final_state, maps=None, **plan_kw):
     device = plan_kw["device"]
     stream = _raw_stream(device.index) if device.type == "cuda" else 0
     try:
-        return cache.get(op, stream=stream, thread=get_ident(),
-                         initial_state=initial_state is not None,
-                         output_final_state=bool(output_final_state), **plan_kw)
+        p = cache.get(op, stream=stream, thread=get_ident(),
+                      initial_state=initial_state is not None,
+                      output_final_state=bool(output_final_state), **plan_kw)
     except PlanError:
         return None  # a shape or dtype the planner does not cover: the general path runs it
+    if _capturing(device):
+        # a CUDA graph keeps this plan's workspace addresses (made in the graph's pool if
+        # the plan is new): it must never be evicted.  The capture stream has its own plans,
+        # so eager calls on other streams never share these workspaces.
+        cache.pin(p)
+    return p
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _run(op: str, names, inputs: Dict[str, Tensor], initial_state, output_final_state,

@@ -14,6 +14,10 @@ The key is every keyword of :func:`~forge_dist.runtime.plan.plan` (dtypes and de
 value, a process group by identity), so a hit is exactly the plan that call would make.
 Making a plan may allocate workspaces and, for forge, symmetric buffers (a collective):
 every rank must make the same ``get`` calls in the same order, as for any collective.
+
+A plan that runs inside a CUDA graph capture is :func:`pin`-ned: the graph's kernels keep its
+workspaces' addresses, so the plan must outlive every replay.  A pinned plan is never
+evicted or cleared; :func:`get` still finds it once the LRU has dropped it.
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ _STATS = {"hits": 0, "misses": 0, "evictions": 0}
 # sorted key costs tens of microseconds per call, and a call site passes its keywords in
 # the same order every time.  Unhashable values (a tiles dict) skip it.
 _INDEX: Dict[Tuple, Tuple] = {}
+# key -> plan, for plans a CUDA graph captured: never dropped (see the module docstring)
+_PINNED: Dict[Tuple, Plan] = {}
 
 
 def maxsize() -> int:
@@ -96,16 +102,37 @@ def get(op: str, stream: int = 0, thread: int = 0, **kw) -> Plan:
 
 
 def lookup(k: Tuple):
-    """The cached plan of key ``k`` (a plan's ``cache_key``), or ``None`` once evicted."""
+    """The cached plan of key ``k`` (a plan's ``cache_key``), or ``None`` once evicted
+    (unless pinned)."""
     with _LOCK:
         p = _PLANS.get(k)
         if p is not None:
             _PLANS.move_to_end(k)
             _STATS["hits"] += 1
+            return p
+        p = _PINNED.get(k)
+        if p is not None:
+            _STATS["hits"] += 1
         return p
 
 
+def pin(p: Plan) -> None:
+    """Keep cached plan ``p`` for the life of the process (a CUDA graph captured its
+    launches, so its workspaces must stay where they are)."""
+    k = getattr(p, "cache_key", None)
+    if k is None:
+        raise ValueError("pin: expected a plan from this cache (it has no cache_key)")
+    with _LOCK:
+        _PINNED[k] = p
+
+
+def pinned() -> Tuple[Plan, ...]:
+    with _LOCK:
+        return tuple(_PINNED.values())
+
+
 def clear() -> None:
+    """Drop every cached plan but the pinned ones."""
     with _LOCK:
         _PLANS.clear()
         _INDEX.clear()
@@ -115,4 +142,4 @@ def clear() -> None:
 
 def stats() -> Dict[str, int]:
     with _LOCK:
-        return dict(_STATS, size=len(_PLANS))
+        return dict(_STATS, size=len(_PLANS), pinned=len(_PINNED))

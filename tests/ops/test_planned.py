@@ -425,3 +425,87 @@ def test_gpu_bf16_training_call_equals_the_general_path(op, gate_dtype, monkeypa
     assert _rel(o1, o2) < 1e-2 and _rel(s1, s2) < 1e-3
     for a, b in zip(g1, g2):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_plan_run_inside_a_graph_capture_is_pinned(grad, monkeypatch):
+    """Inside a CUDA graph capture the ops keep their planned path and pin the capture
+    stream's plan: the graph keeps its workspaces' addresses, so neither the LRU nor
+    ``clear()`` may drop it, and the signature finds it again (the capture is simulated
+    here; the GPU test below captures)."""
+    from forge_dist.ops import planned
+
+    monkeypatch.setattr(cache, "_PINNED", {})
+    monkeypatch.setattr(planned, "_capturing", lambda device: True)
+    t = _inputs("simple_gla", requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        o, _ = _call("simple_gla", t)
+    if grad:
+        o.sum().backward()
+        assert all(x.grad is not None for x in t.values())
+    (p,) = cache.pinned()
+    assert p.op == "simple_gla" and cache.stats()["pinned"] == 1
+    monkeypatch.setattr(planned, "_capturing", lambda device: False)
+    cache.clear()
+    assert cache.stats()["size"] == 0 and cache.pinned() == (p,)
+    assert cache.lookup(p.cache_key) is p
+    with torch.no_grad():
+        _call("simple_gla", t)
+    assert cache.stats()["misses"] == 0 and cache.pinned() == (p,)
+
+
+def test_pin_refuses_a_plan_of_no_cache():
+    from forge_dist.runtime import plan
+
+    p = plan("linear_attn", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device=DEV)
+    with pytest.raises(ValueError, match="^pin: expected a plan from this cache"):
+        cache.pin(p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_training_step_in_a_cuda_graph(op):
+    """``torch.cuda.make_graphed_callables`` over two stacked layers of the op (bf16, real
+    head size): the captured forward and planned backward, replayed on new inputs, give the
+    eager calls' outputs and gradients bit for bit, and the capture pinned its plan."""
+    gen = torch.Generator().manual_seed(21)
+    Tg, Hg, Kg, Dg = 1000, 4, 128, 512
+
+    def fresh():
+        r = lambda *s: torch.randn(*s, generator=gen).cuda()  # noqa: E731
+        if op == "hgrn":
+            t = [r(1, Tg, Dg).bfloat16(), F.logsigmoid(r(1, Tg, Dg) + 2).bfloat16()]
+            return t, r(1, Tg, Dg).bfloat16()
+        t = [r(1, Tg, Hg, Kg).bfloat16(), F.normalize(r(1, Tg, Hg, Kg), dim=-1).bfloat16(),
+             r(1, Tg, Hg, Kg).bfloat16()]
+        if op in ("simple_gla", "gated_delta_rule"):
+            t.append(F.logsigmoid(r(1, Tg, Hg) + 3))
+        if op == "gla":
+            t.append(F.logsigmoid(r(1, Tg, Hg, Kg) + 3))
+        if op == "gated_delta_rule":
+            t.append(torch.sigmoid(r(1, Tg, Hg)))
+        return t, r(1, Tg, Hg, Kg).bfloat16()
+
+    fn = getattr(ops, op)
+
+    def stack(*xs):
+        h = xs[0]
+        for _ in range(2):  # q (x) of the second layer is the first layer's output
+            h, _ = fn(h, *xs[1:])
+        return h
+    sample, _ = fresh()
+    graphed = torch.cuda.make_graphed_callables(
+        stack, tuple(x.requires_grad_(True) for x in sample))
+    assert any(p.op == op for p in cache.pinned())
+    for _ in range(3):
+        new, do = fresh()
+        args = [x.clone().requires_grad_(True) for x in new]
+        out = graphed(*args)
+        out.backward(do)
+        got = [out.detach().clone()] + [a.grad.clone() for a in args]
+        eager = [x.clone().requires_grad_(True) for x in new]
+        out_e = stack(*eager)
+        out_e.backward(do)
+        want = [out_e.detach()] + [a.grad for a in eager]
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b)
