@@ -142,4 +142,4 @@ def clear() -> None:
 
 def stats() -> Dict[str, int]:
     with _LOCK:
-        return dict(_STATS, size=len(_PLANS), pinned=len(_PINNED))
+        return dict(_STATS, size=len(_PLANS))

@@ -259,6 +259,8 @@ def specialise_program(exe) -> Optional[Callable[[Dict[str, Tensor]], None]]:
         else:
             return None
     buffers = program.buffers
+    if not all(name.isidentifier() for name in buffers):
+        return None  # the generated code names a local per buffer
     scoped = exe._scoped
     inputs = [b for b, buf in buffers.items() if buf.role == "input"]
     given = inputs if scoped else inputs + [b for b, buf in buffers.items()
@@ -298,11 +300,14 @@ def specialise_program(exe) -> Optional[Callable[[Dict[str, Tensor]], None]]:
             # (fastpath.specialise's note); the explicit format ignores its strides
             like = next((x for x in inputs if buffers[x].shape == buf.shape
                          and buffers[x].dtype == buf.dtype), None)
+            # (fresh allocations are not checked for alignment: PyTorch's allocators return
+            # blocks aligned far beyond 16 bytes, as fastpath.specialise assumes for o)
             if like is not None:
                 body.append(f"    b_{b} = empty_like(b_{like}, memory_format=CONTIGUOUS)")
-            else:
+            else:  # the sizes as separate arguments: the cheaper call (0-d: the tuple)
                 env[f"S_{b}"], env[f"D_{b}"] = tuple(buf.shape), buf.dtype
-                body.append(f"    b_{b} = empty(*S_{b}, dtype=D_{b}, device=DEVICE)")
+                star = "*" if buf.shape else ""
+                body.append(f"    b_{b} = empty({star}S_{b}, dtype=D_{b}, device=DEVICE)")
             if buf.role == "output":
                 body.append(f"    t[{b!r}] = b_{b}")
             body.append(f"    p_{b} = b_{b}.data_ptr()")

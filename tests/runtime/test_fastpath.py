@@ -353,3 +353,56 @@ def test_backward_program_specialised_launches_what_the_general_call_does(monkey
     monkeypatch.setenv("FORGE_DIST_JIT_RELAUNCH", "0")
     fast_run(dict(given))
     assert calls == [] and fell.pop() == set(given)
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "hgrn"])
+@pytest.mark.parametrize("h0,dht", [(False, False), (True, True)])
+def test_static_backward_program_specialised_packs_what_the_general_call_does(
+        built, monkeypatch, op, h0, dht):
+    """The cubin side of ``specialise_program``: a static plan's ``run_backward`` packs the
+    same parameters for the same kernels from its second call (straight-line) as on its
+    first (the general call), with fresh buffers in the same order and the workspaces'
+    pointers baked in."""
+    p, drv = _static_plan(built, op=op, initial_state=h0)
+    exe = p._backward_exec(dht)
+    assert all(b is not None for b in exe.bound), exe.paths
+    drv.packs.update({b.fn: b.pack for b in exe.bound})
+    gen = torch.Generator().manual_seed(4)
+    if op == "hgrn":
+        args = (-torch.rand(B, T, 40, generator=gen), torch.randn(B, T, 40, generator=gen),
+                torch.randn(B, T, 40, generator=gen))
+        state = (B, 40)
+    else:
+        q, k, v, g = _inputs()
+        args = (q, k, v, g, torch.randn(B, T, H, V, generator=gen))
+        state = (B, H, K, V)
+    kw = {"initial_state": torch.randn(*state)} if h0 else {}
+    if dht:
+        kw["dht"] = torch.randn(*state)
+    allocated = []
+
+    def recording(make):
+        def alloc(*a, **k):
+            t = make(*a, **k)
+            allocated.append(t)
+            return t
+        return alloc
+    monkeypatch.setattr(torch, "empty", recording(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", recording(torch.empty_like))
+
+    def run():
+        drv.values.clear()
+        allocated.clear()
+        drv.launches.clear()
+        p.run_backward(*args, need_initial_grad=h0, **kw)
+        names = {t.data_ptr(): f"arg {j}" for j, t in enumerate(args)}
+        names.update({t.data_ptr(): n for n, t in kw.items()})
+        names.update({w.data_ptr(): f"workspace {n}" for n, w in exe.workspaces.items()})
+        for j, a in enumerate(allocated):
+            names.setdefault(a.data_ptr(), f"allocation {j} {tuple(a.shape)}")
+        return [(fn, tuple(names.get(x, x) for x in vals)) for fn, vals in drv.values]
+    general = run()
+    assert exe._fast is not None and "pack0(" in exe._fast.__source__
+    fast = run()
+    assert len(fast) == len(exe.program.launches) and fast == general
+    assert all(launch[4] == 77 for launch in drv.launches)  # the dispatcher's stream
