@@ -19,8 +19,8 @@ the kernels' range) takes the general path, as does a call the planner refuses. 
 cached per CUDA stream and per thread (a plan's workspaces and launch parameter buffers are
 reused by every run, so two streams or two threads must not share one).  Inside a CUDA
 graph capture (``torch.cuda.graph``, ``torch.cuda.make_graphed_callables``: the forward and
-the planned backward are captured) the capture stream's plan is pinned in the cache, since
-the graph keeps its workspaces' addresses; the front is skipped there.  ``FORGE_DIST_OPS_PLANS=0`` turns the short path off.  Results match the
+the planned backward are captured) a call gets a captured plan, kept apart from the LRU for
+the graph's replays (``forge_dist.runtime.cache``); the front is skipped there.  ``FORGE_DIST_OPS_PLANS=0`` turns the short path off.  Results match the
 general path to fp32 rounding (both run the Triton kernels; the plan may split the sequence
 into segments differently), not bit for bit.
 
@@ -161,7 +161,8 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
 
 
 def _remember(front_key: Optional[Tuple], p) -> None:
-    if front_key is not None and getattr(p, "cache_key", None) is not None:
+    k = getattr(p, "cache_key", None)
+    if front_key is not None and k is not None and k[-1] != ("captured", True):
         if len(_FRONT) >= 4 * max(1, plan_cache.maxsize()):
             _FRONT.clear()
         _FRONT[front_key] = p.cache_key
@@ -178,17 +179,13 @@ def _plan(op: str, initial_state, output_final_state, maps=None, **plan_kw):
     device = plan_kw["device"]
     stream = _raw_stream(device.index) if device.type == "cuda" else 0
     try:
-        p = cache.get(op, stream=stream, thread=get_ident(),
-                      initial_state=initial_state is not None,
-                      output_final_state=bool(output_final_state), **plan_kw)
+        # inside a CUDA graph capture: a captured plan (runtime/cache.py), kept for the
+        # graph's replays and never handed to an eager call
+        return cache.get(op, stream=stream, thread=get_ident(), captured=_capturing(device),
+                         initial_state=initial_state is not None,
+                         output_final_state=bool(output_final_state), **plan_kw)
     except PlanError:
         return None  # a shape or dtype the planner does not cover: the general path runs it
-    if _capturing(device):
-        # a CUDA graph keeps this plan's workspace addresses (made in the graph's pool if
-        # the plan is new): it must never be evicted.  The capture stream has its own plans,
-        # so eager calls on other streams never share these workspaces.
-        cache.pin(p)
-    return p
 
 
 def _capturing(device: torch.device) -> bool:

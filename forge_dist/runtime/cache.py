@@ -15,9 +15,13 @@ value, a process group by identity), so a hit is exactly the plan that call woul
 Making a plan may allocate workspaces and, for forge, symmetric buffers (a collective):
 every rank must make the same ``get`` calls in the same order, as for any collective.
 
-A plan that runs inside a CUDA graph capture is :func:`pin`-ned: the graph's kernels keep its
-workspaces' addresses, so the plan must outlive every replay.  A pinned plan is never
-evicted or cleared; :func:`get` still finds it once the LRU has dropped it.
+Calls inside a CUDA graph capture get plans of their own (``get(..., captured=True)``):
+the graph keeps a plan's workspace addresses, and its replays run on whatever stream is
+current then, so such a plan must outlive every replay and must never serve an eager call
+(a later stream can get the capture stream's handle back from PyTorch's pool).  Captured
+plans are kept apart from the LRU: never evicted, dropped only by :func:`release_captured`,
+and never returned to a call outside a capture.  Graphs captured on one stream with the same
+call signatures share those plans' workspaces: replay them in order, on one stream.
 """
 from __future__ import annotations
 
@@ -37,8 +41,8 @@ _STATS = {"hits": 0, "misses": 0, "evictions": 0}
 # sorted key costs tens of microseconds per call, and a call site passes its keywords in
 # the same order every time.  Unhashable values (a tiles dict) skip it.
 _INDEX: Dict[Tuple, Tuple] = {}
-# key -> plan, for plans a CUDA graph captured: never dropped (see the module docstring)
-_PINNED: Dict[Tuple, Plan] = {}
+# key -> plan, for calls inside CUDA graph captures (see the module docstring)
+_CAPTURED: Dict[Tuple, Plan] = {}
 
 
 def maxsize() -> int:
@@ -67,25 +71,37 @@ def key(op: str, **kw) -> Tuple:
     return (op,) + tuple(sorted((k, _norm(v)) for k, v in kw.items()))
 
 
-def get(op: str, stream: int = 0, thread: int = 0, **kw) -> Plan:
+def get(op: str, stream: int = 0, thread: int = 0, captured: bool = False, **kw) -> Plan:
     """The cached plan for this signature, planning it on a miss (LRU eviction).
 
     ``stream`` (a raw CUDA stream handle) and ``thread`` (a thread id), part of the key only,
     keep calls on different streams or threads on different plans: a plan's workspaces and
     launch parameter buffers are reused by every run, so two streams or threads running one
-    plan at the same time would race on them."""
+    plan at the same time would race on them.  ``captured``: the call is inside a CUDA graph
+    capture; its plan comes from the captured plans (module docstring), not the LRU."""
     try:
-        raw: Any = (op, stream, thread, tuple(kw.items()))
+        raw: Any = (op, stream, thread, captured, tuple(kw.items()))
         k = _INDEX.get(raw)
     except TypeError:
         raw = k = None
     if k is None:
         k = key(op, **kw) + (("stream", int(stream)), ("thread", int(thread)))
+        if captured:
+            k += (("captured", True),)
         if raw is not None:
             with _LOCK:
                 if len(_INDEX) >= 4 * max(1, maxsize()):
                     _INDEX.clear()
                 _INDEX[raw] = k
+    if captured:
+        with _LOCK:
+            p = _CAPTURED.get(k)
+        if p is None:
+            p = plan(op, **kw)
+            p.cache_key = k
+            with _LOCK:
+                p = _CAPTURED.setdefault(k, p)
+        return p
     p = lookup(k)
     if p is not None:
         return p
@@ -102,37 +118,32 @@ def get(op: str, stream: int = 0, thread: int = 0, **kw) -> Plan:
 
 
 def lookup(k: Tuple):
-    """The cached plan of key ``k`` (a plan's ``cache_key``), or ``None`` once evicted
-    (unless pinned)."""
+    """The cached plan of key ``k`` (a plan's ``cache_key``), or ``None`` once evicted."""
     with _LOCK:
         p = _PLANS.get(k)
         if p is not None:
             _PLANS.move_to_end(k)
             _STATS["hits"] += 1
-            return p
-        p = _PINNED.get(k)
-        if p is not None:
-            _STATS["hits"] += 1
         return p
 
 
-def pin(p: Plan) -> None:
-    """Keep cached plan ``p`` for the life of the process (a CUDA graph captured its
-    launches, so its workspaces must stay where they are)."""
-    k = getattr(p, "cache_key", None)
-    if k is None:
-        raise ValueError("pin: expected a plan from this cache (it has no cache_key)")
+def captured_plans() -> Tuple[Plan, ...]:
+    """The plans of calls made inside CUDA graph captures (module docstring)."""
     with _LOCK:
-        _PINNED[k] = p
+        return tuple(_CAPTURED.values())
 
 
-def pinned() -> Tuple[Plan, ...]:
+def release_captured() -> int:
+    """Drop the captured plans (returns how many).  Only once every graph that captured a
+    call of the ops is gone: a replay afterwards would write freed memory."""
     with _LOCK:
-        return tuple(_PINNED.values())
+        n = len(_CAPTURED)
+        _CAPTURED.clear()
+        return n
 
 
 def clear() -> None:
-    """Drop every cached plan but the pinned ones."""
+    """Drop every cached plan (not the captured ones: :func:`release_captured`)."""
     with _LOCK:
         _PLANS.clear()
         _INDEX.clear()

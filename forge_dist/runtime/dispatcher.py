@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 # (struct code, size) of each Triton signature type as the kernel ABI sees it.  fp16/bf16
@@ -316,17 +317,26 @@ class BoundLaunch:
                            self.pack.params_address)
 
 
+# driver -> {(kernel key, cubin sha256, device): CUfunction}: every dispatcher of a driver
+# shares its loaded modules (each plan makes its own dispatcher), so a module is loaded
+# once per process, not once per plan, nor inside a CUDA graph capture that makes a plan
+# after an eager warm-up did
+_LOADED: "weakref.WeakKeyDictionary[Any, Dict[Tuple[str, str, int], Any]]" = (
+    weakref.WeakKeyDictionary())
+
+
 class Dispatcher:
     """Loads cubins from an :class:`~forge_dist.runtime.aot.CubinCache` and binds launches.
 
-    ``functions`` caches ``(kernel key, device) -> CUfunction`` for the process, so plans of
-    the same kernel share one loaded module.
+    ``functions`` maps ``(kernel key, cubin sha256, device) -> CUfunction``; it is shared by
+    every dispatcher of the same driver, so plans of the same kernel share one loaded module
+    (a rebuilt cubin has another sha256 and is loaded anew).
     """
 
     def __init__(self, cache, driver_=None):
         self.cache = cache
         self.driver = driver_ if driver_ is not None else driver()
-        self.functions: Dict[Tuple[str, int], Any] = {}
+        self.functions: Dict[Tuple[str, str, int], Any] = _LOADED.setdefault(self.driver, {})
 
     def function(self, key: str, device: int):
         """``(CUfunction, entry)`` for the cached kernel ``key``, or ``None`` if unusable."""
@@ -335,7 +345,7 @@ class Dispatcher:
             return None
         if entry.get("global_scratch_size", 0) or entry.get("profile_scratch_size", 0):
             return None
-        fk = (key, device)
+        fk = (key, str(entry.get("cubin_sha256")), device)
         if fk not in self.functions:
             image = self.cache.cubin(key)
             _, fn = self.driver.load(image, entry["name"], int(entry["shared"]), device)

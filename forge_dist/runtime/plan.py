@@ -346,8 +346,8 @@ class Plan:
             initial_state: the state the run took (required iff the plan has one).
             need_initial_grad: also return ``dS_in``.
         Launches only, like :meth:`run` (per-call buffers come from PyTorch's allocator);
-        the backward programs (with and without ``dht``) are built on first use, so call it
-        once eagerly before a graph capture.
+        the backward programs (with and without ``dht``) are built on first use, which a
+        graph capture may be (their workspaces then come from the graph's pool).
         """
         if self.size != 1 or self.backend == "torch":
             raise PlanError("run_backward: single-device plans on the Triton or static backend "

@@ -428,38 +428,42 @@ def test_gpu_bf16_training_call_equals_the_general_path(op, gate_dtype, monkeypa
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_a_plan_run_inside_a_graph_capture_is_pinned(grad, monkeypatch):
-    """Inside a CUDA graph capture the ops keep their planned path and pin the capture
-    stream's plan: the graph keeps its workspaces' addresses, so neither the LRU nor
-    ``clear()`` may drop it, and the signature finds it again (the capture is simulated
-    here; the GPU test below captures)."""
+def test_calls_inside_a_graph_capture_get_plans_of_their_own(grad, monkeypatch):
+    """Inside a CUDA graph capture the ops keep their planned path on a captured plan: kept
+    apart from the LRU (``clear()`` keeps it, only ``release_captured()`` drops it), found
+    again by the next capture of the signature, and never handed to an eager call, even on
+    the capture stream's handle (a later stream can get it back from PyTorch's pool).  The
+    capture is simulated here; the GPU test below captures."""
     from forge_dist.ops import planned
 
-    monkeypatch.setattr(cache, "_PINNED", {})
+    monkeypatch.setattr(cache, "_CAPTURED", {})
     monkeypatch.setattr(planned, "_capturing", lambda device: True)
     t = _inputs("simple_gla", requires_grad=grad)
-    with torch.set_grad_enabled(grad):
-        o, _ = _call("simple_gla", t)
+
+    def call():
+        with torch.set_grad_enabled(grad):
+            o, _ = _call("simple_gla", t)
+        if grad:
+            o.sum().backward()
+            assert all(x.grad is not None for x in t.values())
+        return o
+    o_captured = call()
+    (p,) = cache.captured_plans()
+    assert p.op == "simple_gla" and ("captured", True) in p.cache_key
+    assert cache.stats()["size"] == 0 and cache.stats()["misses"] == 0  # not in the LRU
     if grad:
-        o.sum().backward()
-        assert all(x.grad is not None for x in t.values())
-    (p,) = cache.pinned()
-    assert p.op == "simple_gla" and cache.stats()["size"] == 1
+        assert p._bwd_execs  # the planned backward ran on it
+    call()  # the next capture of the signature: the same plan
+    assert cache.captured_plans() == (p,)
+    # an eager call (here on the same stream handle, 0 on the CPU) gets its own plan
     monkeypatch.setattr(planned, "_capturing", lambda device: False)
+    o_eager = call()
+    assert cache.stats()["misses"] == 1 and cache.captured_plans() == (p,)
+    (eager,) = cache._PLANS.values()
+    assert eager is not p and torch.equal(o_eager.detach(), o_captured.detach())
     cache.clear()
-    assert cache.stats()["size"] == 0 and cache.pinned() == (p,)
-    assert cache.lookup(p.cache_key) is p
-    with torch.no_grad():
-        _call("simple_gla", t)
-    assert cache.stats()["misses"] == 0 and cache.pinned() == (p,)
-
-
-def test_pin_refuses_a_plan_of_no_cache():
-    from forge_dist.runtime import plan
-
-    p = plan("linear_attn", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device=DEV)
-    with pytest.raises(ValueError, match="^pin: expected a plan from this cache"):
-        cache.pin(p)
+    assert cache.captured_plans() == (p,)
+    assert cache.release_captured() == 1 and cache.captured_plans() == ()
 
 
 @pytest.mark.gpu
@@ -494,9 +498,11 @@ def test_gpu_training_step_in_a_cuda_graph(op):
             h, _ = fn(h, *xs[1:])
         return h
     sample, _ = fresh()
+    cache.release_captured()
     graphed = torch.cuda.make_graphed_callables(
         stack, tuple(x.requires_grad_(True) for x in sample))
-    assert any(p.op == op for p in cache.pinned())
+    captured = [p for p in cache.captured_plans() if p.op == op]
+    assert captured and all(p._bwd_execs for p in captured)  # forward and backward planned
     for _ in range(3):
         new, do = fresh()
         args = [x.clone().requires_grad_(True) for x in new]
@@ -509,3 +515,6 @@ def test_gpu_training_step_in_a_cuda_graph(op):
         want = [out_e.detach()] + [a.grad for a in eager]
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and torch.equal(a, b)
+    del graphed
+    torch.cuda.synchronize()
+    cache.release_captured()  # the graphs are gone

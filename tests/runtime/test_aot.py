@@ -259,3 +259,25 @@ def test_driver_selection(monkeypatch):
     monkeypatch.setenv("FORGE_DIST_CUDA_DRIVER", "opencl")
     with pytest.raises(ValueError, match="FORGE_DIST_CUDA_DRIVER"):
         dispatcher.driver()
+
+
+def test_dispatchers_of_one_driver_share_its_loaded_modules(built):
+    """Each plan makes its own dispatcher; those of one driver load a cubin once (not once
+    per plan, nor again when a CUDA graph capture makes a plan after a warm-up did), and
+    another driver (another context) loads its own."""
+    drv = FakeDriver()
+
+    def static_plan(driver_):
+        disp = dispatcher.Dispatcher(verified_cache(built[0]), driver_)
+        disp.stream_fn = lambda device_index: (lambda: 0)
+        return plan("simple_gla", B=1, T=96, H=2, K=32, V=48, dtype=torch.float32,
+                    device="cpu", backend="static", dispatcher=disp, execution="decoupled")
+    first = static_plan(drv)
+    n_loads = len(drv.loads)
+    assert n_loads >= 2
+    second = static_plan(drv)
+    assert len(drv.loads) == n_loads
+    assert [b.fn for b in first.finish_exec.bound] == [b.fn for b in second.finish_exec.bound]
+    other = FakeDriver()
+    static_plan(other)
+    assert len(other.loads) == n_loads

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from forge_dist.runtime import aot, dispatcher, fastpath
-from forge_dist.runtime.plan import Plan, PlanError, plan
+from forge_dist.runtime.plan import PlanError, plan
 
 from .static_fakes import TARGET, FakeDriver, verified_cache
 
@@ -262,6 +262,22 @@ def test_output_without_a_template_input_is_allocated_from_its_shape(built):
     assert o.dtype == torch.float64 and o.shape == (B, T, H, V) and o.is_contiguous()
 
 
+def _record_allocations(monkeypatch):
+    """A list that gets every tensor ``torch.empty`` / ``empty_like`` make from now on (kept
+    alive, so that their pointers stay distinct and can be numbered)."""
+    allocated = []
+
+    def recording(make):
+        def alloc(*a, **k):
+            t = make(*a, **k)
+            allocated.append(t)
+            return t
+        return alloc
+    monkeypatch.setattr(torch, "empty", recording(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", recording(torch.empty_like))
+    return allocated
+
+
 @pytest.mark.parametrize("op", ["simple_gla", "gated_delta_rule", "hgrn"])
 def test_backward_program_specialised_launches_what_the_general_call_does(monkeypatch, op):
     """A plan's backward program after its first call (``_Exec`` with ``specialise``): the
@@ -299,17 +315,8 @@ def test_backward_program_specialised_launches_what_the_general_call_does(monkey
         for ln, fn in zip(exe.program.launches, exe.kernels)]
     assert all(c is not None for c in exe._compiled)
 
-    allocated = []  # every allocation of a call, kept alive: distinct pointers, numbered
-    real_empty, real_like = torch.empty, torch.empty_like
-
-    def recording(make):
-        def alloc(*a, **k):
-            t = make(*a, **k)
-            allocated.append(t)
-            return t
-        return alloc
-    monkeypatch.setattr(torch, "empty", recording(real_empty))
-    monkeypatch.setattr(torch, "empty_like", recording(real_like))
+    real_empty = torch.empty
+    allocated = _record_allocations(monkeypatch)
 
     def run(call):
         """The launches of ``call`` on a copy of ``given``, pointers named, and the dict."""
@@ -379,16 +386,7 @@ def test_static_backward_program_specialised_packs_what_the_general_call_does(
     kw = {"initial_state": torch.randn(*state)} if h0 else {}
     if dht:
         kw["dht"] = torch.randn(*state)
-    allocated = []
-
-    def recording(make):
-        def alloc(*a, **k):
-            t = make(*a, **k)
-            allocated.append(t)
-            return t
-        return alloc
-    monkeypatch.setattr(torch, "empty", recording(torch.empty))
-    monkeypatch.setattr(torch, "empty_like", recording(torch.empty_like))
+    allocated = _record_allocations(monkeypatch)
 
     def run():
         drv.values.clear()
