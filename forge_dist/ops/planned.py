@@ -20,9 +20,10 @@ cached per CUDA stream and per thread (a plan's workspaces and launch parameter 
 reused by every run, so two streams or two threads must not share one).  Inside a CUDA
 graph capture (``torch.cuda.graph``, ``torch.cuda.make_graphed_callables``: the forward and
 the planned backward are captured) a call gets a captured plan, kept apart from the LRU for
-the graph's replays (``forge_dist.runtime.cache``); the front is skipped there.  ``FORGE_DIST_OPS_PLANS=0`` turns the short path off.  Results match the
-general path to fp32 rounding (both run the Triton kernels; the plan may split the sequence
-into segments differently), not bit for bit.
+the graph's replays (``forge_dist.runtime.cache``); the front is skipped there.
+``FORGE_DIST_OPS_PLANS=0`` turns the short path off.  Results match the general path to
+fp32 rounding (both run the Triton kernels; the plan may split the sequence into segments
+differently), not bit for bit.
 
 The front (:func:`front`): the checks above, the plan-cache key and the op's own argument
 checks cost more host time than the plan's run (s26, ``launch_overhead``: ``ops`` against
