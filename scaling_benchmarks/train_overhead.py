@@ -79,24 +79,32 @@ def make_inputs(op: str, T: int, device) -> dict:
     return {"leaves": {n: x.requires_grad_(True) for n, x in t.items()}, "do": do}
 
 
-def train_call(op: str, inputs: dict, layers: int = 1):
-    """One forward + backward through the public op; returns the call.  With ``layers`` > 1
-    the op is stacked: each layer's first input (``q``, hgrn's ``x``) is the output of the
-    layer below, the other inputs are shared, and one backward runs through the stack (as in
-    a model, where autograd's engine starts once per backward, not once per layer)."""
+def _stack(op: str, layers: int):
+    """``stack(first, *rest)``: the op ``layers`` times, each layer's first input (``q``,
+    hgrn's ``x``) the output of the layer below, the other inputs shared; returns the top
+    output."""
     from forge_dist import ops
 
     fn = getattr(ops, op)
+
+    def stack(h, *rest):
+        for _ in range(layers):
+            h, _ = fn(h, *rest)
+        return h
+    return stack
+
+
+def train_call(op: str, inputs: dict, layers: int = 1):
+    """One forward + backward through the public op; returns the call.  With ``layers`` > 1
+    the op is stacked (:func:`_stack`) and one backward runs through the stack (as in a
+    model, where autograd's engine starts once per backward, not once per layer)."""
+    stack = _stack(op, layers)
     leaves, do = list(inputs["leaves"].values()), inputs["do"]
-    first, rest = leaves[0], leaves[1:]
 
     def call():
         for x in leaves:
             x.grad = None
-        h = first
-        for _ in range(layers):
-            h, _ = fn(h, *rest)
-        h.backward(do)
+        stack(*leaves).backward(do)
     return call
 
 
@@ -104,17 +112,8 @@ def graphed_call(op: str, inputs: dict, layers: int = 1):
     """:func:`train_call` with the stack captured by ``torch.cuda.make_graphed_callables``
     (the leaves are its static inputs): each call replays the forward graph, and the
     backward replays the backward graph."""
-    from forge_dist import ops
-
-    fn = getattr(ops, op)
     leaves, do = list(inputs["leaves"].values()), inputs["do"]
-
-    def stack(*xs):
-        h = xs[0]
-        for _ in range(layers):
-            h, _ = fn(h, *xs[1:])
-        return h
-    graphed = torch.cuda.make_graphed_callables(stack, tuple(leaves))
+    graphed = torch.cuda.make_graphed_callables(_stack(op, layers), tuple(leaves))
 
     def call():
         for x in leaves:

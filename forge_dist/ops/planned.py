@@ -163,7 +163,7 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
 
 def _remember(front_key: Optional[Tuple], p) -> None:
     k = getattr(p, "cache_key", None)
-    if front_key is not None and k is not None and k[-1] != ("captured", True):
+    if front_key is not None and k is not None and k[-1] != plan_cache.CAPTURED:
         if len(_FRONT) >= 4 * max(1, plan_cache.maxsize()):
             _FRONT.clear()
         _FRONT[front_key] = p.cache_key

@@ -41,8 +41,10 @@ _STATS = {"hits": 0, "misses": 0, "evictions": 0}
 # sorted key costs tens of microseconds per call, and a call site passes its keywords in
 # the same order every time.  Unhashable values (a tiles dict) skip it.
 _INDEX: Dict[Tuple, Tuple] = {}
-# key -> plan, for calls inside CUDA graph captures (see the module docstring)
+# key -> plan, for calls inside CUDA graph captures (see the module docstring); their keys
+# end in CAPTURED
 _CAPTURED: Dict[Tuple, Plan] = {}
+CAPTURED = ("captured", True)
 
 
 def maxsize() -> int:
@@ -87,7 +89,7 @@ def get(op: str, stream: int = 0, thread: int = 0, captured: bool = False, **kw)
     if k is None:
         k = key(op, **kw) + (("stream", int(stream)), ("thread", int(thread)))
         if captured:
-            k += (("captured", True),)
+            k += (CAPTURED,)
         if raw is not None:
             with _LOCK:
                 if len(_INDEX) >= 4 * max(1, maxsize()):

@@ -64,10 +64,11 @@ def _slots_of(ln, kind: str) -> List[Tuple[bool, Any]]:
 
 
 def _emit_launch(i: int, ln, kind: str, slots, ptr_of: Dict[str, str], env: Dict[str, Any],
-                 body: List[str]) -> bool:
+                 body: List[str], stream: str = "st") -> bool:
     """Append launch ``i`` as one line (a cubin: one ``pack_into`` first) to ``body``, with
-    each buffer's pointer expression from ``ptr_of`` and the fixed values as constants in
-    ``env``; ``False`` (nothing appended) when a buffer has no pointer expression."""
+    each buffer's pointer expression from ``ptr_of``, the fixed values as constants in
+    ``env`` and the stream from the local variable ``stream``; ``False`` (nothing appended)
+    when a buffer has no pointer expression."""
     values = []
     for j, (is_buf, v) in enumerate(slots):
         if is_buf:
@@ -82,13 +83,13 @@ def _emit_launch(i: int, ln, kind: str, slots, ptr_of: Dict[str, str], env: Dict
         env[f"launch{i}"], env[f"fn{i}"] = ln.driver.launch, ln.fn
         env[f"grid{i}"], env[f"params{i}"] = ln.grid, ln.pack.params_address
         body.append(f"    pack{i}(buf{i}, 0, {', '.join(values)})")
-        body.append(f"    launch{i}(fn{i}, grid{i}, {ln.block_x}, {ln.shared}, st, "
+        body.append(f"    launch{i}(fn{i}, grid{i}, {ln.block_x}, {ln.shared}, {stream}, "
                     f"params{i})")
     else:
         env[f"launch{i}"], env[f"fn{i}"], env[f"meta{i}"] = (
             ln._run, ln._function, ln._packed)
         gx, gy, gz = ln._grid
-        body.append(f"    launch{i}({gx}, {gy}, {gz}, st, fn{i}, meta{i}, None, None, "
+        body.append(f"    launch{i}({gx}, {gy}, {gz}, {stream}, fn{i}, meta{i}, None, None, "
                     f"None, {', '.join(values)})")
     return True
 
@@ -312,10 +313,11 @@ def specialise_program(exe) -> Optional[Callable[[Dict[str, Tensor]], None]]:
                 body.append(f"    t[{b!r}] = b_{b}")
             body.append(f"    p_{b} = b_{b}.data_ptr()")
             ptr_of[b] = f"p_{b}"
-        if not _emit_launch(i, ln, kinds[i], _slots_of(ln, kinds[i]), ptr_of, env, body):
+        # a program of both kinds: the cubins on the dispatcher's stream, as _launch does
+        stream = "st_cubin" if kinds[i] == "cubin" and "jit" in kinds else "st"
+        if not _emit_launch(i, ln, kinds[i], _slots_of(ln, kinds[i]), ptr_of, env, body,
+                            stream):
             return None
-        if kinds[i] == "cubin" and "jit" in kinds:
-            body[-1] = body[-1].replace(", st, ", ", st_cubin, ")
         for b in free_at[i]:  # dropped here, as run_scoped does
             body.append(f"    del b_{b}")
             ptr_of.pop(b)
