@@ -10,7 +10,8 @@ elements stored tile-major, so each tile is one contiguous put.  Per rank it hol
 * ``ack [n_tiles]`` int64 (symmetric): credits from the downstream neighbour, ``epoch`` of
   the last call whose tile it has copied out of its ``recv`` (a producer may not overwrite
   a slot its consumer has not read: it waits ``ack >= epoch - 1`` before putting);
-* ``err [4]`` int64 (local): ``[code, peer, tile, epoch]`` of the first failed wait;
+* ``err [6]`` int64 (local): ``[code, peer, tile, epoch, peer's word, own word]`` of the
+  first failed wait or signature mismatch (the words only for the latter);
 * ``counter [2]`` int64 (local): ``[epoch, programs done]``.
 
 ``epoch`` counts calls on this channel; it only grows, and it lives on the device: every
@@ -29,7 +30,8 @@ from torch import Tensor
 
 from . import NVSHMEM, SIM
 
-ERR_RECV_TIMEOUT, ERR_CREDIT_TIMEOUT, ERR_UPSTREAM, ERR_AHEAD = 1, 2, 3, 4
+ERR_RECV_TIMEOUT, ERR_CREDIT_TIMEOUT, ERR_UPSTREAM, ERR_AHEAD, ERR_SIGNATURE = 1, 2, 3, 4, 5
+ERR_WORDS = 6  # length of the error record
 
 
 def check_mode() -> str:
@@ -41,9 +43,15 @@ def check_mode() -> str:
     return mode
 
 
-def describe_error(err, rank: int, what: str, bound_s: float) -> str:
-    """The message for an error record ``[code, peer, tile, epoch]`` seen on ``rank``."""
-    code, peer, tile, epoch = (int(x) for x in err)
+def describe_error(err, rank: int, what: str, bound_s: float, explain=None) -> str:
+    """The message for an error record ``[code, peer, tile, epoch, words...]`` seen on
+    ``rank``; ``explain(peer, peer_word, own_word)`` names a signature mismatch's argument."""
+    code, peer, tile, epoch, peer_word, own_word = (int(x) for x in err)
+    if code == ERR_SIGNATURE:
+        why = explain(peer, peer_word, own_word) if explain is not None else (
+            f"rank {peer} passed arguments that differ from this rank's")
+        return (f"rank {rank}: {why} (found on {what} tile {tile}, call {epoch}, whose "
+                f"output on this rank is NaN)")
     hint = "(set FORGE_DIST_TIMEOUT to change the bound)"
     if code == ERR_RECV_TIMEOUT:
         return (f"rank {rank} gave up after {bound_s:g}s waiting for {what} tile {tile} from "
@@ -77,6 +85,7 @@ class Channel:
     counter: Optional[Tensor] = None  # [epoch, programs done] int64, on err's device
     captured: bool = False  # launched inside a CUDA graph capture: errors are read by flush
     who: Optional[tuple] = None  # (rank, what) of the last launch, for errors read by flush
+    explain: Optional[object] = None  # names a signature mismatch's argument (see describe)
     _err_host: Optional[Tensor] = None
     _err_event: Optional[object] = None
     _pending: list = field(default_factory=list)
@@ -91,13 +100,15 @@ class Channel:
         return int(self.counter[0])
 
     # -- error flag ----------------------------------------------------------------------
-    def after_launch(self, rank: int, what: str, bound_s: float, exc_type) -> None:
+    def after_launch(self, rank: int, what: str, bound_s: float, exc_type,
+                     explain=None) -> None:
         """Check (sync mode, or always on the CPU) or schedule a check of the error flag.
 
         Inside a CUDA graph capture nothing is checked or scheduled (a capture may neither
         sync nor query events); the channel is marked, and :meth:`poll` with ``wait`` (or
         ``forge_dist.sp.forge.flush``) after the replays reads the flag directly."""
         self.who = (rank, what)
+        self.explain = explain
         if self.err.is_cuda and torch.cuda.is_current_stream_capturing():
             self.captured = True
             return
@@ -107,7 +118,7 @@ class Channel:
             self._raise_if_set(self.err.cpu(), rank, what, bound_s, exc_type)
             return
         if self._err_host is None:
-            self._err_host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+            self._err_host = torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=True)
         self.poll(rank, what, bound_s, exc_type)  # the previous call's flag, if ready
         self._err_host.copy_(self.err, non_blocking=True)
         event = torch.cuda.Event()
@@ -137,7 +148,7 @@ class Channel:
             return
         if rank < 0 and self.who is not None:  # read by flush: name the launch's rank
             rank, what = self.who
-        msg = describe_error(err_host.tolist(), rank, what, bound_s)
+        msg = describe_error(err_host.tolist(), rank, what, bound_s, self.explain)
         self.err.zero_()  # the next call starts clean (its kernel may still time out again)
         raise exc_type(msg)
 
@@ -153,7 +164,7 @@ def make_nvshmem_channel(n_tiles: int, tile_elems: int, dtype: torch.dtype,
     send = nvshmem.symmetric_empty((n_tiles, tile_elems), dtype, device, group)
     sigs = nvshmem.symmetric_empty((2, n_tiles), torch.int64, device, group)
     sigs.zero_()
-    err = torch.zeros(4, dtype=torch.int64, device=device)
+    err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=device)
     # No peer may signal into sigs before every rank has zeroed its copy.
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
@@ -186,7 +197,7 @@ class SimWorld:
             sigs = torch.zeros(P, 2, n_tiles, dtype=torch.int64, device=self.device)
             self._channels[key] = [
                 Channel(SIM, recv[r], send[r], sigs[r, 0], sigs[r, 1],
-                        torch.zeros(4, dtype=torch.int64, device=self.device),
+                        torch.zeros(ERR_WORDS, dtype=torch.int64, device=self.device),
                         rank_stride=n_tiles * tile_elems, sig_rank_stride=2 * n_tiles)
                 for r in range(P)]
         return self._channels[key]

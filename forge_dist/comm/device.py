@@ -22,6 +22,7 @@ yet never arrives and one poll decides.
 from __future__ import annotations
 
 import os
+import types
 
 import triton
 import triton.language as tl
@@ -40,12 +41,40 @@ class _NoNvshmem:
     my_pe = n_pes = fence = quiet = signal_op = putmem_signal_block = _missing
 
 
-try:  # the only place (with comm.nvshmem) that touches PyTorch's private NVSHMEM bridge
-    from torch.distributed._symmetric_memory import _nvshmem_triton as _nv  # noqa: F401
-    if not hasattr(_nv, "putmem_signal_block"):  # defined only when torch sees CUDA Triton
-        _nv = _NoNvshmem
-except Exception:  # noqa: BLE001 - old torch
-    _nv = _NoNvshmem
+def _load_bridge():
+    """PyTorch's NVSHMEM device bridge, or :class:`_NoNvshmem` where it is missing.  The
+    only place (with comm.nvshmem) that touches that private module."""
+    try:
+        from torch.distributed._symmetric_memory import _nvshmem_triton as bridge
+    except Exception:  # noqa: BLE001 - old torch
+        return _NoNvshmem
+    # the device functions are defined only when torch sees CUDA Triton
+    return bridge if hasattr(bridge, "putmem_signal_block") else _NoNvshmem
+
+
+# Imported on first use, not with the package: the bridge pulls in torch's inductor and
+# dynamo (seconds on a CPU machine).  Triton resolves ``_nv.<name>`` when it compiles a
+# kernel that reaches an NVSHMEM branch (the interpreter never does on the simulated
+# transport), and accepts the global only as a plain module, hence a module whose
+# attribute look-ups (PEP 562) load the bridge.
+_nv = types.ModuleType(__name__ + "._nvshmem_bridge")
+
+
+def _bridge_attr(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return getattr(_bridge(), name)
+
+
+_nv.__getattr__ = _bridge_attr
+_BRIDGE = None
+
+
+def _bridge():
+    global _BRIDGE
+    if _BRIDGE is None:
+        _BRIDGE = _load_bridge()
+    return _BRIDGE
 
 # NVSHMEM 3.4 header values (nvshmem_constants.h); PyTorch's docstrings give other numbers.
 SIGNAL_SET = tl.constexpr(9)
@@ -67,6 +96,12 @@ ERR_RECV_TIMEOUT = tl.constexpr(1)    # no data signal from the upstream peer
 ERR_CREDIT_TIMEOUT = tl.constexpr(2)  # downstream peer never freed its receive slot
 ERR_UPSTREAM = tl.constexpr(3)        # upstream peer forwarded a poisoned tile
 ERR_AHEAD = tl.constexpr(4)           # the signal is already a later call's (lagged)
+ERR_SIGNATURE = tl.constexpr(5)       # the upstream peer's call signature differs from ours
+
+# Every tile carries a trailer of TRAILER elements after its data: the call's 60-bit
+# signature word in three exact 20-bit chunks (forge_dist.sp.agreement), and a zero.
+TRAILER = tl.constexpr(4)
+STAGE_BLOCK = tl.constexpr(1024)  # elements the simulated put moves per step
 
 
 @triton.jit
@@ -164,32 +199,63 @@ def set_remote_signal(sig_ptr, value, pe, me, sig_rank_stride, TRANSPORT: tl.con
 
 
 @triton.jit
-def put_tile_signal(dst_ptr, src_ptr, offs, values, mask, nbytes, sig_ptr, sig_value, pe, me,
-                    rank_stride, sig_rank_stride, TRANSPORT: tl.constexpr):
-    """Send one contiguous tile to PE ``pe`` and then set its signal word.
+def trailer_values(word, dtype: tl.constexpr):
+    """``[TRAILER]`` values of a signature word: its three 20-bit chunks and a zero (integers
+    below 2**20 are exact in every float type a state uses)."""
+    i = tl.arange(0, TRAILER).to(tl.int64)
+    chunk = (word >> (20 * tl.minimum(i, 2))) & 0xFFFFF
+    return tl.where(i < 3, chunk, 0).to(dtype)
+
+
+@triton.jit
+def trailer_word(values):
+    """The signature word back from :func:`trailer_values`."""
+    i = tl.arange(0, TRAILER).to(tl.int64)
+    chunk = values.to(tl.int64)
+    return tl.sum(tl.where(i < 3, chunk << (20 * tl.minimum(i, 2)), 0), axis=0)
+
+
+@triton.jit
+def put_tile_signal(dst_ptr, src_ptr, offs, values, mask, trailer, nbytes, sig_ptr,
+                    sig_value, pe, me, rank_stride, sig_rank_stride,
+                    DATA_ELEMS: tl.constexpr, TRANSPORT: tl.constexpr):
+    """Send one contiguous tile and its trailer to PE ``pe``, then set its signal word.
 
     ``dst_ptr``/``sig_ptr`` are symmetric addresses (this rank's copy), ``src_ptr`` a local
     staging tile (a symmetric buffer, so the proxy transport can read it across nodes),
-    ``offs`` the in-tile offsets of ``values``.  The signal is written only after the whole
-    tile is visible at the destination, so a consumer that sees it may read the tile.
+    ``offs`` the in-tile offsets of ``values``, ``trailer`` (``[TRAILER]``) goes after the
+    tile's ``DATA_ELEMS`` elements.  Both transports stage the tile in ``src_ptr`` and move ``nbytes`` from
+    there, and the signal is written only after the whole tile is visible at the
+    destination, so a consumer that sees it may read the tile.
     """
+    tl.store(src_ptr + offs, values, mask=mask)
+    tl.store(src_ptr + DATA_ELEMS + tl.arange(0, TRAILER), trailer)
+    tl.debug_barrier()  # every thread's part of the tile is staged before the block put
     if TRANSPORT == 1:
-        tl.store(src_ptr + offs, values, mask=mask)
-        tl.debug_barrier()  # every thread's part of the tile is staged before the block put
         _nv.putmem_signal_block(dst_ptr, src_ptr, nbytes, sig_ptr, sig_value.to(tl.int64),
                                 tl.full((), SIGNAL_SET, tl.int32), pe.to(tl.int32))
     else:
-        tl.store(dst_ptr + (pe - me) * rank_stride + offs, values, mask=mask)
+        # the staged bytes, as the NVSHMEM put reads them (a missing staging store or a
+        # staging slot reused too early shows up here as in the real transport)
+        k = tl.arange(0, STAGE_BLOCK)
+        for start in tl.static_range(0, DATA_ELEMS + TRAILER, STAGE_BLOCK):
+            m = start + k < DATA_ELEMS + TRAILER
+            tl.store(dst_ptr + (pe - me) * rank_stride + start + k,
+                     tl.load(src_ptr + start + k, mask=m), mask=m)
         tl.debug_barrier()
         tl.atomic_xchg(sig_ptr + (pe - me) * sig_rank_stride, sig_value.to(tl.int64),
                        sem="release", scope="sys")
 
 
+
 @triton.jit
-def record_error(err_ptr, code, peer, tile, epoch):
-    """First error wins: ``err = [code, peer, tile, epoch]`` (int64), read by the host."""
+def record_error(err_ptr, code, peer, tile, epoch, detail0=0, detail1=0):
+    """First error wins: ``err = [code, peer, tile, epoch, detail0, detail1]`` (int64), read
+    by the host (the details: the peer's and this rank's signature words)."""
     old = tl.atomic_cas(err_ptr, tl.full((), 0, tl.int64), tl.full((), code, tl.int64))
     if old == 0:
         tl.store(err_ptr + 1, peer.to(tl.int64))
         tl.store(err_ptr + 2, tile.to(tl.int64))
         tl.store(err_ptr + 3, epoch.to(tl.int64))
+        tl.store(err_ptr + 4, detail0)
+        tl.store(err_ptr + 5, detail1)

@@ -235,10 +235,10 @@ class Variant:
             if short is not None:  # one GPU: the template's cached plan
                 return short
         grad = needs_grad(dict(inputs), initial_state)
-        cu, strat = self._prepare(B=B, T=T, sizes=sizes, H=H, device=device, dtype=dtype,
-                                  initial_state=initial_state, state_rows=state_rows,
-                                  cu_seqlens=cu_seqlens, group=group, strategy=strategy,
-                                  grad=grad)
+        cu, strat, word = self._prepare(B=B, T=T, sizes=sizes, H=H, device=device,
+                                        dtype=dtype, initial_state=initial_state,
+                                        state_rows=state_rows, cu_seqlens=cu_seqlens,
+                                        group=group, strategy=strategy, grad=grad)
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         init = initial_state
         if self.vector and init is not None:
@@ -247,7 +247,7 @@ class Variant:
         o, final = run(self.spec, inputs, make_work, (1, K, 1) if self.vector else (H, K, V),
                        B=B, T_local=T, initial_state=init, output_final_state=output_final_state,
                        cu=cu, group=group, strategy=strat, out_dtype=dtype,
-                       compute_dtype=compute, device=device)
+                       compute_dtype=compute, device=device, word=word)
         if self.vector and final is not None:
             final = final.reshape(-1, K)
         return o, final
@@ -281,15 +281,13 @@ class Variant:
         strat = sp.resolve(strategy, device) if size > 1 else None
         fields = {"B": B, "T (tokens per rank)": T, "H": H}
         fields.update({f"dim {k}": v for k, v in sorted(sizes.items())})
-        fields.update({"dtype": checks.dtype_code(dtype),
-                       "strategy": sp.names().index(strategy) + 1,
+        fields.update({"dtype": dtype, "strategy": strategy,
                        "variant (program fingerprint)": self.fingerprint,
                        "cu_seqlens (number of offsets)": 0 if cu is None else len(cu),
-                       "cu_seqlens (values)": 0 if cu is None else
-                       sum((i + 1) * x for i, x in enumerate(cu)) % (2 ** 61),
-                       "requires_grad (of any input, with grad mode on)": int(grad)})
-        checks.across_ranks(group, device, fields)
-        return cu, strat
+                       "requires_grad (of any input, with grad mode on)": grad})
+        data = {} if cu is None else {"cu_seqlens": tuple(cu)}
+        word = checks.across_ranks(group, device, fields, data)
+        return cu, strat, word
 
     def _work_factory(self, scale: float, device, out_dtype, chunk_size):
         use_triton = self.lowering is not None and _use_kernels(device)

@@ -20,10 +20,11 @@ import torch
 from torch import Tensor
 
 from .. import sp
-from ..sp import p2p
+from ..sp import agreement, p2p
 from ..variants import decay_attention, delta_rule, vector_state
 from ..variants.base import ChunkFormWork, VariantSpec
 from ..variants.transitions import Kind
+from ..runtime.plan import SP_VARIANTS
 from . import checks, planned
 from .runner import needs_grad, run
 
@@ -62,18 +63,13 @@ def _work_factory(spec: VariantSpec, chunk_form: Callable, scale, device, out_dt
     return make_work
 
 
-def _strategy_code(name: str) -> int:
-    """Stable across processes: the position among the registered names."""
-    return sp.names().index(name) + 1
-
-
-def _cu_checksum(cu) -> int:
-    return 0 if cu is None else sum((i + 1) * x for i, x in enumerate(cu)) % (2 ** 61)
+#: gate_flags -> what the cross-rank signature calls the op's gate inputs
+GATES = {0: "none", 1: "g", 2: "g (per channel)", 3: "g, beta", 4: "beta", 5: "g"}
 
 
 def _prepare(spec: VariantSpec, *, B, T, dims, device, dtype, initial_state, state_rows_dims,
              cu_seqlens, group, strategy, gate_flags: int, grad: bool):
-    """Checks shared by every op; returns ``(cu list, strategy object)``."""
+    """Checks shared by every op; returns ``(cu list, strategy object, signature word)``."""
     checks.group(group)
     rank, size = p2p.rank_and_size(group)
     cu = checks.cu_seqlens(cu_seqlens, B, T * size, device)
@@ -83,22 +79,24 @@ def _prepare(spec: VariantSpec, *, B, T, dims, device, dtype, initial_state, sta
     rows = B if cu is None else len(cu) - 1
     checks.initial_state(initial_state, (rows,) + tuple(state_rows_dims), device)
     strat = sp.resolve(strategy, device) if size > 1 else None
-    fields = {"B": B, "T (tokens per rank)": T}
-    fields.update(dims)
-    fields.update({"dtype": checks.dtype_code(dtype), "strategy": _strategy_code(strategy),
-                   "gates (g / g_gamma / beta given)": gate_flags,
-                   "cu_seqlens (number of offsets)": 0 if cu is None else len(cu),
-                   "cu_seqlens (values)": _cu_checksum(cu),
-                   "requires_grad (of any input, with grad mode on)": int(grad)})
-    checks.across_ranks(group, device, fields)
-    return cu, strat
+    if size == 1:
+        return cu, strat, 0
+    fields = agreement.op_fields(spec.name, B=B, T=T, dims=dims, dtype=dtype,
+                                 strategy=strat.name, gates=GATES[gate_flags],
+                                 offsets=0 if cu is None else len(cu), grad=grad)
+    # the offsets may change every call: compared on the host with a new signature, and
+    # on the device (through the signature word) always
+    data = {} if cu is None else {"cu_seqlens": tuple(cu)}
+    word = checks.across_ranks(group, device, fields, data)
+    return cu, strat, word
 
 
 def _front(op: str, tensors, *, cu_seqlens, group, **kw):
-    """:func:`planned.front` for calls it can take: ``(signature or None, result or None)``."""
-    if cu_seqlens is not None or group is not None:
+    """:func:`planned.front` for calls it can take: ``(signature or None, result or None)``
+    (one GPU, or a group for the ops with sequence-parallel plans)."""
+    if cu_seqlens is not None or (group is not None and op not in SP_VARIANTS):
         return None, None
-    return planned.front(op, tensors, **kw)
+    return planned.front(op, tensors, group=group, **kw)
 
 
 def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
@@ -115,14 +113,15 @@ def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
                                  "initial_state": initial_state})
     scale = checks.scale(scale, K)
     checks.strategy(strategy)
+    checks.group(group)
     short = planned.matrix_call(spec.name, q, k, v, gates, scale=scale,
                                 initial_state=initial_state,
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                 group=group, use_kernels=_use_kernels(device),
-                                front_key=front_key)
-    if short is not None:  # one GPU, no grad: a cached plan (forge_dist/ops/planned.py)
+                                front_key=front_key, strategy=strategy)
+    if short is not None:  # a cached plan (forge_dist/ops/planned.py)
         return short
-    cu, strat = _prepare(spec, B=B, T=T, dims={"H": H, "K": K, "V": V}, device=device,
+    cu, strat, word = _prepare(spec, B=B, T=T, dims={"H": H, "K": K, "V": V}, device=device,
                          dtype=dtype, initial_state=initial_state, state_rows_dims=(H, K, V),
                          cu_seqlens=cu_seqlens, group=group, strategy=strategy,
                          gate_flags=gate_flags,
@@ -141,7 +140,7 @@ def _matrix_op(spec: VariantSpec, q, k, v, gates: Dict[str, Optional[Tensor]],
     o, final = run(spec, inputs, make_work, (H, K, V),
                    B=B, T_local=T, initial_state=initial_state,
                    output_final_state=output_final_state, cu=cu, group=group, strategy=strat,
-                   out_dtype=work_dtype, compute_dtype=compute, device=device)
+                   out_dtype=work_dtype, compute_dtype=compute, device=device, word=word)
     return (o.to(dtype) if upcast else o), final
 
 
@@ -187,24 +186,27 @@ def simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
         return linear_attn(q, k, v, scale=scale, initial_state=initial_state,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                            group=group, strategy=strategy)
-    front_key = None
-    if g_gamma is None:
-        front_key, hit = _front("simple_gla", (q, k, v, g), cu_seqlens=cu_seqlens,
-                                group=group, initial_state=initial_state,
-                                output_final_state=output_final_state, scale=scale,
-                                strategy=strategy)
-        if hit is not None:
-            return hit
-    checks.tensor("q", q, [None, None, None, None])
-    B, T, H, _ = q.shape
-    if g is not None:
-        checks.tensor("g", g, [B, T, H])
     if g_gamma is not None:
+        # a constant per-head decay is a data-dependent one that does not vary: written out
+        # once (B*T*H fp32, a few microseconds), the call takes the same plans as any g
+        checks.tensor("q", q, [None, None, None, None])
+        B, T, H, _ = q.shape
+        if g is not None:
+            checks.tensor("g", g, [B, T, H])
         checks.tensor("g_gamma", g_gamma, [H])
         checks.same_device({"q": q, "g_gamma": g_gamma})
         expanded = g_gamma.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         expanded = expanded.expand(B, T, H)
-        g = expanded if g is None else g + expanded
+        g = expanded.contiguous() if g is None else g + expanded
+    front_key, hit = _front("simple_gla", (q, k, v, g), cu_seqlens=cu_seqlens,
+                            group=group, initial_state=initial_state,
+                            output_final_state=output_final_state, scale=scale,
+                            strategy=strategy)
+    if hit is not None:
+        return hit
+    checks.tensor("q", q, [None, None, None, None])
+    B, T, H, _ = q.shape
+    checks.tensor("g", g, [B, T, H])
 
     def summarize(p, s, need_M):
         return decay_attention.summarize(p["q"], p["k"], p["v"], p["g"], s,
@@ -313,7 +315,7 @@ def hgrn(x: Tensor, g: Tensor, *, initial_state: Optional[Tensor] = None,
                               front_key=front_key)
     if short is not None:
         return short
-    cu, strat = _prepare(HGRN, B=B, T=T, dims={"D": D}, device=device, dtype=x.dtype,
+    cu, strat, word = _prepare(HGRN, B=B, T=T, dims={"D": D}, device=device, dtype=x.dtype,
                          initial_state=initial_state, state_rows_dims=(D,),
                          cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=5,
                          grad=needs_grad({"x": x, "g": g}, initial_state))
@@ -326,5 +328,5 @@ def hgrn(x: Tensor, g: Tensor, *, initial_state: Optional[Tensor] = None,
     o, final = run(HGRN, {"x": x, "g": g}, make_work, (1, D, 1), B=B, T_local=T,
                    initial_state=init, output_final_state=output_final_state, cu=cu,
                    group=group, strategy=strat, out_dtype=x.dtype, compute_dtype=compute,
-                   device=device)
+                   device=device, word=word)
     return o, (None if final is None else final.reshape(-1, D))

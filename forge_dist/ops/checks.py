@@ -10,16 +10,14 @@ import functools
 import math
 import os
 import threading
-import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..sp import p2p
+from ..sp import agreement, p2p
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 def _describe(t: Tensor) -> str:
@@ -140,22 +138,14 @@ def strategy(name) -> None:
 
 def group(grp) -> None:
     """``group`` is ``None`` or an initialised process group this process belongs to."""
-    problem = p2p.check_group(grp)
-    if problem is not None:
-        raise ValueError(f"group: {problem}")
-
-
-_SIGNATURE_LEN = 32  # fixed, so a rank calling another op never mismatches the all-gather
-
-
-_REJECTED = -1  # first signature value of a rank whose own arguments failed their checks
-_state = threading.local()
+    p2p.rank_and_size(grp)  # raises "group: ..." (checked fully once per group)
 
 
 def collective(fn):
     """Make a public op fail together: a rank whose local checks reject its arguments still
-    joins the signature all-gather (flagged as rejected) before raising, so its peers raise
-    at once instead of waiting out the communication timeout."""
+    joins the agreement all-gather (flagged as rejected) before raising, so its peers raise
+    at once instead of waiting out the communication timeout (see
+    :func:`forge_dist.sp.agreement.reject` for groups with agreed signatures)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if kwargs.get("group") is None:  # one rank: nobody to tell (the ops' group is
@@ -166,79 +156,35 @@ def collective(fn):
         _state.depth = getattr(_state, "depth", 0) + 1
         try:
             return fn(*args, **kwargs)
-        except (ValueError, TypeError):
-            if outer and not _state.exchanged:
-                _reject(kwargs.get("group"))
+        except (ValueError, TypeError) as err:
+            if outer and not _state.exchanged and not isinstance(
+                    err, agreement.SignatureMismatch):
+                agreement.reject(kwargs.get("group"))
             raise
         finally:
             _state.depth -= 1
     return wrapper
 
 
-def _signature_device(grp) -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend(grp) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+_state = threading.local()
 
 
-def _reject(grp) -> None:
-    """This rank's arguments failed: tell the peers through the signature all-gather."""
-    if p2p.check_group(grp) is not None or p2p.rank_and_size(grp)[1] == 1:
-        return  # no usable group: nobody to tell
-    row = torch.zeros(_SIGNATURE_LEN, dtype=torch.int64, device=_signature_device(grp))
-    row[0] = _REJECTED
-    try:
-        p2p.all_gather(row, grp)
-    except p2p.StatePassTimeout:
-        pass  # the peers are gone or elsewhere; the local error is what matters
+def across_ranks(grp, device: torch.device, fields: Dict[str, object],
+                 data: Optional[Dict[str, object]] = None) -> int:
+    """Every rank of ``grp`` passed the same ``fields`` (and ``data``); raise on all ranks
+    otherwise.  Returns the call's signature word for the state pass.
 
-
-def across_ranks(grp, device: torch.device, fields: Dict[str, int]) -> None:
-    """Every rank of ``grp`` passed the same ``fields``; raise on all ranks otherwise.
-
-    The signature has a fixed length and starts with a checksum of the field names, so ranks
-    that call different ops (different fields) get a clear error too, instead of a gloo
-    size mismatch that aborts the process.
+    A new signature is agreed with one all-gather; a repeated one costs no collective and
+    is checked on the device through the word (:mod:`forge_dist.sp.agreement`).  Field values
+    are what the user passed (ints, dtypes, strategy names, tuples of offsets), so messages
+    show them as written.
     """
     _, size = p2p.rank_and_size(grp)
-    if size == 1:
-        _state.exchanged = True
-        return
-    import torch.distributed as dist
-
-    if len(fields) > _SIGNATURE_LEN - 1:
-        raise AssertionError(f"across_ranks: at most {_SIGNATURE_LEN - 1} fields")
-    layout = zlib.crc32("|".join(fields).encode())
-    values = [layout] + list(fields.values())
-    values += [0] * (_SIGNATURE_LEN - len(values))
-    # NCCL: on the device (tried: a gloo group of the same ranks, which avoids the stream
-    # sync of .tolist() but measured 0.6-1.1 ms per call against 0.39-0.49 ms on 2 x H200,
-    # results/weak_scaling_NVIDIA-H200x2_2026-11-24_fwd-gloo-check.json)
-    sig_device = device if dist.get_backend(grp) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(values, dtype=torch.int64, device=sig_device)
-    everyone = [row.tolist() for row in p2p.all_gather(mine, grp)]
     _state.exchanged = True
-    for r, row in enumerate(everyone):
-        if row[0] == _REJECTED:
-            raise ValueError(f"rank {r} rejected its own arguments (its error names the "
-                             f"argument); no rank ran the op")
-    for r, row in enumerate(everyone):
-        if row[0] != everyone[0][0]:
-            raise ValueError(f"every rank must call the same op with the same kind of "
-                             f"arguments, but rank 0 and rank {r} called ops with different "
-                             f"arguments (this rank passed {', '.join(fields)})")
-    for r, row in enumerate(everyone):
-        for (name, _), a, b in zip(fields.items(), everyone[0][1:], row[1:]):
-            if a != b:
-                raise ValueError(f"{name}: every rank must pass the same value, but rank 0 "
-                                 f"has {a} and rank {r} has {b}")
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """A small integer per supported dtype, for the cross-rank signature."""
-    return _DTYPE_CODE.get(dtype, 0)
+    if size == 1:
+        return 0
+    _, word = agreement.agree(grp, device, fields, data)
+    return word
 
 
 # ------------------------------------------------------------------ finite-check mode

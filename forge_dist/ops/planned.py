@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ..runtime import cache as plan_cache
-from ..runtime.plan import PlanError
+from ..runtime.plan import SP_VARIANTS, PlanError
 from .runner import needs_grad
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -73,10 +73,16 @@ def enabled() -> bool:
 
 
 def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_shape,
-              group, cu_seqlens, use_kernels: bool, grads: bool = False) -> bool:
-    """Whether the short path takes this call; ``grads``: it can differentiate it."""
-    if group is not None or cu_seqlens is not None or not use_kernels or not enabled():
+              group, cu_seqlens, use_kernels: bool, grads: bool = False,
+              sp_plan: bool = False) -> bool:
+    """Whether the short path takes this call; ``grads``: it can differentiate it;
+    ``sp_plan``: the op has sequence-parallel plans (forward only), so a group is fine."""
+    if cu_seqlens is not None or not use_kernels or not enabled():
         return False
+    if group is not None:
+        if not sp_plan:
+            return False
+        grads = False  # sequence-parallel plans run forwards only: training takes the runner
     if _compiling():  # a plan object and its host-side launches are not for tracing
         return False
     from .checks import check_finite_enabled
@@ -115,7 +121,7 @@ def _switches() -> Tuple:
 
 
 def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_state,
-          scale=None, strategy="auto") -> Tuple[Optional[Tuple], Optional[tuple]]:
+          scale=None, strategy="auto", group=None) -> Tuple[Optional[Tuple], Optional[tuple]]:
     """``(signature, result)``: ``result`` is the op's ``(o, final_state)`` when an earlier
     call of this exact signature ran on a plan, else ``None``; ``signature`` (``None`` when
     the front cannot take such a call) goes to :func:`matrix_call` / :func:`hgrn_call`,
@@ -125,6 +131,11 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
         tensors: the op's tensor inputs in the plan's order (``q, k, v[, g][, beta]`` or
             ``x, g``); the caller passes only calls without ``cu_seqlens``, a group or
             arguments the plans do not take (``g_gamma``, in-kernel l2 norm).
+        group: a process group for the ops with sequence-parallel plans
+            (:data:`forge_dist.runtime.plan.SP_VARIANTS`), forward calls only.  A repeated
+            call then runs its plan with no collective and no host synchronisation: the
+            ranks agreed on the signature when the plan was made, and the signature word
+            travels with the state (:mod:`forge_dist.sp.agreement`).
     """
     if _compiling():  # torch.compile / export trace the full path, as they always did
         return None, None
@@ -136,6 +147,8 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
     first = tensors[0]
     grad = torch.is_grad_enabled() and (any([t.requires_grad for t in tensors]) or (
         initial_state is not None and initial_state.requires_grad))
+    if group is not None and grad:
+        return None, None  # sequence-parallel training runs through the runner
     index = first.get_device()
     if index >= 0 and torch.cuda.is_current_stream_capturing():
         return None, None
@@ -143,7 +156,7 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
         return None, None  # a tensor scale may change in place: the full path reads it
     key = (op, tuple([t.shape for t in tensors]), tuple([t.dtype for t in tensors]), index,
            _raw_stream(index) if index >= 0 else 0, get_ident(), initial_state is None,
-           output_final_state, scale, strategy, _switches(), grad)
+           output_final_state, scale, strategy, _switches(), grad, group)
     try:
         plan_key = _FRONT.get(key)
     except TypeError:  # an unhashable scale or strategy: the full path checks it
@@ -289,8 +302,8 @@ def _plan_ready(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optional[Tensor]],
                 *, scale: float, initial_state, output_final_state, cu_seqlens, group,
-                use_kernels: bool, maps: Optional[dict] = None, front_key=None
-                ) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+                use_kernels: bool, maps: Optional[dict] = None, front_key=None,
+                strategy: str = "auto") -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """``(o, final_state)`` through a cached plan, or ``None`` when the call is not eligible
     (the caller then runs the general path).  Arguments are already checked by the op.
     ``maps``: fused prologues of the DSL's lowered variants (input name -> jitted map).
@@ -304,10 +317,14 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
         return None
     inputs = {"q": q, "k": k, "v": v, **present}
     if not _eligible(inputs, initial_state, (B, H, K, V), group, cu_seqlens, use_kernels,
-                     grads=not maps):
+                     grads=not maps, sp_plan=op in SP_VARIANTS and not maps):
         return None
     names = ["q", "k", "v"] + [n for n in ("g", "beta") if n in present]
     kw = dict(B=B, T=T, H=H, K=K, V=V, dtype=q.dtype, scale=scale, device=q.device)
+    if group is not None:
+        if needs_grad(inputs, initial_state):
+            return None
+        kw.update(group=group, strategy=strategy)
     if op in ("simple_gla", "gated_delta_rule"):
         kw["gated"] = "g" in present
     if present:  # g and beta may differ (FLA's usual fp32 g with a bf16 beta)

@@ -103,7 +103,7 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
         initial_state: Optional[Tensor], output_final_state: bool,
         cu: Optional[List[int]], group, strategy: sp.Strategy,
         out_dtype: torch.dtype, compute_dtype: torch.dtype,
-        device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+        device: torch.device, word: int = 0) -> Tuple[Tensor, Optional[Tensor]]:
     """Run one op on this rank's shard.
 
     Args:
@@ -112,6 +112,7 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
             whether this segment's transition ``M`` will be asked for.
         state_dims: ``(H, K, V)`` of the internal state ``[rows, H, K, V]``.
         initial_state: internal layout, ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu``).
+        word: the call's signature word (checked on the device by the state pass).
     Returns:
         ``(o [B, T_local, ...], final_state or None)`` in the internal state layout.
     """
@@ -174,7 +175,7 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
             checks.finite("local summary", [("carry (shard state from a zero start)", carry),
                                             ("M (shard transition)", M_rank)], group, device)
         S_in = sp.state_pass(kind, M_rank, carry, S0, group, strategy,
-                             anchor=grad_anchor(inputs, initial_state))
+                             anchor=grad_anchor(inputs, initial_state), word=word)
 
     # Phase 3: merge incoming states into outputs and final states.
     outputs, finals = [], {}

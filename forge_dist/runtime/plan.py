@@ -481,7 +481,7 @@ class Plan:
         else:
             delta = self.zeros  # nobody reads the last rank's carry
         S0 = (h0 if h0 is not None else self.zeros) if rank == 0 else self.zeros
-        S_in, _ = self.strategy_obj.forward_chain(kind, M, delta, S0, self.group)
+        S_in, _ = self.strategy_obj.forward_chain(kind, M, delta, S0, self.group, self.word)
         ht = torch.empty(self.ht_shape, dtype=torch.float32, device=self.device)
         tensors["o"], tensors["ht"] = o, ht
         if rank == 0:
@@ -690,7 +690,7 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              finish_exec=finish_exec, summary_exec=summary_exec, channels=None,
              static=backend == "static", delta=None, zeros=None, _ht_scratch=None,
              execution_request=execution, _dispatcher=disp, _bwd_execs={}, _interp=interp,
-             prologues=tuple(sorted(maps)),
+             prologues=tuple(sorted(maps)), word=0,
              _specialise_pending=(backend == "triton" and device.type == "cuda"
                                   and size == 1))
 
@@ -728,13 +728,17 @@ def _plan_sp(p: Plan, strategy: str, simulated: bool, B, T, H, K, V, dtype, gate
             raise PlanError(str(err)) from None
         p.strategy = p.strategy_obj.name
         from ..ops import checks
+        from ..sp import agreement
 
-        # once per plan, not per run: every rank must have planned the same call
-        fields = {"B": B, "T (tokens per rank)": T, "H": H, "K": K, "V": V,
-                  "dtype": checks.dtype_code(dtype),
-                  "strategy": sp.names().index(p.strategy) + 1,
-                  "op": list(_KIND).index(p.op) + 1, "gated": int(bool(gated))}
-        checks.across_ranks(p.group, p.device, fields)
+        # once per plan, not per run: every rank must have planned the same call.  The
+        # fields are the ops' (a rank on the runner sends the same word as one on a plan);
+        # the word travels with every run's state and is checked on the device.
+        gates = "none" if p.op == "linear_attn" or not gated else (
+            "g (per channel)" if p.op == "gla" else "g")
+        fields = agreement.op_fields(p.op, B=B, T=T, dims={"H": H, "K": K, "V": V},
+                                     dtype=dtype, strategy=p.strategy, gates=gates,
+                                     offsets=0, grad=False)
+        p.word = checks.across_ranks(p.group, p.device, fields)
     if p.strategy == "forge":
         from ..sp import forge
 

@@ -14,4 +14,21 @@ except Exception as err:  # noqa: BLE001 - report the reason in `forge-dist info
     forge = None
     FORGE_IMPORT_ERROR = f"{type(err).__name__}: {err}"
 
-__all__ = ["Strategy", "StatePassTimeout", "names", "register", "resolve", "state_pass"]
+
+
+def flush(wait: bool = True) -> None:
+    """Raise the error a finished sequence-parallel call left on this rank, if any.
+
+    Steady-state calls never synchronise the host: a forge timeout or a peer that called with
+    other arguments (found on the device, where that call's output became NaN) is raised by
+    the next call on the same group, or here.  ``wait=False`` only reads errors already
+    visible without waiting for the device."""
+    from .agreement import poll_flags
+
+    if forge is not None:
+        forge.flush(wait=wait)
+    poll_flags(wait=wait)
+
+
+__all__ = ["Strategy", "StatePassTimeout", "flush", "names", "register", "resolve",
+           "state_pass"]

@@ -34,16 +34,19 @@ class Strategy:
         return None
 
     def forward_chain(self, kind: Kind, M: Optional[Tensor], delta: Tensor, S0: Tensor,
-                      group) -> Tuple[Tensor, Any]:
+                      group, word: int = 0) -> Tuple[Tensor, Any]:
         """Return ``(S_in(r), saved)``; rank 0's ``S_in`` is ``S0``.
 
         ``M`` is ``None`` for the identity kind and may be ``None`` on the last rank, whose
         transition no other rank reads.  ``saved`` is handed back to :meth:`backward_chain`.
+        ``word`` is the call's signature word (:mod:`forge_dist.sp.agreement`): it travels
+        with the state, and a rank whose peer sent another word returns NaN and records an
+        error that the next call (or :func:`forge_dist.sp.flush`) raises.
         """
         raise NotImplementedError
 
     def backward_chain(self, kind: Kind, M: Optional[Tensor], grad_in: Tensor, group,
-                       saved: Any) -> Tuple[Tensor, Tensor]:
+                       saved: Any, word: int = 0) -> Tuple[Tensor, Tensor]:
         """Given ``g_r`` return ``(lam(r+1), lam(r))`` (``lam(P) = 0``)."""
         raise NotImplementedError
 
@@ -89,11 +92,11 @@ class _StatePass(torch.autograd.Function):
     """``S_in(r) = chain(M_0..M_{r-1}, dS_0..dS_{r-1}, S0)`` with the reverse chain as backward."""
 
     @staticmethod
-    def forward(ctx, M, delta, S0, anchor, kind, strategy, group):
-        S_in, saved = strategy.forward_chain(kind, M, delta, S0, group)
+    def forward(ctx, M, delta, S0, anchor, kind, strategy, group, word):
+        S_in, saved = strategy.forward_chain(kind, M, delta, S0, group, word)
         if S_in is S0:  # rank 0: a Function must not hand an input back as its output
             S_in = S0.clone()
-        ctx.kind, ctx.strategy, ctx.group, ctx.saved = kind, strategy, group, saved
+        ctx.kind, ctx.strategy, ctx.group, ctx.saved, ctx.word = kind, strategy, group, saved, word
         ctx.has_M = M is not None
         ctx.save_for_backward(M if M is not None else delta.new_empty(0), S_in)
         return S_in
@@ -103,14 +106,14 @@ class _StatePass(torch.autograd.Function):
         M, S_in = ctx.saved_tensors
         M = M if ctx.has_M else None
         lam_next, lam_here = ctx.strategy.backward_chain(ctx.kind, M, grad_in.contiguous(),
-                                                         ctx.group, ctx.saved)
+                                                         ctx.group, ctx.saved, ctx.word)
         grad_M = tr.transition_grad(ctx.kind, lam_next, S_in) if ctx.has_M else None
-        return grad_M, lam_next, lam_here, None, None, None, None
+        return grad_M, lam_next, lam_here, None, None, None, None, None
 
 
 def state_pass(kind: Kind, M: Optional[Tensor], delta: Tensor, S0: Tensor, group,
                strategy: Strategy, *, needs_grad: bool = False,
-               anchor: Optional[Tensor] = None) -> Tensor:
+               anchor: Optional[Tensor] = None, word: int = 0) -> Tensor:
     """Differentiable inter-rank phase: this rank's incoming state ``S_in(r)``.
 
     Args:
@@ -126,10 +129,11 @@ def state_pass(kind: Kind, M: Optional[Tensor], delta: Tensor, S0: Tensor, group
             path to the requested inputs) still runs this rank's reverse chain.  Its value is
             never read and it receives no gradient.  Without it, ``needs_grad`` makes a
             private leaf, which ``loss.backward()`` reaches but ``autograd.grad`` does not.
+        word: the call's signature word (:func:`forge_dist.sp.agreement.agree`).
     """
     _, size = p2p.rank_and_size(group)
     if size == 1:
         return S0
     if anchor is None and needs_grad:
         anchor = torch.zeros((), device=delta.device, requires_grad=True)
-    return _StatePass.apply(M, delta, S0, anchor, kind, strategy, group)
+    return _StatePass.apply(M, delta, S0, anchor, kind, strategy, group, word)

@@ -44,19 +44,22 @@ from .. import comm
 from ..comm import channel as chan
 from ..comm import device as dev
 from ..variants.transitions import Kind
-from . import p2p
+from . import agreement, p2p
+from .agreement import TRAILER
 from .base import Strategy, register
+
+assert TRAILER == dev.TRAILER.value  # the host's tile layout is the kernel's
 
 _KIND_CODE = {Kind.IDENTITY: 0, Kind.SCALAR: 1, Kind.DIAGONAL: 2, Kind.DENSE: 3}
 _SRC_FIRST, _SRC_ZERO, _SRC_RECV = 0, 1, 2
 
 
 @triton.jit(do_not_specialize=["me", "prev_pe", "next_pe", "limit", "nbytes",
-                               "rank_stride", "sig_rank_stride"])
+                               "rank_stride", "sig_rank_stride", "word"])
 def _forge_chain_kernel(
     first_ptr, d_ptr, m_ptr, x_out_ptr, y_out_ptr,
     recv_ptr, send_ptr, sig_ptr, ack_ptr, err_ptr, counter_ptr,
-    me, prev_pe, next_pe, limit, nbytes, rank_stride, sig_rank_stride,
+    me, prev_pe, next_pe, limit, nbytes, rank_stride, sig_rank_stride, word,
     K, V, stride_mi, stride_mj,
     KIND: tl.constexpr, SRC: tl.constexpr, SEND: tl.constexpr, WRITE_Y: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TRANSPORT: tl.constexpr, USE_CLOCK: tl.constexpr,
@@ -66,7 +69,8 @@ def _forge_chain_kernel(
 
     first/d/x_out/y_out: ``[B, H, K, V]`` contiguous; m: ``[B, H]``, ``[B, H, K]`` or
     ``[B, H, K, K]`` (strides ``stride_mi``/``stride_mj`` over the last two, swapped for
-    ``M^T``); recv/send: ``[n_tiles, BK * BV]``; sig/ack: ``[n_tiles]`` int64; err: ``[4]``;
+    ``M^T``); recv/send: ``[n_tiles, BK * BV + TRAILER]`` (the trailer carries ``word``, the
+    call's signature, checked by the receiver); sig/ack: ``[n_tiles]`` int64; err: ``[6]``;
     counter: ``[2]`` int64 ``[epoch of the last call, programs of this call done]``.
     Dense only: ``BJ`` is the row block of x per ``tl.dot``, ``PREC`` its input precision
     (``"tf32x3"`` for fp32 states on the GPU, ``"ieee"`` otherwise).
@@ -82,7 +86,7 @@ def _forge_chain_kernel(
     mask = (rk[:, None] < K) & (rv[None, :] < V)
     offs = bh * K * V + rk[:, None] * V + rv[None, :]
     tile_offs = tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
-    tile_base = pid.to(tl.int64) * (BK * BV)
+    tile_base = pid.to(tl.int64) * (BK * BV + dev.TRAILER)
     poison = tl.full((), 0, tl.int64)
     # The epoch lives on the device (a CUDA graph replays the same arguments): every program
     # reads it before it counts itself done below, so none can see the bumped value.
@@ -103,7 +107,14 @@ def _forge_chain_kernel(
             dev.record_error(err_ptr, dev.ERR_UPSTREAM, prev_pe, pid, epoch)
         if ahead:
             dev.record_error(err_ptr, dev.ERR_AHEAD, prev_pe, pid, epoch)
-        poison = (got != target).to(tl.int64)
+        # The sender's signature word: a peer that called with other arguments (a repeated
+        # signature skips the host agreement) is caught here, and its tile is never used.
+        theirs = dev.trailer_word(tl.load(recv_ptr + tile_base + BK * BV
+                                          + tl.arange(0, dev.TRAILER), cache_modifier=".cg"))
+        mismatch = (got == target) & (theirs != word)
+        if mismatch:
+            dev.record_error(err_ptr, dev.ERR_SIGNATURE, prev_pe, pid, epoch, theirs, word)
+        poison = ((got != target) | mismatch).to(tl.int64)
 
     if KIND == 3:
         # dense: BK covers all of K (M mixes rows).  y = M x + d is accumulated over row
@@ -168,8 +179,9 @@ def _forge_chain_kernel(
                                       sig_rank_stride, TRANSPORT)
             else:
                 dev.put_tile_signal(recv_ptr + tile_base, send_ptr + tile_base, tile_offs, y,
-                                    mask, nbytes, sig_ptr + pid, 2 * epoch + poison, next_pe,
-                                    me, rank_stride, sig_rank_stride, TRANSPORT)
+                                    mask, dev.trailer_values(word, y.dtype), nbytes,
+                                    sig_ptr + pid, 2 * epoch + poison, next_pe, me,
+                                    rank_stride, sig_rank_stride, BK * BV, TRANSPORT)
             dev.quiet(TRANSPORT)
 
     # The last program to finish publishes this call's epoch for the next launch.  The
@@ -235,6 +247,23 @@ class _Where:
             self.pe = lambda r: nvshmem.global_rank(group, r)
         self.group = group
 
+    def explain(self, peer: int, peer_word: int, my_word: int) -> str:
+        """Why a peer's signature word differs from this rank's (for an error message)."""
+        return agreement.explain(None if self.sim is not None else self.group, peer,
+                                 peer_word, my_word)
+
+
+_WHERE: dict = {}
+
+
+def _where(group) -> _Where:
+    """The cached :class:`_Where` of ``group`` (a group's ranks never change)."""
+    key = id(group)
+    w = _WHERE.get(key)
+    if w is None or w.group is not group:
+        w = _WHERE[key] = _Where(group)
+    return w
+
 
 _CHANNELS: dict = {}
 
@@ -249,8 +278,9 @@ def _channel(where: _Where, direction: str, like: torch.Tensor, kind: Kind,
     bk, bv = tile_shape(kind, K, V)
     n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv)
     key = (direction, B, H, K, V, bk, bv, like.dtype, like.device)
+    tile_elems = bk * bv + TRAILER
     if where.sim is not None:
-        return where.sim.channels(key, n_tiles, bk * bv, like.dtype)[where.rank], bk, bv
+        return where.sim.channels(key, n_tiles, tile_elems, like.dtype)[where.rank], bk, bv
     gkey = key + (getattr(where.group, "group_name", None) or id(where.group),)
     if gkey not in _CHANNELS:
         if not allocate:
@@ -259,8 +289,8 @@ def _channel(where: _Where, direction: str, like: torch.Tensor, kind: Kind,
                 f"({direction}, {like.dtype}) allocates symmetric buffers, a collective that "
                 "cannot run inside a CUDA graph capture; make one call eagerly (a warm-up "
                 "step) on every rank before capturing")
-        _CHANNELS[gkey] = chan.make_nvshmem_channel(n_tiles, bk * bv, like.dtype, like.device,
-                                                    where.group)
+        _CHANNELS[gkey] = chan.make_nvshmem_channel(n_tiles, tile_elems, like.dtype,
+                                                    like.device, where.group)
     return _CHANNELS[gkey], bk, bv
 
 
@@ -282,7 +312,7 @@ def _dense_precision(d: torch.Tensor) -> str:
 def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tensor],
                first: Optional[torch.Tensor], d: torch.Tensor, x_out: Optional[torch.Tensor],
                y_out: Optional[torch.Tensor], src: int, send: bool, prev: int, nxt: int,
-               transpose: bool) -> None:
+               transpose: bool, word: int) -> None:
     if d.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"forge: states must be float32 or float64, got {d.dtype}")
     d = d.contiguous()
@@ -310,13 +340,13 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
         x_out if x_out is not None else dummy, y_out if y_out is not None else dummy,
         ch.recv, ch.send, ch.sig, ch.ack, ch.err, ch.counter,
         where.pe(where.rank), where.pe(prev) if prev >= 0 else -1,
-        where.pe(nxt) if nxt >= 0 else -1, limit, bk * bv * d.element_size(),
-        ch.rank_stride, ch.sig_rank_stride, K, V, smi, smj,
+        where.pe(nxt) if nxt >= 0 else -1, limit, (bk * bv + TRAILER) * d.element_size(),
+        ch.rank_stride, ch.sig_rank_stride, word, K, V, smi, smj,
         KIND=kind_code, SRC=src, SEND=send, WRITE_Y=y_out is not None, BK=bk, BV=bv,
         TRANSPORT=where.transport, USE_CLOCK=use_clock, BJ=min(32, bk),
         PREC=_dense_precision(d), num_warps=8 if bk * bv >= 4096 else 4)
     what = "the incoming state" if direction == "fwd" else "the state gradient"
-    ch.after_launch(where.rank, what, bound, p2p.StatePassTimeout)
+    ch.after_launch(where.rank, what, bound, p2p.StatePassTimeout, where.explain)
 
 
 def flush(wait: bool = True) -> None:
@@ -364,8 +394,8 @@ class Forge(Strategy):
 
         return nvshmem.unavailable_reason()
 
-    def forward_chain(self, kind, M, delta, S0, group):
-        where = _Where(group)
+    def forward_chain(self, kind, M, delta, S0, group, word=0):
+        where = _where(group)
         rank, size = where.rank, where.size
         if size == 1:
             return S0, None
@@ -375,11 +405,11 @@ class Forge(Strategy):
         _run_chain(where, "fwd", kind, M, S0.contiguous() if rank == 0 else None, delta,
                    None if rank == 0 else S_in, None,
                    _SRC_FIRST if rank == 0 else _SRC_RECV, rank < size - 1,
-                   rank - 1, rank + 1 if rank < size - 1 else -1, transpose=False)
+                   rank - 1, rank + 1 if rank < size - 1 else -1, transpose=False, word=word)
         return S_in, None
 
-    def backward_chain(self, kind, M, grad_in, group, saved):
-        where = _Where(group)
+    def backward_chain(self, kind, M, grad_in, group, saved, word=0):
+        where = _where(group)
         rank, size = where.rank, where.size
         lam_next = torch.empty_like(grad_in, memory_format=torch.contiguous_format)
         lam_here = torch.empty_like(grad_in, memory_format=torch.contiguous_format)
@@ -390,7 +420,7 @@ class Forge(Strategy):
         last = rank == size - 1
         _run_chain(where, "bwd", kind, M, None, grad_in, lam_next, lam_here,
                    _SRC_ZERO if last else _SRC_RECV, rank > 0,
-                   rank + 1 if not last else -1, rank - 1, transpose=True)
+                   rank + 1 if not last else -1, rank - 1, transpose=True, word=word)
         return lam_next, lam_here
 
 

@@ -12,15 +12,16 @@ import torch
 from ..variants import transitions as tr
 from ..variants.transitions import Kind
 from . import p2p
+from .agreement import TRAILER, Stamp
 from .base import Strategy, register
 
 
-def _pack(kind, M, delta):
-    """One flat buffer per rank: ``[dS, M]`` (M left out for the identity kind)."""
+def _pack(kind, M, delta, stamp):
+    """One flat buffer per rank: ``[dS, M, trailer]`` (M left out for the identity kind)."""
     parts = [delta.reshape(-1)]
     if kind is not Kind.IDENTITY:
         parts.append(M.reshape(-1))
-    return torch.cat(parts)
+    return stamp.send(torch.cat(parts))
 
 
 class Lasp2(Strategy):
@@ -28,13 +29,18 @@ class Lasp2(Strategy):
 
     name = "lasp2"
 
-    def forward_chain(self, kind, M, delta, S0, group):
+    def forward_chain(self, kind, M, delta, S0, group, word=0):
         rank, size = p2p.rank_and_size(group)
+        stamp = Stamp(group, word, delta)
         if M is None and kind is not Kind.IDENTITY:  # the last rank's M is never read
             M = tr.zero(kind, *delta.shape[:2], delta.shape[2], dtype=delta.dtype,
                         device=delta.device)
         contribution = tr.combine(kind, M, S0, delta) if rank == 0 else delta
-        gathered = p2p.all_gather(_pack(kind, M, contribution), group)
+        gathered = p2p.all_gather(_pack(kind, M, contribution, stamp), group)
+        # every peer's trailer is checked (a NaN row poisons this rank's fold)
+        gathered = [row[:-TRAILER] if s == rank else stamp.receive(row, s, row[:-TRAILER])
+                    for s, row in enumerate(gathered)]
+        stamp.done()
         n = delta.numel()
         S = S0
         for s in range(rank):
@@ -48,7 +54,7 @@ class Lasp2(Strategy):
         Ms = [None if kind is Kind.IDENTITY else g[n:].view_as(M) for g in gathered]
         return S, Ms
 
-    def backward_chain(self, kind, M, grad_in, group, saved):
+    def backward_chain(self, kind, M, grad_in, group, saved, word=0):
         rank, size = p2p.rank_and_size(group)
         Ms = saved
         grads = p2p.all_gather(grad_in, group)

@@ -36,14 +36,25 @@ def timeout_seconds() -> float:
     return value
 
 
+_CHECKED: dict = {}  # group -> (rank, size): a checked group's ranks never change
+
+
 def rank_and_size(group) -> tuple[int, int]:
-    """``(rank in group, group size)``; ``(0, 1)`` when ``group`` is ``None``."""
+    """``(rank in group, group size)``; ``(0, 1)`` when ``group`` is ``None``.
+
+    The full check of :func:`check_group` runs once per group (and again after the default
+    group was torn down); later calls are a dictionary look-up, since a steady-state call
+    asks several times."""
     if group is None:
         return 0, 1
+    known = _CHECKED.get(group) if isinstance(group, dist.ProcessGroup) else None
+    if known is not None and dist.is_initialized():
+        return known
     problem = check_group(group)  # e.g. a layer's halo exchange, before any op checks
     if problem is not None:
         raise ValueError(f"group: {problem}")
-    return dist.get_rank(group), dist.get_world_size(group)
+    known = _CHECKED[group] = (dist.get_rank(group), dist.get_world_size(group))
+    return known
 
 
 def _global(group, group_rank: int) -> int:
@@ -126,6 +137,14 @@ def all_gather(tensor: Tensor, group) -> List[Tensor]:
     out = [torch.empty_like(tensor) for _ in range(size)]
     work = dist.all_gather(out, tensor.contiguous(), group=group, async_op=True)
     _wait(work, group, -1, "an all-gather")
+    return out
+
+
+def all_gather_object(obj, group) -> list:
+    """All-gather picklable objects (small; for error messages), one per rank."""
+    _, size = rank_and_size(group)
+    out = [None] * size
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

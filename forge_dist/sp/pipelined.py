@@ -13,6 +13,7 @@ import torch
 
 from ..variants import transitions as tr
 from . import p2p
+from .agreement import TRAILER, Stamp
 from .base import Strategy, register
 
 
@@ -23,28 +24,35 @@ def n_tiles() -> int:
     return env_positive_int("FORGE_DIST_PIPELINE_TILES", 4)
 
 
-def _ring(kind, like, first, combine_tile, group, src, dst, what):
+def _ring(kind, like, first, combine_tile, group, src, dst, what, stamp=None):
     """Receive ``like``-shaped tiles from ``src`` (or take ``first`` when there is no
     ``src``), and send ``combine_tile(tile)`` on to ``dst`` tile by tile.  Returns the
-    whole received (or first) state."""
+    whole received (or first) state.  With a :class:`Stamp`, every tile carries the call's
+    signature trailer and is checked on arrival."""
     tiles = tr.tile_slices(kind, like.shape[-2], like.shape[-1], n_tiles())
+    extra = 0 if stamp is None else TRAILER
     if src is None:
         received = first
     else:
         received = torch.empty_like(like)
-        bufs = [torch.empty_like(like[..., ks, vs]) for ks, vs in tiles]
+        bufs = [like.new_empty(like[..., ks, vs].numel() + extra) for ks, vs in tiles]
         recvs = [p2p.irecv(b, src, group, f"{what} (tile {i} of {len(tiles)})")
                  for i, b in enumerate(bufs)]
     sends, outs = [], []
     for i, (ks, vs) in enumerate(tiles):
         if src is not None:
             p2p.wait(recvs[i], group, src, f"{what} (tile {i} of {len(tiles)})")
-            received[..., ks, vs] = bufs[i]
+            shape = received[..., ks, vs]
+            received[..., ks, vs] = (bufs[i].view_as(shape) if stamp is None
+                                     else stamp.receive(bufs[i], src, shape))
         if dst is not None:
-            outs.append(combine_tile(ks, vs, received[..., ks, vs]).contiguous())
+            out = combine_tile(ks, vs, received[..., ks, vs]).contiguous()
+            outs.append(out if stamp is None else stamp.send(out))
             sends.append(p2p.isend(outs[-1], dst, group, f"{what} (tile {i} of {len(tiles)})"))
     for i, work in enumerate(sends):
         p2p.wait(work, group, dst, f"the send of {what} (tile {i} of {len(tiles)})")
+    if stamp is not None:
+        stamp.done()
     return received
 
 
@@ -53,17 +61,18 @@ class Pipelined(Strategy):
 
     name = "pipelined"
 
-    def forward_chain(self, kind, M, delta, S0, group):
+    def forward_chain(self, kind, M, delta, S0, group, word=0):
         rank, size = p2p.rank_and_size(group)
 
         def combine(ks, vs, S_tile):
             return tr.combine(kind, tr.slice_transition(kind, M, ks), S_tile, delta[..., ks, vs])
         S_in = _ring(kind, delta, S0, combine, group,
                      None if rank == 0 else rank - 1,
-                     None if rank == size - 1 else rank + 1, "the incoming state")
+                     None if rank == size - 1 else rank + 1, "the incoming state",
+                     Stamp(group, word, delta))
         return S_in, None
 
-    def backward_chain(self, kind, M, grad_in, group, saved):
+    def backward_chain(self, kind, M, grad_in, group, saved, word=0):
         rank, size = p2p.rank_and_size(group)
 
         def combine(ks, vs, lam_tile):

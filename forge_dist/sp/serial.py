@@ -5,6 +5,7 @@ import torch
 
 from ..variants import transitions as tr
 from . import p2p
+from .agreement import TRAILER, Stamp
 from .base import Strategy, register
 
 
@@ -13,20 +14,23 @@ class Serial(Strategy):
 
     name = "serial"
 
-    def forward_chain(self, kind, M, delta, S0, group):
+    def forward_chain(self, kind, M, delta, S0, group, word=0):
         rank, size = p2p.rank_and_size(group)
+        stamp = Stamp(group, word, delta)
         if rank == 0:
             S_in = S0
         else:
-            S_in = p2p.recv(delta.shape, delta.dtype, delta.device, rank - 1, group,
-                            "the incoming state")
+            payload = p2p.recv((delta.numel() + TRAILER,), delta.dtype, delta.device, rank - 1,
+                               group, "the incoming state")
+            S_in = stamp.receive(payload, rank - 1, delta)
         if rank < size - 1:
-            out = tr.combine(kind, M, S_in, delta)
+            out = stamp.send(tr.combine(kind, M, S_in, delta))
             p2p.wait(p2p.isend(out, rank + 1, group, "the state"), group, rank + 1,
                      "the state send")
+        stamp.done()
         return S_in, None
 
-    def backward_chain(self, kind, M, grad_in, group, saved):
+    def backward_chain(self, kind, M, grad_in, group, saved, word=0):
         rank, size = p2p.rank_and_size(group)
         if rank == size - 1:
             lam_next = torch.zeros_like(grad_in)

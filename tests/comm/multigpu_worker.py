@@ -13,6 +13,12 @@ out of step between ranks):
   single-GPU op on the whole sequence, outputs and input gradients;
 * ``back_to_back``: 1000 forward chains launched without host synchronisation, each with
   its own data, all correct (no stale signal, no overwritten slot);
+* ``no_host_sync_<strategy>``: steady-state calls of every op (forward, and forward +
+  backward) with a signature agreed earlier run under
+  ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation fails the check;
+* ``signature_on_device``: two signatures agreed, then the ranks pass different ones (no
+  host collective runs): the receiving rank's output is NaN and ``sp.flush()`` raises an
+  error naming the argument and both values;
 * ``timeout``: rank 0 skips a call; rank 1 raises StatePassTimeout naming rank 1, rank 0
   and a tile, within the (short) bound.
 """
@@ -211,6 +217,75 @@ def back_to_back(group, device, n_calls=1000):
     return f"{n_calls} calls in {elapsed:.2f}s, all correct"
 
 
+def no_host_sync(group, device, strategy):
+    r, P = dist.get_rank(group), dist.get_world_size(group)
+    B, T_local, H, D = 1, 256, 4, 64
+    done = []
+    for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
+        full = op_inputs(name, B, T_local * P, H, D, 7, device)
+        inp = {k: v[:, r * T_local:(r + 1) * T_local].clone().requires_grad_(True)
+               for k, v in full.items()}
+        for grad in (False, True):
+            def call():
+                with torch.set_grad_enabled(grad):
+                    o, _ = call_op(name, inp, group=group, strategy=strategy)
+                    if grad:
+                        o.backward(torch.ones_like(o))
+            call()  # agrees the signature (a host collective and its synchronisation)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(3):
+                    call()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            done.append(f"{name}{'+bwd' if grad else ''}")
+    torch.cuda.synchronize()
+    sp.flush()
+    return f"no synchronisation in {len(done)} steady-state cases"
+
+
+def signature_on_device(group, device):
+    r, P = dist.get_rank(group), dist.get_world_size(group)
+    H, D = 2, 32
+    full = {T: op_inputs("simple_gla", 1, T * P, H, D, 11, device) for T in (64, 128)}
+
+    def call(T):
+        inp = {k: v[:, r * T:(r + 1) * T] for k, v in full[T].items()}
+        return call_op("simple_gla", inp, group=group, strategy="forge")[0]
+    for T in (64, 128):  # both signatures agreed on every rank
+        call(T)
+    torch.cuda.synchronize()
+    sp.flush()
+    dist.barrier(group)
+    mine = 64 if r == 0 else 128  # no host collective runs for either
+    o = call(mine)
+    torch.cuda.synchronize()
+    try:
+        sp.flush()
+        error = None
+    except ValueError as err:
+        error = str(err)
+    if r == 0:
+        if error is not None or torch.isnan(o).any():
+            raise AssertionError(f"rank 0 receives nothing and must be clean: {error}")
+        result = "rank 0 clean"
+    else:
+        if not torch.isnan(o).any():
+            raise AssertionError("rank 1's output of the mismatched call is not NaN")
+        want = "T (tokens per rank): every rank must pass the same value, but this rank " \
+               "has 128 and rank 0 has 64"
+        if error is None or want not in error:
+            raise AssertionError(f"unexpected error: {error}")
+        result = error
+    dist.barrier(group)
+    for T in (64, 128):  # the group stays usable
+        call(T)
+    torch.cuda.synchronize()
+    sp.flush()
+    return result
+
+
 def timeout_check(group, device):
     r, P = dist.get_rank(group), dist.get_world_size(group)
     os.environ["FORGE_DIST_TIMEOUT"] = "2"
@@ -255,14 +330,24 @@ def main():
     else:
         RESULTS["available"] = {"ok": True, "detail": nvshmem.remote_transport()}
         nvshmem.setup(group)
+        # FORGE_MG_CHECKS=a,b,... runs only those checks (a device call too short for all)
+        only = [c for c in os.environ.get("FORGE_MG_CHECKS", "").split(",") if c]
+
+        def run(name, fn, *args):
+            if not only or name in only:
+                check(name)(fn)(*args)
         for kind in Kind:
-            check(f"chains_{kind.value}")(chain_check)(kind, group, device)
-        check("chains_dense_K64_V96")(chain_check)(Kind.DENSE, group, device, 64, 96)
+            run(f"chains_{kind.value}", chain_check, kind, group, device)
+        run("chains_dense_K64_V96", chain_check, Kind.DENSE, group, device, 64, 96)
         for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
-            check(f"op_{name}")(op_check)(name, group, device)
-        check("back_to_back")(back_to_back)(group, device)
+            run(f"op_{name}", op_check, name, group, device)
+        run("back_to_back", back_to_back, group, device)
+        for strategy in ("forge", "lasp2", "serial", "pipelined"):
+            run(f"no_host_sync_{strategy}", no_host_sync, group, device, strategy)
         dist.barrier(group)
-        check("timeout")(timeout_check)(group, device)
+        run("signature_on_device", signature_on_device, group, device)
+        dist.barrier(group)
+        run("timeout", timeout_check, group, device)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)

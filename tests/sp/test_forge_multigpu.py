@@ -1,6 +1,8 @@
 """forge on real GPUs: launches tests/comm/multigpu_worker.py under torchrun once and checks
 every rank's report (chains per kind, every op fwd+bwd against serial/lasp2/single GPU,
 1000 back-to-back calls, the timeout error).  Skipped without two CUDA devices."""
+import os
+
 import pytest
 import torch
 
@@ -8,7 +10,9 @@ from tests.torchrun_workers import ROOT, run_workers
 
 CHECKS = ["available", "chains_identity", "chains_scalar", "chains_diagonal", "chains_dense",
           "chains_dense_K64_V96", "op_linear_attn", "op_simple_gla", "op_gla",
-          "op_gated_delta_rule", "op_hgrn", "back_to_back", "timeout"]
+          "op_gated_delta_rule", "op_hgrn", "back_to_back", "no_host_sync_forge",
+          "no_host_sync_lasp2", "no_host_sync_serial", "no_host_sync_pipelined",
+          "signature_on_device", "timeout"]
 WORLD = 2
 
 
@@ -23,6 +27,9 @@ def reports(tmp_path_factory):
                     reason="needs two CUDA GPUs")
 @pytest.mark.parametrize("name", CHECKS)
 def test_forge_multigpu(reports, name):
+    only = [c for c in os.environ.get("FORGE_MG_CHECKS", "").split(",") if c]
+    if only and name not in only:
+        pytest.skip(f"FORGE_MG_CHECKS selects {only}")
     for r, rep in reports.items():
         assert name in rep, f"rank {r} did not run {name}: {sorted(rep)}"
         assert rep[name]["ok"], f"rank {r} {name}: {rep[name]['detail']}"
