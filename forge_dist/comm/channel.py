@@ -172,6 +172,40 @@ def make_nvshmem_channel(n_tiles: int, tile_elems: int, dtype: torch.dtype,
     return Channel(NVSHMEM, recv, send, sigs[0], sigs[1], err)
 
 
+def make_shared_sim_channel(key: str, n_tiles: int, tile_elems: int, dtype: torch.dtype,
+                            rank: int, size: int, barrier) -> Channel:
+    """This rank's channel of the simulated transport across processes (a gloo group on one
+    machine): every rank maps the same shared-memory files, laid out as :class:`SimWorld`
+    lays out its buffers, so a rank reaches a peer's copy at ``+ (pe - me) * stride`` as in
+    one process -- but the ranks now run at the same time, as on GPUs.  ``key`` names the
+    channel uniquely on the machine; ``barrier()`` synchronises the group (collective)."""
+    import tempfile
+
+    folder = os.environ.get("FORGE_DIST_SIM_DIR") or (
+        "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    paths = {part: os.path.join(folder, f"forge_dist_{key}_{part}")
+             for part in ("recv", "send", "sig")}
+    sizes = {"recv": size * n_tiles * tile_elems, "send": size * n_tiles * tile_elems,
+             "sig": size * 2 * n_tiles}
+    dtypes = {"recv": dtype, "send": dtype, "sig": torch.int64}
+    if rank == 0:
+        for part, path in paths.items():
+            torch.zeros(sizes[part], dtype=dtypes[part]).numpy().tofile(path)
+    barrier()
+    maps = {part: torch.from_file(path, shared=True, size=sizes[part], dtype=dtypes[part])
+            for part, path in paths.items()}
+    barrier()
+    if rank == 0:  # the mappings keep the memory; the names are not needed any more
+        for path in paths.values():
+            os.unlink(path)
+    recv = maps["recv"].view(size, n_tiles, tile_elems)
+    send = maps["send"].view(size, n_tiles, tile_elems)
+    sigs = maps["sig"].view(size, 2, n_tiles)
+    return Channel(SIM, recv[rank], send[rank], sigs[rank, 0], sigs[rank, 1],
+                   torch.zeros(ERR_WORDS, dtype=torch.int64),
+                   rank_stride=n_tiles * tile_elems, sig_rank_stride=2 * n_tiles)
+
+
 class SimWorld:
     """All ranks' channel buffers in one process (the simulated transport).
 

@@ -219,14 +219,16 @@ def trailer_word(values):
 def put_tile_signal(dst_ptr, src_ptr, offs, values, mask, trailer, nbytes, sig_ptr,
                     sig_value, pe, me, rank_stride, sig_rank_stride,
                     DATA_ELEMS: tl.constexpr, TRANSPORT: tl.constexpr):
-    """Send one contiguous tile and its trailer to PE ``pe``, then set its signal word.
+    """Start sending one contiguous tile and its trailer to PE ``pe``, with its signal word.
 
     ``dst_ptr``/``sig_ptr`` are symmetric addresses (this rank's copy), ``src_ptr`` a local
     staging tile (a symmetric buffer, so the proxy transport can read it across nodes),
     ``offs`` the in-tile offsets of ``values``, ``trailer`` (``[TRAILER]``) goes after the
-    tile's ``DATA_ELEMS`` elements.  Both transports stage the tile in ``src_ptr`` and move ``nbytes`` from
-    there, and the signal is written only after the whole tile is visible at the
-    destination, so a consumer that sees it may read the tile.
+    tile's ``DATA_ELEMS`` elements.  The put reads ``nbytes`` from the staging tile, and the
+    signal is written only after the whole tile is visible at the destination, so a
+    consumer that sees it may read the tile.  The put is complete (delivered, its staging
+    tile free) only after :func:`quiet_put`: the simulated transport delivers it there, the
+    latest point NVSHMEM allows, so a missing ``quiet_put`` loses the tile in tests.
     """
     tl.store(src_ptr + offs, values, mask=mask)
     tl.store(src_ptr + DATA_ELEMS + tl.arange(0, TRAILER), trailer)
@@ -234,18 +236,26 @@ def put_tile_signal(dst_ptr, src_ptr, offs, values, mask, trailer, nbytes, sig_p
     if TRANSPORT == 1:
         _nv.putmem_signal_block(dst_ptr, src_ptr, nbytes, sig_ptr, sig_value.to(tl.int64),
                                 tl.full((), SIGNAL_SET, tl.int32), pe.to(tl.int32))
-    else:
-        # the staged bytes, as the NVSHMEM put reads them (a missing staging store or a
-        # staging slot reused too early shows up here as in the real transport)
-        k = tl.arange(0, STAGE_BLOCK)
-        for start in tl.static_range(0, DATA_ELEMS + TRAILER, STAGE_BLOCK):
-            m = start + k < DATA_ELEMS + TRAILER
-            tl.store(dst_ptr + (pe - me) * rank_stride + start + k,
-                     tl.load(src_ptr + start + k, mask=m), mask=m)
-        tl.debug_barrier()
-        tl.atomic_xchg(sig_ptr + (pe - me) * sig_rank_stride, sig_value.to(tl.int64),
-                       sem="release", scope="sys")
 
+
+@triton.jit
+def quiet_put(dst_ptr, src_ptr, sig_ptr, sig_value, pe, me, rank_stride, sig_rank_stride,
+              issued, DATA_ELEMS: tl.constexpr, TRANSPORT: tl.constexpr):
+    """Complete this thread's puts (NVSHMEM ``quiet``).  The simulated transport delivers
+    here the put :func:`put_tile_signal` started (``issued``: whether it did): the staged
+    bytes, as they are now, then the signal."""
+    if TRANSPORT == 1:
+        _nv.quiet()
+    else:
+        if issued:
+            k = tl.arange(0, STAGE_BLOCK)
+            for start in tl.static_range(0, DATA_ELEMS + TRAILER, STAGE_BLOCK):
+                m = start + k < DATA_ELEMS + TRAILER
+                tl.store(dst_ptr + (pe - me) * rank_stride + start + k,
+                         tl.load(src_ptr + start + k, mask=m), mask=m)
+            tl.debug_barrier()
+            tl.atomic_xchg(sig_ptr + (pe - me) * sig_rank_stride, sig_value.to(tl.int64),
+                           sem="release", scope="sys")
 
 
 @triton.jit

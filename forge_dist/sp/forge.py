@@ -170,7 +170,8 @@ def _forge_chain_kernel(
             tl.store(y_out_ptr + offs, y, mask=mask)
         if SEND:
             credit = dev.wait_ge(ack_ptr + pid, epoch - 1, limit, USE_CLOCK)
-            if credit < epoch - 1:
+            sent = credit >= epoch - 1
+            if not sent:
                 # The slot may still be read by the lagging consumer: leave the data alone
                 # and send only the poisoned signal (a zero-byte put).  A consumer still
                 # on the previous call sees it as "ahead" and fails instead of reading on.
@@ -182,7 +183,9 @@ def _forge_chain_kernel(
                                     mask, dev.trailer_values(word, y.dtype), nbytes,
                                     sig_ptr + pid, 2 * epoch + poison, next_pe, me,
                                     rank_stride, sig_rank_stride, BK * BV, TRANSPORT)
-            dev.quiet(TRANSPORT)
+            dev.quiet_put(recv_ptr + tile_base, send_ptr + tile_base, sig_ptr + pid,
+                          2 * epoch + poison, next_pe, me, rank_stride, sig_rank_stride, sent,
+                          BK * BV, TRANSPORT)
 
     # The last program to finish publishes this call's epoch for the next launch.  The
     # barrier keeps every thread's reads of the counter and puts ahead of the count.
@@ -230,21 +233,31 @@ def tile_shape(kind: Kind, K: int, V: int) -> tuple[int, int]:
 
 
 class _Where:
-    """Rank, size, transport and peers of a call (a process group or a SimRank)."""
+    """Rank, size, transport and peers of a call: a ``SimRank`` (the simulated transport in
+    one process), a gloo group (the simulated transport across processes, in shared
+    memory: the ranks run concurrently, as on GPUs) or any other process group (NVSHMEM)."""
 
     def __init__(self, group):
+        self.shared = False
         if isinstance(group, chan.SimRank):
             self.sim = group.world
             self.rank, self.size = group.rank, group.world.size
             self.transport = comm.SIM
             self.pe = lambda r: r
         else:
+            import torch.distributed as dist
+
             self.sim = None
             self.rank, self.size = p2p.rank_and_size(group)
-            self.transport = comm.NVSHMEM
-            from ..comm import nvshmem
+            if dist.get_backend(group) == "gloo":
+                self.shared = True
+                self.transport = comm.SIM
+                self.pe = lambda r: r
+            else:
+                self.transport = comm.NVSHMEM
+                from ..comm import nvshmem
 
-            self.pe = lambda r: nvshmem.global_rank(group, r)
+                self.pe = lambda r: nvshmem.global_rank(group, r)
         self.group = group
 
     def explain(self, peer: int, peer_word: int, my_word: int) -> str:
@@ -254,6 +267,28 @@ class _Where:
 
 
 _WHERE: dict = {}
+_SIM_POLLS_PER_S = 20000  # interpreted polls of a signal per second, roughly
+_SHARED_CALLS: dict = {}
+
+
+def _shared_name(where: _Where, key) -> str:
+    """A name for a shared-memory channel, the same on every rank of the group and unique
+    on the machine: the master's address/port (the rendezvous), the group and the key."""
+    base = f"{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}"
+    n = _SHARED_CALLS[base] = _SHARED_CALLS.get(base, 0) + 1  # same order on every rank
+    name = getattr(where.group, "group_name", "") or "g"
+    return f"{os.getuid()}_{base}_{name}_{n}".replace(".", "-").replace(":", "-")
+
+
+def _jitter() -> None:
+    """``FORGE_DIST_SIM_JITTER_MS``: a random delay before each simulated launch, so that
+    tests see the ranks interleave in many orders (an ordering bug then fails a test)."""
+    raw = os.environ.get("FORGE_DIST_SIM_JITTER_MS")
+    if raw:
+        import random
+        import time
+
+        time.sleep(random.random() * float(raw) / 1000)
 
 
 def _where(group) -> _Where:
@@ -282,6 +317,10 @@ def _channel(where: _Where, direction: str, like: torch.Tensor, kind: Kind,
     if where.sim is not None:
         return where.sim.channels(key, n_tiles, tile_elems, like.dtype)[where.rank], bk, bv
     gkey = key + (getattr(where.group, "group_name", None) or id(where.group),)
+    if gkey not in _CHANNELS and where.shared:
+        _CHANNELS[gkey] = chan.make_shared_sim_channel(
+            _shared_name(where, key), n_tiles, tile_elems, like.dtype, where.rank,
+            where.size, lambda: p2p.barrier(where.group))
     if gkey not in _CHANNELS:
         if not allocate:
             raise RuntimeError(
@@ -312,7 +351,7 @@ def _dense_precision(d: torch.Tensor) -> str:
 def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tensor],
                first: Optional[torch.Tensor], d: torch.Tensor, x_out: Optional[torch.Tensor],
                y_out: Optional[torch.Tensor], src: int, send: bool, prev: int, nxt: int,
-               transpose: bool, word: int) -> None:
+               transpose: bool, word: int = 0) -> None:
     if d.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"forge: states must be float32 or float64, got {d.dtype}")
     d = d.contiguous()
@@ -329,7 +368,14 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
         raise AssertionError("dense tiles must cover K")
     bound = p2p.timeout_seconds()
     use_clock = d.is_cuda and not _interpreting()
-    limit = int(bound * 1e9) if use_clock else 1  # SIM on CPU: chain order, one poll decides
+    if use_clock:
+        limit = int(bound * 1e9)  # ns of %globaltimer
+    elif where.shared:
+        limit = int(bound * _SIM_POLLS_PER_S)  # concurrent ranks: polls, about the bound
+    else:
+        limit = 1  # one process, ranks in chain order: a signal not there never comes
+    if where.shared:
+        _jitter()
     n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv)
     if not d.is_cuda and not interpreted():
         raise RuntimeError("forge: CPU tensors run the simulated transport under Triton's "
@@ -389,7 +435,11 @@ class Forge(Strategy):
     def available(self, device: torch.device) -> Optional[str]:
         device = torch.device(device)
         if device.type != "cuda":
-            return f"forge needs CUDA tensors (NVSHMEM puts from the GPU), got {device}"
+            if interpreted():  # the simulated transport across processes (tests)
+                return None
+            return (f"forge needs CUDA tensors (NVSHMEM puts from the GPU), got {device}; "
+                    f"on the CPU it runs the simulated transport under Triton's interpreter "
+                    f"(TRITON_INTERPRET=1 before importing forge_dist)")
         from ..comm import nvshmem
 
         return nvshmem.unavailable_reason()

@@ -140,6 +140,12 @@ def all_gather(tensor: Tensor, group) -> List[Tensor]:
     return out
 
 
+def barrier(group) -> None:
+    """A bounded barrier over ``group``."""
+    work = dist.barrier(group=group, async_op=True)
+    _wait(work, group, -1, "a barrier")
+
+
 def all_gather_object(obj, group) -> list:
     """All-gather picklable objects (small; for error messages), one per rank."""
     _, size = rank_and_size(group)

@@ -19,5 +19,10 @@ def test_forge_strategy_is_registered():
 
     assert sp.FORGE_IMPORT_ERROR is None
     assert "forge" in sp.names()
+    from forge_dist.sp import forge
+
     reason = sp.resolve.__globals__["_REGISTRY"]["forge"].available(torch.device("cpu"))
-    assert isinstance(reason, str) and reason
+    if forge.interpreted():  # CPU tensors run the simulated transport across processes
+        assert reason is None
+    else:
+        assert isinstance(reason, str) and "TRITON_INTERPRET" in reason

@@ -164,13 +164,12 @@ def test_producer_waits_for_credit():
         STRAT.forward_chain(Kind.IDENTITY, None, d, torch.zeros_like(d), world[0])
 
 
-def test_registered_and_not_available_on_cpu():
+def test_registered_and_on_the_cpu_only_under_the_interpreter():
     assert "forge" in sp.names()
-    reason = STRAT.available(torch.device("cpu"))
-    assert reason is not None and "CUDA" in reason
-    assert sp.resolve("auto", torch.device("cpu")).name != "forge"
-    with pytest.raises(ValueError, match="forge"):
-        sp.resolve("forge", torch.device("cpu"))
+    # this file runs under the interpreter: CPU tensors take the simulated transport
+    assert STRAT.available(torch.device("cpu")) is None
+    assert sp.resolve("forge", torch.device("cpu")).name == "forge"
+    assert sp.resolve("auto", torch.device("cpu")).name != "forge"  # never picked by auto
 
 
 def test_bad_inputs():
