@@ -22,10 +22,13 @@ from torch import Tensor
 from ._common import HAVE_TRITON, tl, triton
 
 MAX_WIDTH = 4
+#: the L2 normalisation's floor on the norm (``forge_dist.ops.gated_delta_rule``'s)
+L2_EPS = 1e-6
 #: token and channel tile of one program
 BLOCK_T, BLOCK_D = 64, 128
 
 if HAVE_TRITON:
+    _EPS = tl.constexpr(L2_EPS)
 
     @triton.jit
     def _tap(x, halo, b, rows, cols, mask_d, T, D, sxb, sxt, HALO_ROWS: tl.constexpr,
@@ -65,8 +68,10 @@ if HAVE_TRITON:
     def _short_conv_fwd_kernel(x, halo, w, bias, pos, y, T, D, sxb, sxt,
                                W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
                                HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr,
-                               ACC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-        """Grid ``(cdiv(T, BT), cdiv(D, BD), B)``; ``y`` contiguous ``[B, T, D]``."""
+                               L2NORM: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
+                               BD: tl.constexpr):
+        """Grid ``(cdiv(T, BT), cdiv(D, BD), B)``; ``y`` contiguous ``[B, T, D]``.  With
+        ``L2NORM`` a column tile is one head and each token's head is L2-normalised."""
         pt, pd, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pt * BT + tl.arange(0, BT)
         cols = pd * BD + tl.arange(0, BD)
@@ -75,6 +80,9 @@ if HAVE_TRITON:
                    HAS_BIAS, HAS_POS, ACC, BT, BD)
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
+        if L2NORM:
+            eps = tl.full([BT], _EPS, ACC)  # a float literal would be fp32 in fp64 math
+            acc = acc / tl.maximum(tl.sqrt(tl.sum(acc * acc, axis=1)), eps)[:, None]
         off = (b.to(tl.int64) * T + rows.to(tl.int64))[:, None] * D + cols[None, :]
         tl.store(y + off, acc.to(y.dtype.element_ty),
                  mask=(rows < T)[:, None] & mask_d[None, :])
@@ -83,8 +91,8 @@ if HAVE_TRITON:
     def _short_conv_bwd_kernel(x, halo, w, bias, pos, dy, dx, dhalo, dw_part, db_part,
                                T, D, sxb, sxt, W: tl.constexpr, SILU: tl.constexpr,
                                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               HAS_POS: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
-                               BD: tl.constexpr):
+                               HAS_POS: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr,
+                               BT: tl.constexpr, BD: tl.constexpr):
         """Grid ``(cdiv(T + W - 1, BT), cdiv(D, BD), B)`` over rows ``-(W-1) .. T-1``: rows
         below zero are the halo's (its gradient, for the previous rank).  ``dw_part``
         ``[B * n_t, D, W]`` and ``db_part`` ``[B * n_t, D]`` partial sums (fp32; fp64 for fp64)."""
@@ -104,6 +112,17 @@ if HAVE_TRITON:
                         mask=live[:, None] & mask_d[None, :], other=0.0).to(ACC)
             if SILU:
                 sg = 1.0 / (1.0 + tl.exp(-pre))
+                act = pre * sg
+            else:
+                act = pre
+            if L2NORM:  # n = act / max(|act|, eps): back through the normalisation first
+                nrm = tl.sqrt(tl.sum(act * act, axis=1))
+                eps = tl.full([BT], _EPS, ACC)  # a float literal would be fp32 in fp64 math
+                den = tl.maximum(nrm, eps)
+                n = act / den[:, None]
+                g = tl.where((nrm > eps)[:, None],
+                             g - n * tl.sum(g * n, axis=1)[:, None], g) / den[:, None]
+            if SILU:
                 g = g * sg * (1.0 + pre * (1.0 - sg))
             if HAS_POS:
                 p = tl.load(pos + r, mask=live, other=0)
@@ -160,6 +179,13 @@ if HAVE_TRITON:
         tl.store(y + b.to(tl.int64) * D + cols, acc.to(y.dtype.element_ty), mask=m)
 
 
+def _blocks(head_dim: Optional[int]) -> Tuple[int, int]:
+    """(token tile, channel tile): a channel tile is one head when heads are normalised."""
+    if head_dim is None:
+        return BLOCK_T, BLOCK_D
+    return max(16, BLOCK_T * BLOCK_D // head_dim), head_dim
+
+
 def _acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
@@ -171,10 +197,11 @@ def _rows_view(x: Tensor) -> Tensor:
 
 class ShortConvFn(torch.autograd.Function):
     """``(x [B, T, D], weight [D, W], bias [D] | None, halo [B, W-1, D] | None,
-    pos [T] int | None, silu) -> y [B, T, D]``; saves ``x``, ``halo`` and the parameters."""
+    pos [T] int | None, silu, head_dim | None) -> y [B, T, D]``; saves ``x``, ``halo`` and
+    the parameters.  ``head_dim``: L2-normalise each head of that width after the activation."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, halo, pos, silu):
+    def forward(ctx, x, weight, bias, halo, pos, silu, head_dim):
         x = _rows_view(x)
         B, T, D = x.shape
         W = weight.shape[-1]
@@ -182,14 +209,15 @@ class ShortConvFn(torch.autograd.Function):
         halo = None if halo is None else halo.to(x.dtype).contiguous()
         pos = None if pos is None else pos.to(torch.int32).contiguous()
         y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
+        BT, BD = _blocks(head_dim)
         if T:
-            grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D), B)
+            grid = (triton.cdiv(T, BT), triton.cdiv(D, BD), B)
             _short_conv_fwd_kernel[grid](
                 x, halo, w, bias, pos, y, T, D, x.stride(0), x.stride(1), W=W, SILU=silu,
                 HAS_HALO=halo is not None, HAS_BIAS=bias is not None, HAS_POS=pos is not None,
-                ACC=_acc(x.dtype), BT=BLOCK_T, BD=BLOCK_D, num_warps=4)
+                L2NORM=head_dim is not None, ACC=_acc(x.dtype), BT=BT, BD=BD, num_warps=4)
         ctx.save_for_backward(x, w, bias, halo, pos)
-        ctx.silu, ctx.weight_shape = silu, weight.shape
+        ctx.silu, ctx.head_dim, ctx.weight_shape = silu, head_dim, weight.shape
         return y
 
     @staticmethod
@@ -198,25 +226,27 @@ class ShortConvFn(torch.autograd.Function):
         B, T, D = x.shape
         W = w.shape[-1]
         dy = dy.to(x.dtype).contiguous()
-        n_t = triton.cdiv(T + W - 1, BLOCK_T)
+        BT, BD = _blocks(ctx.head_dim)
+        n_t = triton.cdiv(T + W - 1, BT)
         dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
         dhalo = None if halo is None else torch.empty_like(halo)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         dw_part = torch.empty(B * n_t, D, W, dtype=wide, device=x.device)
         db_part = None if bias is None else torch.empty(B * n_t, D, dtype=wide, device=x.device)
-        _short_conv_bwd_kernel[(n_t, triton.cdiv(D, BLOCK_D), B)](
+        _short_conv_bwd_kernel[(n_t, triton.cdiv(D, BD), B)](
             x, halo, w, bias, pos, dy, dx, dhalo, dw_part, db_part, T, D, x.stride(0),
             x.stride(1), W=W, SILU=ctx.silu, HAS_HALO=halo is not None,
-            HAS_BIAS=bias is not None, HAS_POS=pos is not None, ACC=_acc(x.dtype), BT=BLOCK_T,
-            BD=BLOCK_D, num_warps=4)
+            HAS_BIAS=bias is not None, HAS_POS=pos is not None,
+            L2NORM=ctx.head_dim is not None, ACC=_acc(x.dtype), BT=BT, BD=BD, num_warps=4)
         dw = dw_part.sum(0).to(w.dtype).reshape(ctx.weight_shape)
         db = None if bias is None else db_part.sum(0).to(bias.dtype)
-        return dx, dw, db, dhalo, None, None
+        return dx, dw, db, dhalo, None, None, None
 
 
 def short_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
                halo: Optional[Tensor] = None, pos: Optional[Tensor] = None,
-               activation: Optional[str] = "silu") -> Tensor:
+               activation: Optional[str] = "silu", l2norm_head_dim: Optional[int] = None
+               ) -> Tensor:
     """Causal depthwise convolution of ``x [B, T, D]`` (unit channel stride, any token
     stride) with ``weight [D, 1, W]`` or ``[D, W]`` (``W <= 4``), in the dtype of ``x``.
 
@@ -226,13 +256,25 @@ def short_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
         pos: ``[T]`` int, each token's position in its packed sequence (``None``: one
             sequence per batch row).
         activation: ``"silu"``/``"swish"`` or ``None``.
+        l2norm_head_dim: L2-normalise every head of this width after the activation
+            (``y / max(|y|, 1e-6)``, the gated delta rule's q/k normalisation); a power of two
+            up to 256 that divides ``D``.
     """
     W = weight.shape[-1]
     if not 1 <= W <= MAX_WIDTH:
         raise ValueError(f"weight: the kernel takes 1 to {MAX_WIDTH} taps, got {W}")
+    if l2norm_head_dim is not None and not l2norm_supported(x.shape[-1], l2norm_head_dim):
+        raise ValueError(f"l2norm_head_dim: expected a power of two up to 256 dividing "
+                         f"{x.shape[-1]}, got {l2norm_head_dim}")
     if W == 1:
         halo = None
-    return ShortConvFn.apply(x, weight, bias, halo, pos, activation in ("silu", "swish"))
+    return ShortConvFn.apply(x, weight, bias, halo, pos, activation in ("silu", "swish"),
+                             l2norm_head_dim)
+
+
+def l2norm_supported(D: int, head_dim: int) -> bool:
+    """Whether the kernel can normalise heads of ``head_dim`` channels within ``D``."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and D % head_dim == 0
 
 
 def short_conv_step(x: Tensor, cache: Tensor, weight: Tensor, bias: Optional[Tensor] = None,

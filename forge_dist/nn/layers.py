@@ -605,8 +605,11 @@ class GatedDeltaNet(SPMixin):
         x = hidden_states
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_short_conv:
-            q = self.q_conv1d(q, cu_seqlens=cu_seqlens, group=group)
-            k = self.k_conv1d(k, cu_seqlens=cu_seqlens, group=group)
+            # q and k leave the convolution L2-normalised per head (fused into its kernel)
+            q = self.q_conv1d(q, cu_seqlens=cu_seqlens, group=group,
+                              l2norm_head_dim=self.head_k_dim)
+            k = self.k_conv1d(k, cu_seqlens=cu_seqlens, group=group,
+                              l2norm_head_dim=self.head_k_dim)
             v = self.v_conv1d(v, cu_seqlens=cu_seqlens, group=group)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
@@ -620,8 +623,9 @@ class GatedDeltaNet(SPMixin):
             beta = beta * 2.0
         g = -self.A_log.to(wide).exp() * F.softplus(self.a_proj(x).to(wide)
                                                     + self.dt_bias.to(wide))
-        o, _ = self._op("gated_delta_rule")(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                                    **self._op_kwargs(cu_seqlens, group))
+        o, _ = self._op("gated_delta_rule")(q, k, v, g, beta,
+                                            use_qk_l2norm_in_kernel=not self.use_short_conv,
+                                            **self._op_kwargs(cu_seqlens, group))
         if self.use_gate:
             o = self.o_norm(o, _heads(self.g_proj(x), self.head_v_dim))
         else:
