@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops import custom_ops
+from ..ops.attention import _use_kernels
 from .conv import ShortConvolution
 from .norm import FusedRMSNormGated, RMSNorm, RMSNormGated
 from .rotary import RotaryEmbedding
@@ -46,6 +47,17 @@ def _heads(x: Tensor, d: int) -> Tensor:
 def _flat(x: Tensor) -> Tensor:
     """``[B, T, H, d]`` -> ``[B, T, H*d]``."""
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def _logsigmoid_gate(x: Tensor, normalizer: float, clamp_min: Optional[float] = None) -> Tensor:
+    """``max(logsigmoid(x) / normalizer, clamp_min)`` in fp32 (fp64 for fp64): one fused
+    kernel where the Triton kernels run, else PyTorch ops."""
+    if _use_kernels(x.device):
+        from ..kernels.gates import logsigmoid_gate
+
+        return logsigmoid_gate(x, normalizer, clamp_min)
+    g = F.logsigmoid(x.to(_wide(x))) / normalizer
+    return g if clamp_min is None else torch.clamp_min(g, clamp_min)
 
 
 def _feature_map(name):
@@ -342,7 +354,7 @@ class SimpleGatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
         q = _heads(q, self.head_k_dim)
         k = _repeat_kv(_heads(k, self.head_k_dim), self.num_kv_groups)
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
-        gk = F.logsigmoid(self.gk_proj(x).to(_wide(x))) / self.gate_logit_normalizer
+        gk = _logsigmoid_gate(self.gk_proj(x), self.gate_logit_normalizer)
         o, _ = self._op("simple_gla")(q, k, v, g=gk, **self._op_kwargs(cu_seqlens, group))
         return self._output(o, x), None, None
 
@@ -473,11 +485,9 @@ class GatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
         gk = self.gk_proj(x)
         q = _heads(q, self.head_k_dim)
         k = _repeat_kv(_heads(k, self.head_k_dim), self.num_kv_groups)
+        gk = _logsigmoid_gate(gk, self.gate_logit_normalizer, self.clamp_min)
         gk = _repeat_kv(_heads(gk, self.head_k_dim), self.num_kv_groups)
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
-        gk = F.logsigmoid(gk.to(_wide(x))) / self.gate_logit_normalizer
-        if self.clamp_min is not None:
-            gk = torch.clamp_min(gk, self.clamp_min)
         if self.feature_map_fn is not None:
             q, k = self.feature_map_fn(q), self.feature_map_fn(k)
         o, _ = self._op("gla")(q, k, v, gk, **self._op_kwargs(cu_seqlens, group))
@@ -527,11 +537,16 @@ class HGRNAttention(SPMixin):
             i = self.i_conv1d(i, cu_seqlens=cu_seqlens, group=group)
             f = self.f_conv1d(f, cu_seqlens=cu_seqlens, group=group)
         wide = _wide(x)
-        f = F.logsigmoid(f.to(wide))
-        if lower_bound is not None and self.layer_idx:
-            lb = lower_bound.to(wide)
-            f = torch.logaddexp(lb.log(), torch.log1p(-lb) + f)
-        i = F.silu(i.to(wide)) * (1 - f.exp())
+        if (lower_bound is None or not self.layer_idx) and _use_kernels(x.device):
+            from ..kernels.gates import hgrn_gates
+
+            i, f = hgrn_gates(i, f)  # one fused pass over both projections
+        else:
+            f = F.logsigmoid(f.to(wide))
+            if lower_bound is not None and self.layer_idx:
+                lb = lower_bound.to(wide)
+                f = torch.logaddexp(lb.log(), torch.log1p(-lb) + f)
+            i = F.silu(i.to(wide)) * (1 - f.exp())
         o, _ = self._op("hgrn")(i.to(x.dtype), f, **self._op_kwargs(cu_seqlens, group))
         o = self.g_norm(o, self.g_proj(x))
         return self.o_proj(o.to(x.dtype)), None, None

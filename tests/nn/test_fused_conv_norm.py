@@ -183,3 +183,36 @@ def test_gated_norm_saves_inputs_and_rstd(monkeypatch):
     shapes = sorted((tuple(t.shape), t.dtype) for t in saved)
     assert shapes == sorted([((64, 32), torch.bfloat16), ((64, 32), torch.bfloat16),
                              ((32,), torch.float32), ((64, 1), torch.float32)]), shapes
+
+
+@pytest.mark.parametrize("clamp_min", [None, -0.5])
+def test_logsigmoid_gate_matches_torch(clamp_min):
+    """GLA's gate ``max(logsigmoid(x) / 16, clamp_min)`` from one kernel, on a strided input."""
+    from forge_dist.kernels.gates import logsigmoid_gate
+
+    torch.manual_seed(6)
+    x = (10 * torch.randn(3, 7, 40, dtype=F64))[..., :33].requires_grad_()
+    got = logsigmoid_gate(x, 16, clamp_min)
+    want = F.logsigmoid(x) / 16
+    if clamp_min is not None:
+        want = torch.clamp_min(want, clamp_min)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    up = torch.randn_like(want)
+    _assert_same(_grads(got, [x], up), _grads(want, [x], up))
+
+
+def test_hgrn_gates_match_torch():
+    """HGRN's ``(silu(i) (1 - exp(g)), g = logsigmoid(f))`` from one kernel, both gradients."""
+    from forge_dist.kernels.gates import hgrn_gates
+
+    torch.manual_seed(7)
+    i = torch.randn(2, 9, 20, dtype=F64, requires_grad=True)
+    f = (5 * torch.randn(2, 9, 20, dtype=F64)).requires_grad_()
+    x, g = hgrn_gates(i, f)
+    g_want = F.logsigmoid(f)
+    x_want = F.silu(i) * (1 - g_want.exp())
+    torch.testing.assert_close(x, x_want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g, g_want, rtol=1e-12, atol=1e-12)
+    u1, u2 = torch.randn_like(x), torch.randn_like(g)
+    _assert_same(torch.autograd.grad((x * u1).sum() + (g * u2).sum(), [i, f]),
+                 torch.autograd.grad((x_want * u1).sum() + (g_want * u2).sum(), [i, f]))

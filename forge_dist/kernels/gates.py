@@ -1,0 +1,183 @@
+"""Fused gate activations of the layers: one read of the projection, one write of the gate.
+
+* :func:`logsigmoid_gate` -- GLA / Simple GLA: ``g = max(logsigmoid(x) / normalizer,
+  clamp_min)`` in fp32 from a 16-bit (or fp32) projection ``x``;
+* :func:`hgrn_gates` -- HGRN: ``f = logsigmoid(f_raw)`` (fp32) and the input
+  ``i = silu(i_raw) * (1 - exp(f))`` (dtype of ``i_raw``).
+
+As PyTorch ops each is a chain of passes over the activation with fp32 temporaries (five to
+eight reads and writes of a ``[B, T, D]`` tensor); here the forward reads the inputs once and
+the backward recomputes the activations from the saved inputs.  Inputs may be strided views
+with unit stride in the last dimension (e.g. splits of a fused projection); outputs are
+contiguous.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._common import HAVE_TRITON, tl, triton
+
+BLOCK_R, BLOCK_C = 16, 128
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _logsigmoid(x):
+        """``min(x, 0) - log(1 + exp(-|x|))`` and ``sigmoid(-x)`` (its derivative)."""
+        e = tl.exp(-tl.abs(x))
+        ls = tl.minimum(x, 0.0) - tl.log(1.0 + e)
+        sneg = tl.where(x >= 0, e / (1.0 + e), 1.0 / (1.0 + e))
+        return ls, sneg
+
+    @triton.jit
+    def _offsets(R, C, sx, BR: tl.constexpr, BC: tl.constexpr):
+        rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        m = (rows < R)[:, None] & (cols < C)[None, :]
+        return rows[:, None] * sx + cols[None, :], rows[:, None] * C + cols[None, :], m
+
+    @triton.jit
+    def _logsigmoid_gate_fwd(x, y, R, C, sx, inv_norm, lo, HAS_CLAMP: tl.constexpr,
+                             ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        ox, oy, m = _offsets(R, C, sx, BR, BC)
+        ls, _ = _logsigmoid(tl.load(x + ox, mask=m, other=0.0).to(ACC))
+        g = ls * inv_norm
+        if HAS_CLAMP:
+            g = tl.maximum(g, lo)
+        tl.store(y + oy, g.to(y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _logsigmoid_gate_bwd(x, dy, dx, R, C, sx, inv_norm, lo, HAS_CLAMP: tl.constexpr,
+                             ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        ox, oy, m = _offsets(R, C, sx, BR, BC)
+        ls, sneg = _logsigmoid(tl.load(x + ox, mask=m, other=0.0).to(ACC))
+        d = tl.load(dy + oy, mask=m, other=0.0).to(ACC) * sneg * inv_norm
+        if HAS_CLAMP:
+            d = tl.where(ls * inv_norm >= lo, d, 0.0)  # torch.clamp_min passes ties through
+        tl.store(dx + oy, d.to(dx.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _hgrn_gates_fwd(i, f, xo, go, R, C, si, sf, ACC: tl.constexpr, BR: tl.constexpr,
+                        BC: tl.constexpr):
+        oi, oo, m = _offsets(R, C, si, BR, BC)
+        of, _, _ = _offsets(R, C, sf, BR, BC)
+        iv = tl.load(i + oi, mask=m, other=0.0).to(ACC)
+        g, _ = _logsigmoid(tl.load(f + of, mask=m, other=0.0).to(ACC))
+        # all in fp32, rounded once, as the layer's PyTorch path computes it
+        xv = iv / (1.0 + tl.exp(-iv)) * (1.0 - tl.exp(g))
+        tl.store(xo + oo, xv.to(xo.dtype.element_ty), mask=m)
+        tl.store(go + oo, g.to(go.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _hgrn_gates_bwd(i, f, dx, dg, di, df, R, C, si, sf, ACC: tl.constexpr,
+                        BR: tl.constexpr, BC: tl.constexpr):
+        oi, oo, m = _offsets(R, C, si, BR, BC)
+        of, _, _ = _offsets(R, C, sf, BR, BC)
+        iv = tl.load(i + oi, mask=m, other=0.0).to(ACC)
+        g, sneg = _logsigmoid(tl.load(f + of, mask=m, other=0.0).to(ACC))
+        dxv = tl.load(dx + oo, mask=m, other=0.0).to(ACC)
+        dgv = tl.load(dg + oo, mask=m, other=0.0).to(ACC)
+        s = 1.0 / (1.0 + tl.exp(-iv))
+        eg = tl.exp(g)
+        tl.store(di + oo, (dxv * (1.0 - eg) * s * (1.0 + iv * (1.0 - s))).to(di.dtype.element_ty),
+                 mask=m)
+        # x = silu(i) (1 - e^g): dx/dg = -silu(i) e^g; dg/df = sigmoid(-f)
+        tl.store(df + oo, ((dgv - dxv * iv * s * eg) * sneg).to(df.dtype.element_ty), mask=m)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``[..., C]`` as ``[R, C]`` rows with unit column stride (a view where possible)."""
+    t = t if t.stride(-1) == 1 else t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.reshape(-1, t.shape[-1])
+
+
+def _grid(R: int, C: int):
+    return (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
+
+
+def _acc(dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _wide(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _LogsigmoidGate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normalizer, clamp_min):
+        shape, rows = x.shape, _rows(x)
+        R, C = rows.shape
+        y = torch.empty(R, C, dtype=_wide(x.dtype), device=x.device)
+        lo = 0.0 if clamp_min is None else float(clamp_min)
+        if R and C:
+            _logsigmoid_gate_fwd[_grid(R, C)](rows, y, R, C, rows.stride(0), 1.0 / normalizer,
+                                              lo, HAS_CLAMP=clamp_min is not None,
+                                              ACC=_acc(x.dtype), BR=BLOCK_R, BC=BLOCK_C)
+        ctx.save_for_backward(rows)
+        ctx.meta = (shape, normalizer, clamp_min)
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (rows,) = ctx.saved_tensors
+        shape, normalizer, clamp_min = ctx.meta
+        R, C = rows.shape
+        dx = torch.empty(R, C, dtype=rows.dtype, device=rows.device)
+        lo = 0.0 if clamp_min is None else float(clamp_min)
+        if R and C:
+            _logsigmoid_gate_bwd[_grid(R, C)](rows, dy.contiguous(), dx, R, C, rows.stride(0),
+                                              1.0 / normalizer, lo,
+                                              HAS_CLAMP=clamp_min is not None,
+                                              ACC=_acc(rows.dtype), BR=BLOCK_R, BC=BLOCK_C)
+        return dx.view(shape), None, None
+
+
+def logsigmoid_gate(x: Tensor, normalizer: float = 1.0,
+                    clamp_min: Optional[float] = None) -> Tensor:
+    """``max(logsigmoid(x) / normalizer, clamp_min)`` of ``x [..., C]``, fp32 (fp64 for fp64)."""
+    return _LogsigmoidGate.apply(x, float(normalizer), clamp_min)
+
+
+class _HGRNGates(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, i, f):
+        shape = i.shape
+        ri, rf = _rows(i), _rows(f)
+        R, C = ri.shape
+        x = torch.empty(R, C, dtype=i.dtype, device=i.device)
+        g = torch.empty(R, C, dtype=_wide(i.dtype), device=i.device)
+        if R and C:
+            _hgrn_gates_fwd[_grid(R, C)](ri, rf, x, g, R, C, ri.stride(0), rf.stride(0),
+                                         ACC=_acc(i.dtype), BR=BLOCK_R, BC=BLOCK_C)
+        ctx.save_for_backward(ri, rf)
+        ctx.shape = shape
+        return x.view(shape), g.view(shape)
+
+    @staticmethod
+    def backward(ctx, dx, dg):
+        ri, rf = ctx.saved_tensors
+        R, C = ri.shape
+        dx = torch.zeros(R, C, dtype=ri.dtype, device=ri.device) if dx is None else dx
+        dg = torch.zeros(R, C, dtype=_wide(ri.dtype), device=ri.device) if dg is None else dg
+        di = torch.empty(R, C, dtype=ri.dtype, device=ri.device)
+        df = torch.empty(R, C, dtype=rf.dtype, device=ri.device)
+        if R and C:
+            _hgrn_gates_bwd[_grid(R, C)](ri, rf, dx.contiguous(), dg.contiguous(), di, df, R, C,
+                                         ri.stride(0), rf.stride(0), ACC=_acc(ri.dtype),
+                                         BR=BLOCK_R, BC=BLOCK_C)
+        return di.view(ctx.shape), df.view(ctx.shape)
+
+
+def hgrn_gates(i: Tensor, f: Tensor) -> Tuple[Tensor, Tensor]:
+    """HGRN's gates from the projections ``i, f [..., D]``: ``(silu(i) * (1 - exp(g)), g)``
+    with ``g = logsigmoid(f)``; the first in ``i``'s dtype, ``g`` fp32 (fp64 for fp64)."""
+    if i.shape != f.shape:
+        raise ValueError(f"f: expected the shape of i {list(i.shape)}, got {list(f.shape)}")
+    return _HGRNGates.apply(i, f)
