@@ -98,9 +98,17 @@ class ShortConvolution(nn.Conv1d):
         return self.kernel_size[0] <= MAX_WIDTH and (
             l2norm_head_dim is None or l2norm_supported(x.shape[-1], l2norm_head_dim))
 
-    def step(self, x: Tensor, cache: Tensor) -> Tensor:
+    def step(self, x: Tensor, cache: Tensor, l2norm_head_dim: Optional[int] = None) -> Tensor:
         """One decoding step: ``x [B, D]`` (or ``[B, 1, D]``), ``cache [B, D, K]`` (FLA's conv
-        state: the last ``K`` inputs, oldest first; shifted in place) -> ``y`` like ``x``."""
+        state: the last ``K`` inputs, oldest first; shifted in place) -> ``y`` like ``x``.
+        ``l2norm_head_dim`` normalises heads as :meth:`forward` does."""
+        y = self._step(x, cache)
+        if l2norm_head_dim is None:
+            return y
+        heads = y.reshape(*y.shape[:-1], y.shape[-1] // l2norm_head_dim, l2norm_head_dim)
+        return (heads / heads.norm(dim=-1, keepdim=True).clamp_min(1e-6)).reshape(y.shape)
+
+    def _step(self, x: Tensor, cache: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(shape[0], shape[-1])
         K = self.kernel_size[0]

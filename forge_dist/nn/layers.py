@@ -9,6 +9,13 @@ sequences may straddle ranks.  Projections, gates and norms are per token; the o
 cross-rank pieces are the recurrence (``forge_dist.ops``, differentiable across ranks) and the
 short convolution's halo (:mod:`forge_dist.nn.halo`).
 
+The ops' Triton kernels read contiguous ``[B, T, H, D]`` tensors (anything else is copied
+once on the way in: :func:`forge_dist.kernels._common.ensure`, and ``_plan_ready`` in
+:mod:`forge_dist.ops.planned` for cached plans).  The layers
+hand them contiguous tensors without copies: every projection is its own GEMM, and the fused
+short convolution, gate, rotary and norm kernels (on CUDA) read strided views and write
+contiguous outputs.
+
 Unsupported FLA options (caches / decoding, padding masks, feature maps with their own
 learned kernels other than ``elementwise_product``) raise instead of being ignored.
 """

@@ -236,3 +236,16 @@ def test_rotary_kernel_matches_torch(monkeypatch, D):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     up = torch.randn_like(want)
     _assert_same(_grads(got, [x], up), _grads(want, [x], up))
+
+
+def test_decode_step_normalises_heads_like_forward():
+    """``step(..., l2norm_head_dim)`` gives the last token of the normalised forward."""
+    torch.manual_seed(9)
+    m = ShortConvolution(32, 4)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        want = m(x, l2norm_head_dim=16)[:, -1]
+        cache = torch.zeros(2, 32, 4)
+        for t in range(5):
+            got = m.step(x[:, t], cache, l2norm_head_dim=16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
