@@ -215,7 +215,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--passes", default="fwd,fwdbwd")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench time per measurement, ms")
+    ap.add_argument("--rep", type=int, default=50, help="do_bench time per measurement, ms")
     ap.add_argument("--no-breakdown", action="store_true", help="skip gemm_ms / op_ms")
     ap.add_argument("--out", default=None, help="results folder (default scaling_benchmarks/results)")
     ap.add_argument("--tag", default=None, help="suffix of the results file name")
