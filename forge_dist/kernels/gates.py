@@ -3,7 +3,10 @@
 * :func:`logsigmoid_gate` -- GLA / Simple GLA: ``g = max(logsigmoid(x) / normalizer,
   clamp_min)`` in fp32 from a 16-bit (or fp32) projection ``x``;
 * :func:`hgrn_gates` -- HGRN: ``f = logsigmoid(f_raw)`` (fp32) and the input
-  ``i = silu(i_raw) * (1 - exp(f))`` (dtype of ``i_raw``).
+  ``i = silu(i_raw) * (1 - exp(f))`` (dtype of ``i_raw``);
+* :func:`gdn_gates` -- GatedDeltaNet: ``g = -exp(A_log) softplus(a + dt_bias)`` and
+  ``beta = sigmoid(b)`` (times 2 with negative eigenvalues), fp32, in one launch instead of
+  about ten (the backward, on ``[B, T, H]`` tensors, stays PyTorch).
 
 As PyTorch ops each is a chain of passes over the activation with fp32 temporaries (five to
 eight reads and writes of a ``[B, T, D]`` tensor); here the forward reads the inputs once and
@@ -181,3 +184,78 @@ def hgrn_gates(i: Tensor, f: Tensor) -> Tuple[Tensor, Tensor]:
     if i.shape != f.shape:
         raise ValueError(f"f: expected the shape of i {list(i.shape)}, got {list(f.shape)}")
     return _HGRNGates.apply(i, f)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _gdn_gates_fwd(a, b, A_log, dt_bias, g, beta, R, H, sa, sb, BETA_SCALE: tl.constexpr,
+                       ACC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+        rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        h = tl.arange(0, BH)
+        mh = h < H
+        m = (rows < R)[:, None] & mh[None, :]
+        av = tl.load(a + rows[:, None] * sa + h[None, :], mask=m, other=0.0).to(ACC)
+        bv = tl.load(b + rows[:, None] * sb + h[None, :], mask=m, other=0.0).to(ACC)
+        rate = tl.exp(tl.load(A_log + h, mask=mh, other=0.0).to(ACC))
+        z = av + tl.load(dt_bias + h, mask=mh, other=0.0).to(ACC)[None, :]
+        softplus = tl.maximum(z, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(z)))
+        tl.store(g + rows[:, None] * H + h[None, :],
+                 (-rate[None, :] * softplus).to(g.dtype.element_ty), mask=m)
+        tl.store(beta + rows[:, None] * H + h[None, :],
+                 (BETA_SCALE / (1.0 + tl.exp(-bv))).to(beta.dtype.element_ty), mask=m)
+
+
+class _GDNGates(torch.autograd.Function):
+    """Forward one kernel; backward PyTorch ops on the small ``[N, H]`` tensors."""
+
+    @staticmethod
+    def forward(ctx, a, b, A_log, dt_bias, beta_scale):
+        shape = a.shape
+        ra, rb = _rows(a), _rows(b)
+        R, H = ra.shape
+        wide = _wide(a.dtype)
+        g = torch.empty(R, H, dtype=wide, device=a.device)
+        beta = torch.empty(R, H, dtype=wide, device=a.device)
+        BH = triton.next_power_of_2(H)
+        BR = max(1, 2048 // BH)
+        if R:
+            _gdn_gates_fwd[(triton.cdiv(R, BR),)](ra, rb, A_log, dt_bias, g, beta, R, H,
+                                                  ra.stride(0), rb.stride(0),
+                                                  BETA_SCALE=float(beta_scale),
+                                                  ACC=_acc(a.dtype), BR=BR, BH=BH)
+        ctx.save_for_backward(ra, A_log, dt_bias, beta)
+        ctx.meta = (shape, beta_scale, b.dtype)
+        return g.view(shape), beta.view(shape)
+
+    @staticmethod
+    def backward(ctx, dg, dbeta):
+        ra, A_log, dt_bias, beta = ctx.saved_tensors
+        shape, beta_scale, b_dtype = ctx.meta
+        wide = beta.dtype
+        H = ra.shape[1]
+        da = dA = ddt = db = None
+        if dg is not None:
+            dg = dg.reshape(-1, H).to(wide)
+            z = ra.to(wide) + dt_bias.to(wide)
+            rate = A_log.to(wide).exp()
+            dz = -rate * torch.sigmoid(z) * dg
+            da = dz.to(ra.dtype).view(shape)
+            ddt = dz.sum(0).to(dt_bias.dtype)
+            dA = (-rate * torch.nn.functional.softplus(z) * dg).sum(0).to(A_log.dtype)
+        if dbeta is not None:
+            s = beta / beta_scale
+            db = (dbeta.reshape(-1, H).to(wide) * beta * (1 - s)).to(b_dtype).view(shape)
+        return da, db, dA, ddt, None
+
+
+def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+              beta_scale: float = 1.0) -> Tuple[Tensor, Tensor]:
+    """GatedDeltaNet's gates from the projections ``a, b [..., H]``:
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = beta_scale * sigmoid(b)``, both
+    fp32 (fp64 for fp64), forward in one kernel."""
+    if a.shape != b.shape or a.shape[-1] != A_log.shape[0] or dt_bias.shape != A_log.shape:
+        raise ValueError(f"a, b: expected [..., H] with H = {A_log.shape[0]} (A_log, dt_bias), "
+                         f"got a {list(a.shape)}, b {list(b.shape)}, dt_bias "
+                         f"{list(dt_bias.shape)}")
+    return _GDNGates.apply(a, b, A_log, dt_bias, float(beta_scale))

@@ -640,11 +640,17 @@ class GatedDeltaNet(SPMixin):
         k = _repeat_kv(_heads(k, self.head_k_dim), rep)
         v = _heads(v, self.head_v_dim)
         wide = _wide(x)
-        beta = torch.sigmoid(self.b_proj(x).to(wide))
-        if self.allow_neg_eigval:
-            beta = beta * 2.0
-        g = -self.A_log.to(wide).exp() * F.softplus(self.a_proj(x).to(wide)
-                                                    + self.dt_bias.to(wide))
+        if _use_kernels(x.device):
+            from ..kernels.gates import gdn_gates
+
+            g, beta = gdn_gates(self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias,
+                                2.0 if self.allow_neg_eigval else 1.0)
+        else:
+            beta = torch.sigmoid(self.b_proj(x).to(wide))
+            if self.allow_neg_eigval:
+                beta = beta * 2.0
+            g = -self.A_log.to(wide).exp() * F.softplus(self.a_proj(x).to(wide)
+                                                        + self.dt_bias.to(wide))
         o, _ = self._op("gated_delta_rule")(q, k, v, g, beta,
                                             use_qk_l2norm_in_kernel=not self.use_short_conv,
                                             **self._op_kwargs(cu_seqlens, group))

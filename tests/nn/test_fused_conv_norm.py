@@ -249,3 +249,22 @@ def test_decode_step_normalises_heads_like_forward():
         for t in range(5):
             got = m.step(x[:, t], cache, l2norm_head_dim=16)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+def test_gdn_gates_match_torch(beta_scale):
+    """GatedDeltaNet's g and beta from one kernel; gradients of a, b, A_log and dt_bias."""
+    from forge_dist.kernels.gates import gdn_gates
+
+    torch.manual_seed(10)
+    a, b = (torch.randn(2, 7, 6, dtype=F64, requires_grad=True) for _ in range(2))
+    A_log, dt_bias = (torch.randn(6, dtype=F64, requires_grad=True) for _ in range(2))
+    g, beta = gdn_gates(a, b, A_log, dt_bias, beta_scale)
+    g_want = -A_log.exp() * F.softplus(a + dt_bias)
+    beta_want = beta_scale * torch.sigmoid(b)
+    torch.testing.assert_close(g, g_want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(beta, beta_want, rtol=1e-12, atol=1e-12)
+    u1, u2 = torch.randn_like(g), torch.randn_like(beta)
+    inputs = [a, b, A_log, dt_bias]
+    _assert_same(torch.autograd.grad((g * u1).sum() + (beta * u2).sum(), inputs),
+                 torch.autograd.grad((g_want * u1).sum() + (beta_want * u2).sum(), inputs))
