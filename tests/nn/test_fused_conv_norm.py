@@ -1,7 +1,7 @@
-"""The fused Triton short convolution and gated norm (run by the interpreter on the CPU)
-against the PyTorch paths of :mod:`forge_dist.nn.conv` and :mod:`forge_dist.nn.norm`, values
-and gradients in fp64: halo, packed sequences, strided inputs, the fused q/k normalisation,
-decoding steps, and every norm mode the layers use."""
+"""The layers' fused Triton kernels (run by the interpreter on the CPU) against their PyTorch
+paths, values and gradients in fp64: the short convolution (halo, packed sequences, strided
+inputs, the fused q/k normalisation, decoding steps), every norm mode the layers use, the gate
+activations (GLA, HGRN, GatedDeltaNet) and the rotary embedding."""
 import pytest
 import torch
 import torch.nn.functional as F

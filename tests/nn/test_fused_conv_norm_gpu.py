@@ -1,12 +1,13 @@
 """GPU: the fused short convolution and gated norm against their PyTorch paths (fp32 and bf16,
-values and gradients) at layer-sized shapes, and GatedDeltaNet with the kernels against the
-PyTorch layer path."""
+values and gradients) at layer-sized shapes, and every layer with the kernels (convolution,
+norm, gates, rotary, op) against the same layer on its PyTorch paths."""
 import pytest
 import torch
 
 from forge_dist.kernels.gated_norm import gated_rms_norm
 from forge_dist.kernels.short_conv import short_conv, short_conv_step
-from forge_dist.nn import GatedDeltaNet, norm
+from forge_dist import nn as fnn
+from forge_dist.nn import norm
 from forge_dist.nn.conv import ShortConvolution
 from forge_dist.nn.norm import RMSNormGated
 from forge_dist.nn.shard import positions
@@ -90,17 +91,30 @@ def test_mamba2_norm_matches_torch(monkeypatch, norm_before_gate):
         assert rel(a, b) < 2e-2
 
 
-def test_gdn_layer_kernels_match_torch_path(monkeypatch):
-    """The layer with the fused convolution (q/k normalised inside) and norm equals the
-    layer with the PyTorch convolution, norm and op normalisation (fp32)."""
+LAYERS = {
+    "gdn": lambda: fnn.GatedDeltaNet(hidden_size=256, head_dim=64, num_heads=2),
+    "gla": lambda: fnn.GatedLinearAttention(hidden_size=256, num_heads=2, use_short_conv=True),
+    "hgrn": lambda: fnn.HGRNAttention(hidden_size=256),
+    "retnet": lambda: fnn.MultiScaleRetention(hidden_size=256, num_heads=2),
+    "simple_gla": lambda: fnn.SimpleGatedLinearAttention(hidden_size=256, num_heads=2),
+    "mamba2": lambda: fnn.Mamba2(hidden_size=256, head_dim=64, state_size=64),
+    "linear_attn": lambda: fnn.LinearAttention(hidden_size=256, num_heads=2),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_kernels_match_torch_path(monkeypatch, name):
+    """The layer on CUDA (fused convolution with q/k normalisation, norm, gates, rotary, the
+    op's kernels) equals the same layer on the PyTorch paths (fp32), output and gradients."""
     torch.manual_seed(4)
-    layer = GatedDeltaNet(hidden_size=256, head_dim=64, num_heads=2).cuda()
+    layer = LAYERS[name]().cuda()
     x = torch.randn(2, 1024, 256, device="cuda", requires_grad=True)
+    params = [x] + list(layer.parameters())
     got = layer(x)[0]
-    g_got = torch.autograd.grad(got.sum(), [x] + list(layer.parameters()))
+    g_got = torch.autograd.grad(got.sum(), params)
     monkeypatch.setenv("FORGE_DIST_KERNELS", "torch")
     want = layer(x)[0]
-    g_want = torch.autograd.grad(want.sum(), [x] + list(layer.parameters()))
+    g_want = torch.autograd.grad(want.sum(), params)
     assert rel(got, want) < 2e-3  # the op's kernels use TF32 dots against PyTorch's fp32
     for a, b in zip(g_got, g_want):
         assert rel(a, b) < 1e-2
