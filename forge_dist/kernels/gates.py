@@ -2,7 +2,8 @@
 
 * :func:`logsigmoid_gate` -- GLA / Simple GLA: ``g = max(logsigmoid(x) / normalizer,
   clamp_min)`` in fp32 from a 16-bit (or fp32) projection ``x``;
-* :func:`hgrn_gates` -- HGRN: ``f = logsigmoid(f_raw)`` (fp32) and the input
+* :func:`hgrn_gates` -- HGRN: ``f = logsigmoid(f_raw)`` (fp32; with a per-channel lower
+  bound ``lb``: ``logaddexp(log lb, log1p(-lb) + logsigmoid(f_raw))``) and the input
   ``i = silu(i_raw) * (1 - exp(f))`` (dtype of ``i_raw``);
 * :func:`gdn_gates` -- GatedDeltaNet: ``g = -exp(A_log) softplus(a + dt_bias)`` and
   ``beta = sigmoid(b)`` (times 2 with negative eigenvalues), fp32, in one launch instead of
@@ -63,32 +64,61 @@ if HAVE_TRITON:
         tl.store(dx + oy, d.to(dx.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _hgrn_gates_fwd(i, f, xo, go, R, C, si, sf, ACC: tl.constexpr, BR: tl.constexpr,
-                        BC: tl.constexpr):
+    def _hgrn_forget(f, lb, cols, mc, HAS_LB: tl.constexpr, ACC: tl.constexpr,
+                     BC: tl.constexpr):
+        """``g`` and ``dg/df`` (with a lower bound ``lb``:
+        ``g = logaddexp(log lb, log1p(-lb) + logsigmoid(f))``), and ``lb``'s row ``[BC]``."""
+        g, dgdf = _logsigmoid(f)
+        lbv = tl.zeros([BC], dtype=ACC)
+        if HAS_LB:
+            lbv = tl.load(lb + cols, mask=mc, other=0.5).to(ACC)
+            a = tl.log(lbv)[None, :]
+            b = tl.log(1.0 - lbv)[None, :] + g
+            hi = tl.maximum(a, b)
+            g = hi + tl.log(1.0 + tl.exp(-tl.abs(a - b)))
+            dgdf = tl.exp(b - g) * dgdf
+        return g, dgdf, lbv
+
+    @triton.jit
+    def _hgrn_gates_fwd(i, f, lb, xo, go, R, C, si, sf, HAS_LB: tl.constexpr,
+                        ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         oi, oo, m = _offsets(R, C, si, BR, BC)
         of, _, _ = _offsets(R, C, sf, BR, BC)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
         iv = tl.load(i + oi, mask=m, other=0.0).to(ACC)
-        g, _ = _logsigmoid(tl.load(f + of, mask=m, other=0.0).to(ACC))
+        g, _, _ = _hgrn_forget(tl.load(f + of, mask=m, other=0.0).to(ACC), lb, cols, cols < C,
+                               HAS_LB, ACC, BC)
         # all in fp32, rounded once, as the layer's PyTorch path computes it
         xv = iv / (1.0 + tl.exp(-iv)) * (1.0 - tl.exp(g))
         tl.store(xo + oo, xv.to(xo.dtype.element_ty), mask=m)
         tl.store(go + oo, g.to(go.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _hgrn_gates_bwd(i, f, dx, dg, di, df, R, C, si, sf, ACC: tl.constexpr,
-                        BR: tl.constexpr, BC: tl.constexpr):
+    def _hgrn_gates_bwd(i, f, lb, dx, dg, di, df, dlb_part, R, C, si, sf, HAS_LB: tl.constexpr,
+                        ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        """``dlb_part [cdiv(R, BR), C]``: per-row-tile sums of the lower bound's gradient."""
         oi, oo, m = _offsets(R, C, si, BR, BC)
         of, _, _ = _offsets(R, C, sf, BR, BC)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
         iv = tl.load(i + oi, mask=m, other=0.0).to(ACC)
-        g, sneg = _logsigmoid(tl.load(f + of, mask=m, other=0.0).to(ACC))
+        g, dgdf, lbv = _hgrn_forget(tl.load(f + of, mask=m, other=0.0).to(ACC), lb, cols,
+                                    cols < C, HAS_LB, ACC, BC)
         dxv = tl.load(dx + oo, mask=m, other=0.0).to(ACC)
         dgv = tl.load(dg + oo, mask=m, other=0.0).to(ACC)
         s = 1.0 / (1.0 + tl.exp(-iv))
         eg = tl.exp(g)
         tl.store(di + oo, (dxv * (1.0 - eg) * s * (1.0 + iv * (1.0 - s))).to(di.dtype.element_ty),
                  mask=m)
-        # x = silu(i) (1 - e^g): dx/dg = -silu(i) e^g; dg/df = sigmoid(-f)
-        tl.store(df + oo, ((dgv - dxv * iv * s * eg) * sneg).to(df.dtype.element_ty), mask=m)
+        # x = silu(i) (1 - e^g): the total gradient of g adds dx * dx/dg = -dx silu(i) e^g
+        dgt = dgv - dxv * iv * s * eg
+        tl.store(df + oo, (dgt * dgdf).to(df.dtype.element_ty), mask=m)
+        if HAS_LB:  # dg/dlb = e^(log lb - g) / lb - e^(log1p(-lb) + logsigmoid(f) - g) / (1 - lb)
+            ls, _ = _logsigmoid(tl.load(f + of, mask=m, other=0.0).to(ACC))
+            a = tl.log(lbv)[None, :]
+            b = tl.log(1.0 - lbv)[None, :] + ls
+            d = dgt * (tl.exp(a - g) / lbv[None, :] - tl.exp(b - g) / (1.0 - lbv)[None, :])
+            tl.store(dlb_part + tl.program_id(0).to(tl.int64) * C + cols,
+                     tl.sum(tl.where(m, d, 0.0), axis=0), mask=cols < C)
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -150,40 +180,54 @@ def logsigmoid_gate(x: Tensor, normalizer: float = 1.0,
 
 class _HGRNGates(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, i, f):
+    def forward(ctx, i, f, lower_bound):
         shape = i.shape
         ri, rf = _rows(i), _rows(f)
         R, C = ri.shape
+        wide = _wide(i.dtype)
+        lb = None if lower_bound is None else lower_bound.to(wide).contiguous()
         x = torch.empty(R, C, dtype=i.dtype, device=i.device)
-        g = torch.empty(R, C, dtype=_wide(i.dtype), device=i.device)
+        g = torch.empty(R, C, dtype=wide, device=i.device)
         if R and C:
-            _hgrn_gates_fwd[_grid(R, C)](ri, rf, x, g, R, C, ri.stride(0), rf.stride(0),
-                                         ACC=_acc(i.dtype), BR=BLOCK_R, BC=BLOCK_C)
-        ctx.save_for_backward(ri, rf)
+            _hgrn_gates_fwd[_grid(R, C)](ri, rf, lb, x, g, R, C, ri.stride(0), rf.stride(0),
+                                         HAS_LB=lb is not None, ACC=_acc(i.dtype), BR=BLOCK_R,
+                                         BC=BLOCK_C)
+        ctx.save_for_backward(ri, rf, lb)
         ctx.shape = shape
+        ctx.lb_dtype = None if lower_bound is None else lower_bound.dtype
         return x.view(shape), g.view(shape)
 
     @staticmethod
     def backward(ctx, dx, dg):
-        ri, rf = ctx.saved_tensors
+        ri, rf, lb = ctx.saved_tensors
         R, C = ri.shape
+        wide = _wide(ri.dtype)
         dx = torch.zeros(R, C, dtype=ri.dtype, device=ri.device) if dx is None else dx
-        dg = torch.zeros(R, C, dtype=_wide(ri.dtype), device=ri.device) if dg is None else dg
+        dg = torch.zeros(R, C, dtype=wide, device=ri.device) if dg is None else dg
         di = torch.empty(R, C, dtype=ri.dtype, device=ri.device)
         df = torch.empty(R, C, dtype=rf.dtype, device=ri.device)
+        grid = _grid(R, C)
+        dlb_part = None if lb is None else torch.zeros(grid[0], C, dtype=wide, device=ri.device)
         if R and C:
-            _hgrn_gates_bwd[_grid(R, C)](ri, rf, dx.contiguous(), dg.contiguous(), di, df, R, C,
-                                         ri.stride(0), rf.stride(0), ACC=_acc(ri.dtype),
-                                         BR=BLOCK_R, BC=BLOCK_C)
-        return di.view(ctx.shape), df.view(ctx.shape)
+            _hgrn_gates_bwd[grid](ri, rf, lb, dx.contiguous(), dg.contiguous(), di, df, dlb_part,
+                                  R, C, ri.stride(0), rf.stride(0), HAS_LB=lb is not None,
+                                  ACC=_acc(ri.dtype), BR=BLOCK_R, BC=BLOCK_C)
+        dlb = None if lb is None else dlb_part.sum(0).to(ctx.lb_dtype)
+        return di.view(ctx.shape), df.view(ctx.shape), dlb
 
 
-def hgrn_gates(i: Tensor, f: Tensor) -> Tuple[Tensor, Tensor]:
+def hgrn_gates(i: Tensor, f: Tensor, lower_bound: Optional[Tensor] = None
+               ) -> Tuple[Tensor, Tensor]:
     """HGRN's gates from the projections ``i, f [..., D]``: ``(silu(i) * (1 - exp(g)), g)``
-    with ``g = logsigmoid(f)``; the first in ``i``'s dtype, ``g`` fp32 (fp64 for fp64)."""
+    with ``g = logsigmoid(f)``, or with a lower bound ``lower_bound [D]`` (in ``(0, 1)``)
+    ``g = logaddexp(log lb, log1p(-lb) + logsigmoid(f))``; the first in ``i``'s dtype, ``g``
+    fp32 (fp64 for fp64)."""
     if i.shape != f.shape:
         raise ValueError(f"f: expected the shape of i {list(i.shape)}, got {list(f.shape)}")
-    return _HGRNGates.apply(i, f)
+    if lower_bound is not None and tuple(lower_bound.shape) != (i.shape[-1],):
+        raise ValueError(f"lower_bound: expected [{i.shape[-1]}], got "
+                         f"{list(lower_bound.shape)}")
+    return _HGRNGates.apply(i, f, lower_bound)
 
 
 if HAVE_TRITON:

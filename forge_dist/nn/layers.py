@@ -544,10 +544,11 @@ class HGRNAttention(SPMixin):
             i = self.i_conv1d(i, cu_seqlens=cu_seqlens, group=group)
             f = self.f_conv1d(f, cu_seqlens=cu_seqlens, group=group)
         wide = _wide(x)
-        if (lower_bound is None or not self.layer_idx) and _use_kernels(x.device):
+        if _use_kernels(x.device):
             from ..kernels.gates import hgrn_gates
 
-            i, f = hgrn_gates(i, f)  # one fused pass over both projections
+            # one fused pass over both projections
+            i, f = hgrn_gates(i, f, lower_bound if self.layer_idx else None)
         else:
             f = F.logsigmoid(f.to(wide))
             if lower_bound is not None and self.layer_idx:

@@ -201,21 +201,27 @@ def test_logsigmoid_gate_matches_torch(clamp_min):
     _assert_same(_grads(got, [x], up), _grads(want, [x], up))
 
 
-def test_hgrn_gates_match_torch():
-    """HGRN's ``(silu(i) (1 - exp(g)), g = logsigmoid(f))`` from one kernel, both gradients."""
+@pytest.mark.parametrize("bounded", [False, True])
+def test_hgrn_gates_match_torch(bounded):
+    """HGRN's ``(silu(i) (1 - exp(g)), g)`` from one kernel, ``g = logsigmoid(f)`` or, with a
+    lower bound, ``logaddexp(log lb, log1p(-lb) + logsigmoid(f))``; every gradient."""
     from forge_dist.kernels.gates import hgrn_gates
 
     torch.manual_seed(7)
     i = torch.randn(2, 9, 20, dtype=F64, requires_grad=True)
     f = (5 * torch.randn(2, 9, 20, dtype=F64)).requires_grad_()
-    x, g = hgrn_gates(i, f)
+    lb = (0.05 + 0.9 * torch.rand(20, dtype=F64)).requires_grad_() if bounded else None
+    x, g = hgrn_gates(i, f, lb)
     g_want = F.logsigmoid(f)
+    if bounded:
+        g_want = torch.logaddexp(lb.log(), torch.log1p(-lb) + g_want)
     x_want = F.silu(i) * (1 - g_want.exp())
     torch.testing.assert_close(x, x_want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(g, g_want, rtol=1e-12, atol=1e-12)
     u1, u2 = torch.randn_like(x), torch.randn_like(g)
-    _assert_same(torch.autograd.grad((x * u1).sum() + (g * u2).sum(), [i, f]),
-                 torch.autograd.grad((x_want * u1).sum() + (g_want * u2).sum(), [i, f]))
+    inputs = [i, f] + ([lb] if bounded else [])
+    _assert_same(torch.autograd.grad((x * u1).sum() + (g * u2).sum(), inputs),
+                 torch.autograd.grad((x_want * u1).sum() + (g_want * u2).sum(), inputs))
 
 
 @pytest.mark.parametrize("D", [16, 20])
@@ -268,3 +274,21 @@ def test_gdn_gates_match_torch(beta_scale):
     inputs = [a, b, A_log, dt_bias]
     _assert_same(torch.autograd.grad((g * u1).sum() + (beta * u2).sum(), inputs),
                  torch.autograd.grad((g_want * u1).sum() + (beta_want * u2).sum(), inputs))
+
+
+def test_hgrn_layer_with_lower_bound_kernels_match_torch(monkeypatch):
+    """HGRN at ``layer_idx > 0`` with FLA's lower bound: the layer with the fused gates (and
+    kernels throughout) equals its PyTorch path, output and the lower bound's gradient."""
+    from forge_dist.nn import HGRNAttention
+
+    torch.manual_seed(11)
+    layer = HGRNAttention(hidden_size=16, layer_idx=1).double()
+    x = torch.randn(1, 12, 16, dtype=F64)
+    lb = (0.1 + 0.8 * torch.rand(16, dtype=F64)).requires_grad_()
+    out = {}
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("FORGE_DIST_KERNELS", kernels)
+        o = layer(x, lower_bound=lb)[0]
+        out[kernels] = (o, torch.autograd.grad(o.sum(), lb)[0])
+    torch.testing.assert_close(out["triton"][0], out["torch"][0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out["triton"][1], out["torch"][1], rtol=1e-10, atol=1e-10)
