@@ -123,6 +123,12 @@ def _bench(fn, rep):
     return triton.testing.do_bench(fn, warmup=5, rep=rep, quantiles=[0.5])
 
 
+def _reason(e: Exception) -> str:
+    """An exception as a one-line skip reason."""
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    return f"{type(e).__name__}: {first}"
+
+
 def _max_rel(a, b):
     a, b = a.float(), b.float()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
@@ -217,7 +223,8 @@ def main(argv=None):
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--rep", type=int, default=50, help="do_bench time per measurement, ms")
     ap.add_argument("--no-breakdown", action="store_true", help="skip gemm_ms / op_ms")
-    ap.add_argument("--out", default=None, help="results folder (default scaling_benchmarks/results)")
+    ap.add_argument("--out", default=None,
+                    help="results folder (default scaling_benchmarks/results)")
     ap.add_argument("--tag", default=None, help="suffix of the results file name")
     ap.add_argument("--plot", default=None, help="only redraw the PNG of this results JSON")
     args = ap.parse_args(argv)
@@ -249,8 +256,7 @@ def main(argv=None):
         try:
             ours, theirs, why = build(name, device)
         except Exception as e:  # noqa: BLE001 - recorded, the next layer runs
-            add({"layer": name, "pass": "build", "impl": "both",
-                 "skipped": f"{type(e).__name__}: {str(e)[:300]}"})
+            add({"layer": name, "pass": "build", "impl": "both", "skipped": _reason(e)})
             continue
         gen = torch.Generator(device=device).manual_seed(1)
         x0 = torch.randn(B, T, HIDDEN, device=device, dtype=torch.bfloat16, generator=gen)
@@ -270,9 +276,8 @@ def main(argv=None):
                     fla_ms = _bench(run, args.rep)
                     add({"layer": name, "pass": pas, "impl": "fla", "ms": fla_ms})
                 except Exception as e:  # noqa: BLE001 - e.g. FLA's backward refused
-                    add({"layer": name, "pass": pas, "impl": "fla",
-                         "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
-                    ref = None if pas == "fwdbwd" else ref
+                    add({"layer": name, "pass": pas, "impl": "fla", "skipped": _reason(e)})
+                    ref = None
             try:
                 run = _run(ours, x, w, pas)
                 out = run().detach()
@@ -294,8 +299,7 @@ def main(argv=None):
                 add(row)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
-                add({"layer": name, "pass": pas, "impl": "forge_dist",
-                     "skipped": f"{type(e).__name__}: {str(e)[:300]}"})
+                add({"layer": name, "pass": pas, "impl": "forge_dist", "skipped": _reason(e)})
             x = run = ref = ref_grads = None
             torch.cuda.empty_cache()
         ours = theirs = None

@@ -136,7 +136,8 @@ if HAVE_TRITON:
                 g = tl.where(own[:, None], g, 0.0)
                 part = (b * tl.num_programs(0) + pt).to(tl.int64)
                 if HAS_BIAS:
-                    tl.store(db_part + part * D + cols, tl.sum(g, axis=0).to(db_part.dtype.element_ty),
+                    tl.store(db_part + part * D + cols,
+                             tl.sum(g, axis=0).to(db_part.dtype.element_ty),
                              mask=mask_d)
                 for i in tl.static_range(W):
                     si = W - 1 - i
