@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..ops.attention import _use_kernels
+from .fused import use_fused
 from .halo import halo_exchange
 from .shard import positions
 
@@ -91,7 +91,7 @@ class ShortConvolution(nn.Conv1d):
 
     def _fused(self, x: Tensor, l2norm_head_dim: Optional[int] = None) -> bool:
         """Whether the Triton kernels run this call (a float input on a device they take)."""
-        if not (x.is_floating_point() and _use_kernels(x.device)):
+        if not (x.is_floating_point() and use_fused(x.device)):
             return False
         from ..kernels.short_conv import MAX_WIDTH, l2norm_supported
 

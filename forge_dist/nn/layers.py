@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops import custom_ops
-from ..ops.attention import _use_kernels
+from .fused import use_fused
 from .conv import ShortConvolution
 from .norm import FusedRMSNormGated, RMSNorm, RMSNormGated
 from .rotary import RotaryEmbedding
@@ -59,7 +59,7 @@ def _flat(x: Tensor) -> Tensor:
 def _logsigmoid_gate(x: Tensor, normalizer: float, clamp_min: Optional[float] = None) -> Tensor:
     """``max(logsigmoid(x) / normalizer, clamp_min)`` in fp32 (fp64 for fp64): one fused
     kernel where the Triton kernels run, else PyTorch ops."""
-    if _use_kernels(x.device):
+    if use_fused(x.device):
         from ..kernels.gates import logsigmoid_gate
 
         return logsigmoid_gate(x, normalizer, clamp_min)
@@ -544,7 +544,7 @@ class HGRNAttention(SPMixin):
             i = self.i_conv1d(i, cu_seqlens=cu_seqlens, group=group)
             f = self.f_conv1d(f, cu_seqlens=cu_seqlens, group=group)
         wide = _wide(x)
-        if _use_kernels(x.device):
+        if use_fused(x.device):
             from ..kernels.gates import hgrn_gates
 
             # one fused pass over both projections
@@ -641,7 +641,7 @@ class GatedDeltaNet(SPMixin):
         k = _repeat_kv(_heads(k, self.head_k_dim), rep)
         v = _heads(v, self.head_v_dim)
         wide = _wide(x)
-        if _use_kernels(x.device):
+        if use_fused(x.device):
             from ..kernels.gates import gdn_gates
 
             g, beta = gdn_gates(self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.attention import _use_kernels
+from .fused import use_fused
 
 
 def _wide(x: Tensor) -> torch.dtype:
@@ -118,7 +118,7 @@ def _rms_norm(x: Tensor, g: Optional[Tensor], weight: Optional[Tensor],
               bias: Optional[Tensor], eps: float, activation: str = "swish") -> Tensor:
     """``x [..., D]`` (and ``g`` of the same shape) through the fused kernels or
     :class:`_RMSNormFn`."""
-    if _use_kernels(x.device):
+    if use_fused(x.device):
         from ..kernels.gated_norm import gated_rms_norm
 
         with torch.autocast(x.device.type, enabled=False):
@@ -195,7 +195,7 @@ class RMSNormGated(nn.Module):
 
     def forward(self, x: Tensor, z: Optional[Tensor] = None) -> Tensor:
         """``x, z [..., D]`` -> ``[..., D]`` in the dtype of ``x``."""
-        if _use_kernels(x.device):
+        if use_fused(x.device):
             from ..kernels.gated_norm import gated_rms_norm
 
             if z is not None and z.shape != x.shape:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..ops.attention import _use_kernels
+from .fused import use_fused
 
 
 class RotaryEmbedding(nn.Module):
@@ -38,7 +38,7 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, x: Tensor, pos: Tensor) -> Tensor:
         """``x [B, T, H, D]``, ``pos [T]`` -> rotated ``x``."""
-        if _use_kernels(x.device):
+        if use_fused(x.device):
             from ..kernels.rotary import rotary
 
             return rotary(x, pos, self.inv_freq)
