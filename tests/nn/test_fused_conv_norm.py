@@ -2,6 +2,8 @@
 paths, values and gradients in fp64: the short convolution (halo, packed sequences, strided
 inputs, the fused q/k normalisation, decoding steps), every norm mode the layers use, the gate
 activations (GLA, HGRN, GatedDeltaNet) and the rotary embedding."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,11 @@ from forge_dist.nn import norm
 from forge_dist.nn.conv import ShortConvolution
 from forge_dist.nn.norm import FusedRMSNormGated, RMSNormGated
 from forge_dist.nn.shard import positions
+
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):  # a GPU machine: see the _gpu file
+    pytest.skip("runs the kernels on CPU tensors in Triton's interpreter (TRITON_INTERPRET "
+                "unset); test_fused_conv_norm_gpu.py checks them on the GPU",
+                allow_module_level=True)
 
 F64 = torch.float64
 
