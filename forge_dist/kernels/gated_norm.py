@@ -35,10 +35,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _act(g, ACT: tl.constexpr):
+        """``act(g)`` and ``act'(g)``: swish (``ACT == 1``) or sigmoid."""
         s = 1.0 / (1.0 + tl.exp(-g))
         if ACT == 1:
-            return g * s, s * (1.0 + g * (1.0 - s))
-        return s, s * (1.0 - s)
+            a = g * s
+            slope = s * (1.0 + g * (1.0 - s))
+        else:
+            a = s
+            slope = s * (1.0 - s)
+        return a, slope
 
     @triton.jit
     def _gated_norm_fwd_kernel(x, g, w, bias, y, rstd, N, D, GS, sx, sg, eps,
