@@ -155,6 +155,7 @@ class GatedRMSNormFn(torch.autograd.Function):
     def forward(ctx, x, g, weight, bias, eps, act, gate_before, groups):
         x = _rows(x)
         g = None if g is None else _rows(g)
+        gate_before = gate_before and g is not None  # no gate: a plain norm
         N, D = x.shape
         GS = D // groups
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
