@@ -6,6 +6,12 @@ Same parameters as ``fla.modules.ShortConvolution`` / the ``nn.Conv1d`` of Mamba
 parallelism the first ``K-1`` taps of a shard read the previous rank's last ``K-1`` inputs
 through :func:`forge_dist.nn.halo.halo_exchange`; with ``cu_seqlens`` taps that would reach
 back past the start of a token's packed sequence read zero, exactly as FLA's varlen conv.
+
+On CUDA (and under ``TRITON_INTERPRET=1`` with ``FORGE_DIST_KERNELS=triton``) the convolution
+runs as the fused kernels of :mod:`forge_dist.kernels.short_conv`: one pass in the ``[B, T, D]``
+layout that reads the halo in place (no concatenation, no transposes) and saves only its input
+and halo; elsewhere it runs the PyTorch formula below.  :meth:`ShortConvolution.step` is the
+single-token decoding update with FLA's conv cache ``[B, D, K]``.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from .fused import use_fused
 from .halo import halo_exchange
 from .shard import positions
 
@@ -43,13 +50,33 @@ class ShortConvolution(nn.Conv1d):
         self.activation = activation
 
     def forward(self, x: Tensor, *, cu_seqlens: Optional[Tensor] = None, group=None,
-                **unused) -> Tensor:
+                l2norm_head_dim: Optional[int] = None, **unused) -> Tensor:
         """``x [B, T_local, D]`` -> ``[B, T_local, D]`` (this rank's shard).
 
         Args:
             cu_seqlens: global packed offsets (B=1), or ``None``.
             group: sequence-parallel process group, or ``None``.
+            l2norm_head_dim: L2-normalise each head of this many channels of the output
+                (``y / max(|y|, 1e-6)``, the gated delta rule's q/k normalisation), fused into
+                the kernel where it can be.
         """
+        B, T, D = x.shape
+        W = self.kernel_size[0] - 1
+        if self._fused(x, l2norm_head_dim):
+            from ..kernels.short_conv import short_conv
+
+            # without a group there is no halo: the kernel reads zeros before the first token
+            halo = None if group is None else halo_exchange(x, W, group)
+            pos = None if cu_seqlens is None else positions(T, group, cu_seqlens, x.device)
+            return short_conv(x, self.weight, self.bias, halo, pos, self.activation,
+                              l2norm_head_dim)
+        y = self._torch_forward(x, cu_seqlens, group)
+        if l2norm_head_dim is None:
+            return y
+        heads = y.reshape(B, T, D // l2norm_head_dim, l2norm_head_dim)
+        return (heads / heads.norm(dim=-1, keepdim=True).clamp_min(1e-6)).reshape(B, T, D)
+
+    def _torch_forward(self, x: Tensor, cu_seqlens: Optional[Tensor], group) -> Tensor:
         B, T, D = x.shape
         W = self.kernel_size[0] - 1
         halo = halo_exchange(x, W, group)  # zeros on rank 0 / without a group
@@ -61,6 +88,45 @@ class ShortConvolution(nn.Conv1d):
             # recomputation sends nothing.
             return checkpoint(self._local, x, halo, pos, use_reentrant=False)
         return self._local(x, halo, pos)
+
+    def _fused(self, x: Tensor, l2norm_head_dim: Optional[int] = None) -> bool:
+        """Whether the Triton kernels run this call (a float input on a device they take)."""
+        if not (x.is_floating_point() and use_fused(x.device)):
+            return False
+        from ..kernels.short_conv import MAX_WIDTH, l2norm_supported
+
+        return self.kernel_size[0] <= MAX_WIDTH and (
+            l2norm_head_dim is None or l2norm_supported(x.shape[-1], l2norm_head_dim))
+
+    def step(self, x: Tensor, cache: Tensor, l2norm_head_dim: Optional[int] = None) -> Tensor:
+        """One decoding step: ``x [B, D]`` (or ``[B, 1, D]``), ``cache [B, D, K]`` (FLA's conv
+        state: the last ``K`` inputs, oldest first; shifted in place) -> ``y`` like ``x``.
+        ``l2norm_head_dim`` normalises heads as :meth:`forward` does."""
+        y = self._step(x, cache)
+        if l2norm_head_dim is None:
+            return y
+        heads = y.reshape(*y.shape[:-1], y.shape[-1] // l2norm_head_dim, l2norm_head_dim)
+        return (heads / heads.norm(dim=-1, keepdim=True).clamp_min(1e-6)).reshape(y.shape)
+
+    def _step(self, x: Tensor, cache: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(shape[0], shape[-1])
+        K = self.kernel_size[0]
+        if tuple(cache.shape) != (x2.shape[0], self.hidden_size, K):
+            raise ValueError(f"cache: expected [B, D, K] = {[x2.shape[0], self.hidden_size, K]},"
+                             f" got {list(cache.shape)}")
+        if self._fused(x2) and cache.is_contiguous():
+            from ..kernels.short_conv import short_conv_step
+
+            return short_conv_step(x2, cache, self.weight, self.bias,
+                                   self.activation).reshape(shape)
+        cache.copy_(torch.cat([cache[:, :, 1:], x2[:, :, None].to(cache.dtype)], dim=-1))
+        y = (cache * self.weight[:, 0].to(cache.dtype)).sum(-1)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        act = _ACTIVATIONS[self.activation]
+        y = y if act is None else act(y)
+        return y.to(x.dtype).reshape(shape)
 
     def _local(self, x: Tensor, halo: Tensor, pos: Optional[Tensor]) -> Tensor:
         """The convolution of one shard given its halo: ``x [B, T, D]``, ``halo [B, K-1, D]``,

@@ -9,6 +9,13 @@ sequences may straddle ranks.  Projections, gates and norms are per token; the o
 cross-rank pieces are the recurrence (``forge_dist.ops``, differentiable across ranks) and the
 short convolution's halo (:mod:`forge_dist.nn.halo`).
 
+The ops' Triton kernels read contiguous ``[B, T, H, D]`` tensors (anything else is copied
+once on the way in: :func:`forge_dist.kernels._common.ensure`, and ``_plan_ready`` in
+:mod:`forge_dist.ops.planned` for cached plans).  The layers
+hand them contiguous tensors without copies: every projection is its own GEMM, and the fused
+short convolution, gate, rotary and norm kernels (on CUDA) read strided views and write
+contiguous outputs.
+
 Unsupported FLA options (caches / decoding, padding masks, feature maps with their own
 learned kernels other than ``elementwise_product``) raise instead of being ignored.
 """
@@ -23,6 +30,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops import custom_ops
+from .fused import use_fused
 from .conv import ShortConvolution
 from .norm import FusedRMSNormGated, RMSNorm, RMSNormGated
 from .rotary import RotaryEmbedding
@@ -46,6 +54,17 @@ def _heads(x: Tensor, d: int) -> Tensor:
 def _flat(x: Tensor) -> Tensor:
     """``[B, T, H, d]`` -> ``[B, T, H*d]``."""
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def _logsigmoid_gate(x: Tensor, normalizer: float, clamp_min: Optional[float] = None) -> Tensor:
+    """``max(logsigmoid(x) / normalizer, clamp_min)`` in fp32 (fp64 for fp64): one fused
+    kernel where the Triton kernels run, else PyTorch ops."""
+    if use_fused(x.device):
+        from ..kernels.gates import logsigmoid_gate
+
+        return logsigmoid_gate(x, normalizer, clamp_min)
+    g = F.logsigmoid(x.to(_wide(x))) / normalizer
+    return g if clamp_min is None else torch.clamp_min(g, clamp_min)
 
 
 def _feature_map(name):
@@ -342,7 +361,7 @@ class SimpleGatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
         q = _heads(q, self.head_k_dim)
         k = _repeat_kv(_heads(k, self.head_k_dim), self.num_kv_groups)
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
-        gk = F.logsigmoid(self.gk_proj(x).to(_wide(x))) / self.gate_logit_normalizer
+        gk = _logsigmoid_gate(self.gk_proj(x), self.gate_logit_normalizer)
         o, _ = self._op("simple_gla")(q, k, v, g=gk, **self._op_kwargs(cu_seqlens, group))
         return self._output(o, x), None, None
 
@@ -473,11 +492,9 @@ class GatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
         gk = self.gk_proj(x)
         q = _heads(q, self.head_k_dim)
         k = _repeat_kv(_heads(k, self.head_k_dim), self.num_kv_groups)
+        gk = _logsigmoid_gate(gk, self.gate_logit_normalizer, self.clamp_min)
         gk = _repeat_kv(_heads(gk, self.head_k_dim), self.num_kv_groups)
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
-        gk = F.logsigmoid(gk.to(_wide(x))) / self.gate_logit_normalizer
-        if self.clamp_min is not None:
-            gk = torch.clamp_min(gk, self.clamp_min)
         if self.feature_map_fn is not None:
             q, k = self.feature_map_fn(q), self.feature_map_fn(k)
         o, _ = self._op("gla")(q, k, v, gk, **self._op_kwargs(cu_seqlens, group))
@@ -527,11 +544,17 @@ class HGRNAttention(SPMixin):
             i = self.i_conv1d(i, cu_seqlens=cu_seqlens, group=group)
             f = self.f_conv1d(f, cu_seqlens=cu_seqlens, group=group)
         wide = _wide(x)
-        f = F.logsigmoid(f.to(wide))
-        if lower_bound is not None and self.layer_idx:
-            lb = lower_bound.to(wide)
-            f = torch.logaddexp(lb.log(), torch.log1p(-lb) + f)
-        i = F.silu(i.to(wide)) * (1 - f.exp())
+        if use_fused(x.device):
+            from ..kernels.gates import hgrn_gates
+
+            # one fused pass over both projections
+            i, f = hgrn_gates(i, f, lower_bound if self.layer_idx else None)
+        else:
+            f = F.logsigmoid(f.to(wide))
+            if lower_bound is not None and self.layer_idx:
+                lb = lower_bound.to(wide)
+                f = torch.logaddexp(lb.log(), torch.log1p(-lb) + f)
+            i = F.silu(i.to(wide)) * (1 - f.exp())
         o, _ = self._op("hgrn")(i.to(x.dtype), f, **self._op_kwargs(cu_seqlens, group))
         o = self.g_norm(o, self.g_proj(x))
         return self.o_proj(o.to(x.dtype)), None, None
@@ -605,8 +628,11 @@ class GatedDeltaNet(SPMixin):
         x = hidden_states
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_short_conv:
-            q = self.q_conv1d(q, cu_seqlens=cu_seqlens, group=group)
-            k = self.k_conv1d(k, cu_seqlens=cu_seqlens, group=group)
+            # q and k leave the convolution L2-normalised per head (fused into its kernel)
+            q = self.q_conv1d(q, cu_seqlens=cu_seqlens, group=group,
+                              l2norm_head_dim=self.head_k_dim)
+            k = self.k_conv1d(k, cu_seqlens=cu_seqlens, group=group,
+                              l2norm_head_dim=self.head_k_dim)
             v = self.v_conv1d(v, cu_seqlens=cu_seqlens, group=group)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
@@ -615,13 +641,20 @@ class GatedDeltaNet(SPMixin):
         k = _repeat_kv(_heads(k, self.head_k_dim), rep)
         v = _heads(v, self.head_v_dim)
         wide = _wide(x)
-        beta = torch.sigmoid(self.b_proj(x).to(wide))
-        if self.allow_neg_eigval:
-            beta = beta * 2.0
-        g = -self.A_log.to(wide).exp() * F.softplus(self.a_proj(x).to(wide)
-                                                    + self.dt_bias.to(wide))
-        o, _ = self._op("gated_delta_rule")(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                                    **self._op_kwargs(cu_seqlens, group))
+        if use_fused(x.device):
+            from ..kernels.gates import gdn_gates
+
+            g, beta = gdn_gates(self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias,
+                                2.0 if self.allow_neg_eigval else 1.0)
+        else:
+            beta = torch.sigmoid(self.b_proj(x).to(wide))
+            if self.allow_neg_eigval:
+                beta = beta * 2.0
+            g = -self.A_log.to(wide).exp() * F.softplus(self.a_proj(x).to(wide)
+                                                        + self.dt_bias.to(wide))
+        o, _ = self._op("gated_delta_rule")(q, k, v, g, beta,
+                                            use_qk_l2norm_in_kernel=not self.use_short_conv,
+                                            **self._op_kwargs(cu_seqlens, group))
         if self.use_gate:
             o = self.o_norm(o, _heads(self.g_proj(x), self.head_v_dim))
         else:

@@ -6,6 +6,11 @@ These are per-token (no communication): identical at any sequence-parallel degre
 only its inputs and the per-row ``1/rms`` for the backward and does the fp32 arithmetic in
 slices of rows: the plain autograd graph of the same formula holds five fp32 copies of the
 activation (20 GiB for a 1M-token GDN layer of width 1024), this holds none.
+
+On CUDA (and under ``TRITON_INTERPRET=1`` with ``FORGE_DIST_KERNELS=triton``) every norm here
+runs as the fused kernels of :mod:`forge_dist.kernels.gated_norm` instead: one pass that
+reads the input and the gate and writes the output, with the same saved tensors (inputs and
+``1/rms``).  :class:`_RMSNormFn` is the PyTorch path elsewhere.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .fused import use_fused
 
 
 def _wide(x: Tensor) -> torch.dtype:
@@ -109,7 +116,13 @@ class _RMSNormFn(torch.autograd.Function):
 
 def _rms_norm(x: Tensor, g: Optional[Tensor], weight: Optional[Tensor],
               bias: Optional[Tensor], eps: float, activation: str = "swish") -> Tensor:
-    """``x [..., D]`` (and ``g`` of the same shape) through :class:`_RMSNormFn`."""
+    """``x [..., D]`` (and ``g`` of the same shape) through the fused kernels or
+    :class:`_RMSNormFn`."""
+    if use_fused(x.device):
+        from ..kernels.gated_norm import gated_rms_norm
+
+        with torch.autocast(x.device.type, enabled=False):
+            return gated_rms_norm(x, g, weight, bias, eps, activation)
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     gate = None if g is None else g.reshape(-1, shape[-1])
@@ -182,6 +195,15 @@ class RMSNormGated(nn.Module):
 
     def forward(self, x: Tensor, z: Optional[Tensor] = None) -> Tensor:
         """``x, z [..., D]`` -> ``[..., D]`` in the dtype of ``x``."""
+        if use_fused(x.device):
+            from ..kernels.gated_norm import gated_rms_norm
+
+            if z is not None and z.shape != x.shape:
+                z = z.expand(x.shape)
+            with torch.autocast(x.device.type, enabled=False):
+                return gated_rms_norm(x, z, self.weight, self.bias, self.eps, "swish",
+                                      gate_before=not self.norm_before_gate,
+                                      groups=x.shape[-1] // self.group_size)
         with torch.autocast(x.device.type, enabled=False):
             xf = x.to(_wide(x))
             if z is not None and not self.norm_before_gate:

@@ -2,12 +2,16 @@
 
 Under sequence parallelism a token's angle must come from its position in the *global*
 sequence (with ``cu_seqlens``: inside its packed sequence), not from its index in the local
-shard; :func:`forge_dist.nn.shard.positions` supplies that.
+shard; :func:`forge_dist.nn.shard.positions` supplies that.  On CUDA (and under the
+interpreter with ``FORGE_DIST_KERNELS=triton``) the rotation is one fused kernel
+(:mod:`forge_dist.kernels.rotary`); elsewhere the PyTorch formula below.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from .fused import use_fused
 
 
 class RotaryEmbedding(nn.Module):
@@ -34,6 +38,10 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, x: Tensor, pos: Tensor) -> Tensor:
         """``x [B, T, H, D]``, ``pos [T]`` -> rotated ``x``."""
+        if use_fused(x.device):
+            from ..kernels.rotary import rotary
+
+            return rotary(x, pos, self.inv_freq)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         ang = pos.to(wide)[:, None] * self.inv_freq.to(wide)[None, :]  # [T, dim/2]
         cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :]
