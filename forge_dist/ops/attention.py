@@ -63,10 +63,6 @@ def _work_factory(spec: VariantSpec, chunk_form: Callable, scale, device, out_dt
     return make_work
 
 
-#: gate_flags -> what the cross-rank signature calls the op's gate inputs
-GATES = {0: "none", 1: "g", 2: "g (per channel)", 3: "g, beta", 4: "beta", 5: "g"}
-
-
 def _prepare(spec: VariantSpec, *, B, T, dims, device, dtype, initial_state, state_rows_dims,
              cu_seqlens, group, strategy, gate_flags: int, grad: bool):
     """Checks shared by every op; returns ``(cu list, strategy object, signature word)``."""
@@ -82,7 +78,8 @@ def _prepare(spec: VariantSpec, *, B, T, dims, device, dtype, initial_state, sta
     if size == 1:
         return cu, strat, 0
     fields = agreement.op_fields(spec.name, B=B, T=T, dims=dims, dtype=dtype,
-                                 strategy=strat.name, gates=GATES[gate_flags],
+                                 strategy=strat.name,
+                                 gates=agreement.GATE_NAMES[gate_flags],
                                  offsets=0 if cu is None else len(cu), grad=grad)
     # the offsets may change every call: compared on the host with a new signature, and
     # on the device (through the signature word) always

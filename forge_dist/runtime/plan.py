@@ -733,8 +733,9 @@ def _plan_sp(p: Plan, strategy: str, simulated: bool, B, T, H, K, V, dtype, gate
         # once per plan, not per run: every rank must have planned the same call.  The
         # fields are the ops' (a rank on the runner sends the same word as one on a plan);
         # the word travels with every run's state and is checked on the device.
-        gates = "none" if p.op == "linear_attn" or not gated else (
-            "g (per channel)" if p.op == "gla" else "g")
+        names = agreement.GATE_NAMES  # as the ops name them: none, g, g per channel
+        gates = names[0] if p.op == "linear_attn" or not gated else (
+            names[2] if p.op == "gla" else names[1])
         fields = agreement.op_fields(p.op, B=B, T=T, dims={"H": H, "K": K, "V": V},
                                      dtype=dtype, strategy=p.strategy, gates=gates,
                                      offsets=0, grad=False)

@@ -52,15 +52,34 @@ def _stable_hash(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _WORD_MASK
 
 
+_KNOWN: Dict[int, object] = {}  # word -> value, for the values a peer may have passed
+_SEEDED = False
+
+
 def _encode(value) -> int:
-    """One signed 64-bit word per field value."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        if not -(1 << 63) <= value < (1 << 63):
-            return _stable_hash(repr(value).encode())
+    """One signed 64-bit word per field value (ints as themselves, anything else hashed;
+    the hashes of values this rank passed or knows of decode back in messages)."""
+    if isinstance(value, int) and not isinstance(value, bool) and -(1 << 62) <= value < (1 << 62):
         return value
-    return _stable_hash(repr(value).encode())
+    word = _stable_hash(repr(value).encode()) | (1 << 62)  # apart from small ints
+    if len(_KNOWN) < 4096:
+        _KNOWN.setdefault(word, value)
+    return word
+
+
+def _decode(word: int):
+    """A peer's field value from its word, where this rank can tell (else ``None``)."""
+    if -(1 << 62) <= word < (1 << 62):
+        return word
+    global _SEEDED
+    if not _SEEDED:
+        from . import names  # every strategy name and dtype: what peers pass
+        for value in list(names()) + list(GATE_NAMES.values()) + [
+                getattr(torch, n) for n in dir(torch)
+                if isinstance(getattr(torch, n, None), torch.dtype)]:
+            _encode(value)
+        _SEEDED = True
+    return _KNOWN.get(word)
 
 
 def _show(value) -> str:
@@ -173,17 +192,23 @@ def agree(group, device: torch.device, fields: Dict[str, object],
     return sig, word
 
 
+#: gate_flags of the ops -> what the signature calls their gate inputs
+GATE_NAMES = {0: "none", 1: "g", 2: "g (per channel)", 3: "g, beta", 4: "beta", 5: "g"}
+
+
 def op_fields(op: str, *, B: int, T: int, dims: Dict[str, int], dtype: torch.dtype,
               strategy: str, gates: str, offsets: int, grad: bool) -> Dict[str, object]:
     """The fields every rank of one op call must agree on, built the same way by every path
     that runs sequence-parallel calls (the runner, plans, the DSL), so that one rank taking
     a plan and another the runner still send the same signature word.  ``strategy`` is the
     resolved name, ``offsets`` the number of ``cu_seqlens`` offsets (0 without)."""
-    fields: Dict[str, object] = {"op": op, "B": B, "T (tokens per rank)": T}
+    fields: Dict[str, object] = {"B": B, "T (tokens per rank)": T}
     fields.update(dims)
+    # the op last: simple_gla without gates runs as linear_attn, and "gates given" is what
+    # the user sees differ then
     fields.update({"dtype": dtype, "strategy": strategy, "gates given": gates,
                    "cu_seqlens (number of offsets)": offsets,
-                   "requires_grad (of any input, with grad mode on)": grad})
+                   "requires_grad (of any input, with grad mode on)": grad, "op": op})
     return fields
 
 
@@ -221,16 +246,22 @@ def _agree_on_host(group, device, fields, data) -> Signature:
     for r, other in enumerate(everyone):
         for i, name in enumerate(names):
             if everyone[0][1 + i] != other[1 + i]:
-                raise SignatureMismatch(_mismatch_message(group, name, values[i], r))
+                raise SignatureMismatch(_mismatch_message(
+                    group, name, values[i], rank, r, everyone[0][1 + i], other[1 + i]))
     return sig
 
 
-def _mismatch_message(group, name: str, mine, other_rank: int) -> str:
-    """Name the argument and show both ranks' values as written.  Every rank reaches this
-    together (they all saw the same gathered rows), so a second gather of the values is
-    safe and shows them exactly."""
-    everyone = p2p.all_gather_object(mine, group)
-    first, theirs = everyone[0], everyone[other_rank]
+def _mismatch_message(group, name: str, mine, rank: int, other_rank: int, first_word: int,
+                      other_word: int) -> str:
+    """Name the argument and show rank 0's and ``other_rank``'s values as written.  Every
+    rank reaches this together (they all saw the same gathered rows); only offsets, which no
+    word can show, are gathered once more to name the first that differs."""
+    if isinstance(mine, tuple):
+        everyone = p2p.all_gather_object(mine, group)
+        first, theirs = everyone[0], everyone[other_rank]
+    else:
+        first = mine if rank == 0 else _decode(first_word)
+        theirs = mine if rank == other_rank else _decode(other_word)
     if isinstance(first, tuple) and isinstance(theirs, tuple):
         for i, (a, b) in enumerate(zip(first, theirs)):
             if a != b:
@@ -239,8 +270,9 @@ def _mismatch_message(group, name: str, mine, other_rank: int) -> str:
                         f"rank {other_rank} has {b}")
         return (f"{name}: every rank must pass the same values, but rank 0 passes "
                 f"{len(first)} and rank {other_rank} passes {len(theirs)}")
-    return (f"{name}: every rank must pass the same value, but rank 0 has {_show(first)} and "
-            f"rank {other_rank} has {_show(theirs)}")
+    shown = [("another value" if v is None else _show(v)) for v in (first, theirs)]
+    return (f"{name}: every rank must pass the same value, but rank 0 has {shown[0]} and "
+            f"rank {other_rank} has {shown[1]}")
 
 
 def reject(group, device: Optional[torch.device] = None) -> None:

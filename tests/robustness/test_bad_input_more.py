@@ -362,10 +362,10 @@ def _two_rank_case(group, what):
     ("heads differ", (0, 1), ["H: every rank must pass the same value", "rank 1 has 3"]),
     ("head dim differs", (0, 1), ["K: every rank must pass the same value"]),
     ("different ops", (0, 1), ["every rank must call the same op"]),
-    ("gate given on one rank", (0, 1), ["gates (g / g_gamma / beta given): every rank"]),
+    ("gate given on one rank", (0, 1), ["gates given: every rank must pass the same value, "
+                                        "but rank 0 has 'g' and rank 1 has 'none'"]),
     ("requires_grad on one rank", (0, 1), ["requires_grad"]),
     ("local cu_seqlens", (0, 1), ["cu_seqlens:", "global length 16"]),
-    ("forge on CPU", (0, 1), ["strategy='forge' cannot run on cpu"]),
     ("not a member", (1,), ["group: this process is not a member"]),
 ])
 def test_two_ranks_raise_together(what, ranks, words):
@@ -374,6 +374,21 @@ def test_two_ranks_raise_together(what, ranks, words):
         assert errors[r] is not None, errors
         for word in words:
             assert word in errors[r], errors[r]
+
+
+def test_forge_on_cpu_runs_only_under_the_interpreter_and_says_so():
+    """CPU tensors take forge's simulated transport under Triton's interpreter (how the
+    suite tests it, tests/sp/test_forge_ops_sim.py); without it the refusal says why."""
+    from forge_dist import sp
+    from forge_dist.sp import forge
+
+    reason = forge.FORGE.available(torch.device("cpu"))
+    if forge.interpreted():
+        assert reason is None
+    else:
+        with pytest.raises(ValueError, match="strategy='forge' cannot run on cpu: .*"
+                                             "TRITON_INTERPRET=1"):
+            sp.resolve("forge", torch.device("cpu"))
 
 
 def test_demo_rejects_world_zero(capsys):
