@@ -1,7 +1,7 @@
 """Integration with the PyTorch stack (issue 6), CPU only: ``torch.compile`` through the
 custom ops of :mod:`forge_dist.ops.custom_ops` (world 1 and a 2-rank gloo world), DDP over the
 data-parallel dimension of a 2 x 2 mesh with sequence parallelism on the other, and
-:func:`forge_dist.nn.patch.patch` on stand-ins of FLA's layer classes."""
+:func:`forge_dist.nn.patch` on stand-ins of FLA's layer classes."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +9,7 @@ from torch import nn
 
 from forge_dist import nn as fnn
 from forge_dist import ops
-from forge_dist.nn.patch import patch
+from forge_dist.nn import patch
 from forge_dist.ops import custom_ops as C
 from tests.sp.distributed import run_world
 
