@@ -138,7 +138,9 @@ class CacheCall:
         self.use_cache = bool(use_cache) or past_key_values is not None
         self.offset = seen_tokens(layer, past_key_values) if self.last is not None else 0
         self.group = None if self.last is not None else group
-        self.cu_seqlens, self.num_tokens = cu_seqlens, num_tokens
+        # the cache counts the tokens of the global sequence (the rotary offset of decoding)
+        self.cu_seqlens = cu_seqlens
+        self.num_tokens = num_tokens * p2p.rank_and_size(self.group)[1]
         if self.use_cache and cu_seqlens is not None:
             raise NotImplementedError(f"{type(layer).__name__}: caches (use_cache / "
                                       f"past_key_values) with cu_seqlens are not supported")

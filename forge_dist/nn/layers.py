@@ -411,6 +411,7 @@ class Mamba2(SPMixin):
         self.conv_kernel_size, self.use_conv_bias = conv_kernel, use_conv_bias
         self.D_has_hdim, self.rmsnorm, self.norm_before_gate = D_has_hdim, rmsnorm, norm_before_gate
         self.dt_limit, self.layer_idx, self.chunk_size = tuple(dt_limit), layer_idx, chunk_size
+        self.use_bias = use_bias
         self.conv_dim = self.intermediate_size + 2 * n_groups * state_size
         self.conv1d = ShortConvolution(self.conv_dim, conv_kernel, use_conv_bias, "silu")
         if conv_init is not None:

@@ -47,25 +47,56 @@ _NORMS = ("o_norm", "g_norm_swish_gate", "g_norm", "norm")
 _NOT_COMPARED = {"training", "backend", "group", "strategy", "use_custom_ops"}
 
 
-def _same_function(f, g) -> bool:
-    """Two element-wise functions agree on a probe (``None`` only equals ``None``)."""
+def _probe(fn, device) -> Optional[torch.Tensor]:
+    """``fn`` on a probe tensor on ``device`` (``None`` when it cannot run there: FLA's
+    Triton activations need CUDA tensors, and an autotuner a GPU)."""
+    try:
+        return fn(_PROBE.to(device=device, dtype=torch.float32)).double().cpu()
+    except Exception:
+        return None
+
+
+#: name fragments of activation classes and functions (FLA's Triton ``SigmoidFunction``,
+#: ``nn.SiLU``, ``elu_p1`` ...), in the order tried
+_NAME_FRAGMENTS = (("sigmoid", "sigmoid"), ("swish", "silu"), ("silu", "silu"),
+                   ("gelu", None), ("relu", "relu"), ("elu", "elu"), ("identity", "identity"))
+
+
+def _name_of(fn) -> Optional[str]:
+    names = [getattr(fn, "__name__", ""), getattr(fn, "__qualname__", ""), type(fn).__name__,
+             getattr(getattr(fn, "__self__", None), "__name__", "")]
+    text = " ".join(str(n) for n in names).lower()
+    for fragment, name in _NAME_FRAGMENTS:
+        if fragment in text:
+            return name
+    return None
+
+
+def activation_name(fn, device=None) -> Optional[str]:
+    """The ``ACT2FN`` name of an element-wise function (``None`` for ``None``): by its values
+    on a probe where it runs on ``device``, else by its name."""
+    if fn is None:
+        return None
+    values = _probe(fn, device or "cpu")
+    if values is not None:
+        for name, ref in _ACTIVATIONS.items():
+            if torch.allclose(values, ref(_PROBE.clone()), atol=1e-5):
+                return name
+    elif _name_of(fn) is not None:
+        return _name_of(fn)
+    raise NotImplementedError(f"activation {fn!r} is not supported; the layers support "
+                              f"{list(_ACTIVATIONS)}")
+
+
+def _same_function(f, g, device=None) -> bool:
+    """Two element-wise functions agree (``None`` only equals ``None``)."""
     if f is None or g is None:
         return f is g
     try:
-        return torch.allclose(f(_PROBE.clone()).double(), g(_PROBE.clone()).double(), atol=1e-6)
-    except Exception:  # not an element-wise function of one tensor
-        return False
-
-
-def activation_name(fn) -> Optional[str]:
-    """The ``ACT2FN`` name of an element-wise function (``None`` for ``None``)."""
-    if fn is None:
-        return None
-    for name, ref in _ACTIVATIONS.items():
-        if _same_function(fn, ref):
-            return name
-    raise NotImplementedError(f"activation {fn!r} is not supported; the layers support "
-                              f"{list(_ACTIVATIONS)}")
+        return activation_name(f, device) == activation_name(g, device)
+    except NotImplementedError:
+        a, b = _probe(f, device or "cpu"), _probe(g, device or "cpu")
+        return a is not None and b is not None and torch.allclose(a, b, atol=1e-5)
 
 
 def _norm(m: nn.Module) -> Optional[nn.Module]:
@@ -84,6 +115,8 @@ def layer_kwargs(name: str, m: nn.Module) -> dict:
     kw = {p: getattr(m, p) for p in params
           if p not in ("self", "group", "strategy", "kwargs") and hasattr(m, p)
           and isinstance(getattr(m, p), plain)}
+    p0 = next(iter(m.parameters()), None)
+    device = None if p0 is None else p0.device
     norm = _norm(m)
     if norm is not None:
         kw["norm_eps"] = norm.eps
@@ -92,12 +125,12 @@ def layer_kwargs(name: str, m: nn.Module) -> dict:
         if arg in params and name != "GatedDeltaNet" and getattr(m, dim, None) is not None:
             kw[arg] = getattr(m, dim) / m.hidden_size
     if hasattr(m, "feature_map_fn"):
-        kw["feature_map"] = activation_name(m.feature_map_fn)
+        kw["feature_map"] = activation_name(m.feature_map_fn, device)
     if "gate_fn" in params:
         if getattr(m, "fuse_norm_and_gate", False):
             kw["gate_fn"], kw["fuse_norm"] = "swish", True
         elif callable(getattr(m, "gate_fn", None)):
-            kw["gate_fn"], kw["fuse_norm"] = activation_name(m.gate_fn), False
+            kw["gate_fn"], kw["fuse_norm"] = activation_name(m.gate_fn, device), False
     if name == "GatedDeltaNet" and getattr(m, "use_gate", False):
         kw["output_gate_activation"] = m.o_norm.activation
     if name == "GatedLinearAttention" and hasattr(m, "gk_proj"):
@@ -111,7 +144,7 @@ def layer_kwargs(name: str, m: nn.Module) -> dict:
             if isinstance(fq, nn.Module) and any(True for _ in fq.parameters()):
                 raise NotImplementedError(f"LinearAttention: the learned feature map "
                                           f"{type(fq).__name__} is not supported")
-            kw["feature_map"] = activation_name(fq)
+            kw["feature_map"] = activation_name(fq, device)
         kw["output_norm"] = "identity" if isinstance(m.norm, nn.Identity) else "rmsnorm"
     if name == "Mamba2":
         kw["state_size"] = m.ssm_state_size
@@ -120,6 +153,13 @@ def layer_kwargs(name: str, m: nn.Module) -> dict:
         if getattr(m, "norm", None) is None:
             kw["rmsnorm"] = False
     return kw
+
+
+def _is_function(v) -> bool:
+    """A callable without parameters (an activation), not a tensor or a layer."""
+    if isinstance(v, torch.Tensor) or not callable(v):
+        return False
+    return not any(True for _ in getattr(v, "parameters", lambda: [])())
 
 
 def _plain(v) -> bool:
@@ -139,6 +179,8 @@ def check_same_config(path: str, fla: nn.Module, ours: nn.Module) -> None:
     values exactly, element-wise functions (activations, feature maps) on a probe.
     """
     ours_subs = dict(ours.named_modules())
+    p0 = next(iter(fla.parameters()), None)
+    device = None if p0 is None else p0.device
     for sub_path, sub in fla.named_modules():
         mine = ours_subs.get(sub_path)
         if mine is None:
@@ -148,15 +190,15 @@ def check_same_config(path: str, fla: nn.Module, ours: nn.Module) -> None:
                 continue
             other = getattr(mine, attr)
             where = ".".join(p for p in (path, sub_path, attr) if p)
-            if _plain(value):
-                if _plain(other) and _canon(value) != _canon(other):
-                    raise ValueError(f"patch: {where}: FLA's layer has {value!r}, the "
-                                     f"forge_dist layer would have {other!r}")
-            elif callable(value) and not any(True for _ in getattr(value, "parameters",
-                                                                    lambda: [])()):
-                if not _same_function(value, other):
-                    raise ValueError(f"patch: {where}: FLA's layer has {value!r}, the "
-                                     f"forge_dist layer would have {other!r}")
+            if _plain(value) and _plain(other):
+                same = _canon(value) == _canon(other)
+            elif value is None or other is None or _is_function(value):
+                same = _same_function(value, other, device)  # activations, feature maps
+            else:
+                continue  # tensors, process groups, ...
+            if not same:
+                raise ValueError(f"patch: {where}: FLA's layer has {value!r}, the "
+                                 f"forge_dist layer would have {other!r}")
 
 
 def patch(model: nn.Module, *, group=None, strategy: str = "auto",

@@ -13,7 +13,7 @@ from forge_dist.nn import patch
 from forge_dist.ops import custom_ops as C
 from tests.sp.distributed import run_world
 
-from .helpers import make_layer, rel_err, sum_ranks
+from .helpers import make_layer, rel_err, stand_in, sum_ranks
 
 F64 = torch.float64
 
@@ -159,20 +159,6 @@ def test_layers_compile_at_sp2_match_eager():
 
 
 # ------------------------------------------------------------------------------- patch
-def _stand_in(cls_name: str, ours: nn.Module) -> nn.Module:
-    """A module of class name ``cls_name`` (not our class) with ``ours``'s attributes,
-    parameters and forward, standing in for the FLA layer of that name."""
-    ours_cls = type(ours)
-    stand_cls = type(cls_name, (nn.Module,), {"forward": ours_cls.forward,
-                                              "__module__": "fla.layers.fake"})
-    for attr in dir(ours_cls):  # helper methods and class attributes the forward uses
-        if not attr.startswith("__") and not hasattr(stand_cls, attr):
-            setattr(stand_cls, attr, getattr(ours_cls, attr))
-    m = stand_cls.__new__(stand_cls)
-    m.__dict__.update(ours.__dict__)
-    return m
-
-
 class _Block(nn.Module):
     def __init__(self, attn):
         super().__init__()
@@ -186,7 +172,7 @@ def _fla_model(seed=0):
     blocks = []
     for i, (key, cls_name) in enumerate(names.items()):
         ours = make_layer(key, torch.float32, seed=seed + i)
-        blocks.append(_Block(_stand_in(cls_name, ours)))
+        blocks.append(_Block(stand_in(cls_name, ours)))
     model = nn.Module()
     model.layers = nn.ModuleList(blocks)
     return model, list(names.values())
