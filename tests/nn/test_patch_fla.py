@@ -287,3 +287,50 @@ def test_patch_reads_fla_layers(name):
     fnn.patch(model)  # runs check_same_config
     assert isinstance(model.attn, FLA_LAYERS[name])
     assert all(torch.equal(model.attn.state_dict()[k], v) for k, v in sd.items())
+
+
+# ------------------------------------------------------ sequence-parallel prefill, then decode
+#: (layer, tokens per rank): 3 is shorter than the convolution's window of 4
+SP_CASES = [("GatedDeltaNet", 3), ("MultiScaleRetention", 6), ("Mamba2", 6)]
+
+
+def _sp_prefill(group):
+    """Each of 2 ranks prefills its shard with ``group``; the cache every rank gets must
+    equal one process's, and decoding from it must continue the full sequence (the rotary
+    offset counts the global tokens)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    errs = []
+    for name, T_local in SP_CASES:
+        torch.manual_seed(0)  # the same layer on every rank
+        layer = _perturbed(NON_DEFAULT[name][0]().double(), 7, small=False)
+        x = torch.randn(2, 2 * T_local + 3, HIDDEN, dtype=F64,
+                        generator=torch.Generator().manual_seed(8))
+        full = layer(x)[0]
+        one = FakeCache()
+        layer(x[:, :2 * T_local], past_key_values=one, use_cache=True)
+        cache = FakeCache()
+        shard = x[:, rank * T_local:(rank + 1) * T_local]
+        out = layer(shard, past_key_values=cache, use_cache=True, group=group)[0]
+        errs.append(rel_err(out, full[:, rank * T_local:(rank + 1) * T_local]))
+        assert cache.get_seq_length(0) == 2 * T_local
+        a, b = one[0], cache[0]
+        errs.append(rel_err(b["recurrent_state"], a["recurrent_state"]))
+        convs_a, convs_b = a["conv_state"], b["conv_state"]
+        if convs_a is not None:
+            for ca, cb in zip(*(c if isinstance(c, tuple) else (c,)
+                                for c in (convs_a, convs_b))):
+                errs.append(rel_err(cb, ca))
+        outs = [layer(x[:, t:t + 1], past_key_values=cache, use_cache=True, group=group)[0]
+                for t in range(2 * T_local, x.shape[1])]
+        errs.append(rel_err(torch.cat(outs, 1), full[:, 2 * T_local:]))
+    worst = torch.tensor(max(errs), dtype=F64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return worst.item()
+
+
+def test_sequence_parallel_prefill_gathers_the_cache_to_every_rank():
+    from tests.sp.distributed import run_world
+
+    assert run_world(2, _sp_prefill) < 1e-10
