@@ -15,7 +15,8 @@ Sequence parallel prefill: the final state of the global sequence ends on the la
 the convolution tails on the last ranks; :func:`gather_final_state` and :func:`conv_tail`
 give every rank the full cache, so decoding runs on any rank (each rank holds the whole
 decoded token and runs it with ``group=None``).  Decoding itself is the op called on the new
-tokens with ``initial_state`` (PyTorch path on the CPU, the Triton kernels on CUDA) and
+tokens with ``initial_state`` (PyTorch path on the CPU, the Triton kernels on CUDA), or for
+one token its recurrent step in PyTorch (:mod:`forge_dist.nn.decode`), and
 :func:`conv_step` for the convolutions.
 """
 from __future__ import annotations
@@ -27,7 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import ops
 from ..sp import p2p
+from . import decode
 
 
 def layer_state(layer, past_key_values) -> Optional[dict]:
@@ -159,13 +162,21 @@ class CacheCall:
         self.conv_states.append(state)
         return y
 
-    def op(self, fn, *args, **kwargs):
-        """``fn(*args, initial_state=..., output_final_state=..., **kwargs) -> (o, state)``;
-        returns ``o`` and keeps the final state in FLA's layout."""
+    def op(self, name: str, *args, **kwargs):
+        """The op ``name`` of :mod:`forge_dist.ops` (through the layer's choice of eager or
+        custom ops) with the cached ``initial_state``; returns its output and keeps its final
+        state in FLA's layout.  One token after a cache takes the op's recurrent step
+        (:mod:`forge_dist.nn.decode`) instead."""
         v_first = self.layer.state_v_first
         initial = None
         if self.last is not None and self.last.get("recurrent_state") is not None:
             initial = from_fla_layout(self.last["recurrent_state"], v_first)
+        if self.last is not None and self.num_tokens == 1:
+            fn = decode.STEPS[name]
+        elif name == "mamba2_ssd":  # a composition of simple_gla, not a custom op itself
+            fn = ops.mamba2_ssd
+        else:
+            fn = self.layer._op(name)
         o, state = fn(*args, initial_state=initial, output_final_state=self.use_cache,
                       **kwargs)
         if state is not None:

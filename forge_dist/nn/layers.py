@@ -3,8 +3,8 @@
 Every layer takes ``hidden_states [B, T_local, hidden_size]`` (this rank's contiguous shard of
 the global sequence) and FLA's block arguments (``attention_mask, past_key_values, use_cache,
 output_attentions, **kwargs``) and returns FLA's triple ``(o [B, T_local, hidden_size], None,
-past_key_values)``, so it drops into an FLA block.  ``group`` (constructor or forward keyword) is the
-sequence-parallel process group; ``None`` makes an ordinary single-device layer.
+past_key_values)``, so it drops into an FLA block.  ``group`` (constructor or forward keyword)
+is the sequence-parallel process group; ``None`` makes an ordinary single-device layer.
 ``cu_seqlens`` (forward keyword) holds the *global* packed offsets with ``B == 1``; packed
 sequences may straddle ranks.  Projections, gates and norms are per token; the only
 cross-rank pieces are the recurrence (``forge_dist.ops``, differentiable across ranks) and the
@@ -225,7 +225,8 @@ class LinearAttention(SPMixin):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, past_key_values)``."""
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
         call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
                            cu_seqlens)
         group = call.group
@@ -238,7 +239,7 @@ class LinearAttention(SPMixin):
             q = q / (q.sum(-1, True) + 1e-4)
         if self.norm_k:
             k = k / (k.sum(-1, True) + 1e-4)
-        o = call.op(self._op("linear_attn"), q, k, v, **self._op_kwargs(cu_seqlens, group))
+        o = call.op("linear_attn", q, k, v, **self._op_kwargs(cu_seqlens, group))
         o = _flat(self.norm(o))
         return self.o_proj(o.to(x.dtype)), None, call.finish()
 
@@ -288,7 +289,8 @@ class MultiScaleRetention(SPMixin, _QKVConv, _GatedOutput):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, past_key_values)``."""
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
         call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
                            cu_seqlens)
         group = call.group
@@ -302,7 +304,7 @@ class MultiScaleRetention(SPMixin, _QKVConv, _GatedOutput):
             q, k = self.rotary(q, k, pos)
         k = _repeat_kv(k, self.num_kv_groups)
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
-        o = call.op(self._op("simple_gla"), q, k, v, g_gamma=self.log_decays(x.device),
+        o = call.op("simple_gla", q, k, v, g_gamma=self.log_decays(x.device),
                     **self._op_kwargs(cu_seqlens, group))
         return self._output(o, x), None, call.finish()
 
@@ -351,7 +353,8 @@ class SimpleGatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, past_key_values)``."""
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
         call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
                            cu_seqlens)
         group = call.group
@@ -363,8 +366,7 @@ class SimpleGatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
         k = _repeat_kv(_heads(k, self.head_k_dim), self.num_kv_groups)
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
         gk = F.logsigmoid(self.gk_proj(x).to(_wide(x))) / self.gate_logit_normalizer
-        o = call.op(self._op("simple_gla"), q, k, v, g=gk,
-                    **self._op_kwargs(cu_seqlens, group))
+        o = call.op("simple_gla", q, k, v, g=gk, **self._op_kwargs(cu_seqlens, group))
         return self._output(o, x), None, call.finish()
 
 
@@ -436,7 +438,8 @@ class Mamba2(SPMixin):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, past_key_values)``."""
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
         call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
                            cu_seqlens)
         group = call.group
@@ -453,7 +456,7 @@ class Mamba2(SPMixin):
             dt = dt.clamp(*self.dt_limit)
         A = -torch.exp(self.A_log.to(wide))
         D = None if self.D_has_hdim else self.D
-        y = call.op(ops.mamba2_ssd, xs.reshape(b, T, H, P), dt, A, Bm.reshape(b, T, G, N),
+        y = call.op("mamba2_ssd", xs.reshape(b, T, H, P), dt, A, Bm.reshape(b, T, G, N),
                     Cm.reshape(b, T, G, N), D, **self._op_kwargs(cu_seqlens, group))
         y = y.reshape(b, T, I)
         if self.D_has_hdim:
@@ -496,7 +499,8 @@ class GatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, past_key_values)``."""
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
         call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
                            cu_seqlens)
         group = call.group
@@ -512,7 +516,7 @@ class GatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
             gk = torch.clamp_min(gk, self.clamp_min)
         if self.feature_map_fn is not None:
             q, k = self.feature_map_fn(q), self.feature_map_fn(k)
-        o = call.op(self._op("gla"), q, k, v, gk, **self._op_kwargs(cu_seqlens, group))
+        o = call.op("gla", q, k, v, gk, **self._op_kwargs(cu_seqlens, group))
         return self._output(o, x), None, call.finish()
 
 
@@ -547,7 +551,8 @@ class HGRNAttention(SPMixin):
                 use_cache: bool = False, output_attentions: bool = False,
                 lower_bound: Optional[Tensor] = None, *, cu_seqlens: Optional[Tensor] = None,
                 group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, past_key_values)``.
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``.
 
         ``lower_bound`` (``[input_dim]``, HGRN's per-layer forget-gate floor) applies for
         ``layer_idx > 0`` as in FLA.
@@ -565,7 +570,7 @@ class HGRNAttention(SPMixin):
             lb = lower_bound.to(wide)
             f = torch.logaddexp(lb.log(), torch.log1p(-lb) + f)
         i = F.silu(i.to(wide)) * (1 - f.exp())
-        o = call.op(self._op("hgrn"), i.to(x.dtype), f, **self._op_kwargs(cu_seqlens, group))
+        o = call.op("hgrn", i.to(x.dtype), f, **self._op_kwargs(cu_seqlens, group))
         o = self.g_norm(o, self.g_proj(x))
         return self.o_proj(o.to(x.dtype)), None, call.finish()
 
@@ -635,7 +640,8 @@ class GatedDeltaNet(SPMixin):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, past_key_values)``."""
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
         call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
                            cu_seqlens)
         group = call.group
@@ -656,8 +662,8 @@ class GatedDeltaNet(SPMixin):
             beta = beta * 2.0
         g = -self.A_log.to(wide).exp() * F.softplus(self.a_proj(x).to(wide)
                                                     + self.dt_bias.to(wide))
-        o = call.op(self._op("gated_delta_rule"), q, k, v, g, beta,
-                    use_qk_l2norm_in_kernel=True, **self._op_kwargs(cu_seqlens, group))
+        o = call.op("gated_delta_rule", q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                    **self._op_kwargs(cu_seqlens, group))
         if self.use_gate:
             o = self.o_norm(o, _heads(self.g_proj(x), self.head_v_dim))
         else:
