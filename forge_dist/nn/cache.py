@@ -79,7 +79,7 @@ def conv_tail(x: Tensor, width: int, group) -> Tensor:
 
 def gather_final_state(state: Tensor, group) -> Tensor:
     """The last rank's final state (the global sequence's), on every rank."""
-    rank, size = p2p.rank_and_size(group)
+    _, size = p2p.rank_and_size(group)
     if size == 1:
         return state
     state = state.contiguous()
