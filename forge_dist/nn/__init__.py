@@ -3,6 +3,7 @@
 Each layer takes ``group=`` (process group; ``None`` = ordinary single-device layer) and
 ``strategy=``; forward takes this rank's shard ``[B, T_local, hidden]`` and optional global
 ``cu_seqlens``.  See :mod:`forge_dist.nn.layers` and :mod:`forge_dist.nn.model`.
+:func:`patch` (:mod:`forge_dist.nn.patching`) swaps the mixers of an FLA model for these.
 """
 from .conv import ShortConvolution
 from .halo import halo_exchange
@@ -11,9 +12,11 @@ from .layers import (MIXERS, GatedDeltaNet, GatedLinearAttention, HGRNAttention,
                      SimpleGatedLinearAttention)
 from .model import ForgeLM, LMConfig, sum_gradients
 from .norm import FusedRMSNormGated, RMSNorm, RMSNormGated
+from .patching import FLA_LAYERS, patch
 from .rotary import RotaryEmbedding
 
 __all__ = ["ShortConvolution", "halo_exchange", "MIXERS", "GatedDeltaNet",
            "GatedLinearAttention", "HGRNAttention", "LightningAttention", "LinearAttention",
            "Mamba2", "MultiScaleRetention", "SimpleGatedLinearAttention", "ForgeLM", "LMConfig",
-           "sum_gradients", "FusedRMSNormGated", "RMSNorm", "RMSNormGated", "RotaryEmbedding"]
+           "sum_gradients", "FLA_LAYERS", "patch", "FusedRMSNormGated", "RMSNorm", "RMSNormGated",
+           "RotaryEmbedding"]

@@ -1,9 +1,10 @@
 """Sequence-parallel token mixers with FLA's parameter names (FLA state dicts load as is).
 
 Every layer takes ``hidden_states [B, T_local, hidden_size]`` (this rank's contiguous shard of
-the global sequence) and returns FLA's triple ``(o [B, T_local, hidden_size], None, None)``,
-so it drops into an FLA block.  ``group`` (constructor or forward keyword) is the
-sequence-parallel process group; ``None`` makes an ordinary single-device layer.
+the global sequence) and FLA's block arguments (``attention_mask, past_key_values, use_cache,
+output_attentions, **kwargs``) and returns FLA's triple ``(o [B, T_local, hidden_size], None,
+past_key_values)``, so it drops into an FLA block.  ``group`` (constructor or forward keyword)
+is the sequence-parallel process group; ``None`` makes an ordinary single-device layer.
 ``cu_seqlens`` (forward keyword) holds the *global* packed offsets with ``B == 1``; packed
 sequences may straddle ranks.  Projections, gates and norms are per token; the only
 cross-rank pieces are the recurrence (``forge_dist.ops``, differentiable across ranks) and the
@@ -16,8 +17,11 @@ hand them contiguous tensors without copies: every projection is its own GEMM, a
 short convolution, gate, rotary and norm kernels (on CUDA) read strided views and write
 contiguous outputs.
 
-Unsupported FLA options (caches / decoding, padding masks, feature maps with their own
-learned kernels other than ``elementwise_product``) raise instead of being ignored.
+FLA's cache works as in FLA (:mod:`forge_dist.nn.cache`): a prefill, also sequence-parallel,
+fills ``past_key_values`` with FLA's entries (recurrent state and convolution tails, on every
+rank), and later calls continue from it.  Unsupported FLA options (padding masks with zeros,
+caches with ``cu_seqlens``, feature maps with their own learned kernels other than
+``elementwise_product``) raise instead of being ignored.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops import custom_ops
+from .cache import CacheCall
 from .fused import use_fused
 from .conv import ShortConvolution
 from .norm import FusedRMSNormGated, RMSNorm, RMSNormGated
@@ -90,14 +95,20 @@ class SPMixin(nn.Module):
         self.group = group
         self.strategy = strategy
 
-    def _resolve(self, group, attention_mask, past_key_values, use_cache, kwargs):
-        if attention_mask is not None:
-            raise NotImplementedError("attention_mask (padding) is not supported: pack "
-                                      "sequences and pass cu_seqlens instead")
-        if past_key_values is not None or use_cache:
-            raise NotImplementedError("caches / decoding (past_key_values, use_cache) are not "
-                                      "supported by the sequence-parallel layers")
-        return self.group if group is _UNSET else group
+    #: FLA caches this layer's recurrent state as ``[N, H, V, K]`` (its ``state_v_first``)
+    state_v_first: bool = False
+    #: FLA caches this layer's one convolution state as a tensor, not a tuple (Mamba2)
+    single_conv_state: bool = False
+
+    def _begin(self, x: Tensor, group, attention_mask, past_key_values, use_cache, cu_seqlens
+               ) -> CacheCall:
+        """Checks FLA's block arguments; returns the call's cache bookkeeping, whose
+        ``group`` is the one to use (``None`` when continuing a cache)."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise NotImplementedError("attention_mask with padding (zeros) is not supported: "
+                                      "pack sequences and pass cu_seqlens instead")
+        group = self.group if group is _UNSET else group
+        return CacheCall(self, past_key_values, use_cache, group, cu_seqlens, x.shape[1])
 
     def _op_kwargs(self, cu_seqlens, group):
         return dict(cu_seqlens=cu_seqlens, group=group, strategy=self.strategy)
@@ -122,12 +133,11 @@ class _QKVConv(nn.Module):
             self.k_conv1d = ShortConvolution(dims[1], conv_size, conv_bias, activation)
             self.v_conv1d = ShortConvolution(dims[2], conv_size, conv_bias, activation)
 
-    def _qkv(self, x, cu_seqlens, group):
+    def _qkv(self, x, call: CacheCall):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_short_conv:
-            q = self.q_conv1d(q, cu_seqlens=cu_seqlens, group=group)
-            k = self.k_conv1d(k, cu_seqlens=cu_seqlens, group=group)
-            v = self.v_conv1d(v, cu_seqlens=cu_seqlens, group=group)
+            q, k, v = call.conv(self.q_conv1d, q), call.conv(self.k_conv1d, k), \
+                call.conv(self.v_conv1d, v)
         return q, k, v
 
 
@@ -169,7 +179,8 @@ def _kv_dims(self, hidden_size, expand_k, expand_v, num_heads, num_kv_heads):
     self.hidden_size, self.num_heads = hidden_size, num_heads
     self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
     self.num_kv_groups = num_heads // self.num_kv_heads
-    self.key_dim, self.value_dim = int(hidden_size * expand_k), int(hidden_size * expand_v)
+    # round as FLA does: hidden * (key_dim / hidden) may land just below an integer
+    self.key_dim, self.value_dim = round(hidden_size * expand_k), round(hidden_size * expand_v)
     if self.key_dim % num_heads or self.value_dim % num_heads:
         raise ValueError(f"num_heads={num_heads} must divide key_dim={self.key_dim} and "
                          f"value_dim={self.value_dim}")
@@ -233,8 +244,11 @@ class LinearAttention(SPMixin):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, None)``."""
-        group = self._resolve(group, attention_mask, past_key_values, use_cache, kwargs)
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
+        call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
+                           cu_seqlens)
+        group = call.group
         x = hidden_states
         q = _heads(self.q_proj(x), self.head_k_dim)
         k = _repeat_kv(_heads(self.k_proj(x), self.head_k_dim), self.num_kv_groups)
@@ -244,9 +258,9 @@ class LinearAttention(SPMixin):
             q = q / (q.sum(-1, True) + 1e-4)
         if self.norm_k:
             k = k / (k.sum(-1, True) + 1e-4)
-        o, _ = self._op("linear_attn")(q, k, v, **self._op_kwargs(cu_seqlens, group))
+        o = call.op("linear_attn", q, k, v, **self._op_kwargs(cu_seqlens, group))
         o = _flat(self.norm(o))
-        return self.o_proj(o.to(x.dtype)), None, None
+        return self.o_proj(o.to(x.dtype)), None, call.finish()
 
 
 # ----------------------------------------------------------- constant scalar decay (RetNet)
@@ -294,20 +308,24 @@ class MultiScaleRetention(SPMixin, _QKVConv, _GatedOutput):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, None)``."""
-        group = self._resolve(group, attention_mask, past_key_values, use_cache, kwargs)
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
+        call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
+                           cu_seqlens)
+        group = call.group
         x = hidden_states
-        q, k, v = self._qkv(x, cu_seqlens, group)
+        q, k, v = self._qkv(x, call)
         q, k = _heads(q, self.head_k_dim), _heads(k, self.head_k_dim)
         if self.feature_map_fn is not None:
             q, k = self.feature_map_fn(q), self.feature_map_fn(k)
         if self.rotary is not None:
-            q, k = self.rotary(q, k, positions(x.shape[1], group, cu_seqlens, x.device))
+            pos = positions(x.shape[1], group, cu_seqlens, x.device) + call.offset
+            q, k = self.rotary(q, k, pos)
         k = _repeat_kv(k, self.num_kv_groups)
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
-        o, _ = self._op("simple_gla")(q, k, v, g_gamma=self.log_decays(x.device),
-                              **self._op_kwargs(cu_seqlens, group))
-        return self._output(o, x), None, None
+        o = call.op("simple_gla", q, k, v, g_gamma=self.log_decays(x.device),
+                    **self._op_kwargs(cu_seqlens, group))
+        return self._output(o, x), None, call.finish()
 
 
 class LightningAttention(MultiScaleRetention):
@@ -331,6 +349,8 @@ class SimpleGatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
     ``g_t = logsigmoid(gk_proj(x_t)) / gate_logit_normalizer``, ``[B, T, H]``.
     """
 
+    state_v_first = True
+
     def __init__(self, mode: str = "chunk", hidden_size: int = 1024, expand_k: float = 1.0,
                  expand_v: float = 1.0, num_heads: int = 4, num_kv_heads: Optional[int] = None,
                  feature_map: Optional[str] = None, use_short_conv: bool = True,
@@ -352,18 +372,21 @@ class SimpleGatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, None)``."""
-        group = self._resolve(group, attention_mask, past_key_values, use_cache, kwargs)
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
+        call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
+                           cu_seqlens)
+        group = call.group
         x = hidden_states
-        q, k, v = self._qkv(x, cu_seqlens, group)
+        q, k, v = self._qkv(x, call)
         if self.feature_map_fn is not None:
             q, k = self.feature_map_fn(q), self.feature_map_fn(k)
         q = _heads(q, self.head_k_dim)
         k = _repeat_kv(_heads(k, self.head_k_dim), self.num_kv_groups)
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
         gk = _logsigmoid_gate(self.gk_proj(x), self.gate_logit_normalizer)
-        o, _ = self._op("simple_gla")(q, k, v, g=gk, **self._op_kwargs(cu_seqlens, group))
-        return self._output(o, x), None, None
+        o = call.op("simple_gla", q, k, v, g=gk, **self._op_kwargs(cu_seqlens, group))
+        return self._output(o, x), None, call.finish()
 
 
 # ------------------------------------------------------------------------------- Mamba2 SSD
@@ -372,7 +395,11 @@ class Mamba2(SPMixin):
 
     Parameters: ``in_proj`` (-> gate z, conv input xBC, dt), ``conv1d`` (depthwise causal conv
     over xBC, with bias), ``dt_bias, A_log, D, norm`` (gated group RMSNorm), ``out_proj``.
+    FLA caches its SSM state as ``[N, H, P, N_state]`` and one convolution state.
     """
+
+    state_v_first = True
+    single_conv_state = True
 
     def __init__(self, num_heads: Optional[int] = None, head_dim: int = 64,
                  hidden_size: int = 2048, state_size: int = 128, expand: int = 2,
@@ -405,6 +432,7 @@ class Mamba2(SPMixin):
         self.conv_kernel_size, self.use_conv_bias = conv_kernel, use_conv_bias
         self.D_has_hdim, self.rmsnorm, self.norm_before_gate = D_has_hdim, rmsnorm, norm_before_gate
         self.dt_limit, self.layer_idx, self.chunk_size = tuple(dt_limit), layer_idx, chunk_size
+        self.use_bias = use_bias
         self.conv_dim = self.intermediate_size + 2 * n_groups * state_size
         self.conv1d = ShortConvolution(self.conv_dim, conv_kernel, use_conv_bias, "silu")
         if conv_init is not None:
@@ -429,14 +457,17 @@ class Mamba2(SPMixin):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, None)``."""
-        group = self._resolve(group, attention_mask, past_key_values, use_cache, kwargs)
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
+        call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
+                           cu_seqlens)
+        group = call.group
         x = hidden_states
         b, T, _ = x.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
         I = self.intermediate_size
         gate, xBC, dt = self.in_proj(x).split([I, self.conv_dim, H], dim=-1)
-        xBC = self.conv1d(xBC, cu_seqlens=cu_seqlens, group=group)
+        xBC = call.conv(self.conv1d, xBC)
         xs, Bm, Cm = xBC.split([I, G * N, G * N], dim=-1)
         wide = _wide(x)
         dt = F.softplus(dt.to(wide) + self.dt_bias.to(wide))
@@ -444,8 +475,8 @@ class Mamba2(SPMixin):
             dt = dt.clamp(*self.dt_limit)
         A = -torch.exp(self.A_log.to(wide))
         D = None if self.D_has_hdim else self.D
-        y, _ = ops.mamba2_ssd(xs.reshape(b, T, H, P), dt, A, Bm.reshape(b, T, G, N),
-                              Cm.reshape(b, T, G, N), D, **self._op_kwargs(cu_seqlens, group))
+        y = call.op("mamba2_ssd", xs.reshape(b, T, H, P), dt, A, Bm.reshape(b, T, G, N),
+                    Cm.reshape(b, T, G, N), D, **self._op_kwargs(cu_seqlens, group))
         y = y.reshape(b, T, I)
         if self.D_has_hdim:
             y = y + xs * self.D.to(xs.dtype)
@@ -453,7 +484,7 @@ class Mamba2(SPMixin):
             y = self.norm(y, gate)
         else:
             y = y * F.silu(gate)
-        return self.out_proj(y.to(x.dtype)), None, None
+        return self.out_proj(y.to(x.dtype)), None, call.finish()
 
 
 # ------------------------------------------------------------------------ vector decay (GLA)
@@ -461,6 +492,8 @@ class GatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
     """``fla.layers.GatedLinearAttention``: ``S_t = diag(exp(gk_t)) S_{t-1} + k_t v_t^T``,
     ``gk = logsigmoid(gk_proj(x)) / gate_logit_normalizer`` through a low-rank projection.
     """
+
+    state_v_first = True
 
     def __init__(self, mode: str = "chunk", hidden_size: int = 1024, expand_k: float = 0.5,
                  expand_v: float = 1.0, num_heads: int = 4, num_kv_heads: Optional[int] = None,
@@ -485,10 +518,13 @@ class GatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, None)``."""
-        group = self._resolve(group, attention_mask, past_key_values, use_cache, kwargs)
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
+        call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
+                           cu_seqlens)
+        group = call.group
         x = hidden_states
-        q, k, v = self._qkv(x, cu_seqlens, group)
+        q, k, v = self._qkv(x, call)
         gk = self.gk_proj(x)
         q = _heads(q, self.head_k_dim)
         k = _repeat_kv(_heads(k, self.head_k_dim), self.num_kv_groups)
@@ -497,8 +533,8 @@ class GatedLinearAttention(SPMixin, _QKVConv, _GatedOutput):
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
         if self.feature_map_fn is not None:
             q, k = self.feature_map_fn(q), self.feature_map_fn(k)
-        o, _ = self._op("gla")(q, k, v, gk, **self._op_kwargs(cu_seqlens, group))
-        return self._output(o, x), None, None
+        o = call.op("gla", q, k, v, gk, **self._op_kwargs(cu_seqlens, group))
+        return self._output(o, x), None, call.finish()
 
 
 # ------------------------------------------------------------------------------------- HGRN
@@ -532,17 +568,19 @@ class HGRNAttention(SPMixin):
                 use_cache: bool = False, output_attentions: bool = False,
                 lower_bound: Optional[Tensor] = None, *, cu_seqlens: Optional[Tensor] = None,
                 group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, None)``.
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``.
 
         ``lower_bound`` (``[input_dim]``, HGRN's per-layer forget-gate floor) applies for
         ``layer_idx > 0`` as in FLA.
         """
-        group = self._resolve(group, attention_mask, past_key_values, use_cache, kwargs)
+        call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
+                           cu_seqlens)
+        group = call.group
         x = hidden_states
         i, f = self.i_proj(x), self.f_proj(x)
         if self.use_short_conv:
-            i = self.i_conv1d(i, cu_seqlens=cu_seqlens, group=group)
-            f = self.f_conv1d(f, cu_seqlens=cu_seqlens, group=group)
+            i, f = call.conv(self.i_conv1d, i), call.conv(self.f_conv1d, f)
         wide = _wide(x)
         if use_fused(x.device):
             from ..kernels.gates import hgrn_gates
@@ -555,9 +593,9 @@ class HGRNAttention(SPMixin):
                 lb = lower_bound.to(wide)
                 f = torch.logaddexp(lb.log(), torch.log1p(-lb) + f)
             i = F.silu(i.to(wide)) * (1 - f.exp())
-        o, _ = self._op("hgrn")(i.to(x.dtype), f, **self._op_kwargs(cu_seqlens, group))
+        o = call.op("hgrn", i.to(x.dtype), f, **self._op_kwargs(cu_seqlens, group))
         o = self.g_norm(o, self.g_proj(x))
-        return self.o_proj(o.to(x.dtype)), None, None
+        return self.o_proj(o.to(x.dtype)), None, call.finish()
 
 
 # ------------------------------------------------------------------------ Gated DeltaNet
@@ -571,6 +609,8 @@ class GatedDeltaNet(SPMixin):
     v_conv1d, g_proj, o_norm, o_proj``.  ``num_v_heads > num_heads`` (GVA) shares each q/k
     head among ``num_v_heads / num_heads`` value heads.
     """
+
+    state_v_first = True
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 2, head_dim: int = 256,
                  num_heads: int = 6, num_v_heads: Optional[int] = None, mode: str = "chunk",
@@ -623,17 +663,18 @@ class GatedDeltaNet(SPMixin):
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
                 cu_seqlens: Optional[Tensor] = None, group=_UNSET, **kwargs):
-        """``hidden_states [B, T_local, hidden]`` -> ``(o [B, T_local, hidden], None, None)``."""
-        group = self._resolve(group, attention_mask, past_key_values, use_cache, kwargs)
+        """``hidden_states [B, T_local, hidden]`` ->
+        ``(o [B, T_local, hidden], None, past_key_values)``."""
+        call = self._begin(hidden_states, group, attention_mask, past_key_values, use_cache,
+                           cu_seqlens)
+        group = call.group
         x = hidden_states
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_short_conv:
             # q and k leave the convolution L2-normalised per head (fused into its kernel)
-            q = self.q_conv1d(q, cu_seqlens=cu_seqlens, group=group,
-                              l2norm_head_dim=self.head_k_dim)
-            k = self.k_conv1d(k, cu_seqlens=cu_seqlens, group=group,
-                              l2norm_head_dim=self.head_k_dim)
-            v = self.v_conv1d(v, cu_seqlens=cu_seqlens, group=group)
+            q = call.conv(self.q_conv1d, q, l2norm_head_dim=self.head_k_dim)
+            k = call.conv(self.k_conv1d, k, l2norm_head_dim=self.head_k_dim)
+            v = call.conv(self.v_conv1d, v)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         rep = self.num_v_heads // self.num_heads
@@ -652,14 +693,14 @@ class GatedDeltaNet(SPMixin):
                 beta = beta * 2.0
             g = -self.A_log.to(wide).exp() * F.softplus(self.a_proj(x).to(wide)
                                                         + self.dt_bias.to(wide))
-        o, _ = self._op("gated_delta_rule")(q, k, v, g, beta,
-                                            use_qk_l2norm_in_kernel=not self.use_short_conv,
-                                            **self._op_kwargs(cu_seqlens, group))
+        o = call.op("gated_delta_rule", q, k, v, g, beta,
+                    use_qk_l2norm_in_kernel=not self.use_short_conv,
+                    **self._op_kwargs(cu_seqlens, group))
         if self.use_gate:
             o = self.o_norm(o, _heads(self.g_proj(x), self.head_v_dim))
         else:
             o = self.o_norm(o)
-        return self.o_proj(_flat(o).to(x.dtype)), None, None
+        return self.o_proj(_flat(o).to(x.dtype)), None, call.finish()
 
 
 #: Mixer names for :mod:`forge_dist.nn.model` and the training config.

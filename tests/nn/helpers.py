@@ -40,6 +40,20 @@ def make_layer(name: str, dtype: torch.dtype, seed: int = 0, **kw) -> torch.nn.M
     return layer
 
 
+def stand_in(cls_name: str, ours: torch.nn.Module) -> torch.nn.Module:
+    """A module of class name ``cls_name`` (not our class) with ``ours``'s attributes,
+    parameters and forward, standing in for the FLA layer of that name."""
+    ours_cls = type(ours)
+    stand_cls = type(cls_name, (torch.nn.Module,), {"forward": ours_cls.forward,
+                                                    "__module__": "fla.layers.fake"})
+    for attr in dir(ours_cls):  # helper methods and class attributes the forward uses
+        if not attr.startswith("__") and not hasattr(stand_cls, attr):
+            setattr(stand_cls, attr, getattr(ours_cls, attr))
+    m = stand_cls.__new__(stand_cls)
+    m.__dict__.update(ours.__dict__)
+    return m
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """``||a - b|| / ||b||`` in fp64."""
     a, b = a.detach().double(), b.detach().double()

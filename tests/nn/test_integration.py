@@ -1,7 +1,7 @@
 """Integration with the PyTorch stack (issue 6), CPU only: ``torch.compile`` through the
 custom ops of :mod:`forge_dist.ops.custom_ops` (world 1 and a 2-rank gloo world), DDP over the
 data-parallel dimension of a 2 x 2 mesh with sequence parallelism on the other, and
-:func:`forge_dist.nn.patch.patch` on stand-ins of FLA's layer classes."""
+:func:`forge_dist.nn.patch` on stand-ins of FLA's layer classes."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,11 +9,11 @@ from torch import nn
 
 from forge_dist import nn as fnn
 from forge_dist import ops
-from forge_dist.nn.patch import patch
+from forge_dist.nn import patch
 from forge_dist.ops import custom_ops as C
 from tests.sp.distributed import run_world
 
-from .helpers import make_layer, rel_err, sum_ranks
+from .helpers import make_layer, rel_err, stand_in, sum_ranks
 
 F64 = torch.float64
 
@@ -159,20 +159,6 @@ def test_layers_compile_at_sp2_match_eager():
 
 
 # ------------------------------------------------------------------------------- patch
-def _stand_in(cls_name: str, ours: nn.Module) -> nn.Module:
-    """A module of class name ``cls_name`` (not our class) with ``ours``'s attributes,
-    parameters and forward, standing in for the FLA layer of that name."""
-    ours_cls = type(ours)
-    stand_cls = type(cls_name, (nn.Module,), {"forward": ours_cls.forward,
-                                              "__module__": "fla.layers.fake"})
-    for attr in dir(ours_cls):  # helper methods and class attributes the forward uses
-        if not attr.startswith("__") and not hasattr(stand_cls, attr):
-            setattr(stand_cls, attr, getattr(ours_cls, attr))
-    m = stand_cls.__new__(stand_cls)
-    m.__dict__.update(ours.__dict__)
-    return m
-
-
 class _Block(nn.Module):
     def __init__(self, attn):
         super().__init__()
@@ -186,7 +172,7 @@ def _fla_model(seed=0):
     blocks = []
     for i, (key, cls_name) in enumerate(names.items()):
         ours = make_layer(key, torch.float32, seed=seed + i)
-        blocks.append(_Block(_stand_in(cls_name, ours)))
+        blocks.append(_Block(stand_in(cls_name, ours)))
     model = nn.Module()
     model.layers = nn.ModuleList(blocks)
     return model, list(names.values())

@@ -1,0 +1,154 @@
+"""FLA's own models, patched, against the unpatched model (GPU; FLA's autotuned kernels need
+CUDA).  Needs FLA's ``flash-linear-attention`` package (``fla.models``); skipped without it.
+
+For each patchable layer type: a small FLA model in bf16 is cloned, the clone patched, and
+called as users call it (``model(input_ids=...)``, FLA's config default ``use_cache=True``):
+logits and the returned cache (recurrent states, convolution tails) must match the unpatched
+model's, and greedy decoding from the cache must give the unpatched model's tokens.  The
+two-GPU test prefills with sequence parallelism and decodes from the gathered cache.
+"""
+import copy
+
+import pytest
+import torch
+
+from forge_dist import nn as fnn
+
+from .helpers import rel_err
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, VOCAB, T, B = 512, 1000, 1024, 2
+
+
+def _configs():
+    M = pytest.importorskip("fla.models")
+    common = dict(hidden_size=HIDDEN, num_hidden_layers=2, vocab_size=VOCAB)
+    return {
+        "gdn": (M.GatedDeltaNetForCausalLM,
+                M.GatedDeltaNetConfig(head_dim=64, num_heads=6, expand_v=2, **common)),
+        "gla": (M.GLAForCausalLM, M.GLAConfig(num_heads=4, **common)),
+        "gla_conv_gqa": (M.GLAForCausalLM, M.GLAConfig(num_heads=4, num_kv_heads=2,
+                                                       use_short_conv=True, **common)),
+        "hgrn": (M.HGRNForCausalLM, M.HGRNConfig(**common)),
+        "hgrn_conv": (M.HGRNForCausalLM, M.HGRNConfig(use_short_conv=True, **common)),
+        "retnet": (M.RetNetForCausalLM, M.RetNetConfig(num_heads=4, **common)),
+        # n_groups=1: FLA's PyTorch fallback (used without mamba_ssm) tiles the B/C groups
+        # over the heads in its prefill but interleaves them in its decoding step
+        "mamba2": (M.Mamba2ForCausalLM,
+                   M.Mamba2Config(head_dim=64, num_heads=16, state_size=64, n_groups=1,
+                                  **common)),
+        "linear_attn": (M.LinearAttentionForCausalLM,
+                        M.LinearAttentionConfig(num_heads=4, **common)),
+    }
+
+
+NAMES = ["gdn", "gla", "gla_conv_gqa", "hgrn", "hgrn_conv", "retnet", "mamba2", "linear_attn"]
+
+
+def _pair(name, dtype, group=None, seed=0):
+    """``(unpatched, patched)``: an FLA model and a patched clone, eval mode on CUDA."""
+    cls, cfg = _configs()[name]
+    torch.manual_seed(seed)
+    ref = cls(cfg).to("cuda", dtype).eval()
+    patched = copy.deepcopy(ref)
+    replaced = fnn.patch(patched, group=group)
+    assert len(replaced) == cfg.num_hidden_layers, replaced
+    return ref, patched
+
+
+def _states(cache):
+    """``{(layer, kind, i): tensor}`` of an FLA cache."""
+    out = {}
+    for layer, state in enumerate(cache):
+        out[(layer, "recurrent", 0)] = state["recurrent_state"]
+        convs = state["conv_state"]
+        if convs is not None:
+            for i, c in enumerate(convs if isinstance(convs, (tuple, list)) else (convs,)):
+                out[(layer, "conv", i)] = c
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+@torch.no_grad()
+def test_patched_fla_model_logits_and_cache(name):
+    ref, patched = _pair(name, torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (B, T), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(1))
+    a, b = ref(input_ids=ids), patched(input_ids=ids)  # use_cache: the config's default
+    assert ref.config.use_cache
+    err = rel_err(b.logits, a.logits)
+    assert err <= 2e-2, f"{name}: logits differ by {err:.3g}"
+    sa, sb = _states(a.past_key_values), _states(b.past_key_values)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert sa[key].shape == sb[key].shape, (key, sa[key].shape, sb[key].shape)
+        err = rel_err(sb[key].float(), sa[key].float())
+        assert err <= 2e-2, f"{name}: cache {key} differs by {err:.3g}"
+    # decoding from the cache, teacher-forced with the same tokens: per-step logits
+    ca, cb = a.past_key_values, b.past_key_values
+    tok = a.logits[:, -1:].argmax(-1)
+    for _ in range(4):
+        la = ref(input_ids=tok, past_key_values=ca).logits
+        lb = patched(input_ids=tok, past_key_values=cb).logits
+        err = rel_err(lb, la)
+        assert err <= 2e-2, f"{name}: decoding logits differ by {err:.3g}"
+        tok = la[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@torch.no_grad()
+def test_patched_fla_model_generates_the_same_tokens(name):
+    """``model.generate`` greedy (fp32, so that bf16 near-ties cannot flip a token)."""
+    ref, patched = _pair(name, torch.float32)
+    ids = torch.randint(0, VOCAB, (B, 256), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(2))
+    kw = dict(max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids),
+              pad_token_id=0)
+    ga, gb = ref.generate(ids, **kw), patched.generate(ids, **kw)
+    assert torch.equal(ga, gb), f"{name}:\n{ga[:, 256:]}\n{gb[:, 256:]}"
+
+
+def _sp_prefill_then_decode(group, name, steps):
+    """On each of 2 ranks: the patched model prefills its half of the prompt with
+    sequence parallelism; then greedy decoding from the gathered cache on every rank."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(dist.get_rank())
+    ref, patched = _pair(name, torch.float32, group=group)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    ids = torch.randint(0, VOCAB, (B, 512), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(3))
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=steps, do_sample=False, pad_token_id=0,
+                            attention_mask=torch.ones_like(ids))[:, 512:]
+        full = ref(input_ids=ids)
+        shard = ids[:, rank * 256:(rank + 1) * 256]
+        out = patched(input_ids=shard)
+        logit_err = rel_err(out.logits, full.logits[:, rank * 256:(rank + 1) * 256])
+        sa, sb = _states(full.past_key_values), _states(out.past_key_values)
+        cache_err = max(rel_err(sb[k].float(), sa[k].float()) for k in sa)
+        last = out.logits[:, -1:].argmax(-1)
+        dist.broadcast(last, src=size - 1, group=group)  # the last token's logits: last rank
+        cache, toks = out.past_key_values, [last]
+        for _ in range(steps - 1):
+            step = patched(input_ids=toks[-1], past_key_values=cache)
+            cache = step.past_key_values
+            toks.append(step.logits[:, -1:].argmax(-1))
+        got = torch.cat(toks, 1)
+    errs = torch.tensor([logit_err, cache_err, float(not torch.equal(got, want))],
+                        device="cuda", dtype=torch.float64)
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=group)
+    return errs.tolist()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("name", ["gdn", "gla_conv_gqa", "retnet", "mamba2"])
+def test_sequence_parallel_prefill_then_decoding(name):
+    pytest.importorskip("fla.models")
+    from tests.sp.distributed import run_world
+
+    logit_err, cache_err, mismatch = run_world(2, _sp_prefill_then_decode, name, 8,
+                                               backend="nccl")
+    assert logit_err <= 2e-2 and cache_err <= 2e-2, (logit_err, cache_err)
+    assert mismatch == 0.0, "greedy tokens after the SP prefill differ from FLA's"
