@@ -226,14 +226,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.layers < 1:
         p.error(f"--layers: expected at least 1, got {args.layers}")
+    ops_ = [o for o in args.ops.split(",") if o]
+    unknown = set(ops_) - set(OPS)
+    if unknown:  # bad arguments first, on any machine
+        p.error(f"--ops: unknown {sorted(unknown)}; known: {OPS}")
     if not torch.cuda.is_available():
         print("train_overhead: needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    ops_ = [o for o in args.ops.split(",") if o]
-    unknown = set(ops_) - set(OPS)
-    if unknown:
-        p.error(f"--ops: unknown {sorted(unknown)}; known: {OPS}")
     Ts = [int(t) for t in args.T.split(",")]
     result = results_io.header("train_overhead", {"B": B, "H": H, "K": K, "V": V, "D": D,
                                                   "dtype": "bfloat16", "gate_dtype": "float32",

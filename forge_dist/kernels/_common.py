@@ -168,7 +168,8 @@ def ensure(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
-scalar_gate_chunk = value_state_tiles = mapped_tile = None  # defined below when Triton is installed
+# defined below when Triton is installed
+scalar_gate_chunk = value_state_tiles = mapped_tile = reset_floor = None
 if HAVE_TRITON:
     # Largest in-chunk log decay for which the scalar-gate walk factors its in-chunk decay
     # (``FACTORED``): the values scaled by exp(G_C - G) (down to exp(-span)) must stay
@@ -177,6 +178,23 @@ if HAVE_TRITON:
     # 6e-5 ~ exp(-9.7), so 16-bit-half inputs factor only chunks within 8.
     FACTOR_SPAN = tl.constexpr(60.0)
     FACTOR_SPAN_FP16 = tl.constexpr(8.0)
+
+    # A hard reset, g = -inf, is read as this log decay.  exp(-112) rounds to 0 in fp32
+    # (its smallest subnormal is exp(-103.3)), and with decays g <= 0 every decay across the
+    # reset is at most exp(-112): the state is forgotten exactly as by -inf, while every
+    # in-chunk cumulative sum stays finite (after a -inf, G_i - G_j was -inf - -inf = NaN).
+    # The cost: the sums after a reset carry its offset, so a decay between two later tokens
+    # of the same chunk loses about 112 * 2**-24 (~7e-6) of absolute precision in its
+    # exponent per reset before them in the chunk (~1e-5 relative error in fp32 outputs
+    # with a few resets per chunk, nothing beside bf16's rounding).  The PyTorch chunk forms
+    # are exact (forge_dist.variants.chunked.LogDecay).
+    HARD_RESET = tl.constexpr(-112.0)
+
+    @triton.jit
+    def reset_floor(b_g):
+        """Log decays read with a hard reset (``-inf``) as :data:`HARD_RESET` (one max per
+        element, in registers: no pass of its own)."""
+        return tl.maximum(b_g, HARD_RESET)
 
     @triton.jit
     def mapped_tile(x, MAP: tl.constexpr, r0, R, c0, C, BR: tl.constexpr, BC: tl.constexpr):
@@ -194,7 +212,8 @@ if HAVE_TRITON:
         """In-chunk cumulative log decay ``G [BT]`` and chunk total ``G_C`` of head ``i_h``
         from per-token scalar gates ``g [B, T, H]`` (padding past ``T`` reads 0)."""
         o_g = t0 + tl.arange(0, BT)
-        b_g = tl.load(g + (bos + o_g) * H + i_h, mask=o_g < T, other=0.0).to(tl.float32)
+        b_g = reset_floor(tl.load(g + (bos + o_g) * H + i_h, mask=o_g < T,
+                                  other=0.0).to(tl.float32))
         return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
 
     @triton.jit
@@ -222,7 +241,7 @@ if HAVE_TRITON:
         b_g = b_g.to(tl.float32)
         if G_MAP is not None:
             b_g = tl.where(m, G_MAP(b_g), 0.0)
-        b_G = tl.cumsum(b_g, axis=0)
+        b_G = tl.cumsum(reset_floor(b_g), axis=0)
         tl.store(gc + (i_b * H + o_h[None, :]) * T + o_t[:, None], b_G, mask=m)
 
     @triton.jit
@@ -258,7 +277,7 @@ if HAVE_TRITON:
             if G_RAW:
                 o_t = c0 + o_c[:, None] * BT + tl.arange(0, BT)[None, :]
                 b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=(o_t < t_hi), other=0.0)
-                lowest = tl.minimum(lowest, tl.sum(b_g.to(tl.float32), axis=1))
+                lowest = tl.minimum(lowest, tl.sum(reset_floor(b_g.to(tl.float32)), axis=1))
             else:
                 o_end = tl.minimum(c0 + (o_c + 1) * BT, t_hi) - 1
                 b_c = tl.load(g + i_bh.to(tl.int64) * T + o_end,

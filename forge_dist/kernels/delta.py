@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ._common import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2,
+from ._common import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2, reset_floor,
                       sized_config, tl, triton, TritonWork, walk, walker_gates)
 from ..variants import delta_rule
 
@@ -74,7 +74,8 @@ if HAVE_TRITON:
         o_t = r0 + tl.arange(0, BC)
         b_b = tl.load(beta + (bos + o_t) * H + i_h, mask=o_t < T, other=0.0).to(tl.float32)
         if GATE == 1:
-            b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.0).to(tl.float32)
+            b_g = reset_floor(tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T,
+                                      other=0.0).to(tl.float32))
             b_G = tl.cumsum(b_g, axis=0) + g_off
             g_end = g_off + tl.sum(b_g, axis=0)
         else:

@@ -80,8 +80,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import (HAVE_TRITON, dot_precision, next_pow2, scalar_gate_chunk, tl, triton,
-                      value_state_tiles)
+from ._common import (HAVE_TRITON, dot_precision, next_pow2, reset_floor, scalar_gate_chunk,
+                      tl, triton, value_state_tiles)
 
 __all__ = ["kernel_specs", "scalar_decay_backward"]
 
@@ -101,7 +101,7 @@ if HAVE_TRITON:
         """
         p_gt = tl.make_block_ptr(g + (bos * H + i_h) * K, (K, T), (1, H * K),
                                  (i_k * BK, t0), (BK, BT), (0, 1))
-        b_gt = tl.load(p_gt, boundary_check=(0, 1)).to(tl.float32)
+        b_gt = reset_floor(tl.load(p_gt, boundary_check=(0, 1)).to(tl.float32))
         b_rt = tl.cumsum(b_gt, axis=1, reverse=True) - b_gt
         return tl.cumsum(b_gt, axis=1), b_rt, tl.sum(b_gt, axis=1)
 

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import HAVE_TRITON, dot_precision, interpreting, next_pow2, tl, triton
+from ._common import (HAVE_TRITON, dot_precision, interpreting, next_pow2, reset_floor, tl,
+                      triton)
 
 #: Tokens per program.
 CHUNK = 64
@@ -66,13 +67,14 @@ if HAVE_TRITON:
         o_i = tl.arange(0, BT)
         m_next = (o_t + 1 < T) & (o_i < BT - 1)
         if GATE == 1:
-            b_gn = tl.load(g + rows + H, mask=m_next, other=0.0).to(tl.float32)
+            b_gn = reset_floor(tl.load(g + rows + H, mask=m_next, other=0.0).to(tl.float32))
             r_next = tl.load(r_after + (i_b * NT + i_t) * H + i_h).to(tl.float32)
             b_c = tl.exp(tl.cumsum(b_gn, axis=0, reverse=True) + r_next)
             b_kc = b_k * b_c[:, None]
         elif GATE == 2:
-            b_gn = tl.load(g + (rows + H)[:, None] * K + o_k[None, :],
-                           mask=m_next[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_gn = reset_floor(tl.load(g + (rows + H)[:, None] * K + o_k[None, :],
+                                       mask=m_next[:, None] & m_k[None, :],
+                                       other=0.0).to(tl.float32))
             r_next = tl.load(r_after + ((i_b * NT + i_t) * H + i_h) * K + o_k, mask=m_k,
                              other=0.0).to(tl.float32)
             b_c = tl.exp(tl.cumsum(b_gn, axis=0, reverse=True) + r_next[None, :])

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from ._common import (HAVE_TRITON, DecayAttentionWork, dot_precision, ensure, map_flags,
-                      mapped_tile, next_pow2, outputs_from_summary, sized_config, summarize,
-                      tl, triton, walk)
+                      mapped_tile, next_pow2, outputs_from_summary, reset_floor, sized_config,
+                      summarize, tl, triton, walk)
 
 # Measured on H200 at T=64K, B=1, H=32, K=V=128 (results/kernel_profile_sweeps_*_2026-11-24):
 # walker BV=64, 4 warps, 2 stages 2.61 ms for the whole forward (3 stages 2.73, BV=32 3.07,
@@ -83,6 +83,7 @@ if HAVE_TRITON:
             b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)  # padding: 0
             if G_MAP is not None:
                 b_g = mapped_tile(b_g, G_MAP, r0, T, 0, K, BC, BK)
+            b_g = reset_floor(b_g)
             b_G = tl.cumsum(b_g, axis=0)  # from the row before the block
             # diagonal block, column by column: exp(G_r - G_c) masked to r >= c
             b_A = tl.zeros([BC, BC], dtype=tl.float32)
@@ -97,6 +98,7 @@ if HAVE_TRITON:
                 g_c = tl.load(g + off_c, mask=m_c, other=0.0).to(tl.float32)
                 if G_MAP is not None:
                     g_c = tl.where(m_c, G_MAP(g_c), 0.0)
+                g_c = reset_floor(g_c)
                 b_Gc += g_c
                 b_e = tl.exp(tl.where(rows[:, None] >= c, b_G - b_Gc[None, :], float("-inf")))
                 a_c = tl.sum(b_q * k_c[None, :] * b_e, axis=1)
@@ -114,6 +116,7 @@ if HAVE_TRITON:
                 b_gj = tl.load(p_gj, boundary_check=(0, 1)).to(tl.float32)
                 if G_MAP is not None:
                     b_gj = mapped_tile(b_gj, G_MAP, c0, T, 0, K, BC, BK)
+                b_gj = reset_floor(b_gj)
                 b_after = tl.cumsum(b_gj, axis=0, reverse=True) - b_gj  # sum_{s > c} in block
                 b_kj = tl.load(p_k, boundary_check=(0, 1))
                 if K_MAP is not None:
@@ -160,6 +163,7 @@ if HAVE_TRITON:
             b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)
             if G_MAP is not None:
                 b_g = mapped_tile(b_g, G_MAP, t0, T, k0, K, BT, BKS)
+            b_g = reset_floor(b_g)
             b_G = tl.cumsum(b_g, axis=0)
             b_GC = tl.sum(tl.where(last, b_G, 0.0), axis=0)  # padding rows: g = 0
             p_k = tl.make_block_ptr(k + base, (T, K), (H * K, 1), (t0, k0), (BT, BKS), (1, 0))

@@ -128,7 +128,7 @@ import torch
 from torch import Tensor
 
 from . import vector
-from ._common import HAVE_TRITON, dot_precision, next_pow2, tl, triton
+from ._common import HAVE_TRITON, dot_precision, next_pow2, reset_floor, tl, triton
 from .scalar_backward import sm_count, state_walks
 
 __all__ = ["default_tiles", "kernel_specs", "vector_decay_backward"]
@@ -187,7 +187,7 @@ if HAVE_TRITON:
         b_dq, b_dk, b_hdh = _inter_parts(p_v, p_do, p_h, p_dh, n_t, c0, H, K, V, BT, BKS, BV,
                                          PREC)
         ot, mt = _tile(0, n_t, H * K, c0, K, 1, BT, BKS)
-        b_G = tl.cumsum(tl.load(p_g + ot, mask=mt, other=0.0).to(tl.float32), axis=0)
+        b_G = tl.cumsum(reset_floor(tl.load(p_g + ot, mask=mt, other=0.0).to(tl.float32)), axis=0)
         b_GC = tl.sum(tl.where((rows == BT - 1)[:, None], b_G, 0.0), axis=0)  # padding: g = 0
         b_q = tl.load(p_q + ot, mask=mt, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + ot, mask=mt, other=0.0).to(tl.float32)
@@ -223,7 +223,7 @@ if HAVE_TRITON:
         cols = c0 + tl.arange(0, BKE)
         ot, mt = _tile(0, n_r, H * K, c0, K, 1, BC, BKE)
         b_q = tl.load(p_q + ot, mask=mt, other=0.0).to(tl.float32)
-        b_g = tl.load(p_g + ot, mask=mt, other=0.0).to(tl.float32)  # padding: 0
+        b_g = reset_floor(tl.load(p_g + ot, mask=mt, other=0.0).to(tl.float32))  # padding: 0
         b_dq = b_dq * (tl.exp(tl.cumsum(b_g, axis=0)) * scale)
         b_dk = b_dk * tl.exp(tl.cumsum(b_g, axis=0, reverse=True) - b_g)  # e^{G_C - G_j}
         # dg_t = sum_{i>=t} a_i + c  (+ sum_{j<t} b_j + straddling W, added per column)
@@ -262,7 +262,7 @@ if HAVE_TRITON:
         ``BKS`` channels from ``c0`` of ``BT`` tokens at ``p_*`` (``n_t`` left)."""
         DT = p_k.dtype.element_ty
         ot, mt = _tile(0, n_t, H * K, c0, K, 1, BT, BKS)
-        b_G = tl.cumsum(tl.load(p_g + ot, mask=mt, other=0.0).to(tl.float32), axis=0)
+        b_G = tl.cumsum(reset_floor(tl.load(p_g + ot, mask=mt, other=0.0).to(tl.float32)), axis=0)
         b_qg = (tl.load(p_q + ot, mask=mt, other=0.0).to(tl.float32) * tl.exp(b_G)).to(DT)
         b_ki = (tl.load(p_k + ot, mask=mt, other=0.0).to(tl.float32) * tl.exp(-b_G)).to(DT)
         return tl.dot(b_qg, tl.trans(b_ki), input_precision=PREC)
@@ -290,7 +290,7 @@ if HAVE_TRITON:
         sum of gates (terms of one sign)."""
         DT = p_k.dtype.element_ty
         ok, mk = _tile(0, n_t, H * K, c0, K, 1, BT, BK)
-        b_g = tl.load(p_g + ok, mask=mk, other=0.0).to(tl.float32)
+        b_g = reset_floor(tl.load(p_g + ok, mask=mk, other=0.0).to(tl.float32))
         b_kd = (tl.load(p_k + ok, mask=mk, other=0.0).to(tl.float32)
                 * tl.exp(tl.cumsum(b_g, axis=0, reverse=True) - b_g)).to(DT)
         b_At = tl.trans(b_A * scale).to(DT)
@@ -335,7 +335,9 @@ if HAVE_TRITON:
             ot, mt = _tile(0, n_t, H * K, c0, K, 1, BT, BKS)
             # span: the largest sum of |g| over the chunk in one channel, which bounds |G|
             # (for decays, g <= 0, it is -G_C); a column sum, no scan
-            b_span = tl.max(tl.sum(tl.abs(tl.load(g + o_k + ot, mask=mt, other=0.0)), axis=0),
+            b_span = tl.max(tl.sum(tl.abs(reset_floor(tl.load(g + o_k + ot, mask=mt,
+                                                                   other=0.0).to(tl.float32))),
+                                   axis=0),
                             axis=0)
             if b_span <= span_limit:
                 b_A += _slice_fast(q + o_k, k + o_k, g + o_k, v + o_v, do + o_v, h + o_h,
@@ -411,11 +413,12 @@ if HAVE_TRITON:
                     # the products across the blocks take the reference between them:
                     # k e^{decay to the end of block 0}, q e^{decay from its end}, <= 1
                     og, mg = _tile(0, n_t, H * K, c0, K, 1, BC, BKE)
-                    b_g0 = tl.load(g + o_k + og, mask=mg, other=0.0)
+                    b_g0 = reset_floor(tl.load(g + o_k + og, mask=mg, other=0.0).to(tl.float32))
                     b_k0r = (tl.load(k + o_k + og, mask=mg, other=0.0).to(tl.float32)
                              * tl.exp(tl.cumsum(b_g0, axis=0, reverse=True) - b_g0))
                     og, mg = _tile(0, n_t - BC, H * K, c0, K, 1, BC, BKE)
-                    b_g1 = tl.load(g + o_k + S_K + og, mask=mg, other=0.0)
+                    b_g1 = reset_floor(tl.load(g + o_k + S_K + og, mask=mg,
+                                               other=0.0).to(tl.float32))
                     b_q1g = (tl.load(q + o_k + S_K + og, mask=mg, other=0.0).to(tl.float32)
                              * tl.exp(tl.cumsum(b_g1, axis=0)))
                     b_A10 += tl.dot(b_q1g.to(DT), tl.trans(b_k0r.to(DT)),
@@ -491,12 +494,13 @@ if HAVE_TRITON:
             for i_kk in range(tl.cdiv(BK, BKE)):
                 c0 = i_k * BK + i_kk * BKE
                 og, mg = _tile(0, n_r, H * K, c0, K, 1, BC, BKE)
-                b_g = tl.load(g + o_kb + og, mask=mg, other=0.0)
+                b_g = reset_floor(tl.load(g + o_kb + og, mask=mg, other=0.0).to(tl.float32))
                 b_r = tl.cumsum(b_g, axis=0, reverse=True) - b_g
                 if NB == 2:  # block 0's rows decay over block 1 too
                     og1, mg1 = _tile(0, n_t - BC, H * K, c0, K, 1, BC, BKE)
-                    b_r += tl.where(first, tl.sum(tl.load(g + o_k + S_K + og1, mask=mg1,
-                                                          other=0.0), axis=0), 0.0)[None, :]
+                    b_r += tl.where(first, tl.sum(reset_floor(tl.load(
+                        g + o_k + S_K + og1, mask=mg1, other=0.0).to(tl.float32)), axis=0),
+                        0.0)[None, :]
                 b_kd = (tl.load(k + o_kb + og, mask=mg, other=0.0).to(tl.float32)
                         * tl.exp(b_r)).to(DT)
                 oh, mh = _tile(c0, K, V, 0, V, 1, BKE, VP)
@@ -556,7 +560,7 @@ if HAVE_TRITON:
                                     (t0, i_k * BK), (BT, BK), (1, 0))
             p_dh = tl.make_block_ptr(dh + base_h, (K, V), (V, 1), (i_k * BK, i_v * BV),
                                      (BK, BV), (1, 0))
-            b_g = tl.load(p_g, boundary_check=(0, 1)).to(tl.float32)
+            b_g = reset_floor(tl.load(p_g, boundary_check=(0, 1)).to(tl.float32))
             b_r = tl.cumsum(b_g, axis=0, reverse=True) - b_g
             b_kd = (tl.load(p_k, boundary_check=(0, 1)).to(tl.float32) * tl.exp(b_r)).to(DT)
             b_dh = tl.load(p_dh, boundary_check=(0, 1)).to(DT)

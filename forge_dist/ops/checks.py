@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -73,16 +74,38 @@ def same_dtype(tensors: Dict[str, Tensor]) -> torch.dtype:
 
 
 def scale(value, K: int) -> float:
-    """``scale`` is a finite number; ``None`` gives ``K ** -0.5``."""
+    """``scale`` is a finite real number (a Python or numpy scalar, or a one-element tensor
+    or array that needs no gradient); ``None`` gives ``K ** -0.5``.  Booleans are refused
+    (``True`` is not a scale), and so is a tensor that requires grad: the ops do not
+    differentiate ``scale``, and taking its value silently would leave its ``.grad`` None."""
     if value is None:
         return K ** -0.5
+    shown = value
     if isinstance(value, Tensor):
+        if value.requires_grad:
+            raise ValueError(f"scale: expected a number, got a tensor that requires grad "
+                             f"({shown!r}); the ops do not differentiate scale: pass "
+                             f"scale=float(t) (or t.detach()), or multiply q by t instead "
+                             f"to learn it")
         if value.numel() != 1:
             raise ValueError(f"scale: expected a number, got a tensor of shape "
                              f"{tuple(value.shape)}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise ValueError(f"scale: expected a real number, got a {value.dtype} tensor "
+                             f"({shown!r})")
         value = value.item()
-    if not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        raise ValueError(f"scale: expected a finite number, got {value!r}")
+    elif not isinstance(value, numbers.Number) and hasattr(value, "item") and hasattr(
+            value, "shape"):  # a numpy array (or the like) holding one number
+        if math.prod(value.shape) != 1:
+            raise ValueError(f"scale: expected a number, got an array of shape "
+                             f"{tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):
+        raise ValueError(f"scale: expected a real number, got the boolean {shown!r}")
+    if not isinstance(value, numbers.Real):
+        raise ValueError(f"scale: expected a finite real number, got {shown!r}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"scale: expected a finite number, got {shown!r}")
     return float(value)
 
 

@@ -39,16 +39,56 @@ def causal_mask(C: int, device, *, strict: bool = False) -> Tensor:
     return (idx[:, None] > idx[None, :]) if strict else (idx[:, None] >= idx[None, :])
 
 
-def decay_matrix(Gc: Tensor, *, strict: bool = False) -> Tensor:
-    """``exp(G_i - G_j)`` for ``i >= j`` (else 0) from in-chunk cumulative log decays.
+class LogDecay:
+    """Cumulative log decays along one axis that stay exact through hard resets (``g = -inf``).
 
-    ``Gc [..., C]`` (scalar decay) gives ``[..., C, C]``; the difference is masked *before*
-    the exponential so that ``i < j`` (a positive exponent) can never overflow.
+    A plain cumulative sum turns every value after a ``-inf`` into ``-inf``, and the
+    difference of two of them, the decay between two tokens after the reset, into NaN.  Here
+    the finite gates are summed apart (``cum``, a reset counts as 0) next to the number of
+    resets so far (``resets``): the decay from token ``j`` to token ``i >= j`` is
+    ``exp(cum_i - cum_j)`` when no reset lies in ``(j, i]`` (``resets_i == resets_j``), else
+    exactly 0.  ``cum`` has the magnitude of the ordinary sums, so the cancellation in the
+    differences is as precise as without resets.
+
+    Args:
+        g: log decays, any shape; ``dim``: the token axis.
     """
-    C = Gc.shape[-1]
-    diff = Gc[..., :, None] - Gc[..., None, :]
-    mask = causal_mask(C, Gc.device, strict=strict)
-    return torch.where(mask, diff, torch.full_like(diff, float("-inf"))).exp()
+
+    def __init__(self, g: Tensor, dim: int):
+        reset = torch.isneginf(g)
+        self.dim = dim if dim >= 0 else g.dim() + dim
+        self.cum = torch.where(reset, torch.zeros_like(g), g).cumsum(dim)
+        self.resets = reset.to(torch.int32).cumsum(dim)
+
+    def _last(self, x: Tensor) -> Tensor:
+        return x.narrow(self.dim, x.shape[self.dim] - 1, 1)
+
+    def from_start(self) -> Tensor:
+        """``exp(g_0 + ... + g_i)`` per token (0 after a reset)."""
+        return torch.where(self.resets == 0, self.cum, -torch.inf).exp()
+
+    def total(self) -> Tensor:
+        """``exp`` of the whole sum, the token axis removed (0 if it holds a reset)."""
+        return torch.where(self._last(self.resets) == 0, self._last(self.cum),
+                           -torch.inf).exp().squeeze(self.dim)
+
+    def to_end(self) -> Tensor:
+        """``exp(g_{j+1} + ... + g_last)`` per token ``j`` (0 if a reset follows ``j``)."""
+        same = self._last(self.resets) == self.resets
+        return torch.where(same, self._last(self.cum) - self.cum, -torch.inf).exp()
+
+    def matrix(self, *, strict: bool = False) -> Tensor:
+        """``exp(g_{j+1} + ... + g_i)`` for ``i >= j`` (``i > j`` when strict), else 0, over
+        the last axis (the token axis must be last): ``[..., C] -> [..., C, C]``.  The
+        difference is masked *before* the exponential so that ``i < j`` (a positive
+        exponent) can never overflow."""
+        if self.dim != self.cum.dim() - 1:
+            raise ValueError("LogDecay.matrix: the token axis must be the last one")
+        C = self.cum.shape[-1]
+        diff = self.cum[..., :, None] - self.cum[..., None, :]
+        keep = causal_mask(C, self.cum.device, strict=strict) & (
+            self.resets[..., :, None] == self.resets[..., None, :])
+        return torch.where(keep, diff, -torch.inf).exp()
 
 
 def scan_chunks(kind: Kind, M_c: Optional[Tensor], dS_c: Tensor,

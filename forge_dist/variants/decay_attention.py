@@ -40,20 +40,19 @@ def summarize(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], scale: float
         gc = torch.zeros(qc.shape[:4], dtype=dtype, device=q.device)
     else:
         gc = ck.to_chunks(g.to(dtype), C)  # [B, H, NT, C] or [B, H, NT, C, K]
-    Gc = gc.cumsum(dim=3)
-
+    # in-chunk decays, exact through hard resets (g = -inf)
+    Gc = ck.LogDecay(gc, dim=3)
+    M_c = None if g is None else Gc.total()  # [B, H, NT] or [B, H, NT, K]
     if vector:
         # exp(G_i - G_j) per key dimension, masked before exp: [B, H, NT, C, C, K]
-        D = ck.decay_matrix(Gc.movedim(-1, -2)).movedim(-3, -1)
+        D = ck.LogDecay(gc.movedim(-1, -2), dim=-1).matrix().movedim(-3, -1)
         A = torch.einsum("bhnik,bhnjk,bhnijk->bhnij", qc, kc, D)
-        q_in = qc * Gc.exp()
-        k_out = kc * (Gc[:, :, :, -1:] - Gc).exp()
-        M_c = Gc[:, :, :, -1].exp()  # [B, H, NT, K]
+        q_in = qc * Gc.from_start()
+        k_out = kc * Gc.to_end()
     else:
-        A = (qc @ kc.transpose(-1, -2)) * ck.decay_matrix(Gc)
-        q_in = qc * Gc.exp()[..., None]
-        k_out = kc * (Gc[:, :, :, -1:] - Gc).exp()[..., None]
-        M_c = None if g is None else Gc[:, :, :, -1].exp()  # [B, H, NT]
+        A = (qc @ kc.transpose(-1, -2)) * Gc.matrix()
+        q_in = qc * Gc.from_start()[..., None]
+        k_out = kc * Gc.to_end()[..., None]
     o_intra = scale * (A @ vc)
     dS_c = k_out.transpose(-1, -2) @ vc  # [B, H, NT, K, V]
     starts, delta = ck.scan_chunks(kind, M_c, dS_c)
@@ -61,13 +60,13 @@ def summarize(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], scale: float
 
     # The incoming state decays by the cumulative gate from the segment start.
     if g is None:
-        G_seg = None
+        M_seg = None
         q_read = scale * q.to(dtype)
     else:
-        G_seg = g.to(dtype).cumsum(dim=1)
-        q_read = scale * q.to(dtype) * (G_seg.exp() if vector else G_seg.exp()[..., None])
-
-    M_seg = None if g is None else G_seg[:, -1].exp()  # [B, H] or [B, H, K]
+        G_seg = ck.LogDecay(g.to(dtype), dim=1)
+        decay_in = G_seg.from_start()  # [B, L, H] or [B, L, H, K]
+        q_read = scale * q.to(dtype) * (decay_in if vector else decay_in[..., None])
+        M_seg = G_seg.total()  # [B, H] or [B, H, K]
 
     def readout(S_in: Tensor):
         o = torch.einsum("blhk,bhkv->blhv", q_read, S_in)

@@ -35,24 +35,24 @@ def summarize(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Tensor
     C = chunk_size
     qc, kc, vc = (ck.to_chunks(t.to(dtype), C) for t in (q, k, v))
     bc = ck.to_chunks(beta.to(dtype), C)  # [B, H, NT, C]
-    if g is None:
-        Gc = torch.zeros_like(bc)
-    else:
-        Gc = ck.to_chunks(g.to(dtype), C).cumsum(dim=3)
-    decay = ck.decay_matrix(Gc)  # [B, H, NT, C, C], i >= j
+    # in-chunk decays, exact through hard resets (g = -inf)
+    gc = torch.zeros_like(bc) if g is None else ck.to_chunks(g.to(dtype), C)
+    Gc = ck.LogDecay(gc, dim=3)
+    decay = Gc.matrix()  # [B, H, NT, C, C], i >= j
+    from_start = Gc.from_start()  # exp(G) [B, H, NT, C]
     strict = ck.causal_mask(C, q.device, strict=True)
 
     Lmat = (kc @ kc.transpose(-1, -2)) * decay * strict
     system = torch.eye(C, dtype=dtype, device=q.device) + bc[..., None] * Lmat
     U = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False,
                                       unitriangular=True)
-    W = torch.linalg.solve_triangular(system, (bc * Gc.exp())[..., None] * kc, upper=False,
+    W = torch.linalg.solve_triangular(system, (bc * from_start)[..., None] * kc, upper=False,
                                       unitriangular=True)
     A = scale * (qc @ kc.transpose(-1, -2)) * decay
-    R = scale * Gc.exp()[..., None] * qc - A @ W  # readout of the chunk-start state [.., C, K]
-    k_t = (Gc[..., -1:] - Gc).exp()[..., None] * kc
+    R = scale * from_start[..., None] * qc - A @ W  # readout of the chunk-start state [.., C, K]
+    k_t = Gc.to_end()[..., None] * kc
     eye = torch.eye(K, dtype=dtype, device=q.device)
-    M_c = Gc[..., -1].exp()[..., None, None] * eye - k_t.transpose(-1, -2) @ W  # [B,H,NT,K,K]
+    M_c = Gc.total()[..., None, None] * eye - k_t.transpose(-1, -2) @ W  # [B,H,NT,K,K]
     dS_c = k_t.transpose(-1, -2) @ U
 
     starts, delta = ck.scan_chunks(Kind.DENSE, M_c, dS_c)

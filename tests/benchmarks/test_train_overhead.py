@@ -56,12 +56,20 @@ def test_layers_below_one_are_refused():
 
 
 def test_unknown_op_is_named(capsys):
-    if not torch.cuda.is_available():
-        assert train_overhead.main(["--ops", "nope"]) == 2  # no GPU: refused first
-        return
-    with pytest.raises(SystemExit):
-        train_overhead.main(["--ops", "nope"])
-    assert "nope" in capsys.readouterr().err
+    """Refused before anything else (the GPU check included), with the op and the known ones
+    in the message."""
+    with pytest.raises(SystemExit) as exc:
+        train_overhead.main(["--ops", "simple_gla,nope"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ops: unknown ['nope']" in err and "'gated_delta_rule'" in err
+
+
+def test_no_gpu_is_said(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert train_overhead.main(["--ops", "simple_gla", "--T", "64"]) == 2
+    assert "train_overhead: needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_plot_draws_both_paths(tmp_path):

@@ -10,6 +10,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,21 @@ OPS = {
                                ValueError, ["scale:", "(2,)"]),
     "scale nan tensor": (lambda: ops.linear_attn(q, k, v, scale=torch.tensor(float("nan"))),
                          ValueError, ["scale:"]),
+    "scale True": (lambda: ops.linear_attn(q, k, v, scale=True), ValueError,
+                   ["scale:", "boolean", "True"]),
+    "scale numpy bool": (lambda: ops.simple_gla(q, k, v, g, scale=np.bool_(False)), ValueError,
+                         ["scale:", "boolean", "np.False_"]),
+    "scale bool tensor": (lambda: ops.gla(q, k, v, gk, scale=torch.tensor(True)), ValueError,
+                          ["scale:", "torch.bool", "tensor(True)"]),
+    "scale tensor that requires grad": (lambda: ops.gated_delta_rule(
+        q, k, v, g, beta=beta, scale=torch.tensor(0.5, requires_grad=True)), ValueError,
+        ["scale:", "requires grad", "tensor(0.5000, requires_grad=True)", "float("]),
+    "scale complex": (lambda: ops.linear_attn(q, k, v, scale=0.5 + 1j), ValueError,
+                      ["scale:", "(0.5+1j)"]),
+    "scale numpy inf": (lambda: ops.linear_attn(q, k, v, scale=np.float32("inf")), ValueError,
+                        ["scale:", "np.float32(inf)"]),
+    "scale 2-element array": (lambda: ops.linear_attn(q, k, v, scale=np.ones(2)), ValueError,
+                              ["scale:", "(2,)"]),
     "cu_seqlens list": (lambda: ops.linear_attn(q, k, v, cu_seqlens=[0, 16]), TypeError,
                         ["cu_seqlens:", "list"]),
     "cu_seqlens 2-D": (lambda: ops.linear_attn(q, k, v, cu_seqlens=torch.tensor([[0, 16]])),
@@ -270,6 +286,15 @@ def test_op_and_layer_bad_input(case, tripwires):
     for a, b in zip(_snapshot(inputs), before):
         assert torch.equal(a, b)
     assert all(t.grad is None for t in inputs)
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.25), np.float64(0.25), np.int64(1), 1,
+                                   torch.tensor(0.25), torch.tensor([0.25], dtype=F64),
+                                   np.array(0.25)], ids=repr)
+def test_any_real_scalar_scale_is_taken_as_its_value(scale):
+    """numpy scalars, ints, 0-d and one-element tensors/arrays give what the float gives."""
+    want = ops.simple_gla(q, k, v, g, scale=float(scale))[0]
+    assert torch.equal(ops.simple_gla(q, k, v, g, scale=scale)[0], want)
 
 
 @pytest.mark.parametrize("case", list(LAUNCH))

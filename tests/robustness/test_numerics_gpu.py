@@ -141,3 +141,52 @@ def test_a_million_tokens_linear_attention_against_an_exact_prefix_sum():
                    output_final_state=True)
     assert torch.isfinite(o).all()
     assert rel_err(o[0, :, 0], o_exact) < 1e-2
+
+
+def _with_resets(op, T, seed=0):
+    """Gates ``logsigmoid(N(2, 1))`` with hard resets (``-inf``) at the first and last token
+    of chunks of 16, 32 and 64 tokens, back to back, over a whole 64-token chunk and (gla)
+    at 5 % of the other (token, channel) pairs."""
+    t = _inputs(op, T, lambda s, g: F.logsigmoid(
+        torch.randn(s, generator=g, device=DEV, dtype=torch.float64) + 2.0), seed=seed)
+    g = t["g"]
+    for start in range(0, T, 256):
+        for off in (15, 16, 31, 32, 63, 64, 127, 128):
+            if start + off < T:
+                g[:, start + off] = float("-inf")
+    g[:, 192:256] = float("-inf")
+    g[:, T - 1] = float("-inf")
+    if op == "gla":
+        gen = torch.Generator(device=DEV).manual_seed(seed + 7)
+        more = torch.rand(g.shape, generator=gen, device=DEV, dtype=torch.float64) < 0.05
+        t["g"] = g.masked_fill(more, float("-inf"))
+    t["initial_state"] = torch.randn(
+        (1, 128) if op == "hgrn" else (1, 2, 64, 64), device=DEV, dtype=torch.float64)
+    return t
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "gla", "gated_delta_rule", "hgrn"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hard_resets_forward_backward(op, dtype):
+    """``g = -inf`` (tests/robustness/test_numerics_resets.py on the CPU): the kernels give
+    finite outputs, final states and gradients (q, k, v, g, beta, initial state); in fp32
+    all of them equal the fp64 recurrence's to the kernel path's fp32 tolerance
+    (tests/ops/test_ops_gpu.py), in bf16 the outputs and final state to bf16's."""
+    t = _with_resets(op, 1000)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    master = {k: v.clone().requires_grad_() for k, v in t.items()}
+    o_ref, s_ref = call_reference(op, master, output_final_state=True)
+    w_o = torch.randn(o_ref.shape, generator=gen, device=DEV, dtype=torch.float64)
+    w_s = torch.randn(s_ref.shape, generator=gen, device=DEV, dtype=torch.float64)
+    ((o_ref * w_o).sum() + (s_ref * w_s).sum()).backward()
+    mine = {k: v.requires_grad_() for k, v in _cast(t, dtype).items()}
+    o, s = _run(op, mine)
+    ((o.double() * w_o).sum() + (s.double() * w_s).sum()).backward()
+    pairs = [("o", o, o_ref), ("final", s, s_ref)] + [
+        ("d" + k, v.grad, master[k].grad) for k, v in mine.items()]
+    for name, x, want in pairs:
+        assert torch.isfinite(x).all(), name
+    checked = pairs if dtype == torch.float32 else pairs[:2]
+    tol = 3e-3 if dtype == torch.float32 else 2e-2
+    errors = {name: rel_err(x, want) for name, x, want in checked}
+    assert max(errors.values()) <= tol, errors
