@@ -22,7 +22,6 @@ every chunk length (a ragged final chunk runs with its own length).
 """
 from __future__ import annotations
 
-import os
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -35,7 +34,8 @@ from .. import sp
 from ..sp import p2p
 from ..variants.base import ChunkFormWork, VariantSpec
 from ..variants.transitions import Kind
-from . import analysis, executor
+from . import analysis, executor, lowering
+from .placement import use_kernels
 from .trace import (MATRIX_DIMS, VECTOR_DIMS, DSLError, ShapeContext, propagate,
                     shape_text, trace_phase)
 
@@ -77,8 +77,6 @@ class Variant:
         self.lowering = None
         self.lowering_reason = "not attempted"
         if lower:
-            from . import lowering
-
             self.lowering, self.lowering_reason = lowering.lower(self, fuse=fuse_prologues)
 
     # -- compile ------------------------------------------------------------------------------
@@ -229,7 +227,7 @@ class Variant:
             scale_v = checks.scale(scale, K)
         checks.strategy(strategy)
         if self.lowering is not None and group is None and cu_seqlens is None \
-                and _use_kernels(device):
+                and use_kernels(device):
             short = self.lowering.planned_call(inputs, scale_v, initial_state,
                                                output_final_state)
             if short is not None:  # one GPU: the template's cached plan
@@ -292,7 +290,7 @@ class Variant:
         return cu, strat
 
     def _work_factory(self, scale: float, device, out_dtype, chunk_size):
-        use_triton = self.lowering is not None and _use_kernels(device)
+        use_triton = self.lowering is not None and use_kernels(device)
 
         def make_work(part, need_M):
             if use_triton:
@@ -302,18 +300,6 @@ class Variant:
             return ChunkFormWork(lambda need: self.summarize(part, scale, need, chunk_size),
                                  need_M)
         return make_work
-
-
-def _use_kernels(device: torch.device) -> bool:
-    """Triton templates for CUDA tensors (``FORGE_DIST_KERNELS=torch`` turns them off;
-    ``FORGE_DIST_DSL_TRITON=1`` also allows CPU tensors under ``TRITON_INTERPRET=1``)."""
-    choice = os.environ.get("FORGE_DIST_KERNELS", "auto")
-    if choice == "torch":
-        return False
-    if device.type == "cuda":
-        return True
-    return os.environ.get("FORGE_DIST_DSL_TRITON", "0") == "1" and \
-        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def variant(name: str, *, chunk_mode: Callable, decay_mode: Callable, merge_mode: Callable,

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from ..variants.transitions import Kind
 from . import codegen
+from .placement import use_kernels
 
 _ELEMENTWISE_FUNCS = {torch.relu, torch.sigmoid, torch.exp, torch.tanh, torch.abs, torch.neg,
                       F.relu, F.elu, F.silu, F.softplus, F.logsigmoid, F.gelu, torch.sqrt,
@@ -214,7 +215,6 @@ def lower(v, fuse: bool = False) -> Tuple[Optional[Lowering], str]:
     from ..kernels import MAPPABLE
     from ..kernels._common import InputMap
     from ..kernels.prologue import kernel_prologue
-    from .api import _use_kernels
 
     prologues, texts, fused = {}, {}, {}
     for name in want:
@@ -227,7 +227,7 @@ def lower(v, fuse: bool = False) -> Tuple[Optional[Lowering], str]:
         elif len(chain) - 1 >= PROLOGUE_KERNEL_MIN_OPS:  # one generated pass for the chain
             prologues[name] = kernel_prologue(codegen.triton_map(chain),
                                               codegen.triton_map_grad(chain),
-                                              prologues[name], _use_kernels) or prologues[name]
+                                              prologues[name], use_kernels) or prologues[name]
     for mode in ("user", "one"):
         low = Lowering(template, prologues, texts, mode, fused)
         if _validate(v, low):
