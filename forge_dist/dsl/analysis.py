@@ -321,6 +321,8 @@ class _Walk:
             if track:
                 self.layout(n, f"{op_name(n)} on the state is not classified")
             return None
+        if n.op == "call_function" and n.target is torch.square:  # x * x, x ** 2
+            self.nonaffine(n, "multiplies or divides two state-dependent values (a square)")
         self.nonaffine(n, "is applied to a value that depends on the state")
 
     def to_dense(self, n, kind):
