@@ -34,8 +34,7 @@ from .. import sp
 from ..sp import p2p
 from ..variants.base import ChunkFormWork, VariantSpec
 from ..variants.transitions import Kind
-from . import analysis, executor, lowering
-from .placement import use_kernels
+from . import analysis, executor, generated, lowering
 from .trace import (MATRIX_DIMS, VECTOR_DIMS, DSLError, ShapeContext, propagate,
                     shape_text, trace_phase)
 
@@ -74,10 +73,14 @@ class Variant:
         self.fingerprint = zlib.crc32("|".join(
             [name, state, self.kind.value] + [str(p.gm.code) for p in
                                               (self.chunk, self.decay, self.merge)]).encode()) % (2 ** 31)
+        self._compiled = None  # the generated path's graphs, compiled at the first CUDA call
         self.lowering = None
-        self.lowering_reason = "not attempted"
+        self.lowering_reason = "not attempted (lower=False)"
+        self.lowering_hint = "pass lower=True"
         if lower:
-            self.lowering, self.lowering_reason = lowering.lower(self, fuse=fuse_prologues)
+            decision = lowering.lower(self, fuse=fuse_prologues)
+            self.lowering = decision.lowering
+            self.lowering_reason, self.lowering_hint = decision.reason, decision.hint
 
     # -- compile ------------------------------------------------------------------------------
     def _input_dims(self, inputs) -> Dict[str, str]:
@@ -163,11 +166,7 @@ class Variant:
                      for n, d in self.inputs.items()),
                  f"  cached:     {', '.join(self.chunk.cached) or '-'}",
                  f"  chunk size: {self.chunk_size}",
-                 "  execution:  " + (f"Triton template {self.lowering.template!r} on CUDA "
-                                      f"({self.lowering.summary()}); "
-                                      f"graph executor elsewhere" if self.lowering else
-                                      f"graph executor (PyTorch) on every device; no Triton "
-                                      f"template: {self.lowering_reason}")]
+                 "  execution:  " + generated.describe(self)]
         return "\n".join(lines)
 
     def __repr__(self):
@@ -176,9 +175,20 @@ class Variant:
 
     # -- the op -------------------------------------------------------------------------------
     def summarize(self, part: Dict[str, Tensor], scale: float, need_transition: bool,
-                  chunk_size: Optional[int] = None):
-        """Executor path for one segment (see :mod:`forge_dist.dsl.executor`)."""
-        return executor.summarize(self, part, scale, need_transition, chunk_size)
+                  chunk_size: Optional[int] = None, graphs=None):
+        """Executor path for one segment (see :mod:`forge_dist.dsl.executor`); ``graphs``:
+        the compiled graphs of the generated path (default the traced ones)."""
+        return executor.summarize(self, part, scale, need_transition, chunk_size, graphs)
+
+    def path(self, device: torch.device) -> str:
+        """``"template"``, ``"generated"`` or ``"executor"``: how a call on ``device`` runs
+        (:func:`forge_dist.dsl.generated.path_for`)."""
+        return generated.path_for(self, device)
+
+    def _generated_graphs(self):
+        if self._compiled is None:
+            self._compiled = generated.compiled_graphs(self)
+        return self._compiled
 
     def __call__(self, *tensors: Tensor, scale: Optional[float] = None,
                  initial_state: Optional[Tensor] = None, output_final_state: bool = False,
@@ -226,8 +236,9 @@ class Variant:
             state_rows = (H, K, V)
             scale_v = checks.scale(scale, K)
         checks.strategy(strategy)
-        if self.lowering is not None and group is None and cu_seqlens is None \
-                and use_kernels(device):
+        path = self.path(device)
+        generated.warn_once(self, device, path)
+        if path == generated.TEMPLATE and group is None and cu_seqlens is None:
             short = self.lowering.planned_call(inputs, scale_v, initial_state,
                                                output_final_state)
             if short is not None:  # one GPU: the template's cached plan
@@ -241,7 +252,7 @@ class Variant:
         init = initial_state
         if self.vector and init is not None:
             init = init.reshape(-1, 1, K, 1)
-        make_work = self._work_factory(scale_v, device, dtype, chunk_size)
+        make_work = self._work_factory(scale_v, path, dtype, chunk_size)
         o, final = run(self.spec, inputs, make_work, (1, K, 1) if self.vector else (H, K, V),
                        B=B, T_local=T, initial_state=init, output_final_state=output_final_state,
                        cu=cu, group=group, strategy=strat, out_dtype=dtype,
@@ -289,16 +300,17 @@ class Variant:
         checks.across_ranks(group, device, fields)
         return cu, strat
 
-    def _work_factory(self, scale: float, device, out_dtype, chunk_size):
-        use_triton = self.lowering is not None and use_kernels(device)
+    def _work_factory(self, scale: float, path: str, out_dtype, chunk_size):
+        use_triton = path == generated.TEMPLATE
+        graphs = self._generated_graphs() if path == generated.GENERATED else None
 
         def make_work(part, need_M):
             if use_triton:
                 work = self.lowering.make_work(part, scale, need_M, out_dtype=out_dtype)
                 if work is not None:
                     return work
-            return ChunkFormWork(lambda need: self.summarize(part, scale, need, chunk_size),
-                                 need_M)
+            return ChunkFormWork(lambda need: self.summarize(part, scale, need, chunk_size,
+                                                             graphs), need_M)
         return make_work
 
 

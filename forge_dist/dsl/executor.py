@@ -52,11 +52,13 @@ def to_user(compiled, S: Tensor) -> Tensor:
     return S[:, 0, :, :, 0] if compiled.vector else S
 
 
-def transitions(compiled, args: dict, like: Tensor) -> Optional[Tensor]:
+def transitions(compiled, args: dict, like: Tensor, lin=None) -> Optional[Tensor]:
     """Per-chunk transitions ``M_c`` in the runtime layout (see transitions.py), from the
-    linear part of decay_mode.  ``like``: a user-layout per-chunk state."""
+    linear part of decay_mode (``lin``: its callable, default the graph module).  ``like``:
+    a user-layout per-chunk state."""
     kind = compiled.kind
-    lin, params = compiled.decay_linear, compiled.decay.params
+    lin = compiled.decay_linear if lin is None else lin
+    params = compiled.decay.params
     if kind is Kind.IDENTITY:
         return None
     if kind is Kind.DENSE:
@@ -70,13 +72,18 @@ def transitions(compiled, args: dict, like: Tensor) -> Optional[Tensor]:
 
 
 def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: bool,
-              chunk_size: Optional[int] = None) -> SegmentSummary:
+              chunk_size: Optional[int] = None, graphs=None) -> SegmentSummary:
     """The :class:`SegmentSummary` of one segment (see module docstring).
 
     Args:
         part: the segment's token tensors by input name (token axis at dim 1).
         scale: the value of the ``scale`` parameter.
+        graphs: the :class:`~.generated.Graphs` to run (default the traced graph modules;
+            the generated path passes their compiled forms).
     """
+    from .generated import eager_graphs
+
+    graphs = graphs or eager_graphs(compiled)
     first = part[compiled.input_names[0]]
     dtype = ck.compute_dtype(first)
     L = first.shape[1]
@@ -91,13 +98,13 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
     for lo, hi, Cp in pieces:
         args = chunk_inputs(compiled, part, lo, hi, Cp, dtype)
         args["scale"] = scale
-        out = _call(compiled.chunk.gm, compiled.chunk.params, args)
+        out = _call(graphs.chunk, compiled.chunk.params, args)
         out = out if isinstance(out, tuple) else (out,)
         dS = out[0]
         args.update(zip(compiled.chunk.cached, out[1:]))
         args["chunk_state"] = dS
-        b = _call(compiled.decay.gm, compiled.decay.params, {**args, "state": torch.zeros_like(dS)})
-        Ms.append(transitions(compiled, args, dS))
+        b = _call(graphs.decay, compiled.decay.params, {**args, "state": torch.zeros_like(dS)})
+        Ms.append(transitions(compiled, args, dS, graphs.decay_linear))
         bs.append(to_internal(compiled, b))
         args_list.append(args)
     kind = compiled.kind
@@ -118,11 +125,11 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
                 o.append(ck.from_chunks(oc, hi - lo))
         return torch.cat(o, dim=1) if len(o) > 1 else o[0]
 
-    o_zero = outputs(compiled.merge.gm, starts)
+    o_zero = outputs(graphs.merge, starts)
 
     def readout(S_in: Tensor):
         carried, end = ck.scan_chunks(kind, M_c, torch.zeros_like(b_c), S_in.to(b_c.dtype))
-        return outputs(compiled.merge_linear, carried), end
+        return outputs(graphs.merge_linear, carried), end
 
     M = ck.chain_transitions(kind, M_c) if need_transition else None
     return SegmentSummary(o_zero, delta, M, readout)
