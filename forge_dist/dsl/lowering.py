@@ -23,8 +23,9 @@ At run time on CUDA (or CPU tensors under ``TRITON_INTERPRET=1`` with
 runs as one generated elementwise Triton kernel over the token tensor
 (:mod:`forge_dist.kernels.prologue`: the DAG written as a map of a tile, one read and one
 write, and its generated derivative for the backward; a single op stays a PyTorch op, already
-one pass), and the template's kernels do the rest, their Triton backward kernels included.  With ``fuse_prologues=True`` (``dsl.variant``) the map is instead applied to every
-tile of that input the template's forward kernels load (no mapped copy is made; the backward
+one pass), and the template's kernels do the rest, their Triton backward kernels included.
+With ``fuse_prologues=True`` (``dsl.variant``) the map is instead applied to every tile of
+that input the template's forward kernels load (no mapped copy is made; the backward
 maps the inputs again in PyTorch and differentiates the prologue).  That is off by default:
 on an H200 the walk, which is latency bound, lost more per chunk step than the pass it saves
 (``scaling_benchmarks/results/dsl_prologue_*``).  Prologues the codegen has no translation

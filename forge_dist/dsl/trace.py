@@ -3,8 +3,8 @@
 Each callable is traced with :class:`torch.fx.Tracer` (Proxy tracing: the graph holds no
 sizes, so one graph serves every sequence length and chunk length), then its shapes are
 propagated with fake tensors whose sizes are distinct primes named back to their dims
-(``B, H, NT, C, K, V`` or ``B, NT, C, D``).  Every node remembers the user source line that created it, so checks can
-name the offending line.
+(``B, H, NT, C, K, V`` or ``B, NT, C, D``).  Every node remembers the user source line that
+created it, so checks can name the offending line.
 
 ``cache(name, x)`` marks an intermediate of ``chunk_mode`` for reuse by the later phases
 (the paper's ``forge.cache_result``); in the graph it is a ``call_function`` node that the
