@@ -65,6 +65,17 @@ def transitions(compiled, args: dict, like: Tensor, lin=None) -> Optional[Tensor
         B, H, NT, K, _ = like.shape
         eye = torch.eye(K, dtype=like.dtype, device=like.device).expand(B, H, NT, K, K)
         return _call(lin, params, {**args, "state": eye})
+    if not compiled.vector:
+        # rows are scaled by factors constant along V (the analysis checked it): one column
+        # of ones gives them without a K x V product per chunk; anything shape-bound falls
+        # back to the full state
+        ones = like.new_ones(()).expand(like.shape[:-1] + (1,))
+        try:
+            M = _call(lin, params, {**args, "state": ones})
+        except Exception:  # noqa: BLE001 - a program that needs the state's V size
+            M = None
+        if M is not None and M.shape[:-1] == like.shape[:-1]:
+            return M[..., 0, 0] if kind is Kind.SCALAR else M[..., :, 0]
     M = _call(lin, params, {**args, "state": torch.ones_like(like)})
     if compiled.vector:  # [B, NT, D] -> [B, 1, NT(, D)]
         return (M[..., 0] if kind is Kind.SCALAR else M)[:, None]
@@ -103,14 +114,15 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
         dS = out[0]
         args.update(zip(compiled.chunk.cached, out[1:]))
         args["chunk_state"] = dS
-        b = _call(graphs.decay, compiled.decay.params, {**args, "state": torch.zeros_like(dS)})
+        zero = dS.new_zeros(()).expand(dS.shape)  # no memory: a stride-0 view
+        b = _call(graphs.decay, compiled.decay.params, {**args, "state": zero})
         Ms.append(transitions(compiled, args, dS, graphs.decay_linear))
         bs.append(to_internal(compiled, b))
         args_list.append(args)
     kind = compiled.kind
     M_c = None if kind is Kind.IDENTITY else torch.cat(Ms, dim=2)
     b_c = torch.cat(bs, dim=2)
-    starts, delta = ck.scan_chunks(kind, M_c, b_c)
+    starts, delta = graphs.scan(kind, M_c, b_c)
 
     def outputs(gm, states: Tensor) -> Tensor:
         o, nt0 = [], 0
@@ -128,7 +140,7 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
     o_zero = outputs(graphs.merge, starts)
 
     def readout(S_in: Tensor):
-        carried, end = ck.scan_chunks(kind, M_c, torch.zeros_like(b_c), S_in.to(b_c.dtype))
+        carried, end = graphs.scan(kind, M_c, torch.zeros_like(b_c), S_in.to(b_c.dtype))
         return outputs(graphs.merge_linear, carried), end
 
     M = ck.chain_transitions(kind, M_c) if need_transition else None

@@ -4,9 +4,11 @@ This is the first floor the issue asks for, not yet chunk-level Triton written f
 phases: the executor's five graphs (``chunk_mode``, ``decay_mode``, ``merge_mode`` and the
 linear parts of the last two, :mod:`.executor`) are compiled by Inductor
 (``torch.compile(dynamic=True)``: one compile serves every chunk count and the ragged tail's
-chunk length), and the inter-chunk state pass stays the executor's scan.  So a variant never
-runs as eager PyTorch graphs on CUDA; it still materialises every chunk's state, as the
-executor does, which the templates' walkers never do.
+chunk length), and the inter-chunk state pass is the executor's, as one Triton kernel for
+forward calls of identity / scalar / diagonal transitions (:mod:`.scan`; the Python loop over
+chunks otherwise).  So a variant never runs as eager PyTorch graphs on CUDA; it still
+materialises every chunk's state, as the executor does, which the templates' walkers never
+do.
 
 :func:`path_for` picks the path of a call (``template`` / ``generated`` / ``executor``), and
 :func:`warn_once` says, once per variant, when a CUDA call takes anything but a template.
@@ -20,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ..variants import chunked as ck
 from .placement import use_kernels
 
 TEMPLATE, GENERATED, EXECUTOR = "template", "generated", "executor"
@@ -35,9 +38,11 @@ class Graphs:
     merge: Callable
     decay_linear: Callable
     merge_linear: Callable
+    scan: Callable = ck.scan_chunks  # the inter-chunk state pass
 
 
 def eager_graphs(v) -> Graphs:
+    """The traced graph modules and the executor's loop scan."""
     return Graphs(v.chunk.gm, v.decay.gm, v.merge.gm, v.decay_linear, v.merge_linear)
 
 
@@ -52,9 +57,11 @@ def compiled_graphs(v, backend: str = "inductor") -> Graphs:
     ``backend`` other than Inductor only to test the wiring on a CPU machine."""
     def build(gm):
         return torch.compile(gm, backend=backend, dynamic=True)
+    from .scan import scan_chunks
+
     g = eager_graphs(v)
     return Graphs(*(build(f) for f in (g.chunk, g.decay, g.merge, g.decay_linear,
-                                        g.merge_linear)))
+                                        g.merge_linear)), scan=scan_chunks)
 
 
 def path_for(v, device: torch.device) -> str:

@@ -188,3 +188,64 @@ def test_catalogue_on_cuda(name):
     for a, b in pairs:
         err = ((a.double().cpu() - b).norm() / b.norm()).item()
         assert err < 5e-3, (name, err)  # tf32 dots in the templates
+
+
+@pytest.mark.parametrize("kind", ["identity", "scalar", "diagonal"])
+@pytest.mark.parametrize("with_s0", [False, True])
+def test_scan_kernel_matches_the_loop(monkeypatch, kind, with_s0):
+    """The generated path's state pass as one Triton kernel (the interpreter on the CPU)
+    equals the executor's loop; calls needing gradients and dense transitions keep the
+    loop."""
+    from forge_dist import kernels
+    from forge_dist.dsl import scan
+    from forge_dist.variants import chunked as ck
+    from forge_dist.variants.transitions import Kind
+
+    if not kernels.HAVE_TRITON or (not torch.cuda.is_available() and
+                                   not kernels.interpreting()):
+        pytest.skip("needs triton on CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setenv("FORGE_DIST_DSL_TRITON", "1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    B, H, NT, R, V = 2, 3, 6, 5, 7
+    kind = Kind(kind)
+    dS = torch.randn(B, H, NT, R, V, generator=gen).to(dev)
+    M = {Kind.IDENTITY: None, Kind.SCALAR: torch.rand(B, H, NT, generator=gen) - 0.2,
+         Kind.DIAGONAL: torch.rand(B, H, NT, R, generator=gen)}[kind]
+    M = None if M is None else M.to(dev)
+    S0 = torch.randn(B, H, R, V, generator=gen).to(dev) if with_s0 else None
+    assert scan.eligible(kind, M, dS, S0)
+    got = scan.scan_chunks(kind, M, dS, S0)
+    want = ck.scan_chunks(kind, M, dS, S0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not scan.eligible(kind, M, dS.clone().requires_grad_(), S0)
+    assert not scan.eligible(Kind.DENSE, M, dS, S0)
+
+
+def test_calls_on_the_generated_path_run_its_graphs_and_scan(monkeypatch):
+    """A call whose path is ``generated`` (forced here on the CPU) runs the variant's
+    generated graphs and scan kernel through the runner, and stays right."""
+    from forge_dist import kernels
+    from forge_dist.dsl import scan
+
+    if not kernels.HAVE_TRITON or (not torch.cuda.is_available() and
+                                   not kernels.interpreting()):
+        pytest.skip("needs triton on CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setenv("FORGE_DIST_DSL_TRITON", "1")
+    entry = CATALOGUE["gla_output_gate"]
+    v = entry.compile(lower=False)
+    used = []
+    real_scan = scan.scan_chunks
+    monkeypatch.setattr(generated, "path_for", lambda v, device: generated.GENERATED)
+    monkeypatch.setattr(generated, "compiled_graphs", lambda v: generated.Graphs(
+        **vars(generated.eager_graphs(v)) | {"scan": lambda *a: used.append(1) or
+                                             real_scan(*a)}))
+    x, h0 = entry.problem(21, seed=4)
+    with torch.no_grad():
+        o, final = v(**{k: t.float() for k, t in x.items()}, scale=SCALE,
+                     initial_state=h0.float(), output_final_state=True, chunk_size=CHUNK)
+    o_ref, f_ref = entry.reference(x, h0, SCALE)
+    assert used and v._compiled is not None
+    for a, b in ((o, o_ref), (final, f_ref)):
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-5
