@@ -150,6 +150,8 @@ class Variant:
                                expect=self.output_dims)
         self.kind: Kind = dec.kind
         self.decay_linear = dec.linear
+        # decay_mode(0) is this argument as it comes (``... + chunk_state``), or None
+        self.decay_offset = analysis.offset_parameter(self.decay, dec.dependent)
         self.merge_linear = mer.linear
         from .validate import check_numerically
 

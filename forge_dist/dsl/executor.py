@@ -114,14 +114,18 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
         dS = out[0]
         args.update(zip(compiled.chunk.cached, out[1:]))
         args["chunk_state"] = dS
-        zero = dS.new_zeros(()).expand(dS.shape)  # no memory: a stride-0 view
-        b = _call(graphs.decay, compiled.decay.params, {**args, "state": zero})
+        if getattr(compiled, "decay_offset", None) is not None:
+            b = args[compiled.decay_offset]  # decay_mode(0): its offset argument
+        else:
+            zero = dS.new_zeros(()).expand(dS.shape)  # no memory: a stride-0 view
+            b = _call(graphs.decay, compiled.decay.params, {**args, "state": zero})
         Ms.append(transitions(compiled, args, dS, graphs.decay_linear))
         bs.append(to_internal(compiled, b))
         args_list.append(args)
     kind = compiled.kind
-    M_c = None if kind is Kind.IDENTITY else torch.cat(Ms, dim=2)
-    b_c = torch.cat(bs, dim=2)
+    cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts, dim=2)  # noqa: E731
+    M_c = None if kind is Kind.IDENTITY else cat(Ms)
+    b_c = cat(bs)
     starts, delta = graphs.scan(kind, M_c, b_c)
 
     def outputs(gm, states: Tensor) -> Tensor:

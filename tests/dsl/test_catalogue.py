@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from forge_dist import dsl
 from forge_dist.dsl import DSLError, generated
 
 from ..sp.distributed import run_world
@@ -122,10 +123,27 @@ def test_generated_path_runs_the_graphs_it_is_given():
     for p, q in [(a.o_zero, b.o_zero), (a.delta, b.delta), (a.transition, b.transition),
                  (a.readout(S0)[0], b.readout(S0)[0])]:
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
-    # two pieces (full chunks, ragged tail): chunk, decay, its linear part once per piece;
-    # merge per piece for o_zero, merge's linear part per piece for the readout
-    assert calls == {"chunk": 2, "decay": 2, "decay_linear": 2, "merge": 2,
-                     "merge_linear": 2}, calls
+    # two pieces (full chunks, ragged tail): chunk and decay's linear part once per piece
+    # (decay_mode itself not at all: its offset is its chunk_state argument); merge per
+    # piece for o_zero, merge's linear part per piece for the readout
+    assert v.decay_offset == "chunk_state"
+    assert calls == {"chunk": 2, "decay_linear": 2, "merge": 2, "merge_linear": 2}, calls
+
+
+def test_decay_offset_shortcut_agrees_with_running_decay_mode():
+    from forge_dist.dsl import builtins
+
+    scaled = dsl.variant("scaled_offset", chunk_mode=builtins._la_chunk,
+                         decay_mode=lambda state, chunk_state: 0.9 * state + 2.0 * chunk_state,
+                         merge_mode=builtins._la_merge, inputs=("q", "k", "v"))
+    assert scaled.decay_offset is None  # 2 * chunk_state: decay_mode(0) has to run
+    v = CATALOGUE["gated_delta_a_b"].compile(lower=False)
+    x, _ = CATALOGUE["gated_delta_a_b"].problem(10)
+    a = v.summarize(x, SCALE, True, CHUNK)
+    v.decay_offset = None
+    b = v.summarize(x, SCALE, True, CHUNK)
+    torch.testing.assert_close(a.delta, b.delta, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a.o_zero, b.o_zero, rtol=1e-12, atol=1e-12)
 
 
 def test_compiled_graphs_are_torch_compile_of_the_traced_ones(monkeypatch):
