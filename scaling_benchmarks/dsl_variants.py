@@ -12,8 +12,8 @@ built-in, ``target``, ``meets_target`` and the first call's seconds, compilation
 and ``builtin``; a variant that fails or is not reached within ``--budget-s`` gets a row
 with ``error`` / ``skipped``.  The JSON is rewritten after every row; the PNG at the end.
 
-    python -m scaling_benchmarks.dsl_variants [--variants a,b] [--T 16384] [--out DIR]
-        [--tag X] [--budget-s 480]
+    python -m scaling_benchmarks.dsl_variants [--variants a,b] [--path template|generated]
+        [--T 16384] [--out DIR] [--tag X] [--budget-s 420]
 """
 from __future__ import annotations
 
@@ -107,8 +107,10 @@ def plot(result, png):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", default=None, help="comma-separated catalogue names")
+    ap.add_argument("--path", choices=("template", "generated"), default=None,
+                    help="only the entries expected on this path")
     ap.add_argument("--T", type=int, default=16384)
-    ap.add_argument("--budget-s", type=float, default=480.0,
+    ap.add_argument("--budget-s", type=float, default=420.0,
                     help="start no variant after this many seconds (the run must end "
                          "inside 10 minutes; the generated path compiles at its first call)")
     ap.add_argument("--out", default=None)
@@ -127,6 +129,9 @@ def main(argv=None) -> int:
     from tests.dsl.catalogue import CATALOGUE, RUNNABLE
 
     names = RUNNABLE if args.variants is None else args.variants.split(",")
+    if args.path is not None:
+        names = [n for n in names if n in CATALOGUE and
+                 CATALOGUE[n].path.split(":")[0] == args.path]
     unknown = [n for n in names if n not in RUNNABLE]
     if unknown:
         print(f"dsl_variants: --variants: unknown or not runnable {unknown}; choose from "
