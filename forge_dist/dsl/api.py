@@ -3,7 +3,8 @@
 A variant is three PyTorch callables on *chunk tensors*.  Every per-token input of the op
 (``[B, T, H, D]``; per-head scalars ``[B, T, H]``) reaches them cut into chunks of ``C``
 tokens, ``[B, H, NT, C, D]`` (scalars ``[B, H, NT, C]``); with ``state="vector"`` inputs are
-``[B, T, D]`` and chunks ``[B, NT, C, D]``.  Parameters are matched *by name*:
+``[B, T, D]`` and chunks ``[B, NT, C, D]``.  The phases' parameters are bound to the inputs
+*by name* (any names: lowering onto a template matches inputs by role, :mod:`.roles`):
 
 ``chunk_mode(<inputs>, [scale]) -> chunk_state``
     each chunk's state contribution from a zero start, ``[B, H, NT, K, V]`` (vector:
