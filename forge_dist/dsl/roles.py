@@ -115,9 +115,16 @@ def hint(v, template: str, reason: str) -> str:
         return (f"more than one input feeds the decay ({', '.join(decay_inputs)}): pass one "
                 f"log decay (for example their sum) as a single input")
     if n_extra > 0:
-        return (f"the {template} template has roles {', '.join(roles)} only; apply the extra "
-                f"input(s) outside the variant (gate the output after the call) or fold them "
-                f"into another input before the call")
+        surplus = []
+        for d in dict.fromkeys(v.inputs.values()):
+            have = [n for n, nd in v.inputs.items() if nd == d]
+            want = sum(1 for rd in roles.values() if rd == d)
+            if len(have) > want:
+                surplus.append(f"{', '.join(have)} have trailing dim {d or 'per-head scalar'} "
+                               f"(the template takes {want})")
+        return (f"the {template} template has roles {', '.join(roles)} only ("
+                f"{'; '.join(surplus)}): apply the extra input outside the variant (gate the "
+                f"output after the call) or fold it into another input before the call")
     if template == "gated_delta_rule" and n_extra < 0:
         return "the gated_delta_rule template needs a per-head beta input (the step size)"
     if "trailing dims" in reason:
