@@ -12,8 +12,9 @@ analysis and the lowering all see the same program:
   node, ``F.relu(x) * F.relu(x)``), ``x ** 2``, ``torch.square(x)`` -> ``torch.square(x)``;
   ``x ** n`` for an integer ``3 <= n <= 8`` -> products of squares; ``x ** 1`` -> ``x``,
   ``x ** 0.5`` -> ``sqrt``, ``x ** -1`` -> ``1 / x``, ``x ** -0.5`` -> ``rsqrt``;
-* folds: ``clamp(x, min=0)`` and ``torch.where(x > 0, x, 0)`` -> ``relu(x)``; ``x * 1``,
-  ``x / 1``, ``x + 0``, ``x - 0`` -> ``x``; a constant on the left of ``+`` / ``*`` moves right;
+* folds: ``clamp(x, min=0)`` and ``torch.where(x > 0, x, 0)`` -> ``relu(x)``; a constant on
+  the left of ``+`` / ``*`` moves right (``x * 1`` stays: it turns a boolean mask into
+  numbers, and the graphs carry no dtypes here);
 * common subexpressions: two nodes with the same op and operands become one.
 
 Graphs with in-place operations are left as they are (the analysis rejects them anyway).  A
@@ -141,12 +142,6 @@ class _Canon:
             return self.make(n, _FUNCTIONS[t], a)
         if t in _COMMUTATIVE and len(a) == 2 and _number(a[0]) and isinstance(a[1], fx.Node):
             return self.make(n, t, (a[1], a[0]))
-        if t in (operator.mul, operator.truediv) and len(a) == 2 and _number(a[1]) \
-                and a[1] == 1 and isinstance(a[0], fx.Node):
-            return a[0]
-        if t in (operator.add, operator.sub) and len(a) == 2 and _number(a[1]) \
-                and a[1] == 0 and isinstance(a[0], fx.Node):
-            return a[0]
         if t is operator.mul and len(a) == 2 and isinstance(a[0], fx.Node) and a[0] is a[1]:
             return self.make(n, torch.square, (a[0],))
         if t is operator.pow and len(a) == 2 and isinstance(a[0], fx.Node) and _number(a[1]):
