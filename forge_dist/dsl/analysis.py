@@ -321,6 +321,8 @@ class _Walk:
             if track:
                 self.layout(n, f"{op_name(n)} on the state is not classified")
             return None
+        if n.op == "call_function" and n.target is torch.square:  # x * x, x ** 2
+            self.nonaffine(n, "multiplies or divides two state-dependent values (a square)")
         self.nonaffine(n, "is applied to a value that depends on the state")
 
     def to_dense(self, n, kind):
@@ -392,6 +394,23 @@ def linear_part(phase: Phase, dependent: set) -> fx.GraphModule:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.eliminate_dead_code()
     return fx.GraphModule(phase.gm, g)
+
+
+def offset_parameter(phase: Phase, dependent: set) -> Optional[str]:
+    """The parameter that *is* the phase's state-free offset, when the result is written
+    ``<state-dependent term> + <that parameter>`` (``decay_mode``'s usual ``... +
+    chunk_state``), else ``None``: then ``f(0)`` is that argument, with nothing to run."""
+    out = next(n for n in phase.gm.graph.nodes if n.op == "output").args[0]
+    if not isinstance(out, fx.Node) or _category(out) != "add" or len(out.args) != 2 \
+            or out.kwargs:
+        return None
+    x, y = out.args
+    for term, offset in ((x, y), (y, x)):
+        if isinstance(term, fx.Node) and term.name in dependent and \
+                isinstance(offset, fx.Node) and offset.op == "placeholder" and \
+                offset.name not in dependent:
+            return offset.target
+    return None
 
 
 def analyse(phase: Phase, *, state: str = "state", track_kind: bool, vector: bool,

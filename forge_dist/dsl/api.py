@@ -3,7 +3,8 @@
 A variant is three PyTorch callables on *chunk tensors*.  Every per-token input of the op
 (``[B, T, H, D]``; per-head scalars ``[B, T, H]``) reaches them cut into chunks of ``C``
 tokens, ``[B, H, NT, C, D]`` (scalars ``[B, H, NT, C]``); with ``state="vector"`` inputs are
-``[B, T, D]`` and chunks ``[B, NT, C, D]``.  Parameters are matched *by name*:
+``[B, T, D]`` and chunks ``[B, NT, C, D]``.  The phases' parameters are bound to the inputs
+*by name* (any names: lowering onto a template matches inputs by role, :mod:`.roles`):
 
 ``chunk_mode(<inputs>, [scale]) -> chunk_state``
     each chunk's state contribution from a zero start, ``[B, H, NT, K, V]`` (vector:
@@ -22,7 +23,6 @@ every chunk length (a ragged final chunk runs with its own length).
 """
 from __future__ import annotations
 
-import os
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -35,7 +35,7 @@ from .. import sp
 from ..sp import p2p
 from ..variants.base import ChunkFormWork, VariantSpec
 from ..variants.transitions import Kind
-from . import analysis, executor
+from . import analysis, executor, generated, lowering
 from .trace import (MATRIX_DIMS, VECTOR_DIMS, DSLError, ShapeContext, propagate,
                     shape_text, trace_phase)
 
@@ -74,12 +74,14 @@ class Variant:
         self.fingerprint = zlib.crc32("|".join(
             [name, state, self.kind.value] + [str(p.gm.code) for p in
                                               (self.chunk, self.decay, self.merge)]).encode()) % (2 ** 31)
+        self._compiled = None  # the generated path's graphs, compiled at the first CUDA call
         self.lowering = None
-        self.lowering_reason = "not attempted"
+        self.lowering_reason = "not attempted (lower=False)"
+        self.lowering_hint = "pass lower=True"
         if lower:
-            from . import lowering
-
-            self.lowering, self.lowering_reason = lowering.lower(self, fuse=fuse_prologues)
+            decision = lowering.lower(self, fuse=fuse_prologues)
+            self.lowering = decision.lowering
+            self.lowering_reason, self.lowering_hint = decision.reason, decision.hint
 
     # -- compile ------------------------------------------------------------------------------
     def _input_dims(self, inputs) -> Dict[str, str]:
@@ -149,6 +151,8 @@ class Variant:
                                expect=self.output_dims)
         self.kind: Kind = dec.kind
         self.decay_linear = dec.linear
+        # decay_mode(0) is this argument as it comes (``... + chunk_state``), or None
+        self.decay_offset = analysis.offset_parameter(self.decay, dec.dependent)
         self.merge_linear = mer.linear
         from .validate import check_numerically
 
@@ -165,11 +169,7 @@ class Variant:
                      for n, d in self.inputs.items()),
                  f"  cached:     {', '.join(self.chunk.cached) or '-'}",
                  f"  chunk size: {self.chunk_size}",
-                 "  execution:  " + (f"Triton template {self.lowering.template!r} on CUDA "
-                                      f"({self.lowering.summary()}); "
-                                      f"graph executor elsewhere" if self.lowering else
-                                      f"graph executor (PyTorch) on every device; no Triton "
-                                      f"template: {self.lowering_reason}")]
+                 "  execution:  " + generated.describe(self)]
         return "\n".join(lines)
 
     def __repr__(self):
@@ -178,9 +178,20 @@ class Variant:
 
     # -- the op -------------------------------------------------------------------------------
     def summarize(self, part: Dict[str, Tensor], scale: float, need_transition: bool,
-                  chunk_size: Optional[int] = None):
-        """Executor path for one segment (see :mod:`forge_dist.dsl.executor`)."""
-        return executor.summarize(self, part, scale, need_transition, chunk_size)
+                  chunk_size: Optional[int] = None, graphs=None):
+        """Executor path for one segment (see :mod:`forge_dist.dsl.executor`); ``graphs``:
+        the compiled graphs of the generated path (default the traced ones)."""
+        return executor.summarize(self, part, scale, need_transition, chunk_size, graphs)
+
+    def path(self, device: torch.device) -> str:
+        """``"template"``, ``"generated"`` or ``"executor"``: how a call on ``device`` runs
+        (:func:`forge_dist.dsl.generated.path_for`)."""
+        return generated.path_for(self, device)
+
+    def _generated_graphs(self):
+        if self._compiled is None:
+            self._compiled = generated.compiled_graphs(self)
+        return self._compiled
 
     def __call__(self, *tensors: Tensor, scale: Optional[float] = None,
                  initial_state: Optional[Tensor] = None, output_final_state: bool = False,
@@ -228,8 +239,9 @@ class Variant:
             state_rows = (H, K, V)
             scale_v = checks.scale(scale, K)
         checks.strategy(strategy)
-        if self.lowering is not None and group is None and cu_seqlens is None \
-                and _use_kernels(device):
+        path = self.path(device)
+        generated.warn_once(self, device, path)
+        if path == generated.TEMPLATE and group is None and cu_seqlens is None:
             short = self.lowering.planned_call(inputs, scale_v, initial_state,
                                                output_final_state)
             if short is not None:  # one GPU: the template's cached plan
@@ -243,7 +255,7 @@ class Variant:
         init = initial_state
         if self.vector and init is not None:
             init = init.reshape(-1, 1, K, 1)
-        make_work = self._work_factory(scale_v, device, dtype, chunk_size)
+        make_work = self._work_factory(scale_v, path, dtype, chunk_size)
         o, final = run(self.spec, inputs, make_work, (1, K, 1) if self.vector else (H, K, V),
                        B=B, T_local=T, initial_state=init, output_final_state=output_final_state,
                        cu=cu, group=group, strategy=strat, out_dtype=dtype,
@@ -289,29 +301,18 @@ class Variant:
         word = checks.across_ranks(group, device, fields, data)
         return cu, strat, word
 
-    def _work_factory(self, scale: float, device, out_dtype, chunk_size):
-        use_triton = self.lowering is not None and _use_kernels(device)
+    def _work_factory(self, scale: float, path: str, out_dtype, chunk_size):
+        use_triton = path == generated.TEMPLATE
+        graphs = self._generated_graphs() if path == generated.GENERATED else None
 
         def make_work(part, need_M):
             if use_triton:
                 work = self.lowering.make_work(part, scale, need_M, out_dtype=out_dtype)
                 if work is not None:
                     return work
-            return ChunkFormWork(lambda need: self.summarize(part, scale, need, chunk_size),
-                                 need_M)
+            return ChunkFormWork(lambda need: self.summarize(part, scale, need, chunk_size,
+                                                             graphs), need_M)
         return make_work
-
-
-def _use_kernels(device: torch.device) -> bool:
-    """Triton templates for CUDA tensors (``FORGE_DIST_KERNELS=torch`` turns them off;
-    ``FORGE_DIST_DSL_TRITON=1`` also allows CPU tensors under ``TRITON_INTERPRET=1``)."""
-    choice = os.environ.get("FORGE_DIST_KERNELS", "auto")
-    if choice == "torch":
-        return False
-    if device.type == "cuda":
-        return True
-    return os.environ.get("FORGE_DIST_DSL_TRITON", "0") == "1" and \
-        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def variant(name: str, *, chunk_mode: Callable, decay_mode: Callable, merge_mode: Callable,

@@ -52,17 +52,30 @@ def to_user(compiled, S: Tensor) -> Tensor:
     return S[:, 0, :, :, 0] if compiled.vector else S
 
 
-def transitions(compiled, args: dict, like: Tensor) -> Optional[Tensor]:
+def transitions(compiled, args: dict, like: Tensor, lin=None) -> Optional[Tensor]:
     """Per-chunk transitions ``M_c`` in the runtime layout (see transitions.py), from the
-    linear part of decay_mode.  ``like``: a user-layout per-chunk state."""
+    linear part of decay_mode (``lin``: its callable, default the graph module).  ``like``:
+    a user-layout per-chunk state."""
     kind = compiled.kind
-    lin, params = compiled.decay_linear, compiled.decay.params
+    lin = compiled.decay_linear if lin is None else lin
+    params = compiled.decay.params
     if kind is Kind.IDENTITY:
         return None
     if kind is Kind.DENSE:
         B, H, NT, K, _ = like.shape
         eye = torch.eye(K, dtype=like.dtype, device=like.device).expand(B, H, NT, K, K)
         return _call(lin, params, {**args, "state": eye})
+    if not compiled.vector:
+        # rows are scaled by factors constant along V (the analysis checked it): one column
+        # of ones gives them without a K x V product per chunk; anything shape-bound falls
+        # back to the full state
+        ones = like.new_ones(()).expand(like.shape[:-1] + (1,))
+        try:
+            M = _call(lin, params, {**args, "state": ones})
+        except Exception:  # noqa: BLE001 - a program that needs the state's V size
+            M = None
+        if M is not None and M.shape[:-1] == like.shape[:-1]:
+            return M[..., 0, 0] if kind is Kind.SCALAR else M[..., :, 0]
     M = _call(lin, params, {**args, "state": torch.ones_like(like)})
     if compiled.vector:  # [B, NT, D] -> [B, 1, NT(, D)]
         return (M[..., 0] if kind is Kind.SCALAR else M)[:, None]
@@ -70,13 +83,18 @@ def transitions(compiled, args: dict, like: Tensor) -> Optional[Tensor]:
 
 
 def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: bool,
-              chunk_size: Optional[int] = None) -> SegmentSummary:
+              chunk_size: Optional[int] = None, graphs=None) -> SegmentSummary:
     """The :class:`SegmentSummary` of one segment (see module docstring).
 
     Args:
         part: the segment's token tensors by input name (token axis at dim 1).
         scale: the value of the ``scale`` parameter.
+        graphs: the :class:`~.generated.Graphs` to run (default the traced graph modules;
+            the generated path passes their compiled forms).
     """
+    from .generated import eager_graphs
+
+    graphs = graphs or eager_graphs(compiled)
     first = part[compiled.input_names[0]]
     dtype = ck.compute_dtype(first)
     L = first.shape[1]
@@ -91,19 +109,24 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
     for lo, hi, Cp in pieces:
         args = chunk_inputs(compiled, part, lo, hi, Cp, dtype)
         args["scale"] = scale
-        out = _call(compiled.chunk.gm, compiled.chunk.params, args)
+        out = _call(graphs.chunk, compiled.chunk.params, args)
         out = out if isinstance(out, tuple) else (out,)
         dS = out[0]
         args.update(zip(compiled.chunk.cached, out[1:]))
         args["chunk_state"] = dS
-        b = _call(compiled.decay.gm, compiled.decay.params, {**args, "state": torch.zeros_like(dS)})
-        Ms.append(transitions(compiled, args, dS))
+        if getattr(compiled, "decay_offset", None) is not None:
+            b = args[compiled.decay_offset]  # decay_mode(0): its offset argument
+        else:
+            zero = dS.new_zeros(()).expand(dS.shape)  # no memory: a stride-0 view
+            b = _call(graphs.decay, compiled.decay.params, {**args, "state": zero})
+        Ms.append(transitions(compiled, args, dS, graphs.decay_linear))
         bs.append(to_internal(compiled, b))
         args_list.append(args)
     kind = compiled.kind
-    M_c = None if kind is Kind.IDENTITY else torch.cat(Ms, dim=2)
-    b_c = torch.cat(bs, dim=2)
-    starts, delta = ck.scan_chunks(kind, M_c, b_c)
+    cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts, dim=2)  # noqa: E731
+    M_c = None if kind is Kind.IDENTITY else cat(Ms)
+    b_c = cat(bs)
+    starts, delta = graphs.scan(kind, M_c, b_c)
 
     def outputs(gm, states: Tensor) -> Tensor:
         o, nt0 = [], 0
@@ -118,11 +141,11 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
                 o.append(ck.from_chunks(oc, hi - lo))
         return torch.cat(o, dim=1) if len(o) > 1 else o[0]
 
-    o_zero = outputs(compiled.merge.gm, starts)
+    o_zero = outputs(graphs.merge, starts)
 
     def readout(S_in: Tensor):
-        carried, end = ck.scan_chunks(kind, M_c, torch.zeros_like(b_c), S_in.to(b_c.dtype))
-        return outputs(compiled.merge_linear, carried), end
+        carried, end = graphs.scan(kind, M_c, torch.zeros_like(b_c), S_in.to(b_c.dtype))
+        return outputs(graphs.merge_linear, carried), end
 
     M = ck.chain_transitions(kind, M_c) if need_transition else None
     return SegmentSummary(o_zero, delta, M, readout)

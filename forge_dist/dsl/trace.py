@@ -1,10 +1,10 @@
-"""Capture the three user callables as ``torch.fx`` graphs with symbolic shapes.
+"""Capture the three user callables as size-free ``torch.fx`` graphs, and name their shapes.
 
 Each callable is traced with :class:`torch.fx.Tracer` (Proxy tracing: the graph holds no
 sizes, so one graph serves every sequence length and chunk length), then its shapes are
-propagated with fake tensors whose sizes are *symbols* (``B, H, NT, C, K, V`` or
-``B, NT, C, D``).  Every node remembers the user source line that created it, so checks can
-name the offending line.
+propagated with fake tensors whose sizes are distinct primes named back to their dims
+(``B, H, NT, C, K, V`` or ``B, NT, C, D``).  Every node remembers the user source line that
+created it, so checks can name the offending line.
 
 ``cache(name, x)`` marks an intermediate of ``chunk_mode`` for reuse by the later phases
 (the paper's ``forge.cache_result``); in the graph it is a ``call_function`` node that the
@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
+
+from .canonical import canonicalise
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
@@ -67,6 +69,8 @@ class _Tracer(fx.Tracer):
 
 def op_name(node: fx.Node) -> str:
     """Readable name of a node's operation (``torch.relu``, ``Tensor.exp``, ``@`` ...)."""
+    if "dsl_op" in node.meta:  # what the user wrote, before canonicalisation
+        return node.meta["dsl_op"]
     t = node.target
     if node.op == "call_method":
         return f"Tensor.{t}"
@@ -104,7 +108,7 @@ class Phase:
         gm: the graph module; its output is ``(result, *cached)`` (chunk_mode) or ``result``.
         params: the callable's parameter names, in order (graph placeholders).
         cached: names marked with :func:`cache` (chunk_mode only), in output order.
-        shapes: node name -> symbolic shape as dim names (``("B", "H", "NT", "C", "K")``),
+        shapes: node name -> shape as dim names (``("B", "H", "NT", "C", "K")``),
             from the fake-tensor propagation.
     """
 
@@ -155,6 +159,7 @@ def trace_phase(fn: Callable, phase: str) -> Phase:
                        f"{type(e).__name__}: {e}{hint}") from None
     gm = fx.GraphModule(tracer.root, graph)
     cached = _outline_cache(gm, phase)
+    canonicalise(gm)
     return Phase(phase, fn, gm, params, cached)
 
 
@@ -189,47 +194,33 @@ def _outline_cache(gm: fx.GraphModule, phase: str) -> List[str]:
 # Symbolic shape propagation
 # ------------------------------------------------------------------------------------------
 
-# Distinct hint values so that every named dimension gets its own symbol (duck sizing maps
-# equal hints to one symbol) and sizes can be named back.
+# Distinct primes, so that every named dimension has its own size and sizes can be named
+# back (a product of two dims, such as a reshape's NT * C, is not a prime and shows as a
+# number).
 MATRIX_DIMS = {"B": 2, "H": 3, "NT": 5, "C": 7, "K": 11, "V": 13}
 VECTOR_DIMS = {"B": 2, "NT": 5, "C": 7, "D": 11}
 
 
 class ShapeContext:
-    """Fake-tensor mode with symbolic sizes; names symbols back to dimension names."""
+    """Fake-tensor mode with the probe sizes above; names sizes back to dimension names.
+
+    Sizes are static (plain ints): the graphs themselves hold no sizes (Proxy tracing), so
+    symbolic sizes would only name products of dims, at about a second of sympy work per
+    variant; torch 2.11 specialised symbolic probe sizes to these ints anyway.
+    """
 
     def __init__(self, dims: Dict[str, int]):
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         self.dims = dims
         self.by_hint = {v: k for k, v in dims.items()}
-        self.env = ShapeEnv()
-        self.mode = FakeTensorMode(shape_env=self.env, allow_non_fake_inputs=True)
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def fake(self, names: Sequence[str], dtype=torch.float32):
-        from torch.fx.experimental.symbolic_shapes import (DimDynamic,
-                                                           StatelessSymbolicContext)
-
-        sizes = [self.dims[n] for n in names]
-        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK] * len(sizes))
-        return self.mode.from_tensor(torch.empty(sizes, dtype=dtype), symbolic_context=ctx)
+        return self.mode.from_tensor(torch.empty([self.dims[n] for n in names], dtype=dtype))
 
     def name_of(self, size) -> str:
-        if isinstance(size, int):
-            # some torch releases (2.11) specialise the probe sizes to ints; the hints are
-            # distinct primes, so an int that is one names its dimension
-            return self.by_hint.get(size, str(size))
-        expr = size.node.expr
-        subs = {}
-        for sym in expr.free_symbols:
-            hint = self.env.backed_var_to_val.get(sym) if hasattr(self.env, "backed_var_to_val") \
-                else self.env.var_to_val.get(sym)
-            if hint is not None and int(hint) in self.by_hint:
-                import sympy
-
-                subs[sym] = sympy.Symbol(self.by_hint[int(hint)])
-        return str(expr.xreplace(subs))
+        return self.by_hint.get(int(size), str(int(size)))
 
 
 def _solve_shape(A, B, *args, **kwargs):

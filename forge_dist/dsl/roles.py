@@ -1,0 +1,145 @@
+"""Which Triton template a variant could be, and which of its inputs plays which role there.
+
+Matching is by *role*, never by argument name: a template's roles (query, key, value, log
+decay per head or per key channel, beta; hgrn's input and log decay) are told apart by the
+input's declared trailing dim and by where the phases read it:
+
+=======  ==============  ====================================================
+role     trailing dim    read by
+=======  ==============  ====================================================
+q        K               merge_mode, not chunk_mode (outputs only)
+k        K               chunk_mode (it builds the state)
+v        V               -
+g        "" / K / D      decay_mode (the transition)
+beta     ""              chunk_mode, not decay_mode (the delta rule's step size)
+x        D               chunk_mode, not decay_mode (hgrn's input)
+=======  ==============  ====================================================
+
+:func:`assignments` lists every role -> input assignment the dims allow, those that fit the
+reads first; the lowering's translation validation (:mod:`.lowering`) then decides, so a
+program that reads its inputs in unusual places still lowers when it is the template.
+:func:`hint` says what would let a variant that fits no template lower.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Dict, List, Optional, Set, Tuple
+
+from ..variants.transitions import Kind
+
+# template -> {role: trailing dim}; gated_delta_rule's g is optional
+ROLES = {"linear_attn": {"q": "K", "k": "K", "v": "V"},
+         "simple_gla": {"q": "K", "k": "K", "v": "V", "g": ""},
+         "gla": {"q": "K", "k": "K", "v": "V", "g": "K"},
+         "gated_delta_rule": {"q": "K", "k": "K", "v": "V", "g": "", "beta": ""},
+         "hgrn": {"x": "D", "g": "D"}}
+BY_KIND = {Kind.IDENTITY: "linear_attn", Kind.SCALAR: "simple_gla", Kind.DIAGONAL: "gla",
+           Kind.DENSE: "gated_delta_rule"}
+MAX_CANDIDATES = 8  # assignments validated at most (4 for the delta rule with a gate)
+
+
+def template_for(v) -> str:
+    """The template of the variant's state and transition kind."""
+    return "hgrn" if v.vector else BY_KIND[v.kind]
+
+
+def reads(v) -> Dict[str, Set[str]]:
+    """Input name -> the phases (``chunk`` / ``decay`` / ``merge``) whose graphs use it."""
+    out: Dict[str, Set[str]] = {n: set() for n in v.input_names}
+    for tag, ph in (("chunk", v.chunk), ("decay", v.decay), ("merge", v.merge)):
+        for n in ph.gm.graph.nodes:
+            if n.op == "placeholder" and n.target in out and n.users:
+                out[n.target].add(tag)
+    return out
+
+
+def roles_of(template: str, v) -> Dict[str, str]:
+    """The template's roles for this variant (the delta rule's gate only when it has one
+    more per-head scalar input than beta needs)."""
+    roles = dict(ROLES[template])
+    if template == "gated_delta_rule" and \
+            sum(1 for d in v.inputs.values() if d == "") < 2:
+        del roles["g"]
+    return roles
+
+
+def _fit(role: str, phases: Set[str], name: str) -> float:
+    """How well an input's reads fit a role (higher is better; the role's own name breaks
+    ties, so conventional names are tried first)."""
+    score = {"q": ("chunk" not in phases) + ("merge" in phases),
+             "k": "chunk" in phases,
+             "v": 0,
+             "g": 2 * ("decay" in phases),
+             "beta": "decay" not in phases,
+             "x": "decay" not in phases}[role]
+    return score + 0.5 * (name == role)
+
+
+def assignments(template: str, v) -> Tuple[List[Dict[str, str]], str]:
+    """``(candidates, "")``: role -> input name assignments the declared dims allow, best
+    fitting first; or ``([], reason)`` when the inputs cannot fill the roles."""
+    roles = roles_of(template, v)
+    dims = v.inputs
+    want = sorted(roles.values())
+    have = sorted(dims.values())
+    if want != have:
+        return [], (f"the {template} template takes inputs with trailing dims "
+                    f"{_dims_text(roles)}; the variant has {_dims_text(dims)}")
+    where = reads(v)
+    by_dim: Dict[str, List[str]] = {}
+    for r, d in roles.items():
+        by_dim.setdefault(d, []).append(r)
+    choices = []
+    for d, rs in by_dim.items():
+        names = [n for n, nd in dims.items() if nd == d]
+        choices.append([dict(zip(rs, perm)) for perm in itertools.permutations(names)])
+    out = []
+    for combo in itertools.product(*choices):
+        a = {r: n for part in combo for r, n in part.items()}
+        out.append(a)
+    out.sort(key=lambda a: -sum(_fit(r, where[n], n) for r, n in a.items()))
+    return out[:MAX_CANDIDATES], ""
+
+
+def _dims_text(dims: Dict[str, str]) -> str:
+    return "{" + ", ".join(f"{n}: {d or 'per-head scalar'}" for n, d in dims.items()) + "}"
+
+
+def hint(v, template: str, reason: str) -> str:
+    """The change that would let the variant lower to ``template`` (for warnings)."""
+    roles = roles_of(template, v)
+    where = reads(v)
+    decay_inputs = [n for n in v.input_names if "decay" in where[n]]
+    n_extra = len(v.inputs) - len(roles)
+    if template != "hgrn" and len(decay_inputs) > 1:
+        return (f"more than one input feeds the decay ({', '.join(decay_inputs)}): pass one "
+                f"log decay (for example their sum) as a single input")
+    if n_extra > 0:
+        surplus = []
+        for d in dict.fromkeys(v.inputs.values()):
+            have = [n for n, nd in v.inputs.items() if nd == d]
+            want = sum(1 for rd in roles.values() if rd == d)
+            if len(have) > want:
+                surplus.append(f"{', '.join(have)} have trailing dim {d or 'per-head scalar'} "
+                               f"(the template takes {want})")
+        return (f"the {template} template has roles {', '.join(roles)} only ("
+                f"{'; '.join(surplus)}): apply the extra input outside the variant (gate the "
+                f"output after the call) or fold it into another input before the call")
+    if template == "gated_delta_rule" and n_extra < 0:
+        return "the gated_delta_rule template needs a per-head beta input (the step size)"
+    if "trailing dims" in reason:
+        if "g" in roles and roles["g"] not in v.inputs.values():
+            return (f"pass the log decay as an input (trailing dims: "
+                    f"{roles['g'] or 'per-head scalar'}) instead of computing it inside the "
+                    f"phases, so that the {template} template has its g")
+        return f"declare inputs with the template's trailing dims {_dims_text(roles)}"
+    return ("write each input's transform as an elementwise function of that input alone "
+            "(feature maps, gate activations) around the template's chunk form; anything "
+            "read from two inputs at once, or computed from shapes (a constant decay per "
+            "head), has no template")
+
+
+def describe_roles(assignment: Dict[str, str]) -> Optional[str]:
+    """``"g=gk, beta=b"`` for the renamed roles, ``None`` when every name is the role's."""
+    renamed = [f"{r}={n}" for r, n in assignment.items() if r != n]
+    return ", ".join(renamed) if renamed else None
