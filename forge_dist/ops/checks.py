@@ -232,13 +232,17 @@ def check_finite_enabled() -> bool:
     return raw == "1"
 
 
-def _first_nonfinite(tensors: List[Tuple[str, Optional[Tensor]]]) -> List[int]:
-    """``[tensor position, flat index, kind]`` of the first non-finite value, or ``-1``s."""
-    for pos, (_, t) in enumerate(tensors):
+def _first_nonfinite(tensors: List[Tuple[str, Optional[Tensor]]],
+                     resets: Sequence[str] = ()) -> List[int]:
+    """``[tensor position, flat index, kind]`` of the first non-finite value, or ``-1``s.
+    In the tensors named in ``resets`` (log decays) ``-inf`` is a hard reset, not an error."""
+    for pos, (name, t) in enumerate(tensors):
         if t is None or not t.is_floating_point():
             continue
         flat = t.detach().reshape(-1)
         bad = ~torch.isfinite(flat)
+        if name in resets:
+            bad &= flat != float("-inf")
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             x = float(flat[i])
@@ -248,7 +252,7 @@ def _first_nonfinite(tensors: List[Tuple[str, Optional[Tensor]]]) -> List[int]:
 
 
 def finite(stage: str, tensors: List[Tuple[str, Optional[Tensor]]], grp, device: torch.device,
-           *, token_tensors: Sequence[str] = ()) -> None:
+           *, token_tensors: Sequence[str] = (), resets: Sequence[str] = ()) -> None:
     """Raise :class:`NonFiniteError` on every rank of ``grp`` if any rank's ``tensors`` hold a
     non-finite value; the message names the lowest such rank's first one.
 
@@ -257,7 +261,7 @@ def finite(stage: str, tensors: List[Tuple[str, Optional[Tensor]]], grp, device:
     ``[r * T, (r + 1) * T)``), so the message also gives the global token.
     """
     rank, size = p2p.rank_and_size(grp)
-    mine = _first_nonfinite(tensors)
+    mine = _first_nonfinite(tensors, resets)
     rows = [[rank] + mine]
     if size > 1:
         import torch.distributed as dist

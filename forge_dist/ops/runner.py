@@ -122,7 +122,7 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
     tokens = tuple(inputs) + ("o",)
     if check_finite:  # before any local work or state pass: every rank raises together
         checks.finite("input", list(inputs.items()) + [("initial_state", initial_state)],
-                      group, device, token_tensors=tokens)
+                      group, device, token_tensors=tokens, resets=("g",))  # g=-inf: a reset
     segments = plan_segments(cu, rank, T_local)
     kind = spec.kind if cu is None else tr.with_boundaries(spec.kind)
     rows = B if cu is None else 1

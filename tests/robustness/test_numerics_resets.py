@@ -174,3 +174,18 @@ def test_reset_is_an_exact_zero_of_the_carried_state(monkeypatch):
     a, _ = call_op("simple_gla", t)
     b, _ = call_op("simple_gla", other)
     assert torch.equal(a[:, 150:], b[:, 150:])
+
+
+@pytest.mark.parametrize("op", GATED)
+def test_finite_check_mode_takes_hard_resets_and_still_catches_nan(op, monkeypatch):
+    """``FORGE_DIST_CHECK_FINITE=1`` lets a gate's ``-inf`` through (a reset is meant) and
+    still names a NaN in the same gate."""
+    from forge_dist.ops.checks import NonFiniteError
+
+    monkeypatch.setenv("FORGE_DIST_KERNELS", "torch")
+    monkeypatch.setenv("FORGE_DIST_CHECK_FINITE", "1")
+    t = reset_problem(op)
+    call_op(op, t, output_final_state=True)  # no error
+    t["g"][0, 5] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"\(nan\) in input 'g'"):
+        call_op(op, t, output_final_state=True)
