@@ -1,12 +1,4 @@
-"""``forge-dist``: the command-line entry point.
-
-``forge-dist demo``  runs every op with every strategy across a small world (gloo on CPU,
-                     NCCL with one process per GPU when there are two or more GPUs), forward
-                     and backward, checks each against the fp64 reference and prints a table.
-``forge-dist info``  prints what is needed to debug a launch.
-``forge-dist compile --config FILE``  builds every declared kernel ahead of time (sm_90
-                     by default, no GPU needed) into an on-disk cache for the runtime.
-"""
+"""The ``forge-dist`` command: ``demo``, ``info`` and ``compile`` (help text in ``USAGE``)."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +9,23 @@ from typing import List, Optional
 import torch
 
 from . import __version__
+
+# Printed by ``forge-dist --help``: plain text, no markup.
+USAGE = """\
+usage: forge-dist {demo,info,compile} [options]
+
+commands:
+  demo     Run every op with every strategy across a small world (3 gloo processes on the
+           CPU; NCCL with one process per GPU when there are two or more GPUs), forward and
+           backward, check each against the fp64 reference and print a table.
+           Exits 1 if any check fails.
+  info     Print versions, GPUs and their links, NVSHMEM availability and the registered
+           strategies: what is needed to debug a launch.
+  compile  Build every kernel a config declares ahead of time (sm_90 by default, no GPU
+           needed) into an on-disk cache that plans load instead of compiling.
+
+'forge-dist COMMAND --help' describes a command's options.
+"""
 
 
 def _demo_worker(rank, world, port, backend, cases, queue):
@@ -48,12 +57,22 @@ def demo(argv: Optional[List[str]] = None) -> int:
     """Run the cross-check matrix; returns the process exit code (1 if any check fails)."""
     from . import selftest, sp
 
-    p = argparse.ArgumentParser(prog="forge-dist demo", description=demo.__doc__)
+    p = argparse.ArgumentParser(
+        prog="forge-dist demo",
+        description="Run every op with every strategy across a small world, forward and "
+                    "backward, check each result against the fp64 reference and print a "
+                    "table. Exits 1 if any check fails.")
     p.add_argument("--world", type=int, default=None,
                    help="ranks (default: the GPU count if >= 2, else 3 CPU processes)")
-    p.add_argument("--ops", default=",".join(selftest.OPS))
-    p.add_argument("--strategies", default=",".join(selftest.STRATEGIES))
-    p.add_argument("--dtypes", default="float64,float32")
+    p.add_argument("--ops", default=",".join(selftest.OPS),
+                   help="comma-separated ops to check (default: %(default)s)")
+    p.add_argument("--strategies", default=",".join(selftest.STRATEGIES),
+                   help="comma-separated state-passing strategies to check; 'forge' needs "
+                        "two or more GPUs with NVSHMEM (default: %(default)s)")
+    p.add_argument("--dtypes", default="float64,float32",
+                   help="comma-separated input dtypes, float64 and/or float32; each is "
+                        "checked against the fp64 reference with its own tolerance "
+                        "(default: %(default)s)")
     p.add_argument("--cpu", action="store_true", help="use gloo on the CPU even with GPUs")
     args = p.parse_args(argv)
 
@@ -186,7 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return compile_main(args)
     commands = {"demo": demo, "info": info, "compile": compile_}
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: forge-dist {demo,info,compile} [options]\n\n" + (__doc__ or ""))
+        print(USAGE, end="")
         return 0 if argv else 2
     if argv[0] not in commands:
         print(f"forge-dist: unknown command {argv[0]!r}; choose from {', '.join(commands)}",

@@ -65,9 +65,9 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from forge_dist import config as cfg_mod  # noqa: E402
-from scaling_benchmarks import results_io  # noqa: E402
+from scaling_benchmarks import registry, results_io  # noqa: E402
 
-OPS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn")
+OPS = registry.NAMES
 STRATEGIES = ("serial", "pipelined", "lasp2", "forge", "fla_cp")
 PASSES = ("fwd", "fwdbwd")
 KIND = {"linear_attn": "identity", "simple_gla": "scalar", "gla": "diagonal",

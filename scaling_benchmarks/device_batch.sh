@@ -31,9 +31,9 @@
 #   bash scaling_benchmarks/device_batch.sh robust    # 2 GPUs: forge load/faults/determinism, GPU numerics (~9 min)
 #   bash scaling_benchmarks/device_batch.sh faults    # 2 GPUs: robust without the numerics; "rt": runtime tests + launch overhead
 #   bash scaling_benchmarks/device_batch.sh graph     # 2 GPUs: 2 x 1000 CUDA-graph replays of a forge plan (~1 min)
-#   bash scaling_benchmarks/device_batch.sh onegpu    # 1 GPU: summary-backward tests + timing, runtime GPU
+#   bash scaling_benchmarks/device_batch.sh onegpu    # 1 GPU: summary-backward tests, runtime GPU
 #                                                     #   tests, launch overhead, GPU numerics (~8 min)
-#   bash scaling_benchmarks/device_batch.sh rt2       # 2 GPUs: per-kernel SP profile, forge tests, runtime
+#   bash scaling_benchmarks/device_batch.sh rt2       # 2 GPUs: forge tests, runtime
 #                                                     #   GPU tests, launch overhead (~9 min)
 #   bash scaling_benchmarks/device_batch.sh prolog    # 1 GPU: prologue-kernel and gate-sum tests compiled,
 #                                                     #   GPU runtime/ops tests, gate-sum sweep (~9 min)
@@ -86,17 +86,11 @@ case "$stage" in
   onegpu)
     step gpu_summary_backward_tests 120 python3 -m pytest -q -s -p no:cacheprovider -m gpu \
       tests/kernels/test_summary_backward.py tests/kernels/test_scalar_backward.py
-    step summary_backward_bench 120 python3 scaling_benchmarks/summary_backward_bench.py \
-      --out "$OUT" --tiles 32,4 32,8 128,8
     step gpu_runtime_tests 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/runtime \
       tests/ops -k "not forge_graph"
     step launch_overhead 120 python3 scaling_benchmarks/launch_overhead.py --out "$OUT"
     step gpu_numerics 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu \
       tests/robustness/test_numerics_gpu.py ;;
-  rt2)  # where the SP fwd+bwd time goes, forge regression tests, the runtime on the GPU
-    step sp_profile 120 torchrun --nproc_per_node 2 scaling_benchmarks/sp_profile.py \
-      --ops linear_attn,simple_gla --strategies lasp2,forge --out "$OUT"
-    ;;&
   rt|rt2)
     step gpu_runtime_tests 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime -k "not forge_graph"
     step launch_overhead 100 python3 scaling_benchmarks/launch_overhead.py --out "$OUT" ;;&

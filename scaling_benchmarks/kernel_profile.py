@@ -101,7 +101,7 @@ def config_sweep(op: str, T: int, device) -> list:
         trials += [("GATE_CONFIG", dict(BKS=bks, num_warps=nw, num_stages=ns))
                    for bks, nw, ns in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 3))]
         mod = vector
-    elif op == "gated_delta_rule":  # the walker (the WY kernel: scaling_benchmarks/wy_probe.py)
+    elif op == "gated_delta_rule":  # the walker (the WY kernel's designs: docs/performance.md)
         trials = [("FUSED_CONFIG", dict(BV=bv, num_warps=nw, num_stages=ns))
                   for bv, nw, ns in ((32, 4, 2), (32, 4, 1), (32, 4, 3), (32, 4, 4),
                                      (32, 8, 2), (32, 8, 3), (16, 4, 3), (16, 4, 4),

@@ -34,35 +34,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaling_benchmarks import results_io  # noqa: E402
+from scaling_benchmarks import registry, results_io  # noqa: E402
 
-OPS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn")
-T_ALL = (1024, 4096, 16384, 65536, 262144)
-B, H, K, V, D_HGRN = 1, 32, 128, 128, 4096
+OPS = registry.NAMES
+T_ALL = registry.SINGLE_DEVICE_T
+SHAPE = registry.SINGLE_DEVICE
+B, H, K, V, D_HGRN = SHAPE.B, SHAPE.H, SHAPE.K, SHAPE.V, SHAPE.D
 
 
 def make_inputs(op, T, device, requires_grad=False):
-    """Benchmark inputs (bf16 activations, fp32 log-decay gates)."""
+    """Benchmark inputs (bf16 activations, fp32 log-decay gates; hgrn's gate bf16), drawn
+    from a generator on ``device`` seeded with 0 (:func:`registry.make_inputs`)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    bf = torch.bfloat16
-
-    def r(*s, dtype=bf):
-        return torch.randn(*s, device=device, generator=gen, dtype=torch.float32).to(dtype)
-
-    if op == "hgrn":
-        x = r(B, T, D_HGRN)
-        g = torch.nn.functional.logsigmoid(r(B, T, D_HGRN, dtype=torch.float32)).to(bf)
-        inp = {"x": x, "g": g}
-    else:
-        inp = {"q": r(B, T, H, K), "k": r(B, T, H, K), "v": r(B, T, H, V)}
-        if op == "simple_gla":
-            inp["g"] = torch.nn.functional.logsigmoid(r(B, T, H, dtype=torch.float32) + 4)
-        elif op == "gla":
-            inp["g"] = torch.nn.functional.logsigmoid(r(B, T, H, K, dtype=torch.float32) + 4)
-        elif op == "gated_delta_rule":
-            inp["k"] = torch.nn.functional.normalize(inp["k"].float(), dim=-1).to(bf)
-            inp["g"] = torch.nn.functional.logsigmoid(r(B, T, H, dtype=torch.float32) + 4)
-            inp["beta"] = torch.rand(B, T, H, device=device, generator=gen).to(bf)
+    inp = registry.make_inputs(
+        op, SHAPE, T, dtype=torch.bfloat16,
+        randn=lambda *s: torch.randn(*s, device=device, generator=gen, dtype=torch.float32),
+        rand=lambda *s: torch.rand(*s, device=device, generator=gen),
+        channel_gate_offset=0.0, channel_gate_dtype=torch.bfloat16)
     if requires_grad:
         for t in inp.values():
             if t.is_floating_point():
@@ -100,7 +88,7 @@ def forge_fn(op, inp, execution):
 
     def run():
         work = kernels.make_work(op, inputs, None, False,
-                                 out_dtype=inp["x" if op == "hgrn" else "q"].dtype,
+                                 out_dtype=inp[registry.spec(op).first].dtype,
                                  execution=execution)
         o = work.finish(None)[0]
         last.update(scheduled=work.execution, n_seg=getattr(work, "n_seg", 1),
@@ -114,9 +102,7 @@ def ops_fn(op, inp):
     runner, then the same kernels as the ``forge_dist`` rows."""
     from forge_dist import ops
     fn = getattr(ops, op)
-    if op == "hgrn":
-        return lambda: fn(inp["x"], inp["g"])[0]
-    args = [inp[n] for n in ("q", "k", "v", "g", "beta") if n in inp]
+    args = registry.call_args(op, inp)
     return lambda: fn(*args)[0]
 
 
@@ -124,11 +110,9 @@ def dsl_fn(op, inp):
     """The DSL re-expression of ``op`` and whether it was lowered onto a Triton template."""
     from forge_dist.dsl.builtins import BUILTINS
     var = BUILTINS[op]
-    names = ("x", "g") if op == "hgrn" else tuple(n for n in ("q", "k", "v", "g", "beta")
-                                                  if n in inp)
     # the DSL takes one dtype for every input: gates go in as bf16 like q, k, v
-    dt = inp["x" if op == "hgrn" else "q"].dtype
-    args = [inp[n].to(dt) for n in names]
+    dt = inp[registry.spec(op).first].dtype
+    args = [t.to(dt) for t in registry.call_args(op, inp)]
     return (lambda: var(*args)[0]), ("lowered" if var.lowering else "executor")
 
 

@@ -48,11 +48,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaling_benchmarks import results_io  # noqa: E402
+from scaling_benchmarks import registry, results_io  # noqa: E402
 from scaling_benchmarks.kernel_profile import kernel_times  # noqa: E402
 
 B, H, K, V, D = 1, 32, 128, 128, 4096
-OPS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn")
+OPS = registry.NAMES
 PATHS = {"planned": "1", "general": "0"}  # FORGE_DIST_OPS_PLANS
 
 

@@ -85,16 +85,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from forge_dist import config as cfg_mod  # noqa: E402
 from forge_dist import launch_env  # noqa: E402
-from scaling_benchmarks import results_io  # noqa: E402
+from scaling_benchmarks import registry, results_io  # noqa: E402
 
-OPS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn")
+OPS = registry.NAMES
 STRATEGIES = ("serial", "pipelined", "lasp2", "forge")
 PASSES = ("fwd", "fwdbwd")
 
 DEFAULTS: Dict[str, Any] = {
-    "B": 4, "H": 32, "K": 128, "V": 128,
-    "D_hgrn": 0,                # HGRN width; 0 means H * K (4096 at the defaults)
-    "tokens_per_gpu": 32768,
+    "B": registry.WEAK_SCALING.B, "H": registry.WEAK_SCALING.H,
+    "K": registry.WEAK_SCALING.K, "V": registry.WEAK_SCALING.V,
+    "D_hgrn": registry.WEAK_SCALING.D,  # HGRN width; 0 means H * K (4096 at the defaults)
+    "tokens_per_gpu": registry.WEAK_SCALING_TOKENS_PER_GPU,
     "dtype": "bfloat16",        # q, k, v, x; gates are fp32 log decays
     "ops": list(OPS),
     "strategies": list(STRATEGIES),
@@ -279,28 +280,14 @@ def hgrn_width(cfg) -> int:
 
 
 def make_inputs(op: str, cfg, T: int, device, seed: int, requires_grad: bool):
-    """One shard's inputs: activations in ``cfg.dtype``, gates fp32 log decays."""
+    """One shard's inputs: activations in ``cfg.dtype``, gates fp32 log decays, drawn from a
+    CPU generator seeded with ``seed`` (:func:`registry.make_inputs`)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    dt = _dtype(cfg["dtype"])
-    B, H, K, V = (int(cfg[k]) for k in ("B", "H", "K", "V"))
-
-    def r(*shape, dtype=dt):
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    F = torch.nn.functional
-    if op == "hgrn":
-        D = hgrn_width(cfg)
-        inp = {"x": r(B, T, D), "g": F.logsigmoid(r(B, T, D, dtype=torch.float32) + 4)}
-    else:
-        inp = {"q": r(B, T, H, K), "k": r(B, T, H, K), "v": r(B, T, H, V)}
-        if op == "simple_gla":
-            inp["g"] = F.logsigmoid(r(B, T, H, dtype=torch.float32) + 4)
-        elif op == "gla":
-            inp["g"] = F.logsigmoid(r(B, T, H, K, dtype=torch.float32) + 4)
-        elif op == "gated_delta_rule":
-            inp["k"] = F.normalize(inp["k"].float(), dim=-1).to(dt)
-            inp["g"] = F.logsigmoid(r(B, T, H, dtype=torch.float32) + 4)
-            inp["beta"] = torch.rand(B, T, H, generator=gen).to(device=device, dtype=dt)
+    shape = registry.Shape(*(int(cfg[k]) for k in ("B", "H", "K", "V")), D=hgrn_width(cfg))
+    inp = registry.make_inputs(
+        op, shape, T, dtype=_dtype(cfg["dtype"]),
+        randn=lambda *s: torch.randn(*s, generator=gen).to(device),
+        rand=lambda *s: torch.rand(*s, generator=gen).to(device))
     if requires_grad:
         for t in inp.values():
             t.requires_grad_(True)
@@ -310,16 +297,7 @@ def make_inputs(op: str, cfg, T: int, device, seed: int, requires_grad: bool):
 def call_op(op: str, inp, *, group, strategy: str):
     from forge_dist import ops
 
-    kw = dict(group=group, strategy=strategy)
-    if op == "linear_attn":
-        return ops.linear_attn(inp["q"], inp["k"], inp["v"], **kw)[0]
-    if op == "simple_gla":
-        return ops.simple_gla(inp["q"], inp["k"], inp["v"], inp["g"], **kw)[0]
-    if op == "gla":
-        return ops.gla(inp["q"], inp["k"], inp["v"], inp["g"], **kw)[0]
-    if op == "gated_delta_rule":
-        return ops.gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw)[0]
-    return ops.hgrn(inp["x"], inp["g"], **kw)[0]
+    return getattr(ops, op)(*registry.call_args(op, inp), group=group, strategy=strategy)[0]
 
 
 def _runner(forward: Callable[[], torch.Tensor], inp, pass_: str):
