@@ -30,5 +30,18 @@ def flush(wait: bool = True) -> None:
     poll_flags(wait=wait)
 
 
-__all__ = ["Strategy", "StatePassTimeout", "flush", "names", "register", "resolve",
+def reset(group=None) -> None:
+    """Forget this rank's per-group state (of ``group``, or all): forge channels, agreed
+    signatures and pending device errors.  Call it on every rank after a call (or its
+    backward) raised anywhere, before the group is used again: the ranks may be out of step,
+    and the next call's first agreement and channel allocation line them up again (both are
+    collectives, like any first call)."""
+    from .agreement import forget
+
+    if forge is not None:
+        forge.reset(group)
+    forget(group)
+
+
+__all__ = ["Strategy", "StatePassTimeout", "flush", "names", "register", "reset", "resolve",
            "state_pass"]

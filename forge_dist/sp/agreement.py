@@ -153,10 +153,13 @@ def forget(group=None) -> None:
     """Drop the agreed signatures (of ``group``, or all): the next call agrees anew.
 
     Call it on every rank together, e.g. after rebuilding a group that failed."""
-    if group is None:
-        _TABLES.clear()
-    else:
-        _TABLES.pop(group_key(group), None)
+    name = None if group is None else group_key(group)
+    for key in list(_TABLES):
+        if name is None or key == name:
+            del _TABLES[key]
+    for key in list(_FLAGS):
+        if name is None or key[0] == name:
+            del _FLAGS[key]  # a pending record belongs to the calls before the reset
 
 
 def _signature_device(group, device: torch.device) -> torch.device:

@@ -140,3 +140,26 @@ def test_a_strategy_mismatch_names_the_strategies():
     err = run_world(2, _mismatch, "strategy")
     assert err == ("strategy: every rank must pass the same value, but rank 0 has 'serial' "
                    "and rank 1 has 'lasp2'"), err
+
+
+def _reset_then_agree_again(group):
+    from forge_dist import ops, sp
+    from forge_dist.sp import agreement
+
+    calls = []
+    original = agreement._agree_on_host
+
+    def counting(*a, **k):
+        calls.append(1)
+        return original(*a, **k)
+    agreement._agree_on_host = counting
+    q, k, v, g = _inputs(16, 0)
+    ops.simple_gla(q, k, v, g, group=group, strategy="serial")
+    ops.simple_gla(q, k, v, g, group=group, strategy="serial")
+    sp.reset(group)  # every rank: the signature is agreed anew
+    ops.simple_gla(q, k, v, g, group=group, strategy="serial")
+    return len(calls)
+
+
+def test_reset_forgets_the_agreed_signatures():
+    assert run_world(2, _reset_then_agree_again) == 2
