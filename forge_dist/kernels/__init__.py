@@ -22,6 +22,10 @@ work objects are differentiable, forward and backward in Triton (backward kernel
 form, one kernel in :mod:`.summary_backward`, with :func:`._common.decay_summary_backward` as
 its PyTorch reference).  :func:`forward` is a one-call convenience used by tests and
 benchmarks.
+
+Entry points for plans and the AOT step: :func:`forward_program` and
+:func:`backward_program`, the launches of one call as a :class:`.ir.Program`, built by the
+pattern modules (the eager functions launch the same records, :mod:`.walker_launches`).
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ import torch
 
 from ._common import HAVE_TRITON, interpreting
 
-VARIANTS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn")
+MATRIX_VARIANTS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule")
+VARIANTS = MATRIX_VARIANTS + ("hgrn",)
 MAX_HEAD_DIM = 256
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -150,3 +155,101 @@ def forward(variant: str, inputs: Dict[str, Optional[torch.Tensor]], scale: Opti
         o, ht = work.finish(S)
         return o, ht.reshape(x.shape[0], x.shape[2])
     return work.finish(initial_state)
+
+
+def _precision(interp: bool) -> str:
+    # the kernels' rule (_common.dot_precision): IEEE under the interpreter, else 3xTF32
+    return "ieee" if interp else "tf32x3"
+
+
+def forward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0: bool,
+                    H: Optional[int] = None, K: Optional[int] = None, V: Optional[int] = None,
+                    D: Optional[int] = None, gated: Optional[bool] = None,
+                    store_o: bool = True, scale: Optional[float] = None,
+                    execution: Optional[str] = None, interp: bool = False,
+                    tiles: Optional[dict] = None, gate_dtype: Optional[torch.dtype] = None,
+                    beta_dtype: Optional[torch.dtype] = None, maps: Optional[dict] = None):
+    """Program of one segment forward (or, ``store_o=False``, its summary) of ``variant``,
+    built by its pattern module's ``forward_program``.
+
+    Matrix state: inputs ``q, k`` (``dtype``, ``[B, T, H, K]``), ``v`` (``[B, T, H, V]``),
+    ``g`` (``gate_dtype``, default fp32; by the variant's gate shape), ``beta``
+    (gated_delta_rule, ``beta_dtype``, default ``gate_dtype``), ``h0`` (fp32 ``[B, H, K,
+    V]``); outputs ``o`` (``dtype``) and ``ht`` (fp32); workspaces by pattern.  hgrn:
+    ``x, g [B, T, D]`` (``gate_dtype`` default ``dtype``), ``h0, ht [B, D]``.
+    ``execution`` forces fused or decoupled; ``None`` asks the scheduler, as the kernels
+    do.  ``interp``: the interpreter's precision rule.  ``tiles`` overrides entries of the
+    pattern's tile config.  ``maps``: fused prologues by input name (jitted maps of
+    :mod:`forge_dist.dsl.codegen`), applied as the kernels load.
+    """
+    if variant == "hgrn":
+        from . import vector_state
+
+        return vector_state.forward_program(B=B, T=T, D=D, dtype=dtype, has_h0=has_h0,
+                                            store_o=store_o, tiles=tiles,
+                                            gate_dtype=gate_dtype, execution=execution,
+                                            maps=maps)
+    if variant not in MATRIX_VARIANTS:
+        raise ValueError(f"variant: expected one of {MATRIX_VARIANTS}, got {variant!r}")
+    if variant == "linear_attn" and gated:
+        raise ValueError("linear_attn takes no gate")
+    if variant == "gla" and not gated:
+        raise ValueError("gla needs its gate g [B, T, H, K]")
+    kw = dict(B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=bool(gated), has_h0=has_h0,
+              store_o=store_o, scale=K ** -0.5 if scale is None else float(scale),
+              prec=_precision(interp), execution=execution, tiles=tiles,
+              gate_dtype=gate_dtype or torch.float32, maps=maps)
+    if variant == "gated_delta_rule":
+        from . import delta
+
+        return delta.forward_program(beta_dtype=beta_dtype, **kw)
+    if variant == "gla":
+        from . import vector
+
+        return vector.forward_program(**kw)
+    from . import scalar
+
+    return scalar.forward_program(**kw)
+
+
+def backward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0: bool,
+                     has_dht: bool, H: Optional[int] = None, K: Optional[int] = None,
+                     V: Optional[int] = None, D: Optional[int] = None,
+                     gated: Optional[bool] = None, scale: Optional[float] = None,
+                     interp: bool = False, beta_dtype: torch.dtype = torch.float32,
+                     gate_dtype: Optional[torch.dtype] = None,
+                     execution: Optional[str] = None, sms: int = 132):
+    """Program of one backward on one device, built by the pattern's backward module
+    (``scalar_backward``, ``vector_backward``, ``delta_backward``, ``vector_state``) with
+    the plans' precision rule and ``sms`` (the device's SM count, which sizes the walk
+    tiles).
+
+    Matrix state: inputs ``q, k, v, do`` and, by variant, ``g`` (fp32), ``beta``
+    (``beta_dtype``), ``h0``, ``dht``; outputs ``dq, dk, dv``, ``dg`` (gla,
+    gated_delta_rule) or ``dg_part`` (``[NK, B, T, H]``, simple_gla: the K tiles' shares),
+    ``dbeta`` (gated_delta_rule), ``dh0`` (``has_h0``); the rest per-call scratch.  hgrn:
+    from the forward's kept outputs (``g, do, h``; ``gate_dtype``, ``execution``).
+    """
+    if variant == "hgrn":
+        from . import vector_state
+
+        return vector_state.backward_program(B=B, T=T, D=D, dtype=dtype, has_h0=has_h0,
+                                             has_dht=has_dht, gate_dtype=gate_dtype,
+                                             execution=execution)
+    if variant not in MATRIX_VARIANTS:
+        raise ValueError(f"variant: expected one of {MATRIX_VARIANTS}, got {variant!r}")
+    common = dict(dtype=dtype, has_h0=has_h0, has_dht=has_dht,
+                  scale=K ** -0.5 if scale is None else float(scale), prec=_precision(interp))
+    if variant in ("linear_attn", "simple_gla"):
+        from . import scalar_backward
+
+        return scalar_backward.backward_program(B, T, H, K, V, gated=bool(gated), sms=sms,
+                                                **common)
+    if variant == "gla":
+        from . import vector_backward
+
+        return vector_backward.backward_program(B, T, H, K, V, sms=sms, **common)
+    from . import delta_backward
+
+    return delta_backward.backward_program(B, T, H, K, V, gated=bool(gated),
+                                           beta_dtype=beta_dtype, **common)

@@ -2,7 +2,7 @@
 
 A config declares the static dims (variants, heads, head dims, dtypes, chunk sizes,
 execution modes); :func:`enumerate_specs` turns it into the set of
-:class:`~forge_dist.runtime.programs.KernelSpec` that plans of those dims launch (built by
+:class:`~forge_dist.kernels.ir.KernelSpec` that plans of those dims launch (built by
 the same program builders the plans use), and :func:`compile_all` compiles each for a
 target such as ``cuda:90`` with Triton 3.6's own compiler::
 
@@ -43,8 +43,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .programs import (KernelSpec, hgrn_backward_program, hgrn_program,
-                       matrix_backward_program, matrix_program, resolve_kernel)
+from ..kernels import backward_program, forward_program
+from ..kernels.ir import KERNELS, KernelSpec, resolve_kernel
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -135,14 +135,15 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                             for mode in cfg["execution"]:
                                 if not store_o and h0:
                                     continue  # summaries start from zero
-                                prog = hgrn_program(B=1, T=256, D=int(D), dtype=dtype,
-                                                    has_h0=h0, store_o=store_o, execution=mode)
+                                prog = forward_program("hgrn", B=1, T=256, D=int(D),
+                                                       dtype=dtype, has_h0=h0,
+                                                       store_o=store_o, execution=mode)
                                 out.update((s.key, s) for s in prog.specs())
                                 if not (store_o and cfg.get("backward", True)):
                                     continue
                                 for has_dht in (False, True):
-                                    prog = hgrn_backward_program(
-                                        B=1, T=256, D=int(D), dtype=dtype, has_h0=h0,
+                                    prog = backward_program(
+                                        "hgrn", B=1, T=256, D=int(D), dtype=dtype, has_h0=h0,
                                         has_dht=has_dht, execution=mode)
                                     out.update((s.key, s) for s in prog.specs())
                     continue
@@ -154,7 +155,7 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                             _stores(variant, cfg["sequence_parallel"])):
                         if not store_o and h0:
                             continue  # summaries start from zero
-                        prog = matrix_program(
+                        prog = forward_program(
                             variant, B=1, T=T, H=int(H), K=int(K), V=int(V), dtype=dtype,
                             gated=gated, has_h0=h0, store_o=store_o, execution=mode,
                             tiles=tiles, gate_dtype=gate_dtype, beta_dtype=beta_dtype)
@@ -164,7 +165,7 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                     for gated, Bb, has_dht in itertools.product(
                             _gates(variant, cfg["gated"]), cfg.get("batch_sizes", [1]),
                             (False, True)):
-                        prog = matrix_backward_program(
+                        prog = backward_program(
                             variant, B=int(Bb), T=T, H=int(H), K=int(K), V=int(V),
                             dtype=dtype, gated=gated, has_h0=h0, has_dht=has_dht,
                             beta_dtype=beta_dtype or gate_dtype)
@@ -351,8 +352,6 @@ def compile_specs(specs: Iterable[KernelSpec], cache_dir, target: str = "cuda:90
 
 
 def _kernel_location(kernel: str) -> Tuple[str, str]:
-    from .programs import KERNELS
-
     if ":" in kernel:
         m, a = kernel.split(":", 1)
         return m, a

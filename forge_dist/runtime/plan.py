@@ -2,7 +2,7 @@
 
 ``p = plan("simple_gla", B=1, T=4096, H=32, K=128, V=128, dtype=torch.bfloat16)`` fixes, once:
 shapes and dtypes, the execution strategy (fused/decoupled, from the kernels' scheduler),
-the tile configs (the kernels' tables), the launch program (:mod:`.programs`), the
+the tile configs (the kernels' tables), the launch program (:func:`forge_dist.kernels.forward_program`), the
 workspaces, the kernels (cubins bound to the static dispatcher, or the JIT kernels), and
 for sequence parallelism the strategy object, its symmetric buffers (forge) and the
 cross-rank agreement check.  ``o, final = p.run(q, k, v, g)`` then only checks each tensor
@@ -42,7 +42,8 @@ import torch
 from torch import Tensor
 
 from . import fastpath, jit_launch
-from . import programs as pg
+from .. import kernels
+from ..kernels.ir import Program, resolve_kernel
 
 _KIND = {"linear_attn": "identity", "simple_gla": "scalar", "gla": "diagonal"}
 SP_VARIANTS = tuple(_KIND)
@@ -75,13 +76,13 @@ def _rank_size(group) -> Tuple[int, int, bool]:
 
 
 class _Exec:
-    """Runs one :class:`~.programs.Program`: JIT launches, or bound cubins where available."""
+    """Runs one :class:`~forge_dist.kernels.ir.Program`: JIT launches, or bound cubins where available."""
 
-    def __init__(self, program: pg.Program, device: torch.device, dispatcher=None,
+    def __init__(self, program: Program, device: torch.device, dispatcher=None,
                  specialise: bool = False):
         self.program = program
         self.device = device
-        self.kernels = [pg.resolve_kernel(ln.kernel) for ln in program.launches]
+        self.kernels = [resolve_kernel(ln.kernel) for ln in program.launches]
         self.bound: List[Any] = [None] * len(program.launches)
         self.paths: List[str] = ["jit"] * len(program.launches)
         self.workspaces: Dict[str, Tensor] = {}
@@ -420,15 +421,15 @@ class Plan:
         if exe is None:
             if self.op == "hgrn":
                 B, T, D = self.out_shape
-                prog = pg.hgrn_backward_program(B=B, T=T, D=D, dtype=self.out_dtype,
-                                                gate_dtype=self.dtypes["g"],
-                                                has_h0=self.initial_state, has_dht=has_dht,
-                                                execution=self.execution_request)
+                prog = kernels.backward_program(
+                    "hgrn", B=B, T=T, D=D, dtype=self.out_dtype, gate_dtype=self.dtypes["g"],
+                    has_h0=self.initial_state, has_dht=has_dht,
+                    execution=self.execution_request)
             else:
                 from ..kernels.scalar_backward import sm_count
 
                 B, T, H, K = self.shapes["q"]
-                prog = pg.matrix_backward_program(
+                prog = kernels.backward_program(
                     self.op, B=B, T=T, H=H, K=K, V=self.out_shape[-1], dtype=self.out_dtype,
                     gated="g" in self.shapes, has_h0=self.initial_state, has_dht=has_dht,
                     scale=self.scale, interp=self._interp,
@@ -581,8 +582,8 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
             JIT-launched (the AOT cache holds no such kernels); not for gated_delta_rule.
     """
     maps = {n: m for n, m in dict(maps or {}).items() if m is not None}
-    if op not in pg.VARIANTS:
-        raise PlanError(f"op: expected one of {pg.VARIANTS}, got {op!r}")
+    if op not in kernels.VARIANTS:
+        raise PlanError(f"op: expected one of {kernels.VARIANTS}, got {op!r}")
     if backend not in ("auto", "static", "triton", "torch"):
         raise PlanError(f"backend: expected auto, static, triton or torch, got {backend!r}")
     if execution not in (None, "auto", "fused", "decoupled"):
@@ -627,8 +628,9 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         gdt = gate_dtype or dtype
         if set(maps) - {"x", "g"}:
             raise PlanError(f"maps: hgrn maps x and g, got {sorted(maps)}")
-        prog = pg.hgrn_program(B=B, T=T, D=D, dtype=dtype, has_h0=initial_state, tiles=tiles,
-                               gate_dtype=gdt, execution=execution, maps=maps)
+        prog = kernels.forward_program("hgrn", B=B, T=T, D=D, dtype=dtype,
+                                       has_h0=initial_state, tiles=tiles, gate_dtype=gdt,
+                                       execution=execution, maps=maps)
         names = ["x", "g"]
         state_shape = (B, D)
         out_shape = (B, T, D)
@@ -644,16 +646,16 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         gdt = gate_dtype or torch.float32
         scale = K ** -0.5 if scale is None else float(scale)
         try:
-            prog = pg.matrix_program(op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated,
-                                     has_h0=initial_state or rank > 0, scale=scale,
-                                     execution=execution, interp=interp, tiles=tiles,
-                                     gate_dtype=gdt, beta_dtype=beta_dtype, maps=maps)
+            prog = kernels.forward_program(
+                op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated,
+                has_h0=initial_state or rank > 0, scale=scale, execution=execution,
+                interp=interp, tiles=tiles, gate_dtype=gdt, beta_dtype=beta_dtype, maps=maps)
             sm_prog = None
             if size > 1 and rank < size - 1:
-                sm_prog = pg.matrix_program(op, B=B, T=T, H=H, K=K, V=V, dtype=dtype,
-                                            gated=gated, has_h0=False, store_o=False,
-                                            scale=scale, interp=interp, tiles=tiles,
-                                            gate_dtype=gdt, beta_dtype=beta_dtype, maps=maps)
+                sm_prog = kernels.forward_program(
+                    op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated, has_h0=False,
+                    store_o=False, scale=scale, interp=interp, tiles=tiles, gate_dtype=gdt,
+                    beta_dtype=beta_dtype, maps=maps)
         except ValueError as err:
             raise PlanError(str(err)) from None
         names = ["q", "k", "v"] + (["g"] if gated else []) + (

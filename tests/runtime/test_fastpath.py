@@ -161,13 +161,13 @@ def test_plans_that_do_not_qualify_keep_the_general_run(built, tmp_path):
     import json
     import shutil
 
-    from forge_dist.runtime import programs
+    from forge_dist import kernels
 
     # a launch without a cubin (JIT fallback): not specialised
     d = tmp_path / "partial"
     shutil.copytree(built[0], d)
     man = json.loads((d / "manifest.json").read_text())
-    prog = programs.matrix_program("simple_gla", B=B, T=T, H=H, K=K, V=V,
+    prog = kernels.forward_program("simple_gla", B=B, T=T, H=H, K=K, V=V,
                                    dtype=torch.float32, gated=True, has_h0=False,
                                    execution="decoupled")
     del man["kernels"][prog.specs()[-1].key]

@@ -12,7 +12,8 @@ import torch
 
 from forge_dist import kernels, ops
 from forge_dist.comm.sim import SimWorld
-from forge_dist.runtime import cache, dispatcher, programs
+from forge_dist import kernels
+from forge_dist.runtime import cache, dispatcher
 from forge_dist.runtime.plan import PlanError, plan
 
 plan_mod = importlib.import_module("forge_dist.runtime.plan")  # the name `plan` is the function
@@ -489,7 +490,7 @@ def test_program_specs_are_stable():
     from forge_dist.kernels._common import SUM_GATES_IN_WALK_MAX_TOKENS as LIMIT
 
     def prog(B, T, dtype=torch.bfloat16):
-        return programs.matrix_program("simple_gla", B=B, T=T, H=4, K=64, V=64, dtype=dtype,
+        return kernels.forward_program("simple_gla", B=B, T=T, H=4, K=64, V=64, dtype=dtype,
                                        gated=True, has_h0=False, execution="fused")
     keys = lambda p: [s.key for s in p.specs()]  # noqa: E731
     a, b = prog(1, 64), prog(2, LIMIT // 2)  # short: the walk alone
