@@ -46,6 +46,8 @@ from torch import Tensor
 
 from ..runtime import cache as plan_cache
 from ..runtime.plan import PlanError
+from ..variants import registry
+from .checks import check_finite_enabled
 from .runner import needs_grad
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -79,8 +81,6 @@ def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_
         return False
     if _compiling():  # a plan object and its host-side launches are not for tracing
         return False
-    from .checks import check_finite_enabled
-
     if check_finite_enabled():
         return False
     tensors = list(inputs.values()) + ([initial_state] if initial_state is not None else [])
@@ -172,8 +172,6 @@ def _remember(front_key: Optional[Tuple], p) -> None:
 def _plan(op: str, initial_state, output_final_state, maps=None, **plan_kw):
     """The cached plan of this call, or ``None`` where the planner refuses it.  ``maps``:
     fused prologues (input name -> jitted map), keyed as sorted items."""
-    from ..runtime import PlanError, cache
-
     if maps:
         plan_kw["maps"] = tuple(sorted(maps.items()))
 
@@ -182,7 +180,7 @@ def _plan(op: str, initial_state, output_final_state, maps=None, **plan_kw):
     try:
         # inside a CUDA graph capture: a captured plan (runtime/cache.py), kept for the
         # graph's replays and never handed to an eager call
-        return cache.get(op, stream=stream, thread=get_ident(), captured=_capturing(device),
+        return plan_cache.get(op, stream=stream, thread=get_ident(), captured=_capturing(device),
                          initial_state=initial_state is not None,
                          output_final_state=bool(output_final_state), **plan_kw)
     except PlanError:
@@ -261,7 +259,7 @@ class _PlannedMatrix(torch.autograd.Function):
 
 def _differentiable(p, tensors, initial_state):
     """``(o, final_state)`` of a call with gradients through plan ``p``'s autograd function."""
-    if p.op == "hgrn":
+    if registry.get(p.op).vector_state:
         return _PlannedHgrn.apply(p, *tensors, initial_state)
     return _PlannedMatrix.apply(p, initial_state, *tensors)
 
@@ -308,7 +306,7 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
         return None
     names = ["q", "k", "v"] + [n for n in ("g", "beta") if n in present]
     kw = dict(B=B, T=T, H=H, K=K, V=V, dtype=q.dtype, scale=scale, device=q.device)
-    if op in ("simple_gla", "gated_delta_rule"):
+    if registry.get(op).gate_optional:
         kw["gated"] = "g" in present
     if present:  # g and beta may differ (FLA's usual fp32 g with a bf16 beta)
         kw["gate_dtype"] = present.get("g", present.get("beta")).dtype

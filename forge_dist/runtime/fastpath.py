@@ -287,9 +287,7 @@ def specialise_program(exe) -> Optional[Callable[[Dict[str, Tensor]], None]]:
     if "cubin" in kinds:
         env["stream"] = exe.stream
     if "jit" in kinds:
-        from .plan import _raw_stream
-
-        env["raw_stream"], env["INDEX"] = _raw_stream, exe.device.index
+        env["raw_stream"], env["INDEX"] = jit_launch.raw_stream, exe.device.index
     body.append("    st = stream()" if "jit" not in kinds else "    st = raw_stream(INDEX)")
     if "cubin" in kinds and "jit" in kinds:
         body.append("    st_cubin = stream()")

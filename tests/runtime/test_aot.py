@@ -16,8 +16,7 @@ import torch
 
 from forge_dist import kernels
 from forge_dist.kernels import ir
-from forge_dist.runtime import aot, compile_cli, dispatcher
-from forge_dist.runtime.plan import plan
+from forge_dist.runtime import aot, compile_cli, dispatcher, plan
 
 from .static_fakes import SMALL, TARGET, FakeDriver, verified_cache
 

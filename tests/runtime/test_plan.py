@@ -12,9 +12,7 @@ import torch
 
 from forge_dist import kernels, ops
 from forge_dist.comm.sim import SimWorld
-from forge_dist import kernels
-from forge_dist.runtime import cache, dispatcher
-from forge_dist.runtime.plan import PlanError, plan
+from forge_dist.runtime import PlanError, cache, dispatcher, executor, plan
 
 plan_mod = importlib.import_module("forge_dist.runtime.plan")  # the name `plan` is the function
 
@@ -436,7 +434,7 @@ def _calls(fn):
 @pytest.mark.parametrize("fn", [
     plan_mod.Plan.run, plan_mod.Plan._check, plan_mod.Plan._run_local, plan_mod.Plan._run_sp,
     plan_mod.Plan.run_backward,
-    plan_mod._Exec.__call__, plan_mod._Exec._launch,
+    executor.Executor.__call__, executor.Executor._launch,
     dispatcher.BoundLaunch.launch, dispatcher.BoundLaunch.values,
     dispatcher.ArgPack.pack], ids=lambda f: f.__qualname__)
 def test_run_path_has_no_host_sync_in_source(fn):
