@@ -28,9 +28,11 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import Tensor
 
+from . import scheduler
 from .ir import Buffer, run_launch
 from .walker_launches import (GATE_CUMSUM_WARPS, gate_cumsum_launch, map_flags,  # noqa: F401
                               segment_length, segment_scan_launch, walk_launch, walk_launches)
+from ..variants import decay_attention
 from ..variants.base import SegmentWork
 
 try:  # Triton is optional: callers fall back to PyTorch when it is missing
@@ -985,8 +987,6 @@ class TritonWork(SegmentWork):
         in ``execution`` / ``execution_reason`` / ``n_seg`` and returns the segment count.
         ``with_summary``: the shard's summary is needed too (sequence parallelism), so a
         fused run pays the summary's extra read of k and v as well."""
-        from . import scheduler
-
         B, T, H, K = k.shape
         V = v.shape[-1]
         s = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], next_pow2(V)),
@@ -1146,7 +1146,5 @@ class DecayAttentionWork(TritonWork):
         return [None, *decay_summary_backward_triton(k, v, g, ddelta, dM)]
 
     def _summary_torch(self, tensors, need_M):
-        from ..variants import decay_attention
-
         q, k, v, g = tensors
         return decay_attention.summarize(q, k, v, g, self.scale, need_transition=need_M)

@@ -15,6 +15,7 @@ from . import scheduler
 from ._common import (DecayAttentionWork, dot_precision, ensure, outputs_from_summary,
                       sized_config, sum_gates_in_walk, summarize, walk)
 from .ir import Buffer, Launch, Program, pow2
+from .scalar_backward import scalar_decay_backward
 from .walker_launches import gate_cumsum, matrix_buffers, walk_launches
 
 # Tile config for this pattern (one place).  BV trades parallelism (B*H*V/BV programs)
@@ -105,6 +106,4 @@ class ScalarDecayWork(DecayAttentionWork):
     @staticmethod
     def chunk_backward(*args):
         """The Triton chunk backward (:func:`.scalar_backward.scalar_decay_backward`)."""
-        from .scalar_backward import scalar_decay_backward
-
         return scalar_decay_backward(*args)
