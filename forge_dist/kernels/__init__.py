@@ -42,7 +42,6 @@ MAX_HEAD_DIM = 256
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-
 @dataclass(frozen=True)
 class Pattern:
     """Where a computational pattern's kernels live (modules of this package)."""
@@ -109,6 +108,7 @@ def supported(variant: str, inputs: Dict[str, Optional[torch.Tensor]]) -> Option
     spec = _spec(variant)
     if spec is None:
         return f"unknown variant {variant!r}"
+    # the inputs no call can leave out: the state update's own (x, or q, k, v)
     names = spec.inputs[:2] if spec.vector_state else spec.inputs[:3]
     tensors = {n: t for n, t in inputs.items() if t is not None}
     for n in names:
@@ -148,7 +148,7 @@ def supported(variant: str, inputs: Dict[str, Optional[torch.Tensor]]) -> Option
     return None
 
 
-# input name -> the inputs of each variant its kernels map with fused prologues
+# variant name -> the inputs its kernels map with fused prologues (:func:`mappable`)
 MAPPABLE = {n: mappable(n) for n in variants() if mappable(n)}
 
 

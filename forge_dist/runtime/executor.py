@@ -21,7 +21,8 @@ from .dispatcher import current_stream_fn
 
 
 class Executor:
-    """Runs one :class:`~forge_dist.kernels.ir.Program`: JIT launches, or bound cubins where available."""
+    """Runs one :class:`~forge_dist.kernels.ir.Program`: JIT launches, or bound cubins
+    where available."""
 
     def __init__(self, program: Program, device: torch.device, dispatcher=None,
                  specialise: bool = False):

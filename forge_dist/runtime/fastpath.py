@@ -234,7 +234,8 @@ def specialise_program(exe) -> Optional[Callable[[Dict[str, Tensor]], None]]:
 
     The plans' backward programs run through it: the general call builds a pointer dict per
     launch, goes through the compiled kernel's launcher with tensors (which reads each
-    ``data_ptr`` again) and allocates through :meth:`~forge_dist.kernels.ir.Program.run_scoped`'s loops:
+    ``data_ptr`` again) and allocates through
+    :meth:`~forge_dist.kernels.ir.Program.run_scoped`'s loops:
     93 us of host time for a linear_attn backward of three launches on an H100 machine
     (``results/logs/train_split_*_s29-before.log``); in one process, A against B, the
     straight-line run took 31-107 us off the matrix-state ops' ``o.backward`` at T = 1K

@@ -2,9 +2,9 @@
 
 ``p = plan("simple_gla", B=1, T=4096, H=32, K=128, V=128, dtype=torch.bfloat16)`` fixes, once:
 shapes and dtypes, the execution strategy (fused/decoupled, from the kernels' scheduler),
-the tile configs (the kernels' tables), the launch program (:func:`forge_dist.kernels.forward_program`, run by
-:mod:`.executor`), the
-workspaces, the kernels (cubins bound to the static dispatcher, or the JIT kernels), and
+the tile configs (the kernels' tables), the launch program
+(:func:`forge_dist.kernels.forward_program`, run by :mod:`.executor`), the workspaces, the
+kernels (cubins bound to the static dispatcher, or the JIT kernels), and
 for sequence parallelism the strategy object, its symmetric buffers (forge) and the
 cross-rank agreement check.  ``o, final = p.run(q, k, v, g)`` then only checks each tensor
 against the plan (shape, dtype, device, contiguity, alignment: no collective, no host sync)
