@@ -22,43 +22,94 @@ work objects are differentiable, forward and backward in Triton (backward kernel
 form, one kernel in :mod:`.summary_backward`, with :func:`._common.decay_summary_backward` as
 its PyTorch reference).  :func:`forward` is a one-call convenience used by tests and
 benchmarks.
+
+Entry points for plans and the AOT step: :func:`forward_program` and
+:func:`backward_program`, the launches of one call as a :class:`.ir.Program`, built by the
+pattern modules (the eager functions launch the same records, :mod:`.walker_launches`).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+import importlib
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..variants import registry
 from ._common import HAVE_TRITON, interpreting
 
-VARIANTS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn")
 MAX_HEAD_DIM = 256
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
+@dataclass(frozen=True)
+class Pattern:
+    """Where a computational pattern's kernels live (modules of this package)."""
+
+    module: str  # its work class and forward_program
+    work: str  # the work class's name
+    backward_module: str  # its backward_program
+    mappable: Tuple[str, ...]  # inputs its forward kernels map with fused prologues
+    backward_takes: Tuple[str, ...] = ()  # optional arguments of its backward_program
+
+
+# the patterns of :attr:`forge_dist.variants.base.VariantSpec.pattern`
+PATTERNS = {
+    "scalar_decay": Pattern("scalar", "ScalarDecayWork", "scalar_backward",
+                            ("q", "k", "v", "g"), ("gated", "sms")),
+    "vector_decay": Pattern("vector", "VectorDecayWork", "vector_backward",
+                            ("q", "k", "v", "g"), ("sms",)),
+    "delta_rule": Pattern("delta", "DeltaRuleWork", "delta_backward", (),
+                          ("gated", "beta_dtype")),
+    "vector_state": Pattern("vector_state", "VectorStateWork", "vector_state", ("x", "g")),
+}
+
+
+def _spec(variant: str):
+    """The registered spec of ``variant`` if its pattern has kernels here, else ``None``."""
+    spec = registry.find(variant)
+    return spec if spec is not None and spec.pattern in PATTERNS else None
+
+
+def variants() -> tuple:
+    """The registered variants that have Triton kernels."""
+    return tuple(n for n in registry.names() if _spec(n) is not None)
+
+
+def matrix_variants() -> tuple:
+    """:func:`variants` with a matrix state ``[B, H, K, V]``."""
+    return tuple(n for n in variants() if not registry.get(n).vector_state)
+
+
+def _module(name: str):
+    return importlib.import_module(f"{__name__}.{name}")
+
+
 def _work_class(variant: str):
-    if variant in ("linear_attn", "simple_gla"):
-        from .scalar import ScalarDecayWork
-        return ScalarDecayWork
-    if variant == "gla":
-        from .vector import VectorDecayWork
-        return VectorDecayWork
-    if variant == "gated_delta_rule":
-        from .delta import DeltaRuleWork
-        return DeltaRuleWork
-    if variant == "hgrn":
-        from .vector_state import VectorStateWork
-        return VectorStateWork
-    return None
+    spec = _spec(variant)
+    if spec is None:
+        return None
+    pattern = PATTERNS[spec.pattern]
+    return getattr(_module(pattern.module), pattern.work)
+
+
+def mappable(variant: str) -> tuple:
+    """The inputs of ``variant`` whose fused prologues its forward kernels apply."""
+    spec = _spec(variant)
+    if spec is None:
+        return ()
+    return tuple(n for n in PATTERNS[spec.pattern].mappable if n in spec.inputs)
 
 
 def supported(variant: str, inputs: Dict[str, Optional[torch.Tensor]]) -> Optional[str]:
     """``None`` if the Triton kernels handle this case, else the reason they do not."""
     if not HAVE_TRITON:
         return "triton is not installed"
-    if variant not in VARIANTS:
+    spec = _spec(variant)
+    if spec is None:
         return f"unknown variant {variant!r}"
-    names = ("x", "g") if variant == "hgrn" else ("q", "k", "v")
+    # the inputs no call can leave out: the state update's own (x, or q, k, v)
+    names = spec.inputs[:2] if spec.vector_state else spec.inputs[:3]
     tensors = {n: t for n, t in inputs.items() if t is not None}
     for n in names:
         if n not in tensors:
@@ -74,9 +125,9 @@ def supported(variant: str, inputs: Dict[str, Optional[torch.Tensor]]) -> Option
         return f"tensors on {first.device} (Triton needs CUDA, or TRITON_INTERPRET=1)"
     if first.shape[1] == 0:
         return "empty segment"
-    if variant == "hgrn":
+    if spec.vector_state:
         if first.dim() != 3:
-            return "hgrn expects x [B, T, D]"
+            return f"{variant} expects {names[0]} [B, T, D]"
         return None
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
     if q.dtype != k.dtype or k.dtype != v.dtype:
@@ -84,24 +135,21 @@ def supported(variant: str, inputs: Dict[str, Optional[torch.Tensor]]) -> Option
     K, V = k.shape[-1], v.shape[-1]
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM or K < 16 or V < 16:
         return f"head dims K={K}, V={V} outside [16, {MAX_HEAD_DIM}]"
+    for n in spec.inputs[4:]:  # inputs past the gate (the delta rule's beta)
+        if tensors.get(n) is None:
+            return f"{variant} needs {n}"
     g = tensors.get("g")
-    if variant == "linear_attn" and g is not None:
-        return "linear_attn takes no gate"
-    if variant == "simple_gla" and g is not None and g.dim() != 3:
-        return "simple_gla expects g [B, T, H]"
-    if variant == "gla" and (g is None or g.dim() != 4):
-        return "gla expects g [B, T, H, K]"
-    if variant == "gated_delta_rule":
-        if tensors.get("beta") is None:
-            return "gated_delta_rule needs beta"
-        if g is not None and g.dim() != 3:
-            return "gated_delta_rule expects g [B, T, H]"
+    if spec.gate is None:
+        if g is not None:
+            return f"{variant} takes no gate"
+    elif (g is not None or not spec.gate_optional) and (
+            g is None or g.dim() != spec.gate_text().count(",") + 1):
+        return f"{variant} expects g {spec.gate_text()}"
     return None
 
 
-# templates whose forward kernels apply fused input prologues, and the inputs they map
-MAPPABLE = {"linear_attn": ("q", "k", "v"), "simple_gla": ("q", "k", "v", "g"),
-            "gla": ("q", "k", "v", "g"), "hgrn": ("x", "g")}
+# variant name -> the inputs its kernels map with fused prologues (:func:`mappable`)
+MAPPABLE = {n: mappable(n) for n in variants() if mappable(n)}
 
 
 def make_work(variant: str, inputs: Dict[str, Optional[torch.Tensor]], scale: Optional[float],
@@ -110,7 +158,7 @@ def make_work(variant: str, inputs: Dict[str, Optional[torch.Tensor]], scale: Op
     """A Triton-backed ``SegmentWork`` for one segment, or ``None`` (use the PyTorch path).
 
     Args:
-        variant: one of :data:`VARIANTS`.
+        variant: one of :func:`variants`.
         inputs: segment tensors by name, token axis at dim 1.
         scale: query scale (``None``: ``K ** -0.5``; ignored by hgrn).
         need_transition: whether ``summary`` will be asked for ``M`` (informational: the
@@ -121,13 +169,13 @@ def make_work(variant: str, inputs: Dict[str, Optional[torch.Tensor]], scale: Op
             ``FORGE_DIST_EXECUTION`` environment variable).
         maps: fused elementwise prologues, input name -> :class:`._common.InputMap`: the
             kernels read the raw inputs and map every tile they load (inputs of
-            :data:`MAPPABLE` only).
+            :func:`mappable` only).
     """
     maps = {n: m for n, m in (maps or {}).items() if m is not None}
-    extra = set(maps) - set(MAPPABLE.get(variant, ()))
+    extra = set(maps) - set(mappable(variant))
     if extra:
         raise ValueError(f"make_work: maps: {variant} fuses prologues of "
-                         f"{MAPPABLE.get(variant, ())} only, got {sorted(extra)}")
+                         f"{mappable(variant)} only, got {sorted(extra)}")
     if supported(variant, inputs) is not None:
         return None
     return _work_class(variant)(variant, dict(inputs), scale, need_transition,
@@ -144,9 +192,89 @@ def forward(variant: str, inputs: Dict[str, Optional[torch.Tensor]], scale: Opti
     if reason is not None:
         raise ValueError(f"forge_dist.kernels: {variant}: {reason}")
     work = make_work(variant, inputs, scale, False, out_dtype=out_dtype, execution=execution)
-    if variant == "hgrn":
+    if registry.get(variant).vector_state:
         x = inputs["x"]
         S = None if initial_state is None else initial_state.reshape(x.shape[0], 1, x.shape[2], 1)
         o, ht = work.finish(S)
         return o, ht.reshape(x.shape[0], x.shape[2])
     return work.finish(initial_state)
+
+
+def _precision(interp: bool) -> str:
+    # the kernels' rule (_common.dot_precision): IEEE under the interpreter, else 3xTF32
+    return "ieee" if interp else "tf32x3"
+
+
+def forward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0: bool,
+                    H: Optional[int] = None, K: Optional[int] = None, V: Optional[int] = None,
+                    D: Optional[int] = None, gated: Optional[bool] = None,
+                    store_o: bool = True, scale: Optional[float] = None,
+                    execution: Optional[str] = None, interp: bool = False,
+                    tiles: Optional[dict] = None, gate_dtype: Optional[torch.dtype] = None,
+                    beta_dtype: Optional[torch.dtype] = None, maps: Optional[dict] = None):
+    """Program of one segment forward (or, ``store_o=False``, its summary) of ``variant``,
+    built by its pattern module's ``forward_program``.
+
+    Matrix state: inputs ``q, k`` (``dtype``, ``[B, T, H, K]``), ``v`` (``[B, T, H, V]``),
+    ``g`` (``gate_dtype``, default fp32; by the variant's gate shape), ``beta``
+    (the delta rule, ``beta_dtype``, default ``gate_dtype``), ``h0`` (fp32 ``[B, H, K,
+    V]``); outputs ``o`` (``dtype``) and ``ht`` (fp32); workspaces by pattern.  hgrn:
+    ``x, g [B, T, D]`` (``gate_dtype`` default ``dtype``), ``h0, ht [B, D]``.
+    ``execution`` forces fused or decoupled; ``None`` asks the scheduler, as the kernels
+    do.  ``interp``: the interpreter's precision rule.  ``tiles`` overrides entries of the
+    pattern's tile config.  ``maps``: fused prologues by input name (jitted maps of
+    :mod:`forge_dist.dsl.codegen`), applied as the kernels load.
+    """
+    spec = _spec(variant)
+    if spec is None:
+        raise ValueError(f"variant: expected one of {variants()}, got {variant!r}")
+    module = _module(PATTERNS[spec.pattern].module)
+    if spec.vector_state:
+        return module.forward_program(B=B, T=T, D=D, dtype=dtype, has_h0=has_h0,
+                                      store_o=store_o, tiles=tiles, gate_dtype=gate_dtype,
+                                      execution=execution, maps=maps)
+    if spec.gate is None and gated:
+        raise ValueError(f"{variant} takes no gate")
+    if spec.gate is not None and not spec.gate_optional and not gated:
+        raise ValueError(f"{variant} needs its gate g {spec.gate_text()}")
+    kw = dict(B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=bool(gated), has_h0=has_h0,
+              store_o=store_o, scale=K ** -0.5 if scale is None else float(scale),
+              prec=_precision(interp), execution=execution, tiles=tiles,
+              gate_dtype=gate_dtype or torch.float32, maps=maps)
+    if "beta" in spec.inputs:
+        kw["beta_dtype"] = beta_dtype
+    return module.forward_program(**kw)
+
+
+def backward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0: bool,
+                     has_dht: bool, H: Optional[int] = None, K: Optional[int] = None,
+                     V: Optional[int] = None, D: Optional[int] = None,
+                     gated: Optional[bool] = None, scale: Optional[float] = None,
+                     interp: bool = False, beta_dtype: torch.dtype = torch.float32,
+                     gate_dtype: Optional[torch.dtype] = None,
+                     execution: Optional[str] = None, sms: int = 132):
+    """Program of one backward on one device, built by the pattern's backward module
+    (``scalar_backward``, ``vector_backward``, ``delta_backward``, ``vector_state``) with
+    the plans' precision rule and ``sms`` (the device's SM count, which sizes the walk
+    tiles).
+
+    Matrix state: inputs ``q, k, v, do`` and, by variant, ``g`` (fp32), ``beta``
+    (``beta_dtype``), ``h0``, ``dht``; outputs ``dq, dk, dv``, ``dg`` (gla,
+    the delta rule) or ``dg_part`` (``[NK, B, T, H]``, simple_gla: the K tiles' shares),
+    ``dbeta`` (the delta rule), ``dh0`` (``has_h0``); the rest per-call scratch.  hgrn:
+    from the forward's kept outputs (``g, do, h``; ``gate_dtype``, ``execution``).
+    """
+    spec = _spec(variant)
+    if spec is None:
+        raise ValueError(f"variant: expected one of {variants()}, got {variant!r}")
+    pattern = PATTERNS[spec.pattern]
+    module = _module(pattern.backward_module)
+    if spec.vector_state:
+        return module.backward_program(B=B, T=T, D=D, dtype=dtype, has_h0=has_h0,
+                                       has_dht=has_dht, gate_dtype=gate_dtype,
+                                       execution=execution)
+    optional = dict(gated=bool(gated), sms=sms, beta_dtype=beta_dtype)
+    return module.backward_program(
+        B, T, H, K, V, dtype=dtype, has_h0=has_h0, has_dht=has_dht,
+        scale=K ** -0.5 if scale is None else float(scale), prec=_precision(interp),
+        **{n: optional[n] for n in pattern.backward_takes})

@@ -28,6 +28,11 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import Tensor
 
+from . import scheduler
+from .ir import Buffer, run_launch
+from .walker_launches import (GATE_CUMSUM_WARPS, gate_cumsum_launch, map_flags,  # noqa: F401
+                              segment_length, segment_scan_launch, walk_launch, walk_launches)
+from ..variants import decay_attention
 from ..variants.base import SegmentWork
 
 try:  # Triton is optional: callers fall back to PyTorch when it is missing
@@ -588,25 +593,15 @@ if HAVE_TRITON:
         key=WALK_KEY)(_walk_kernel)
 
 
-def segment_length(T: int, BT: int, n_seg: int) -> int:
-    """Tokens per segment when ``T`` is cut into (at most) ``n_seg`` chunk-aligned segments."""
-    n_chunks = max(1, -(-T // BT))
-    return -(-n_chunks // max(1, n_seg)) * BT
-
-
-GATE_CUMSUM_WARPS = 4  # the gate-sum launch's warps (runtime/programs.py mirrors the launch)
-
-
 def chunk_gate_cumsum(g: Tensor, BT: int, g_map=None) -> Tensor:
     """Scalar log decays ``g [B, T, H]`` (any float dtype) -> their cumulative sums within
     each ``BT``-token chunk, head-major: ``[B, H, T]`` fp32 (what the walker reads for
     ``gate=1``; one small launch).  ``g_map``: a fused prologue applied to ``g`` first."""
     B, T, H = g.shape
     gc = torch.empty(B, H, T, dtype=torch.float32, device=g.device)
-    extra = {} if g_map is None else {"G_MAP": g_map}
-    _gate_cumsum_kernel[(triton.cdiv(T, BT), B)](g.contiguous(), gc, T, H=H, BT=BT,
-                                                 BH=next_pow2(H), **extra,
-                                                 num_warps=GATE_CUMSUM_WARPS)
+    ln = gate_cumsum_launch(g="g", gc="gc", B=B, T=T, H=H, BT=BT,
+                            maps=None if g_map is None else {"g": g_map})
+    run_launch(ln, {"g": g.contiguous(), "gc": gc}, _gate_cumsum_kernel)
     return gc
 
 
@@ -635,15 +630,6 @@ def walker_gates(g: Optional[Tensor], gate: int, BT: int,
     return g_cum if g_cum is not None else chunk_gate_cumsum(g, BT, g_map)
 
 
-def map_flags(maps: Optional[dict], names: str) -> dict:
-    """The walker's constexpr prologue arguments (``Q_MAP`` ...) for the inputs in ``names``
-    (``"qkv"``) that have a fused map in ``maps`` (input name -> jitted map); none are passed
-    otherwise, so unmapped launches keep their compiled kernels."""
-    if not maps:
-        return {}
-    return {f"{n.upper()}_MAP": maps[n] for n in names if maps.get(n) is not None}
-
-
 def _tiles(k: Tensor, V: int, cfg: dict):
     """``(BT, BK, BV, NV)`` of the walker for keys ``k`` and value dim ``V``."""
     BV = min(cfg["BV"], next_pow2(V))
@@ -653,38 +639,37 @@ def _tiles(k: Tensor, V: int, cfg: dict):
 def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_ht, scale,
                  V, cfg, prec, a=None, s_in=None, cg=None, ht_last=False, hc=None,
                  vn=None, scan_in=False, maps=None, raw_gates=False) -> None:
-    """One walker launch over ``n`` segments of ``seg`` tokens (see ``_walk_kernel``);
+    """One walker launch over ``n`` segments of ``seg`` tokens (the launch record of
+    :func:`.walker_launches.walk_launch`, bound to these tensors);
     ``raw_gates``: ``g`` is the per-token scalar gates, summed in the walk (``G_RAW``)."""
     B, T, H, K = k.shape
-    BT, BK, BV, NV = _tiles(k, V, cfg)
-    args = (q if q is not None else k, k, v if v is not None else k,
-            g if g is not None else k, w if w is not None else k,
-            h0 if h0 is not None else ht, o if o is not None else ht, ht,
-            gt if gt is not None else ht, T, seg, scale)
-    flags = dict(H=H, K=K, V=V, BT=BT, BK=BK, GATE=gate, HAS_V=v is not None,
-                 HAS_W=w is not None, HAS_H0=h0 is not None, STORE_O=q is not None,
-                 STORE_HT=store_ht, PREC=prec, HAS_A=a is not None and q is not None,
-                 a=a if q is not None else None, STORE_GT=gt is not None and not scan_in)
-    if scan_in:
-        flags["SCAN_IN"] = True
-    if raw_gates:
-        flags["G_RAW"] = True
-    if s_in is not None:  # folded-in incoming state (and, gated, its decay per segment)
-        flags.update(HAS_SIN=True, s_in=s_in)
-        if not scan_in:  # SCAN_IN decays s_in through the summaries' own gt
-            flags["cg"] = cg if cg is not None else s_in
-    if ht_last:
-        flags.update(HT_LAST=True)
-    if hc is not None:  # chunk states and corrected values for a backward pass
-        flags.update(STORE_CHUNKS=True, hc=hc, vn=vn)
-    flags.update(map_flags(maps, ("q" if q is not None else "") + "k" + ("v" if v is not None
-                                                                          else "")))
-    if use_autotune() and cfg.get("tune", True) and hc is None:
-        grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * H, n)  # noqa: E731
-        _walk_tuned[grid](*args, **flags)
+    given = dict(q=q, k=k, v=v, g=g, w=w, h0=h0, o=o, ht=ht, gt=gt, a=a, s_in=s_in, cg=cg,
+                 hc=hc, vn=vn)
+    tensors = {name: t for name, t in given.items() if t is not None}
+    names = {name: (name if t is not None else None) for name, t in given.items()}
+    ln = walk_launch(**names, B=B, T=T, H=H, K=K, V=V, gate=gate, scale=scale, cfg=cfg,
+                     prec=prec, seg=seg, n=n, store_ht=store_ht, ht_last=ht_last,
+                     scan_in=scan_in, maps=maps, raw_gates=raw_gates)
+    _run_walker(ln, tensors, cfg)
+
+
+def _run_walker(ln, tensors: Dict[str, Tensor], cfg: dict) -> None:
+    """Launch a record of :mod:`.walker_launches` on ``tensors`` (by buffer name); walks
+    are autotuned with ``FORGE_DIST_AUTOTUNE=1`` (not those keeping chunk states)."""
+    if ln.kernel == "walk":
+        consts = dict(ln.constexprs)
+        if use_autotune() and cfg.get("tune", True) and not consts["STORE_CHUNKS"]:
+            call = {name: tensors[value] if kind == "buf" else value
+                    for name, kind, value in ln.args}
+            del consts["BV"]  # BV, warps and stages come from the tuning configs
+            NV_of = lambda meta: triton.cdiv(consts["V"], meta["BV"])  # noqa: E731
+            _walk_tuned[lambda meta: (NV_of(meta),) + ln.grid[1:]](**call, **consts)
+            return
+        run_launch(ln, tensors, _walk_kernel)
+    elif ln.kernel == "segment_scan":
+        run_launch(ln, tensors, _segment_scan_kernel)
     else:
-        _walk_kernel[(NV, B * H, n)](*args, BV=BV, **flags, num_warps=cfg["num_warps"],
-                                     num_stages=cfg["num_stages"])
+        run_launch(ln, tensors, _gate_cumsum_kernel)
 
 
 def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optional[Tensor] = None,
@@ -729,8 +714,7 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
     """
     B, T, H, K = k.shape
     V = v.shape[-1] if v is not None else V
-    BT, BK, BV, NV = _tiles(k, V, cfg)
-    seg = segment_length(T, BT, n_seg)
+    seg = segment_length(T, cfg["BT"], n_seg)
     n_seg = max(1, -(-T // seg))
     if n_seg > 1 and w is not None:
         raise ValueError("walk: the decoupled schedule needs a scalar or diagonal transition "
@@ -747,33 +731,28 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
             raise ValueError("walk: raw_gates needs gate=1, no g_cum and no gate map")
         g = g.contiguous()
     else:
-        g = walker_gates(g, gate, BT, g_cum, g_map)
-    common = dict(k=k, v=v, g=g, gate=gate, w=w, scale=scale, V=V, cfg=cfg, prec=prec,
-                  maps=maps, raw_gates=raw_gates)
+        g = walker_gates(g, gate, cfg["BT"], g_cum, g_map)
     if (chunk_states is None) != (walked_v is None):
         raise ValueError("walk: chunk_states and walked_v go together")
     if chunk_states is not None and n_seg != 1:
         raise ValueError("walk: chunk_states needs the fused schedule (n_seg=1)")
-    if n_seg == 1:
-        if h0 is None and gate == 0 and w is None and q is not None:
-            # The ungated output walk compiled without an incoming state ran at 1.96 ms
-            # against 1.39 ms with a zero one (H200, B=4, 32K tokens, 32 heads of 128,
-            # results/sp_phases_*, the h0 probe of the 2026-11-24 session): start from zeros.
-            h0 = torch.zeros(B, H, K, V, dtype=torch.float32, device=k.device)
-        _launch_walk(1, seg, q=q, h0=h0, o=o, ht=ht, gt=None, store_ht=True, a=a,
-                     hc=chunk_states, vn=walked_v, **common)
-        return o, ht
-    hs = torch.empty(n_seg, B, H, K, V, dtype=torch.float32, device=k.device)
-    gt = torch.empty(n_seg, B, H, K, dtype=torch.float32, device=k.device) if gate else None
-    _launch_walk(n_seg, seg, q=None, h0=None, o=None, ht=hs, gt=gt, store_ht=True, **common)
-    if q is not None:  # the output walks fold the segment scan in (SCAN_IN): two launches
-        _launch_walk(n_seg, seg, q=q, h0=hs, o=o, ht=ht, gt=gt, store_ht=True, a=a, s_in=h0,
-                     ht_last=True, scan_in=True, **common)
-        return o, ht
-    _segment_scan_kernel[(NV, B * H)](hs, gt if gt is not None else hs,
-                                      h0 if h0 is not None else ht, ht, n_seg, K=K, V=V, BK=BK,
-                                      BV=BV, GATED=gate != 0, HAS_H0=h0 is not None,
-                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if n_seg == 1 and h0 is None and gate == 0 and w is None and q is not None:
+        # The ungated output walk compiled without an incoming state ran at 1.96 ms
+        # against 1.39 ms with a zero one (H200, B=4, 32K tokens, 32 heads of 128,
+        # results/sp_phases_*, the h0 probe of the 2026-11-24 session): start from zeros.
+        h0 = torch.zeros(B, H, K, V, dtype=torch.float32, device=k.device)
+    given = dict(q=q, k=k, v=v, g=g, w=w, h0=h0, o=o, ht=ht, a=a, hc=chunk_states,
+                 vn=walked_v)
+    tensors = {name: t for name, t in given.items() if t is not None}
+    names = {name: (name if t is not None else None) for name, t in given.items()}
+    workspaces: Dict[str, Buffer] = {}
+    launches = walk_launches(workspaces, **names, B=B, T=T, H=H, K=K, V=V, gate=gate,
+                             scale=scale, cfg=cfg, prec=prec, n_seg=n_seg, maps=maps,
+                             raw_gates=raw_gates)
+    for name, buf in workspaces.items():  # the decoupled schedule's segment states
+        tensors[name] = torch.empty(buf.shape, dtype=buf.dtype, device=k.device)
+    for ln in launches:
+        _run_walker(ln, tensors, cfg)
     return o, ht
 
 
@@ -830,10 +809,11 @@ def summarize(k: Tensor, v: Tensor, *, g: Optional[Tensor] = None, gate: int = 0
     delta = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
     decay_to = (torch.empty(n_seg + 1, B, H, K, dtype=torch.float32, device=k.device)
                 if gate else None)
-    _segment_scan_kernel[(NV, B * H)](hs, gt if gt is not None else hs, delta, delta, n_seg,
-                                      K=K, V=V, BK=BK, BV=BV, GATED=gate != 0, HAS_H0=False,
-                                      STORE_CG=decay_to is not None, cg=decay_to,
-                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    scan = segment_scan_launch(hs="hs", gt="gt" if gt is not None else None, h0=None,
+                               ht="delta", cg="cg" if decay_to is not None else None,
+                               n_seg=n_seg, B=B, H=H, K=K, V=V, cfg=cfg)
+    tensors = {"hs": hs, "gt": gt, "delta": delta, "cg": decay_to}
+    _run_walker(scan, {n: t for n, t in tensors.items() if t is not None}, cfg)
     return SegmentStates(n_seg, seg, delta, hs, decay_to, g_cum)
 
 
@@ -1026,8 +1006,6 @@ class TritonWork(SegmentWork):
         in ``execution`` / ``execution_reason`` / ``n_seg`` and returns the segment count.
         ``with_summary``: the shard's summary is needed too (sequence parallelism), so a
         fused run pays the summary's extra read of k and v as well."""
-        from . import scheduler
-
         B, T, H, K = k.shape
         V = v.shape[-1]
         s = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], next_pow2(V)),
@@ -1187,7 +1165,5 @@ class DecayAttentionWork(TritonWork):
         return [None, *decay_summary_backward_triton(k, v, g, ddelta, dM)]
 
     def _summary_torch(self, tensors, need_M):
-        from ..variants import decay_attention
-
         q, k, v, g = tensors
         return decay_attention.summarize(q, k, v, g, self.scale, need_transition=need_M)

@@ -18,11 +18,15 @@ for the fp32 option); fp32 inputs use fp32 operands with 3xTF32 dots.
 from __future__ import annotations
 
 import os
+from typing import Any, Dict, List, Optional
 
 import torch
 
+from . import scheduler
 from ._common import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2, reset_floor,
                       sized_config, tl, triton, TritonWork, walk, walker_gates)
+from .ir import Buffer, KernelSpec, Launch, Program, run_launch, tl_type
+from .walker_launches import gate_cumsum, matrix_buffers, walk_launches
 from ..variants import delta_rule
 
 # The walker reads the in-chunk attention the WY launch formed (HAS_A).  Measured on H200 at
@@ -327,7 +331,7 @@ def wy_launches(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype, g
     ``[(grid, constexprs, num_warps, num_stages)]``, every one with the runtime arguments
     ``(k, v, g, beta, w, u, xs, T)`` and, where ``STORE_A`` (``store_a``: the launch that
     forms W and U also forms the output walk's attention), ``(q, a)`` after them
-    (``runtime.programs`` mirrors them for ahead-of-time plans)."""
+    (as :class:`~.ir.Launch` records: :func:`wy_launch_records`)."""
     cfg = WY_CONFIG if cfg is None else cfg
     grid = (-(-T // WY_BT), B * H, 1)
     # solve_BK counts 16-bit elements: fp32 keys take half as many (the same bytes, registers)
@@ -348,15 +352,29 @@ def wy_launches(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype, g
              cfg["num_stages"])]
 
 
+def wy_launch_records(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype,
+                      gated: bool, prec: str, cfg: dict = None,
+                      store_a: bool = False) -> List[Launch]:
+    """:func:`wy_launches` as launch records on buffers ``k, v, g`` (``beta`` when not
+    ``gated``), ``beta``, ``w, u, xs`` and, where ``STORE_A``, ``q, a``: what :func:`wy`,
+    :func:`forward_program` and ``delta_backward.backward_program`` launch."""
+    args = (("k", "buf", "k"), ("v", "buf", "v"), ("g", "buf", "g" if gated else "beta"),
+            ("beta", "buf", "beta"), ("w", "buf", "w"), ("u", "buf", "u"),
+            ("xs", "buf", "xs"), ("T", "i32", T))
+    a_args = (("q", "buf", "q"), ("a", "buf", "a"))  # the launch forming the walk's attention
+    return [Launch("wy", grid, args + (a_args if const["STORE_A"] else ()),
+                   tuple(const.items()), nw, ns)
+            for grid, const, nw, ns in wy_launches(B, T, H, K, V, dtype=dtype, gated=gated,
+                                                   prec=prec, cfg=cfg, store_a=store_a)]
+
+
 def wy_kernel_specs(K: int = 128, V: int = 128, *, H: int = 32, dtype=torch.bfloat16,
                     gated: bool = True, prec: str = None, store_x: bool = False,
                     store_a: bool = False) -> list:
-    """The :class:`~forge_dist.runtime.programs.KernelSpec` of every launch of :func:`wy` for
+    """The :class:`~forge_dist.kernels.ir.KernelSpec` of every launch of :func:`wy` for
     inputs of ``dtype`` (fp32 gates; ``store_x``: the backward's fp32 X), for AOT compilation
     and the resource report.  ``prec``: the dots' precision, by default what the forward
     and backward pass (TF32 for 16-bit inputs, 3xTF32 for fp32)."""
-    from ..runtime.programs import KernelSpec, tl_type
-
     if prec is None:
         prec = "tf32x3" if dtype == torch.float32 else "tf32"
     io = "*" + tl_type(dtype)
@@ -388,15 +406,62 @@ def wy(k, v, g, beta, *, BT: int, prec: str, dtype, store_x: bool = False, q=Non
     u = torch.empty(B, T, H, V, dtype=dtype, device=k.device)
     xs = torch.empty(B, T, H, BT, dtype=wy_x_dtype(k.dtype, store_x), device=k.device)
     a = None if q is None else torch.empty(B, T, H, BT, dtype=q.dtype, device=k.device)
-    for grid, const, num_warps, num_stages in wy_launches(B, T, H, K, V, dtype=k.dtype,
-                                                          gated=g is not None, prec=prec,
-                                                          store_a=q is not None):
-        extra = dict(q=q, a=a) if const["STORE_A"] else {}
-        _wy_kernel[grid](k, v, g if g is not None else beta, beta, w, u, xs, T, **const,
-                         **extra, num_warps=num_warps, num_stages=num_stages)
+    tensors = {"k": k, "v": v, "beta": beta, "w": w, "u": u, "xs": xs}
+    tensors.update((n, t) for n, t in (("g", g), ("q", q), ("a", a)) if t is not None)
+    for ln in wy_launch_records(B, T, H, K, V, dtype=k.dtype, gated=g is not None, prec=prec,
+                                store_a=q is not None):
+        run_launch(ln, tensors, _wy_kernel)
     if store_x:
         return w, u, xs
     return (w, u) if q is None else (w, u, a)
+
+
+def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype,
+                    gated: bool, has_h0: bool, store_o: bool = True, scale: float, prec: str,
+                    execution: Optional[str] = None, tiles: Optional[dict] = None,
+                    gate_dtype: torch.dtype = torch.float32,
+                    beta_dtype: Optional[torch.dtype] = None,
+                    maps: Optional[Dict[str, Any]] = None) -> Program:
+    """The launches of :meth:`DeltaRuleWork.finish` with no summary before it, as a
+    :class:`~.ir.Program`: :func:`.walker_launches.matrix_buffers`, ``g [B, T, H]``
+    (``gate_dtype``, ``gated``) and ``beta [B, T, H]`` (``beta_dtype``, default
+    ``gate_dtype``); the WY factors (workspaces ``w, u, xs`` and the walk's in-chunk
+    attention ``a``), the gates' chunk sums (``gated``), then one fused walk.  Only the
+    fused schedule exists, no fused prologues, and no summary program (its dense transition
+    is not built here).  ``tiles`` overrides entries of :func:`fused_config`."""
+    if execution not in (None, "auto", scheduler.FUSED):
+        raise ValueError(f"execution={execution!r}: gated_delta_rule has only the fused "
+                         "kernels")
+    if maps:
+        raise ValueError("maps: the gated_delta_rule kernels take no fused prologues")
+    if not store_o:
+        raise ValueError("gated_delta_rule: the summary program (with its dense transition) "
+                         "is not built here; use forge_dist.ops for sequence parallelism")
+    cfg = dict(fused_config(K, V, dtype), **(tiles or {}))
+    BT = cfg["BT"]
+    if BT != WY_BT:
+        raise ValueError(f"gated_delta_rule: the WY factors work on chunks of {WY_BT} "
+                         f"tokens, got BT={BT}")
+    bufs = matrix_buffers(B=B, T=T, H=H, K=K, V=V, dtype=dtype, store_o=True, has_h0=has_h0)
+    if gated:
+        bufs["g"] = Buffer((B, T, H), gate_dtype, "input")
+    bufs["beta"] = Buffer((B, T, H), beta_dtype or gate_dtype, "input")
+    bufs["w"] = Buffer((B, T, H, K), dtype, "workspace")
+    bufs["u"] = Buffer((B, T, H, V), dtype, "workspace")
+    bufs["xs"] = Buffer((B, T, H, BT), wy_x_dtype(dtype), "workspace")
+    bufs["a"] = Buffer((B, T, H, BT), dtype, "workspace")
+    low = dtype in (torch.float16, torch.bfloat16)
+    wy_prec = "tf32" if low and prec != "ieee" else prec
+    launches = wy_launch_records(B, T, H, K, V, dtype=dtype, gated=gated, prec=wy_prec,
+                                 store_a=True)
+    # the gate sum stays a launch of its own for the delta rule (see _finish_fwd)
+    if gated:
+        launches.append(gate_cumsum(bufs, B=B, T=T, H=H, BT=BT))
+    launches += walk_launches(bufs, q="q", k="k", v="u", g="g_cum" if gated else None, w="w",
+                              h0="h0" if has_h0 else None, o="o", ht="ht", B=B, T=T, H=H,
+                              K=K, V=V, gate=1 if gated else 0, scale=scale, cfg=cfg,
+                              prec=prec, a="a")
+    return Program(launches, bufs, scheduler.FUSED, [])
 
 
 def summary_precision() -> str:

@@ -51,8 +51,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import (HAVE_TRITON, dot_precision, next_pow2, scalar_gate_chunk, tl, triton,
-                      value_state_tiles)
+from . import delta
+from ._common import (HAVE_TRITON, dot_precision, next_pow2, scalar_gate_chunk,
+                      sum_gates_in_walk, tl, triton, value_state_tiles)
+from .ir import Buffer, Launch, Program, buffer_args, state_buffers
+from .walker_launches import gate_cumsum, segment_length, walk_launch
 
 __all__ = ["default_tiles", "delta_rule_backward", "kernel_specs"]
 
@@ -330,7 +333,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
                      beta_dtype: torch.dtype = torch.float32,
                      do_dtype: torch.dtype | None = None, tiles: dict | None = None):
     """The launches of :func:`delta_rule_backward` as a
-    :class:`~forge_dist.runtime.programs.Program` (one source for the function, the plans'
+    :class:`~forge_dist.kernels.ir.Program` (one source for the function, the plans'
     backward and the AOT cache).
 
     Buffers: inputs ``q, k [B, T, H, K]``, ``v`` and ``do [B, T, H, V]`` (``dtype``;
@@ -342,11 +345,6 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     ``ht`` (and its gate sums ``g_cum`` where the walk does not sum the gates itself), the
     reverse walk's ``dhc, dvn``, and the partial gradients ``dk_part, dw, dG``.
     """
-    from . import delta
-    from ._common import segment_length, sum_gates_in_walk
-    from ..runtime.programs import (Buffer, Launch, Program, _gate_cumsum, _walk_launch,
-                                    buffer_args, state_buffers)
-
     cfg = default_tiles(K, V)
     if tiles:
         cfg = _safe_warps(dict(cfg, **tiles), tiles)  # the warps follow overridden tiles
@@ -381,20 +379,15 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     buf = buffer_args(bufs, "dvn")
 
     # 1: the WY factors, keeping X
-    wy_args = (("k", "buf", "k"), ("v", "buf", "v"), ("g", *buf("g", "beta")),
-               ("beta", "buf", "beta"), ("w", "buf", "w"), ("u", "buf", "u"),
-               ("xs", "buf", "xs"), ("T", "i32", T))
-    launches = [Launch("wy", grid, wy_args, tuple(const.items()), nw, ns)
-                for grid, const, nw, ns in delta.wy_launches(B, T, H, K, V, dtype=dtype,
-                                                              gated=gated, prec=wy_prec)]
+    launches = delta.wy_launch_records(B, T, H, K, V, dtype=dtype, gated=gated, prec=wy_prec)
     # 2: the walker keeps the chunk states and v' (kernels._common.walk, fused)
     walk_cfg = delta.fused_config(K, V)
     raw_gates = gated and sum_gates_in_walk(B, T)
     g_walk = "g" if gated else None
     if gated and not raw_gates:
-        launches.append(_gate_cumsum(bufs, B=B, T=T, H=H, BT=BT, role="scratch"))
+        launches.append(gate_cumsum(bufs, B=B, T=T, H=H, BT=BT, role="scratch"))
         g_walk = "g_cum"
-    launches.append(_walk_launch(
+    launches.append(walk_launch(
         q=None, k="k", v="u", g=g_walk, w="w", h0="h0" if has_h0 else None, o=None, ht="ht",
         gt=None, B=B, T=T, H=H, K=K, V=V, gate=1 if gated else 0, scale=1.0, cfg=walk_cfg,
         prec=prec, seg=segment_length(T, BT, 1), n=1, raw_gates=raw_gates, hc="hc", vn="vn"))
@@ -472,7 +465,7 @@ def delta_rule_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta:
 
 
 def kernel_specs(K: int = 128, V: int = 128, *, H: int = 32, dtype=torch.bfloat16) -> list:
-    """The :class:`~forge_dist.runtime.programs.KernelSpec` of every launch of
+    """The :class:`~forge_dist.kernels.ir.KernelSpec` of every launch of
     :func:`delta_rule_backward` at these dims with the default tiles, gated, with an incoming
     state and a final-state gradient (for AOT compilation and the resource report)."""
     return backward_program(1, 256, H, K, V, dtype=dtype, gated=True, has_h0=True,

@@ -7,8 +7,16 @@ Both schedules run the shared walker (:mod:`._common`): FUSED, one program per
 """
 from __future__ import annotations
 
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import scheduler
 from ._common import (DecayAttentionWork, dot_precision, ensure, outputs_from_summary,
-                      sized_config, summarize, walk)
+                      sized_config, sum_gates_in_walk, summarize, walk)
+from .ir import Buffer, Launch, Program, pow2
+from .scalar_backward import scalar_decay_backward
+from .walker_launches import gate_cumsum, matrix_buffers, walk_launches
 
 # Tile config for this pattern (one place).  BV trades parallelism (B*H*V/BV programs)
 # against re-reading q, k once per V tile.  Measured on H200 at T=64K, B=1, H=32, K=V=128
@@ -21,6 +29,43 @@ FUSED_CONFIG = {"BT": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 def fused_config(K: int, V: int) -> dict:
     """The walker's tiles for this pattern and head dims."""
     return sized_config(FUSED_CONFIG, K)
+
+
+def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype,
+                    gated: bool, has_h0: bool, store_o: bool = True, scale: float, prec: str,
+                    execution: Optional[str] = None, tiles: Optional[dict] = None,
+                    gate_dtype: torch.dtype = torch.float32,
+                    maps: Optional[Dict[str, Any]] = None) -> Program:
+    """The launches of one segment forward (or, ``store_o=False``, its summary) as a
+    :class:`~.ir.Program`: :func:`.walker_launches.matrix_buffers`, the gates ``g [B, T, H]``
+    (``gate_dtype``, ``gated``), and the walker's schedule, fused or decoupled as the
+    scheduler (or ``execution``) picks, after the gates' chunk sums where the walks do not
+    sum the gates themselves (:func:`._common.sum_gates_in_walk`).  ``tiles`` overrides
+    entries of :func:`fused_config`; ``maps``: fused prologues by input name."""
+    cfg = dict(fused_config(K, V), **(tiles or {}))
+    sched = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], pow2(V)),
+                               elem_size=torch.empty((), dtype=dtype).element_size(),
+                               request=execution)
+    bufs = matrix_buffers(B=B, T=T, H=H, K=K, V=V, dtype=dtype, store_o=store_o,
+                          has_h0=has_h0)
+    launches: list[Launch] = []
+    g_walk, raw_gates = None, False
+    if gated:
+        bufs["g"] = Buffer((B, T, H), gate_dtype, "input")
+        # short inputs sum the gates in the walks (one launch fewer), long ones read a gate
+        # sum made before them
+        raw_gates = sum_gates_in_walk(B, T, (maps or {}).get("g"))
+        g_walk = "g"
+        if not raw_gates:
+            launches.append(gate_cumsum(bufs, B=B, T=T, H=H, BT=cfg["BT"], maps=maps))
+            g_walk = "g_cum"
+    launches += walk_launches(bufs, q="q" if store_o else None, k="k", v="v", g=g_walk,
+                              w=None, h0="h0" if has_h0 else None,
+                              o="o" if store_o else None, ht="ht", B=B, T=T, H=H, K=K, V=V,
+                              gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec,
+                              n_seg=sched.n_seg, maps=maps, raw_gates=raw_gates)
+    notes = [f"execution {sched.strategy} ({sched.n_seg} segments): {sched.reason}"]
+    return Program(launches, bufs, sched.strategy, notes)
 
 
 class ScalarDecayWork(DecayAttentionWork):
@@ -61,6 +106,4 @@ class ScalarDecayWork(DecayAttentionWork):
     @staticmethod
     def chunk_backward(*args):
         """The Triton chunk backward (:func:`.scalar_backward.scalar_decay_backward`)."""
-        from .scalar_backward import scalar_decay_backward
-
         return scalar_decay_backward(*args)

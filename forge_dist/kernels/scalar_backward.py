@@ -82,6 +82,7 @@ from torch import Tensor
 
 from ._common import (HAVE_TRITON, dot_precision, next_pow2, reset_floor, scalar_gate_chunk,
                       tl, triton, value_state_tiles)
+from .ir import Buffer, Launch, Program, buffer_args, state_buffers
 
 __all__ = ["kernel_specs", "scalar_decay_backward"]
 
@@ -365,9 +366,7 @@ def state_walks(buf, *, B: int, T: int, H: int, K: int, V: int, BT: int, gate: i
     """The two walks of a backward program as launches: every chunk-start state ``h`` from
     ``h0``, then the reverse walk for ``dh`` (and ``dh0``); ``gate`` 0 / 1 (this pattern)
     or 2 (per-channel gates, :mod:`.vector_backward`); ``buf(name)`` gives a pointer
-    argument (:func:`forge_dist.runtime.programs.buffer_args`); tiles from ``cfg``."""
-    from ..runtime.programs import Launch
-
+    argument (:func:`forge_dist.kernels.ir.buffer_args`); tiles from ``cfg``."""
     NT = triton.cdiv(T, BT)
     wBK, wBV = cfg["walk_BK"], cfg["walk_BV"]
     grid = (triton.cdiv(K, wBK), triton.cdiv(V, wBV), B * H)
@@ -393,7 +392,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
                      state_dtype: torch.dtype | None = None, sms: int = 132,
                      do_dtype: torch.dtype | None = None):
     """The launches of :func:`scalar_decay_backward` as a
-    :class:`~forge_dist.runtime.programs.Program` (one source for the function, the plans'
+    :class:`~forge_dist.kernels.ir.Program` (one source for the function, the plans'
     backward and the AOT cache).
 
     Buffers: inputs ``q, k [B, T, H, K]``, ``v`` and ``do [B, T, H, V]`` (``dtype``), ``g``
@@ -404,8 +403,6 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     inputs, else ``dtype``).  ``sms``: the SM count the walk tiles are sized for;
     ``do_dtype``: of ``do`` when it differs from ``dtype``.
     """
-    from ..runtime.programs import Buffer, Launch, Program, buffer_args, state_buffers
-
     cfg = default_tiles(B, H, K, V, sms)
     if tiles:
         cfg.update(tiles)
@@ -506,7 +503,7 @@ def summed_gate_grad(dg_part: Tensor) -> Tensor:
 
 def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16, *,
                  B: int = 1, H: int = 32, gate: bool = True, BT: int = 64) -> list:
-    """The :class:`~forge_dist.runtime.programs.KernelSpec` of every launch of
+    """The :class:`~forge_dist.kernels.ir.KernelSpec` of every launch of
     :func:`scalar_decay_backward` at these dims with the default tiles (sized for a nominal
     132-SM H100/H200), with an incoming state and a final-state gradient, for AOT
     compilation and the resource report."""

@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from ..config import env_positive_int
+
 FUSED = "fused"
 DECOUPLED = "decoupled"
 CHOICES = (FUSED, DECOUPLED)
@@ -142,8 +144,6 @@ class Schedule:
 
 
 def _env_segments() -> Optional[int]:
-    from ..config import env_positive_int
-
     return env_positive_int("FORGE_DIST_SEGMENTS")
 
 

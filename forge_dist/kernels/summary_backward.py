@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ._common import (HAVE_TRITON, dot_precision, interpreting, next_pow2, reset_floor, tl,
                       triton)
+from .ir import KernelSpec, tl_type
 
 #: Tokens per program.
 CHUNK = 64
@@ -267,10 +268,8 @@ def _add_per_chunk_(x: Tensor, per_chunk: Tensor, T: int) -> None:
 
 def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16, *,
                  H: int = 32) -> list:
-    """The :class:`~forge_dist.runtime.programs.KernelSpec` of each gate kind's launch at
+    """The :class:`~forge_dist.kernels.ir.KernelSpec` of each gate kind's launch at
     these dims (for AOT compilation and the resource report)."""
-    from ..runtime.programs import KernelSpec, tl_type
-
     io, f32 = "*" + tl_type(dtype), "*fp32"
     lowp = low_precision_operands(dtype)
     BK, BV, warps = _tiles(K, V, lowp)

@@ -33,9 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import (HAVE_TRITON, DecayAttentionWork, dot_precision, ensure, map_flags,
-                      mapped_tile, next_pow2, outputs_from_summary, reset_floor, sized_config,
-                      summarize, tl, triton, walk)
+from typing import Any, Dict, Optional
+
+from . import scheduler
+from ._common import (HAVE_TRITON, DecayAttentionWork, dot_precision, ensure, mapped_tile,
+                      outputs_from_summary, reset_floor, sized_config, summarize, tl, triton,
+                      walk)
+from .ir import Buffer, Launch, Program, cdiv, pow2, run_launch
+from .walker_launches import map_consts, matrix_buffers, walk_launches
 
 # Measured on H200 at T=64K, B=1, H=32, K=V=128 (results/kernel_profile_sweeps_*_2026-11-24):
 # walker BV=64, 4 warps, 2 stages 2.61 ms for the whole forward (3 stages 2.73, BV=32 3.07,
@@ -232,17 +237,75 @@ def gate_chunks(q, k, g, BT: int, *, outputs: bool = True, summary: bool = True,
     if outputs:
         res.qg = torch.empty(B, T, H, K, dtype=dt, device=dev)
         res.a = torch.empty(B, T, H, BT, dtype=dt, device=dev)
+    ln = gate_launch(qg="qg" if outputs else None, a="a" if outputs else None,
+                     store_kd=summary, B=B, T=T, H=H, K=K, BT=BT, dtype=dt,
+                     prec=dot_precision(dt), maps=maps)
+    tensors = {"q": q, "k": k, "g": g, "kd": res.kd, "gc": res.gc}
+    if outputs:
+        tensors.update(qg=res.qg, a=res.a)
+    run_launch(ln, tensors, _gate_kernel)
+    return res
+
+
+def gate_launch(*, qg: Optional[str], a: Optional[str], store_kd: bool, B: int, T: int,
+                H: int, K: int, BT: int, dtype: torch.dtype, prec: str,
+                maps: Optional[Dict[str, Any]] = None) -> Launch:
+    """The launch of ``_gate_kernel`` on buffers ``q, k, g`` (``[B, T, H, K]``, inputs of
+    ``dtype``): ``kd`` and ``gc`` (written where ``store_kd``), and the outputs' ``qg`` and
+    ``a`` where named (``None``: the summary's launch).  ``maps``: fused prologues of q, k,
+    g."""
     BC = min(GATE_CONFIG["BC"], BT)
     if BT % BC:
         raise ValueError(f"gate_chunks: the chunk ({BT}) must be a multiple of {BC}")
-    _gate_kernel[(NT, B * H)](
-        q, k, g, res.qg if outputs else res.kd, res.kd, res.a if outputs else res.kd, res.gc,
-        T, span_max(dt), H=H, K=K, BT=BT, BK=next_pow2(K),
-        BKS=min(GATE_CONFIG["BKS"], next_pow2(K)), BC=BC, PREC=dot_precision(dt),
-        STORE_KD=summary, STORE_QA=outputs, **map_flags(maps, "qkg"),
-        num_warps=GATE_CONFIG["num_warps"],
-        num_stages=GATE_CONFIG["num_stages"])
-    return res
+    store_qa = qg is not None
+    return Launch(
+        "gla_gate", (cdiv(T, BT), B * H, 1),
+        (("q", "buf", "q"), ("k", "buf", "k"), ("g", "buf", "g"), ("qg", "buf", qg or "kd"),
+         ("kd", "buf", "kd"), ("a", "buf", a or "kd"), ("gc", "buf", "gc"), ("T", "i32", T),
+         ("span_limit", "fp32", span_max(dtype))),
+        (("H", H), ("K", K), ("BT", BT), ("BK", pow2(K)),
+         ("BKS", min(GATE_CONFIG["BKS"], pow2(K))), ("BC", BC), ("PREC", prec),
+         ("STORE_KD", store_kd), ("STORE_QA", store_qa)) + map_consts(maps, "qkg"),
+        GATE_CONFIG["num_warps"], GATE_CONFIG["num_stages"])
+
+
+def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype,
+                    gated: bool = True, has_h0: bool, store_o: bool = True, scale: float,
+                    prec: str, execution: Optional[str] = None, tiles: Optional[dict] = None,
+                    gate_dtype: torch.dtype = torch.float32,
+                    maps: Optional[Dict[str, Any]] = None) -> Program:
+    """The launches of one segment forward (or, ``store_o=False``, its summary) as a
+    :class:`~.ir.Program`: :func:`.walker_launches.matrix_buffers` and the gates ``g [B, T,
+    H, K]`` (``gate_dtype``); the gated chunk tensors (:func:`gate_launch`: workspaces
+    ``kd``, ``gc`` and, with outputs, ``qg``, ``a``), then the walker's schedule.  ``tiles``
+    overrides entries of :func:`fused_config`; ``maps``: fused prologues of q, k, v, g (the
+    gate kernel maps q, k, g; the walker v)."""
+    if not gated:
+        raise ValueError("gla needs its gate g [B, T, H, K]")
+    cfg = dict(fused_config(K, V), **(tiles or {}))
+    BT = cfg["BT"]
+    sched = scheduler.schedule(B, T, H, K, V, BT, min(cfg["BV"], pow2(V)),
+                               elem_size=torch.empty((), dtype=dtype).element_size(),
+                               gate_elems=K, request=execution)
+    bufs = matrix_buffers(B=B, T=T, H=H, K=K, V=V, dtype=dtype, store_o=store_o,
+                          has_h0=has_h0)
+    bufs["g"] = Buffer((B, T, H, K), gate_dtype, "input")
+    bufs["kd"] = Buffer((B, T, H, K), dtype, "workspace")
+    bufs["gc"] = Buffer((B, cdiv(T, BT), H, K), torch.float32, "workspace")
+    if store_o:
+        bufs["qg"] = Buffer((B, T, H, K), dtype, "workspace")
+        bufs["a"] = Buffer((B, T, H, BT), dtype, "workspace")
+    launches = [gate_launch(qg="qg" if store_o else None, a="a" if store_o else None,
+                            store_kd=True, B=B, T=T, H=H, K=K, BT=BT, dtype=dtype, prec=prec,
+                            maps=maps)]
+    walk_maps = {"v": maps["v"]} if maps and maps.get("v") else None
+    launches += walk_launches(bufs, q="qg" if store_o else None, k="kd", v="v", g="gc",
+                              w=None, h0="h0" if has_h0 else None,
+                              o="o" if store_o else None, ht="ht", B=B, T=T, H=H, K=K, V=V,
+                              gate=2, scale=scale, cfg=cfg, prec=prec,
+                              a="a" if store_o else None, n_seg=sched.n_seg, maps=walk_maps)
+    notes = [f"execution {sched.strategy} ({sched.n_seg} segments): {sched.reason}"]
+    return Program(launches, bufs, sched.strategy, notes)
 
 
 class VectorDecayWork(DecayAttentionWork):

@@ -129,6 +129,7 @@ from torch import Tensor
 
 from . import vector
 from ._common import HAVE_TRITON, dot_precision, next_pow2, reset_floor, tl, triton
+from .ir import Buffer, Launch, Program, buffer_args, state_buffers
 from .scalar_backward import sm_count, state_walks
 
 __all__ = ["default_tiles", "kernel_specs", "vector_decay_backward"]
@@ -641,7 +642,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
                      sms: int = 132, do_dtype: torch.dtype | None = None,
                      fuse_dv: bool | None = None):
     """The launches of :func:`vector_decay_backward` as a
-    :class:`~forge_dist.runtime.programs.Program` (one source for the function, the plans'
+    :class:`~forge_dist.kernels.ir.Program` (one source for the function, the plans'
     backward and the AOT cache).
 
     Buffers: inputs ``q, k [B, T, H, K]``, ``v`` and ``do [B, T, H, V]`` (``dtype``;
@@ -653,7 +654,6 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     SM count the walk tiles and the exact kernel's chunks per program are sized for;
     ``fuse_dv=False`` forces the separate dv kernel.
     """
-    from ..runtime.programs import Buffer, Launch, Program, buffer_args, state_buffers
 
     if BT not in (16, 32, 64):
         raise ValueError(f"BT: expected 16, 32 or 64, got {BT}")
@@ -788,7 +788,7 @@ def kernel_specs(K: int, V: int, dtype: torch.dtype = torch.bfloat16, *, B: int 
                  H: int = 32, BT: int = CHUNK, tiles: dict | None = None,
                  has_h0: bool = True, has_dht: bool = True, fuse_dv: bool | None = None,
                  do_dtype: torch.dtype | None = None, device: str = "cpu") -> list:
-    """The :class:`~forge_dist.runtime.programs.KernelSpec` of each launch that
+    """The :class:`~forge_dist.kernels.ir.KernelSpec` of each launch that
     :func:`vector_decay_backward` makes for these dims with its default tiles (for AOT
     compilation and the shared-memory check; pointer types as that launch passes them).
     ``fuse_dv=False`` lists the unfused dq/dk/dg kernels and the dv kernel whatever K is;

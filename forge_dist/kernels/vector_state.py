@@ -31,9 +31,13 @@ from __future__ import annotations
 
 import torch
 
+from typing import Any, Dict, Optional
+
 from . import scheduler
-from ._common import (HAVE_TRITON, SegmentStates, TritonWork, ensure, map_flags, mapped_tile,
-                      triton, tl, use_autotune)
+from ._common import (HAVE_TRITON, SegmentStates, TritonWork, ensure, mapped_tile, triton, tl,
+                      use_autotune)
+from .ir import Buffer, Launch, Program, cdiv, run_launch
+from .walker_launches import map_consts, segment_length
 from ..variants import vector_state
 
 # Measured on H200, [1, T, 4096] bf16 (results/kernel_profile_hgrn*_2026-11-24): 8 tokens
@@ -250,93 +254,197 @@ if HAVE_TRITON:
         key=["D", "HAS_H0", "STORE_O", "STORE_GT"])(_hgrn_kernel)
 
 
+def walk_launch(*, h0, o, ht, gt, B: int, T: int, D: int, seg: int, n: int, cfg: dict,
+                s_in=None, cg=None, ht_last: bool = False, maps=None) -> Launch:
+    """One ``_hgrn_kernel`` launch over ``n`` segments of ``seg`` tokens on buffers ``x, g``
+    (every other tensor a buffer name or ``None``): from ``h0`` (``None``: zeros), outputs
+    into ``o`` where named, end states into ``ht``, the segments' summed log decays into
+    ``gt`` where named; ``s_in``: an incoming state folded in, decayed through ``cg``;
+    ``ht_last``: only the last segment stores its end state.  ``maps``: fused prologues of
+    x and g."""
+    args = (("x", "buf", "x"), ("g", "buf", "g"), ("h0", "buf", h0 or ht),
+            ("o", "buf", o or ht), ("ht", "buf", ht), ("gt", "buf", gt or ht),
+            ("T", "i32", T), ("SEG", "i32", seg))
+    const = (("D", D), ("BT", cfg["BT"]), ("BD", cfg["BD"]), ("HAS_H0", h0 is not None),
+             ("STORE_O", o is not None), ("STORE_GT", gt is not None),
+             ("HAS_SIN", s_in is not None))
+    if s_in is not None:
+        args = args + (("s_in", "buf", s_in), ("cg", "buf", cg or s_in))
+    else:
+        const = const + (("s_in", None), ("cg", None))
+    const = const + (("HT_LAST", ht_last),) + map_consts(maps, "xg")
+    return Launch("hgrn", (cdiv(D, cfg["BD"]), B, n), args, const, cfg["num_warps"],
+                  cfg["num_stages"])
+
+
+def scan_launch(*, hs: str, gt: str, h0: Optional[str], ht: str, n_seg: int, B: int, D: int,
+                BD: int, num_warps: int, cg: Optional[str] = None,
+                reverse: bool = False) -> Launch:
+    """The scan over segments (``_hgrn_scan_kernel``): ``hs [n_seg, B, D]`` (each segment's
+    end state from a zero start, made its start state in place) and ``gt [n_seg, B, D]``
+    from ``h0`` (``None``: zeros) to ``ht [B, D]``; ``cg [n_seg + 1, B, D]``: also the log
+    decay to each segment's start; ``reverse``: right to left (the backward)."""
+    args = (("hs", "buf", hs), ("gt", "buf", gt), ("h0", "buf", h0 or ht), ("ht", "buf", ht),
+            ("NSEG", "i32", n_seg))
+    const = (("D", D), ("BD", BD), ("HAS_H0", h0 is not None), ("STORE_CG", cg is not None))
+    if cg is not None:
+        args = args + (("cg", "buf", cg),)
+    else:
+        const = const + (("cg", None),)
+    return Launch("hgrn_scan", (cdiv(D, BD), B, 1), args, const + (("REVERSE", reverse),),
+                  num_warps, 3)
+
+
+def backward_walk_launch(*, grads: bool, cin: Optional[str], has_h0: bool, has_do: bool,
+                         B: int, T: int, D: int, seg: int, n: int, BD: int,
+                         cfg: dict) -> Launch:
+    """One ``_hgrn_bwd_kernel`` launch over ``n`` segments of ``seg`` tokens on buffers
+    ``g, do, h`` (the forward's states), ``h0`` (``has_h0``), ``cin`` (the gradient entering
+    each segment from its right, ``None``: zeros), ``dx, dg`` (written with ``grads``),
+    ``cout, gout`` (each segment's outgoing gradient and summed log decay)."""
+    return Launch("hgrn_bwd", (cdiv(D, BD), B, n),
+                  (("g", "buf", "g"), ("do", "buf", "do" if has_do else "h"),
+                   ("h", "buf", "h"), ("h0", "buf", "h0" if has_h0 else "cout"),
+                   ("cin", "buf", cin or "cout"), ("dx", "buf", "dx"), ("dg", "buf", "dg"),
+                   ("cout", "buf", "cout"), ("gout", "buf", "gout"), ("T", "i32", T),
+                   ("SEG", "i32", seg)),
+                  (("D", D), ("BT", cfg["BT"]), ("BD", BD), ("HAS_DO", has_do),
+                   ("HAS_H0", has_h0 and grads), ("HAS_CIN", cin is not None),
+                   ("GRADS", grads)), cfg["num_warps"], cfg["num_stages"])
+
+
+def _launch(ln: Launch, tensors: dict) -> None:
+    kernel = {"hgrn": _hgrn_kernel, "hgrn_scan": _hgrn_scan_kernel,
+              "hgrn_bwd": _hgrn_bwd_kernel}[ln.kernel]
+    run_launch(ln, tensors, kernel)
+
+
 def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True, n_seg: int = 1, maps=None):
     """``(o [B, T, D] or None, final [B, D] fp32)``; ``h0 [B, D]`` or ``None``.
 
     ``n_seg > 1``: DECOUPLED over segments (summaries in parallel, a scan over segments,
-    outputs in parallel), as the matrix patterns' ``walk``.  ``maps``: fused prologues of
-    ``x`` and ``g`` (input name -> jitted map).
+    outputs in parallel), as the matrix patterns' ``walk``: the launches of
+    :func:`forward_program`.  ``maps``: fused prologues of ``x`` and ``g`` (input name ->
+    jitted map).
     """
-    fused = map_flags(maps, "xg")
-    from ._common import segment_length
-
     B, T, D = x.shape
-    cfg = FUSED_CONFIG
     o = torch.empty(B, T, D, dtype=out_dtype, device=x.device) if store_o else None
     ht = torch.empty(B, D, dtype=torch.float32, device=x.device)
     if h0 is not None:
         h0 = h0.reshape(B, D).to(torch.float32).contiguous()
+    tensors = {"x": x, "g": g, "ht": ht}
+    tensors.update((n, t) for n, t in (("o", o), ("h0", h0)) if t is not None)
     if use_autotune() and n_seg == 1:
-        args = (x, g, h0 if h0 is not None else ht, o if o is not None else ht, ht, ht, T, T)
-        _hgrn_tuned[lambda meta: (triton.cdiv(D, meta["BD"]), B, 1)](
-            *args, D=D, HAS_H0=h0 is not None, STORE_O=store_o, **fused)
+        ln = walk_launch(h0="h0" if h0 is not None else None, o="o" if store_o else None,
+                         ht="ht", gt=None, B=B, T=T, D=D, seg=T, n=1, cfg=FUSED_CONFIG,
+                         maps=maps)
+        call = {name: tensors[value] if kind == "buf" else value
+                for name, kind, value in ln.args}
+        consts = {n: v for n, v in ln.constexprs if n not in ("BT", "BD")}
+        _hgrn_tuned[lambda meta: (triton.cdiv(D, meta["BD"]), B, 1)](**call, **consts)
         return o, ht
-    seg = segment_length(T, cfg["BT"], n_seg)
-    n_seg = max(1, -(-T // seg))
-    grid = (triton.cdiv(D, cfg["BD"]), B, n_seg)
-    opts = dict(D=D, BT=cfg["BT"], BD=cfg["BD"], num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"], **fused)
-    if n_seg == 1:
-        _hgrn_kernel[grid](x, g, h0 if h0 is not None else ht, o if o is not None else ht, ht,
-                           ht, T, seg, HAS_H0=h0 is not None, STORE_O=store_o, **opts)
-        return o, ht
-    hs = torch.empty(n_seg, B, D, dtype=torch.float32, device=x.device)
-    gt = torch.empty(n_seg, B, D, dtype=torch.float32, device=x.device)
-    _hgrn_kernel[grid](x, g, hs, hs, hs, gt, T, seg, HAS_H0=False, STORE_O=False,
-                       STORE_GT=True, **opts)
-    _hgrn_scan_kernel[grid[:2]](hs, gt, h0 if h0 is not None else ht, ht, n_seg, D=D,
-                                BD=cfg["BD"], HAS_H0=h0 is not None,
-                                num_warps=cfg["num_warps"])
-    if store_o:
-        _hgrn_kernel[grid](x, g, hs, o, hs, gt, T, seg, HAS_H0=True, STORE_O=True, **opts)
+    prog = forward_program(B=B, T=T, D=D, dtype=x.dtype, has_h0=h0 is not None,
+                           store_o=store_o, n_seg=n_seg, maps=maps)
+    for name, buf in prog.buffers.items():
+        if buf.role == "workspace":
+            tensors[name] = torch.empty(buf.shape, dtype=buf.dtype, device=x.device)
+    for ln in prog.launches:
+        _launch(ln, tensors)
     return o, ht
 
 
-def _hgrn_grid(x, n_seg: int, maps=None):
-    from ._common import segment_length
+def forward_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
+                    store_o: bool = True, tiles: Optional[dict] = None,
+                    gate_dtype: Optional[torch.dtype] = None, execution: Optional[str] = None,
+                    n_seg: Optional[int] = None,
+                    maps: Optional[Dict[str, Any]] = None) -> Program:
+    """The launches of one hgrn segment as a :class:`~.ir.Program`: inputs ``x [B, T, D]``,
+    ``g [B, T, D]`` (``gate_dtype``, default ``dtype``), ``h0 [B, D]`` fp32; outputs ``o
+    [B, T, D]`` and ``ht [B, D]`` fp32.  One walk, or (decoupled) the segments' walks, the
+    scan over segments and the output walks, with workspaces ``hs, gt [n_seg, B, D]``.
+    ``n_seg`` fixes the segment count, else the scheduler picks it (``execution``);
+    ``tiles`` overrides entries of :data:`FUSED_CONFIG`; ``maps``: fused prologues of x, g."""
+    cfg = dict(FUSED_CONFIG, **(tiles or {}))
+    bufs = {"x": Buffer((B, T, D), dtype, "input"),
+            "g": Buffer((B, T, D), gate_dtype or dtype, "input"),
+            "ht": Buffer((B, D), torch.float32, "output")}
+    if store_o:
+        bufs["o"] = Buffer((B, T, D), dtype, "output")
+    if has_h0:
+        bufs["h0"] = Buffer((B, D), torch.float32, "input")
+    sched = None
+    if n_seg is None:
+        sched = scheduler.schedule_vector_state(
+            B, T, D, cfg["BT"], cfg["BD"], elem_size=torch.empty((), dtype=dtype).element_size(),
+            request=execution)
+        n_seg = sched.n_seg
+    seg, n_seg = _segments(T, cfg["BT"], n_seg)
+    notes = [] if sched is None else [
+        f"execution {sched.strategy} ({n_seg} segments): {sched.reason}"]
+    common = dict(B=B, T=T, D=D, seg=seg, n=n_seg, cfg=cfg, maps=maps)
+    h0 = "h0" if has_h0 else None
+    o = "o" if store_o else None
+    if n_seg == 1:
+        launches = [walk_launch(h0=h0, o=o, ht="ht", gt=None, **common)]
+        return Program(launches, bufs, scheduler.FUSED, notes)
+    bufs["hs"] = Buffer((n_seg, B, D), torch.float32, "workspace")
+    bufs["gt"] = Buffer((n_seg, B, D), torch.float32, "workspace")
+    launches = [walk_launch(h0=None, o=None, ht="hs", gt="gt", **common),
+                scan_launch(hs="hs", gt="gt", h0=h0, ht="ht", n_seg=n_seg, B=B, D=D,
+                            BD=cfg["BD"], num_warps=cfg["num_warps"])]
+    if store_o:
+        launches.append(walk_launch(h0="hs", o="o", ht="hs", gt=None, **common))
+    return Program(launches, bufs, scheduler.DECOUPLED, notes)
 
-    B, T, D = x.shape
-    cfg = FUSED_CONFIG
-    seg = segment_length(T, cfg["BT"], n_seg)
-    n_seg = max(1, -(-T // seg))
-    opts = dict(D=D, BT=cfg["BT"], BD=cfg["BD"], num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"], **map_flags(maps, "xg"))
-    return seg, n_seg, (triton.cdiv(D, cfg["BD"]), B, n_seg), opts
+
+def _segments(T: int, BT: int, n_seg: int):
+    seg = segment_length(T, BT, n_seg)
+    return seg, max(1, -(-T // seg))
 
 
 def hgrn_summarize(x, g, *, n_seg: int = 1, maps=None) -> SegmentStates:
     """The shard summary with its segment states kept (see ``_common.summarize``); states
     ``[B, D]``: ``delta`` from a zero start, ``decay_to [n_seg + 1, B, D]``."""
     B, T, D = x.shape
-    seg, n_seg, grid, opts = _hgrn_grid(x, n_seg, maps)
+    cfg = FUSED_CONFIG
+    seg, n_seg = _segments(T, cfg["BT"], n_seg)
     hs = torch.empty(n_seg, B, D, dtype=torch.float32, device=x.device)
     gt = torch.empty(n_seg, B, D, dtype=torch.float32, device=x.device)
-    _hgrn_kernel[grid](x, g, hs, hs, hs, gt, T, seg, HAS_H0=False, STORE_O=False,
-                       STORE_GT=True, **opts)
+    tensors = {"x": x, "g": g, "hs": hs, "gt": gt}
+    _launch(walk_launch(h0=None, o=None, ht="hs", gt="gt", B=B, T=T, D=D, seg=seg, n=n_seg,
+                        cfg=cfg, maps=maps), tensors)
     if n_seg == 1:
         return SegmentStates(1, seg, hs[0], None, torch.cat([torch.zeros_like(gt), gt]))
-    delta = torch.empty(B, D, dtype=torch.float32, device=x.device)
-    decay_to = torch.empty(n_seg + 1, B, D, dtype=torch.float32, device=x.device)
-    _hgrn_scan_kernel[grid[:2]](hs, gt, delta, delta, n_seg, D=D, BD=opts["BD"], HAS_H0=False,
-                                STORE_CG=True, cg=decay_to, num_warps=opts["num_warps"])
+    tensors["delta"] = delta = torch.empty(B, D, dtype=torch.float32, device=x.device)
+    tensors["cg"] = decay_to = torch.empty(n_seg + 1, B, D, dtype=torch.float32,
+                                           device=x.device)
+    _launch(scan_launch(hs="hs", gt="gt", h0=None, ht="delta", cg="cg", n_seg=n_seg, B=B,
+                        D=D, BD=cfg["BD"], num_warps=cfg["num_warps"]), tensors)
     return SegmentStates(n_seg, seg, delta, hs, decay_to)
 
 
 def hgrn_outputs(summ: SegmentStates, x, g, S_in, *, out_dtype, maps=None):
     """``(o [B, T, D], final [B, D])`` from a kept summary and the incoming state ``[B, D]``."""
     B, T, D = x.shape
-    _, _, grid, opts = _hgrn_grid(x, summ.n_seg, maps)
     o = torch.empty(B, T, D, dtype=out_dtype, device=x.device)
     ht = torch.empty(B, D, dtype=torch.float32, device=x.device)
     if S_in is not None:
         S_in = S_in.reshape(B, D).to(torch.float32).contiguous()
+    tensors = {"x": x, "g": g, "o": o, "ht": ht}
+    s_in = "s_in" if S_in is not None else None
     if summ.n_seg == 1:
-        _hgrn_kernel[grid](x, g, S_in if S_in is not None else ht, o, ht, ht, T, summ.seg,
-                           HAS_H0=S_in is not None, STORE_O=True, **opts)
+        if S_in is not None:
+            tensors["h0"] = S_in
+        ln = walk_launch(h0=s_in and "h0", o="o", ht="ht", gt=None, B=B, T=T, D=D,
+                         seg=summ.seg, n=1, cfg=FUSED_CONFIG, maps=maps)
     else:
-        extra = dict(HAS_SIN=True, s_in=S_in, cg=summ.decay_to) if S_in is not None else {}
-        _hgrn_kernel[grid](x, g, summ.starts, o, ht, ht, T, summ.seg, HAS_H0=True,
-                           STORE_O=True, HT_LAST=True, **extra, **opts)
+        tensors["starts"] = summ.starts
+        if S_in is not None:
+            tensors.update(s_in=S_in, cg=summ.decay_to)
+        ln = walk_launch(h0="starts", o="o", ht="ht", gt=None, B=B, T=T, D=D, seg=summ.seg,
+                         n=summ.n_seg, cfg=FUSED_CONFIG, s_in=s_in, cg=s_in and "cg",
+                         ht_last=True, maps=maps)
+    _launch(ln, tensors)
     return o, ht
 
 
@@ -370,8 +478,6 @@ def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
     Returns:
         ``(dx [B, T, D] in x's dtype, dg [B, T, D] in dg_dtype, dS_in [B, D] fp32 or None)``.
     """
-    from ._common import segment_length
-
     B, T, D = x.shape
     if g.shape != x.shape:
         raise ValueError(f"g: expected shape {tuple(x.shape)} (like x), got {tuple(g.shape)}")
@@ -388,53 +494,88 @@ def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
     if h is None:
         h, _ = hgrn_forward(x, g, h0, out_dtype=x.dtype, n_seg=n_seg)
     h = h.contiguous()
-    BT = BWD_CONFIG["BT"]
-    seg = segment_length(T, BT, n_seg)
-    n_seg = max(1, -(-T // seg))
-    grid = (triton.cdiv(D, BD), B, n_seg)
-    opts = dict(D=D, BT=BT, BD=BD, num_warps=BWD_CONFIG["num_warps"],
-                num_stages=BWD_CONFIG["num_stages"])
+    seg, n_seg = _segments(T, BWD_CONFIG["BT"], n_seg)
     cout = torch.empty(n_seg, B, D, dtype=f32, device=dev)
     gout = torch.empty(n_seg, B, D, dtype=f32, device=dev)
     dht32 = None if dht is None else dht.to(f32).reshape(1, B, D).contiguous()
-    do_arg = do if do is not None else x
-    h0_arg = h0 if h0 is not None else cout
+    # before the last walk, dx and dg are not written: x stands in for them
+    tensors = {"g": g, "h": h, "cout": cout, "gout": gout, "dx": x, "dg": x}
+    tensors.update((n, t) for n, t in (("do", do), ("h0", h0), ("dht", dht32)) if t is not None)
+    common = dict(has_h0=h0 is not None, has_do=do is not None, B=B, T=T, D=D, seg=seg,
+                  n=n_seg, BD=BD, cfg=BWD_CONFIG)
     if n_seg == 1:
-        cin = dht32
+        cin = "dht" if dht32 is not None else None
     else:
         # each segment's outgoing gradient from a zero start, then the reverse scan over the
         # segments (the forward's segment scan on the segments in reverse order)
-        _hgrn_bwd_kernel[grid](g, do_arg, h, h0_arg, cout, x, x, cout, gout, T, seg,
-                               HAS_DO=do is not None, HAS_H0=False, HAS_CIN=False,
-                               GRADS=False, **opts)
+        _launch(backward_walk_launch(grads=False, cin=None, **common), tensors)
         # in place: cout[s] becomes the gradient entering segment s from its right (the
         # total, which nobody reads, lands in gout[0] after the scan has read it; the walk
         # below rewrites gout)
-        _hgrn_scan_kernel[grid[:2]](cout, gout, dht32 if dht32 is not None else gout, gout,
-                                    n_seg, D=D, BD=BD, HAS_H0=dht32 is not None, REVERSE=True,
-                                    num_warps=BWD_CONFIG["num_warps"])
+        _launch(scan_launch(hs="cout", gt="gout", h0="dht" if dht32 is not None else None,
+                            ht="gout", n_seg=n_seg, B=B, D=D, BD=BD,
+                            num_warps=BWD_CONFIG["num_warps"], reverse=True), tensors)
         # each program reads its segment's incoming gradient before it writes the outgoing
         # one to the same slot, so the walk runs in place
-        cin = cout
-    dx = torch.empty_like(x)
-    dg = torch.empty(B, T, D, dtype=dg_dtype, device=dev)
-    _hgrn_bwd_kernel[grid](g, do_arg, h, h0_arg, cin if cin is not None else cout, dx, dg,
-                           cout, gout, T, seg, HAS_DO=do is not None, HAS_H0=h0 is not None,
-                           HAS_CIN=cin is not None, GRADS=True, **opts)
+        cin = "cout"
+    tensors["dx"] = dx = torch.empty_like(x)
+    tensors["dg"] = dg = torch.empty(B, T, D, dtype=dg_dtype, device=dev)
+    _launch(backward_walk_launch(grads=True, cin=cin, **common), tensors)
     dS_in = cout[0].clone() if S_in is not None else None  # what leaves the first segment
     return dx, dg, dS_in
 
 
-def backward_kernel_specs(D: int = 4096, dtype=torch.bfloat16) -> list:
-    """The :class:`~forge_dist.runtime.programs.KernelSpec` of the backward's own kernel
-    (the reverse walk, with and without the gradients) as the planned backward launches it
-    (:func:`~forge_dist.runtime.programs.hgrn_backward_program`; the segment scan is the
-    forward's kernel), for AOT compilation and the resource report."""
-    from ..runtime.programs import hgrn_backward_program
+def backward_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
+                     has_dht: bool, gate_dtype: Optional[torch.dtype] = None,
+                     execution: Optional[str] = None) -> Program:
+    """The launches of :func:`hgrn_backward` from the forward's kept outputs (``h=o``) as a
+    :class:`~.ir.Program`.
 
+    Inputs ``g [B, T, D]`` (``gate_dtype``, default ``dtype``), ``do`` and ``h`` (the
+    forward's outputs) ``[B, T, D]`` (``dtype``), ``h0 [B, D]`` fp32 (``has_h0``), ``dht
+    [B, D]`` fp32 (``has_dht``); outputs ``dx`` (``dtype``) and ``dg`` (``gate_dtype``)
+    ``[B, T, D]``; workspace ``cout [n_seg, B, D]`` fp32, whose row 0 is then ``dS_in``.
+    DECOUPLED as the kernels: each segment's outgoing gradient from a zero start, the
+    segment scan right to left (in place), then every segment's walk from its incoming
+    gradient, again in place (a program reads its slot before it writes it).
+    """
+    cfg = BWD_CONFIG
+    gdt = gate_dtype or dtype
+    bufs = {"g": Buffer((B, T, D), gdt, "input"), "do": Buffer((B, T, D), dtype, "input"),
+            "h": Buffer((B, T, D), dtype, "input"),
+            "dx": Buffer((B, T, D), dtype, "output"), "dg": Buffer((B, T, D), gdt, "output")}
+    if has_h0:
+        bufs["h0"] = Buffer((B, D), torch.float32, "input")
+    if has_dht:
+        bufs["dht"] = Buffer((B, D), torch.float32, "input")
+    sched = scheduler.schedule_vector_state(
+        B, T, D, cfg["BT"], cfg["BD"], elem_size=torch.empty((), dtype=dtype).element_size(),
+        request=execution, resident_per_sm=scheduler.VECTOR_STATE_BWD_RESIDENT_PER_SM)
+    seg, n_seg = _segments(T, cfg["BT"], sched.n_seg)
+    bufs["cout"] = Buffer((n_seg, B, D), torch.float32, "workspace")
+    bufs["gout"] = Buffer((n_seg, B, D), torch.float32, "workspace")
+    common = dict(has_h0=has_h0, has_do=True, B=B, T=T, D=D, seg=seg, n=n_seg, BD=cfg["BD"],
+                  cfg=cfg)
+    notes = [f"backward execution {sched.strategy} ({n_seg} segments): {sched.reason}"]
+    if n_seg == 1:
+        return Program([backward_walk_launch(grads=True, cin="dht" if has_dht else None,
+                                             **common)], bufs, scheduler.FUSED, notes)
+    scan = scan_launch(hs="cout", gt="gout", h0="dht" if has_dht else None, ht="gout",
+                       n_seg=n_seg, B=B, D=D, BD=cfg["BD"], num_warps=cfg["num_warps"],
+                       reverse=True)
+    return Program([backward_walk_launch(grads=False, cin=None, **common), scan,
+                    backward_walk_launch(grads=True, cin="cout", **common)], bufs,
+                   scheduler.DECOUPLED, notes)
+
+
+def backward_kernel_specs(D: int = 4096, dtype=torch.bfloat16) -> list:
+    """The :class:`~forge_dist.kernels.ir.KernelSpec` of the backward's own kernel
+    (the reverse walk, with and without the gradients) as the planned backward launches it
+    (:func:`backward_program`; the segment scan is the forward's kernel), for AOT
+    compilation and the resource report."""
     specs = {}
     for execution in ("fused", "decoupled"):
-        prog = hgrn_backward_program(B=1, T=256, D=D, dtype=dtype, has_h0=True, has_dht=True,
+        prog = backward_program(B=1, T=256, D=D, dtype=dtype, has_h0=True, has_dht=True,
                                      execution=execution)
         specs.update((s.key, s) for s in prog.specs() if s.kernel == "hgrn_bwd")
     return list(specs.values())

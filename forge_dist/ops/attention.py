@@ -19,20 +19,15 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import sp
+from .. import kernels, sp
+from ..runtime.sp_setup import sp_variants
 from ..sp import agreement, p2p
 from ..variants import decay_attention, delta_rule, vector_state
 from ..variants.base import ChunkFormWork, VariantSpec
-from ..variants.transitions import Kind
-from ..runtime.plan import SP_VARIANTS
+from ..variants.registry import GATED_DELTA_RULE, GLA, HGRN, LINEAR_ATTN, SIMPLE_GLA
 from . import checks, planned
 from .runner import needs_grad, run
 
-LINEAR_ATTN = VariantSpec("linear_attn", Kind.IDENTITY)
-SIMPLE_GLA = VariantSpec("simple_gla", Kind.SCALAR)
-GLA = VariantSpec("gla", Kind.DIAGONAL)
-GATED_DELTA_RULE = VariantSpec("gated_delta_rule", Kind.DENSE)
-HGRN = VariantSpec("hgrn", Kind.DIAGONAL, vector_state=True)
 
 def _use_kernels(device: torch.device) -> bool:
     """Triton kernels for CUDA tensors unless ``FORGE_DIST_KERNELS=torch`` asks otherwise;
@@ -42,9 +37,7 @@ def _use_kernels(device: torch.device) -> bool:
     if choice not in ("auto", "triton", "torch"):
         raise ValueError(f"FORGE_DIST_KERNELS: expected auto, triton or torch, got {choice!r}")
     if choice == "triton" and device.type != "cuda":
-        from ..kernels import interpreting
-
-        return interpreting()
+        return kernels.interpreting()
     return choice != "torch" and device.type == "cuda"
 
 
@@ -54,8 +47,6 @@ def _work_factory(spec: VariantSpec, chunk_form: Callable, scale, device, out_dt
 
     def make_work(part, need_M):
         if triton_ok:
-            from .. import kernels
-
             work = kernels.make_work(spec.name, part, scale, need_M, out_dtype=out_dtype)
             if work is not None:
                 return work
@@ -91,7 +82,7 @@ def _prepare(spec: VariantSpec, *, B, T, dims, device, dtype, initial_state, sta
 def _front(op: str, tensors, *, cu_seqlens, group, **kw):
     """:func:`planned.front` for calls it can take: ``(signature or None, result or None)``
     (one GPU, or a group for the ops with sequence-parallel plans)."""
-    if cu_seqlens is not None or (group is not None and op not in SP_VARIANTS):
+    if cu_seqlens is not None or (group is not None and op not in sp_variants()):
         return None, None
     return planned.front(op, tensors, group=group, **kw)
 

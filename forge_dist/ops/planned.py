@@ -45,7 +45,10 @@ import torch
 from torch import Tensor
 
 from ..runtime import cache as plan_cache
-from ..runtime.plan import SP_VARIANTS, PlanError
+from ..runtime.plan import PlanError
+from ..runtime.sp_setup import sp_variants
+from ..variants import registry
+from .checks import check_finite_enabled
 from .runner import needs_grad
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -85,8 +88,6 @@ def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_
         grads = False  # sequence-parallel plans run forwards only: training takes the runner
     if _compiling():  # a plan object and its host-side launches are not for tracing
         return False
-    from .checks import check_finite_enabled
-
     if check_finite_enabled():
         return False
     tensors = list(inputs.values()) + ([initial_state] if initial_state is not None else [])
@@ -132,7 +133,7 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
             ``x, g``); the caller passes only calls without ``cu_seqlens``, a group or
             arguments the plans do not take (``g_gamma``, in-kernel l2 norm).
         group: a process group for the ops with sequence-parallel plans
-            (:data:`forge_dist.runtime.plan.SP_VARIANTS`), forward calls only.  A repeated
+            (:func:`forge_dist.runtime.sp_setup.sp_variants`), forward calls only.  A repeated
             call then runs its plan with no collective and no host synchronisation: the
             ranks agreed on the signature when the plan was made, and the signature word
             travels with the state (:mod:`forge_dist.sp.agreement`).
@@ -185,8 +186,6 @@ def _remember(front_key: Optional[Tuple], p) -> None:
 def _plan(op: str, initial_state, output_final_state, maps=None, **plan_kw):
     """The cached plan of this call, or ``None`` where the planner refuses it.  ``maps``:
     fused prologues (input name -> jitted map), keyed as sorted items."""
-    from ..runtime import PlanError, cache
-
     if maps:
         plan_kw["maps"] = tuple(sorted(maps.items()))
 
@@ -195,7 +194,7 @@ def _plan(op: str, initial_state, output_final_state, maps=None, **plan_kw):
     try:
         # inside a CUDA graph capture: a captured plan (runtime/cache.py), kept for the
         # graph's replays and never handed to an eager call
-        return cache.get(op, stream=stream, thread=get_ident(), captured=_capturing(device),
+        return plan_cache.get(op, stream=stream, thread=get_ident(), captured=_capturing(device),
                          initial_state=initial_state is not None,
                          output_final_state=bool(output_final_state), **plan_kw)
     except PlanError:
@@ -274,7 +273,7 @@ class _PlannedMatrix(torch.autograd.Function):
 
 def _differentiable(p, tensors, initial_state):
     """``(o, final_state)`` of a call with gradients through plan ``p``'s autograd function."""
-    if p.op == "hgrn":
+    if registry.get(p.op).vector_state:
         return _PlannedHgrn.apply(p, *tensors, initial_state)
     return _PlannedMatrix.apply(p, initial_state, *tensors)
 
@@ -317,7 +316,7 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
         return None
     inputs = {"q": q, "k": k, "v": v, **present}
     if not _eligible(inputs, initial_state, (B, H, K, V), group, cu_seqlens, use_kernels,
-                     grads=not maps, sp_plan=op in SP_VARIANTS and not maps):
+                     grads=not maps, sp_plan=op in sp_variants() and not maps):
         return None
     names = ["q", "k", "v"] + [n for n in ("g", "beta") if n in present]
     kw = dict(B=B, T=T, H=H, K=K, V=V, dtype=q.dtype, scale=scale, device=q.device)
@@ -325,7 +324,7 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
         if needs_grad(inputs, initial_state):
             return None
         kw.update(group=group, strategy=strategy)
-    if op in ("simple_gla", "gated_delta_rule"):
+    if registry.get(op).gate_optional:
         kw["gated"] = "g" in present
     if present:  # g and beta may differ (FLA's usual fp32 g with a bf16 beta)
         kw["gate_dtype"] = present.get("g", present.get("beta")).dtype

@@ -1,9 +1,12 @@
 """Runtime: plan/run, ahead-of-time kernels and the static dispatcher (DESIGN.md section 7).
 
-* :func:`plan` (:mod:`.plan`): fix shapes, dtypes, strategy, tiles, kernels and buffers
-  once; ``Plan.run`` only checks tensors against the plan and launches.
+* :func:`plan` (:mod:`.planner`): fix shapes, dtypes, strategy, tiles, kernels and buffers
+  once; :meth:`Plan.run <.plan.Plan.run>` only checks tensors against the plan and launches
+  (:mod:`.executor` runs the launch programs; :mod:`.sp_setup` the sequence-parallel part).
+* :mod:`.front`: what a plan calls back into :mod:`forge_dist.ops` for, registered by it.
 * :mod:`.cache`: an LRU of plans keyed by their signature (``cache.get(op, **kw)``).
-* :mod:`.programs`: the launch programs (one source for plans, AOT and the dispatcher).
+* the launch programs are the kernel modules' (:func:`forge_dist.kernels.forward_program`,
+  :mod:`forge_dist.kernels.ir`): one source for the eager path, plans, AOT and the dispatcher.
 * :mod:`.aot`: compile the kernels for ``cuda:90`` without a GPU into an on-disk cubin
   cache with a manifest; stale or mismatched entries are detected and rebuilt.
 * :mod:`.dispatcher`: load cubins and launch them through the CUDA driver API.
@@ -16,6 +19,7 @@ that replay's signals.  Run the plan once eagerly before capturing (the forge ch
 allocated at plan time; the first run warms Triton) and call ``forge_dist.sp.forge.flush()``
 after replays to surface a timeout.
 """
-from .plan import Plan, PlanError, plan
+from .plan import Plan, PlanError
+from .planner import plan
 
 __all__ = ["Plan", "PlanError", "plan"]

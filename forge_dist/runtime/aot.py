@@ -2,7 +2,7 @@
 
 A config declares the static dims (variants, heads, head dims, dtypes, chunk sizes,
 execution modes); :func:`enumerate_specs` turns it into the set of
-:class:`~forge_dist.runtime.programs.KernelSpec` that plans of those dims launch (built by
+:class:`~forge_dist.kernels.ir.KernelSpec` that plans of those dims launch (built by
 the same program builders the plans use), and :func:`compile_all` compiles each for a
 target such as ``cuda:90`` with Triton 3.6's own compiler::
 
@@ -43,8 +43,11 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .programs import (KernelSpec, hgrn_backward_program, hgrn_program,
-                       matrix_backward_program, matrix_program, resolve_kernel)
+from .. import kernels
+from ..kernels import _common, backward_program, forward_program
+from ..kernels.ir import KERNELS, KernelSpec, resolve_kernel
+from ..variants import registry
+from ..variants.transitions import Kind
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -52,15 +55,15 @@ MANIFEST = "manifest.json"
 # The AOT config (TOML through forge_dist.config): every key, with its default.
 DEFAULTS: Dict[str, Any] = {
     "target": "cuda:90",
-    "variants": ["linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"],
+    "variants": list(kernels.variants()),
     "heads": [32],
     "head_dims": [[128, 128]],       # [K, V] pairs of the matrix-state variants
     "hgrn_dims": [4096],             # D of hgrn
     "dtypes": ["bfloat16"],          # q/k/v (hgrn x, g) dtypes
     "gate_dtype": "float32",         # g / beta of the matrix-state variants
-    "beta_dtype": "",                # gated_delta_rule's beta when it differs ("": gate_dtype)
-    "execution": ["fused", "decoupled"],  # decoupled exists for linear_attn / simple_gla only
-    "gated": [True],                 # simple_gla, gated_delta_rule: with g (False: no gate)
+    "beta_dtype": "",                # the delta rule's beta when it differs ("": gate_dtype)
+    "execution": ["fused", "decoupled"],  # decoupled: not for the delta rule's dense state
+    "gated": [True],                 # variants whose gate is optional: with g (False: none)
     "initial_state": [False, True],  # HAS_H0 off / on
     "sequence_parallel": True,       # also the summary programs a sequence-parallel plan runs
     "backward": True,                # also the backward programs (the plans' run_backward)
@@ -129,20 +132,21 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
         for dt_name in cfg["dtypes"]:
             dtype = _dtype(dt_name)
             for h0 in cfg["initial_state"]:
-                if variant == "hgrn":
+                if registry.get(variant).vector_state:
                     for D in cfg["hgrn_dims"]:
                         for store_o in ([True, False] if cfg["sequence_parallel"] else [True]):
                             for mode in cfg["execution"]:
                                 if not store_o and h0:
                                     continue  # summaries start from zero
-                                prog = hgrn_program(B=1, T=256, D=int(D), dtype=dtype,
-                                                    has_h0=h0, store_o=store_o, execution=mode)
+                                prog = forward_program(variant, B=1, T=256, D=int(D),
+                                                       dtype=dtype, has_h0=h0,
+                                                       store_o=store_o, execution=mode)
                                 out.update((s.key, s) for s in prog.specs())
                                 if not (store_o and cfg.get("backward", True)):
                                     continue
                                 for has_dht in (False, True):
-                                    prog = hgrn_backward_program(
-                                        B=1, T=256, D=int(D), dtype=dtype, has_h0=h0,
+                                    prog = backward_program(
+                                        variant, B=1, T=256, D=int(D), dtype=dtype, has_h0=h0,
                                         has_dht=has_dht, execution=mode)
                                     out.update((s.key, s) for s in prog.specs())
                     continue
@@ -154,7 +158,7 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                             _stores(variant, cfg["sequence_parallel"])):
                         if not store_o and h0:
                             continue  # summaries start from zero
-                        prog = matrix_program(
+                        prog = forward_program(
                             variant, B=1, T=T, H=int(H), K=int(K), V=int(V), dtype=dtype,
                             gated=gated, has_h0=h0, store_o=store_o, execution=mode,
                             tiles=tiles, gate_dtype=gate_dtype, beta_dtype=beta_dtype)
@@ -164,7 +168,7 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                     for gated, Bb, has_dht in itertools.product(
                             _gates(variant, cfg["gated"]), cfg.get("batch_sizes", [1]),
                             (False, True)):
-                        prog = matrix_backward_program(
+                        prog = backward_program(
                             variant, B=int(Bb), T=T, H=int(H), K=int(K), V=int(V),
                             dtype=dtype, gated=gated, has_h0=h0, has_dht=has_dht,
                             beta_dtype=beta_dtype or gate_dtype)
@@ -176,27 +180,26 @@ def _matrix_lengths() -> Tuple[int, int]:
     """Sequence lengths whose programs cover every kernel a matrix-state plan can launch:
     short simple_gla inputs sum the scalar gates in the walks, long ones launch a gate sum
     first (``kernels._common.sum_gates_in_walk``); nothing else in a spec depends on T."""
-    from ..kernels._common import SUM_GATES_IN_WALK_MAX_TOKENS
-
-    return 256, SUM_GATES_IN_WALK_MAX_TOKENS + 256
+    return 256, _common.SUM_GATES_IN_WALK_MAX_TOKENS + 256
 
 
 def _gates(variant, gated):
-    if variant == "linear_attn":
+    spec = registry.get(variant)
+    if spec.gate is None:
         return [False]
-    if variant == "gla":
+    if not spec.gate_optional:
         return [True]
     return sorted(set(bool(g) for g in gated))
 
 
 def _modes(variant, modes):
-    if variant in ("linear_attn", "simple_gla", "gla"):
+    if registry.get(variant).kind is not Kind.DENSE:  # segments need a diagonal transition
         return list(modes)
     return ["fused"] if "fused" in modes or modes else []
 
 
 def _stores(variant, sp):
-    if variant == "gated_delta_rule" or not sp:
+    if registry.get(variant).kind is Kind.DENSE or not sp:  # no dense summary programs
         return [True]
     return [True, False]
 
@@ -351,8 +354,6 @@ def compile_specs(specs: Iterable[KernelSpec], cache_dir, target: str = "cuda:90
 
 
 def _kernel_location(kernel: str) -> Tuple[str, str]:
-    from .programs import KERNELS
-
     if ":" in kernel:
         m, a = kernel.split(":", 1)
         return m, a

@@ -10,7 +10,7 @@ Usage (what ``forge_dist.ops`` does on its no-grad, single-device path,
                   strategy=strategy)
     o, final = p.run(q, k, v, g, initial_state=h0)
 
-The key is every keyword of :func:`~forge_dist.runtime.plan.plan` (dtypes and devices by
+The key is every keyword of :func:`~forge_dist.runtime.planner.plan` (dtypes and devices by
 value, a process group by identity), so a hit is exactly the plan that call would make.
 Making a plan may allocate workspaces and, for forge, symmetric buffers (a collective):
 every rank must make the same ``get`` calls in the same order, as for any collective.
@@ -32,7 +32,8 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from .plan import Plan, plan
+from .plan import Plan
+from .planner import plan
 
 _LOCK = threading.Lock()
 _PLANS: "OrderedDict[Tuple, Plan]" = OrderedDict()

@@ -15,12 +15,12 @@ import json
 import sys
 from typing import List, Optional
 
+from .. import config as cfgmod
+from . import aot
+
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point; returns the process exit code."""
-    from .. import config as cfgmod
-    from . import aot
-
     p = argparse.ArgumentParser(prog="forge-dist compile", description=__doc__.split("\n")[0])
     cfgmod.add_arguments(p)
     p.add_argument("--cache-dir", default=None,

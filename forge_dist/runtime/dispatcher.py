@@ -353,7 +353,7 @@ class Dispatcher:
         return self.functions[fk], entry
 
     def bind(self, launch, buffers, device: int) -> Optional[BoundLaunch]:
-        """A :class:`BoundLaunch` for a :class:`~forge_dist.runtime.programs.Launch`, or
+        """A :class:`BoundLaunch` for a :class:`~forge_dist.kernels.ir.Launch`, or
         ``None`` when no valid cubin is cached for it (the caller then uses the JIT)."""
         spec = launch.spec(buffers)
         got = self.function(spec.key, device)

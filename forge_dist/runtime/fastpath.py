@@ -234,7 +234,8 @@ def specialise_program(exe) -> Optional[Callable[[Dict[str, Tensor]], None]]:
 
     The plans' backward programs run through it: the general call builds a pointer dict per
     launch, goes through the compiled kernel's launcher with tensors (which reads each
-    ``data_ptr`` again) and allocates through :meth:`~.programs.Program.run_scoped`'s loops:
+    ``data_ptr`` again) and allocates through
+    :meth:`~forge_dist.kernels.ir.Program.run_scoped`'s loops:
     93 us of host time for a linear_attn backward of three launches on an H100 machine
     (``results/logs/train_split_*_s29-before.log``); in one process, A against B, the
     straight-line run took 31-107 us off the matrix-state ops' ``o.backward`` at T = 1K
@@ -287,9 +288,7 @@ def specialise_program(exe) -> Optional[Callable[[Dict[str, Tensor]], None]]:
     if "cubin" in kinds:
         env["stream"] = exe.stream
     if "jit" in kinds:
-        from .plan import _raw_stream
-
-        env["raw_stream"], env["INDEX"] = _raw_stream, exe.device.index
+        env["raw_stream"], env["INDEX"] = jit_launch.raw_stream, exe.device.index
     body.append("    st = stream()" if "jit" not in kinds else "    st = raw_stream(INDEX)")
     if "cubin" in kinds and "jit" in kinds:
         body.append("    st_cubin = stream()")

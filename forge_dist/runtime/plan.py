@@ -1,9 +1,10 @@
-"""Plan once, run many times (FlashInfer style).
+"""Plan once, run many times (FlashInfer style): the :class:`Plan` of one op call.
 
 ``p = plan("simple_gla", B=1, T=4096, H=32, K=128, V=128, dtype=torch.bfloat16)`` fixes, once:
 shapes and dtypes, the execution strategy (fused/decoupled, from the kernels' scheduler),
-the tile configs (the kernels' tables), the launch program (:mod:`.programs`), the
-workspaces, the kernels (cubins bound to the static dispatcher, or the JIT kernels), and
+the tile configs (the kernels' tables), the launch program
+(:func:`forge_dist.kernels.forward_program`, run by :mod:`.executor`), the workspaces, the
+kernels (cubins bound to the static dispatcher, or the JIT kernels), and
 for sequence parallelism the strategy object, its symmetric buffers (forge) and the
 cross-rank agreement check.  ``o, final = p.run(q, k, v, g)`` then only checks each tensor
 against the plan (shape, dtype, device, contiguity, alignment: no collective, no host sync)
@@ -32,185 +33,30 @@ reuse a buffer), never reads a device value on the host, never synchronises, and
 the current stream.  A plan's workspaces are reused by every call, so one plan must not run
 concurrently on two streams.  Sequence-parallel plans with strategy ``forge`` are
 capturable too (device-side epochs; see ``forge_dist/runtime/__init__.py``).
+
+:func:`.planner.plan` makes plans; :mod:`.executor` runs their programs.
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import fastpath, jit_launch
-from . import programs as pg
-
-_KIND = {"linear_attn": "identity", "simple_gla": "scalar", "gla": "diagonal"}
-SP_VARIANTS = tuple(_KIND)
+from .. import kernels
+from ..kernels.scalar_backward import sm_count, summed_gate_grad
+from ..variants import registry
+from ..variants.transitions import Kind
+from . import fastpath, front
+from .executor import BoundRun, Executor
 
 
 class PlanError(ValueError):
     """A plan cannot be made, or a tensor does not match the plan it is run with."""
 
 
-def _raw_stream(index: int) -> int:
-    """The current CUDA stream's handle, as Triton's launcher reads it."""
-    return torch._C._cuda_getCurrentRawStream(index)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _rank_size(group) -> Tuple[int, int, bool]:
-    """``(rank, size, simulated)`` for ``None``, a process group or a ``SimRank``."""
-    if group is None:
-        return 0, 1, False
-    from ..comm.channel import SimRank
-
-    if isinstance(group, SimRank):
-        return group.rank, group.world.size, True
-    import torch.distributed as dist
-
-    return dist.get_rank(group), dist.get_world_size(group), False
-
-
-class _Exec:
-    """Runs one :class:`~.programs.Program`: JIT launches, or bound cubins where available."""
-
-    def __init__(self, program: pg.Program, device: torch.device, dispatcher=None,
-                 specialise: bool = False):
-        self.program = program
-        self.device = device
-        self.kernels = [pg.resolve_kernel(ln.kernel) for ln in program.launches]
-        self.bound: List[Any] = [None] * len(program.launches)
-        self.paths: List[str] = ["jit"] * len(program.launches)
-        self.workspaces: Dict[str, Tensor] = {}
-        for name, buf in program.buffers.items():
-            if buf.role == "workspace":
-                self.workspaces[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
-        self.stream = None
-        if dispatcher is not None:
-            from .dispatcher import current_stream_fn
-
-            stream_fn = getattr(dispatcher, "stream_fn", None) or current_stream_fn
-            for i, ln in enumerate(program.launches):
-                spec = ln.spec(program.buffers)
-                b = dispatcher.bind(ln, program.buffers, device.index or 0)
-                self.bound[i] = b
-                self.paths[i] = (f"cubin {spec.key}" if b is not None else
-                                 f"jit ({dispatcher.cache.stale(spec.key)})")
-            self.stream = stream_fn(device.index or 0)
-        self._ws_ptrs = {n: t.data_ptr() for n, t in self.workspaces.items()}
-        for b in self.bound:  # workspaces live as long as the plan: their pointers are fixed
-            if b is not None:
-                b.bake(self._ws_ptrs)
-        self._jit_calls = []
-        for ln, fn in zip(program.launches, self.kernels):
-            kw = dict(ln.constexprs)
-            kw.update(num_warps=ln.num_warps, num_stages=ln.num_stages)
-            self._jit_calls.append((fn[ln.grid], ln.args, kw))
-        # JIT launches relaunch the kernel their first call compiled (jit_launch.py)
-        self._compiled: List[Any] = [None] * len(program.launches)
-        self._untried = [device.type == "cuda" and b is None for b in self.bound]
-        # programs with per-call scratch (the backward programs) allocate and drop it per call
-        self._scoped = any(b.role == "scratch" for b in program.buffers.values())
-        # specialise: once every launch has a cubin or a compiled kernel, calls go through
-        # straight-line code made for this program (fastpath.specialise_program)
-        self._specialise_pending = specialise
-        self._fast: Optional[Callable[[Dict[str, Tensor]], None]] = None
-
-    def __call__(self, tensors: Dict[str, Tensor]) -> None:
-        """Launch the program on ``tensors`` (its inputs and outputs by buffer name).  A
-        program with scratch buffers also gets each output and scratch buffer that
-        ``tensors`` lacks allocated just before its first launch, and its scratch dropped
-        after its last (so that a backward's peak memory is its kernels' own)."""
-        fast = self._fast
-        if fast is not None:
-            fast(tensors)  # calls _call_general on anything it does not take
-            return
-        self._call_general(tensors)
-        if self._specialise_pending and not any(self._untried):
-            self._specialise_pending = False  # one try: a launch without either stays JIT
-            self._fast = fastpath.specialise_program(self)
-
-    def _call_general(self, tensors: Dict[str, Tensor]) -> None:
-        if not self._scoped:
-            self._launch(tensors, range(len(self._jit_calls)))
-            return
-        fast_ok = None if self.device.type != "cuda" else jit_launch.usable()
-        self.program.run_scoped(tensors, self.device,
-                                lambda i, t: self._launch(t, (i,), fast_ok))
-
-    def _launch(self, tensors: Dict[str, Tensor], which, fast_ok: Optional[bool] = None) -> None:
-        """Launch ``which`` (indices into the program) on ``tensors``; ``fast_ok``: whether
-        compiled kernels may be relaunched (read from the environment when ``None``)."""
-        ptrs = merged = None
-        for i in which:
-            launch, args, kw = self._jit_calls[i]
-            b = self.bound[i]
-            if b is not None:
-                if ptrs is None:
-                    ptrs = {n: t.data_ptr() for n, t in tensors.items()}
-                b.launch(ptrs, self.stream())
-                continue
-            fast = self._compiled[i]
-            if fast is not None or self._untried[i]:
-                if merged is None:
-                    merged = {**self.workspaces, **tensors} if self.workspaces else tensors
-                if fast_ok is None:  # reads the environment: only where a JIT launch runs
-                    fast_ok = jit_launch.usable()
-                if fast is not None and fast_ok and fast.aligned(merged):
-                    fast(merged, _raw_stream(self.device.index))
-                    continue
-            call = {}
-            for name, kind, value in args:
-                if kind == "buf":
-                    call[name] = tensors[value] if value in tensors else self.workspaces[value]
-                else:
-                    call[name] = value
-            kernel = launch(**call, **kw)
-            if self._untried[i]:
-                self._untried[i] = False
-                ln = self.program.launches[i]
-                self._compiled[i] = jit_launch.CompiledLaunch.make(
-                    kernel, self.kernels[i], ln.grid, args, dict(ln.constexprs), merged)
-
-
-class BoundRun:
-    """A plan's launches bound to fixed buffers (:meth:`Plan.bind`); call it to launch."""
-
-    def __init__(self, exe: "_Exec", tensors: Dict[str, Tensor], outputs):
-        self._tensors = tensors  # keeps the bound buffers alive
-        self._exe = exe  # and the plan's workspaces, whose pointers the packs hold
-        self.outputs = outputs
-        ptrs = {n: t.data_ptr() for n, t in tensors.items()}
-        steps = []
-        for (launch, args, kw), b in zip(exe._jit_calls, exe.bound):
-            if b is not None:
-                # each bound launch keeps its own packed copy (a plan's packs are shared
-                # with its run()), so run() between calls cannot change what we launch
-                pack = type(b.pack)(b.pack.types)
-                pack.pack(b.values(ptrs))
-                steps.append((b.driver.launch, (b.fn, b.grid, b.block_x, b.shared), pack))
-            else:
-                call = {name: (tensors[value] if value in tensors else exe.workspaces[value])
-                        if kind == "buf" else value for name, kind, value in args}
-                steps.append((launch, call, kw))
-        self._steps = steps
-        self._stream = exe.stream
-
-    def __call__(self):
-        """Launch on the current stream; returns ``outputs``."""
-        for fn, a, b in self._steps:
-            if type(a) is tuple:
-                fn(*a, self._stream(), b.params_address)
-            else:
-                fn(**a, **b)
-        return self.outputs
-
-
 class Plan:
-    """A planned op call; make one with :func:`plan`.
+    """A planned op call; make one with :func:`.planner.plan`.
 
     Not thread-safe: every run reuses the plan's workspaces and launch parameter buffers,
     so two threads (or two streams) must not run one plan at the same time; make one plan
@@ -357,7 +203,7 @@ class Plan:
             raise PlanError(f"run_backward: this plan maps {', '.join(self.prologues)} with "
                             "fused prologues, which the backward programs do not differentiate; "
                             "use forge_dist.ops (or the DSL's variant) for gradients")
-        hgrn = self.op == "hgrn"
+        hgrn = registry.get(self.op).vector_state  # hgrn's outputs are its states
         names = ("g", "o", "do") if hgrn else tuple(self.input_names) + ("do",)
         if len(tensors) != len(names):
             raise PlanError(f"run_backward: expected {len(names)} tensors ({', '.join(names)}), "
@@ -404,38 +250,34 @@ class Plan:
             given["g"] = g.float()
         exe(given)  # allocates the gradients and the scratch it needs, drops the scratch
         if "dg_part" in given:  # simple_gla: the K tiles' shares of dg
-            from ..kernels.scalar_backward import summed_gate_grad
-
             given["dg"] = summed_gate_grad(given["dg_part"])
         grads = [given["dq"], given["dk"], given["dv"]]
         if g is not None:
             grads.append(given["dg"].to(g.dtype))
-        if self.op == "gated_delta_rule":
+        if "beta" in self.input_names:
             grads.append(given["dbeta"].to(self.dtypes["beta"]))
         grads.append(given.get("dh0") if need_initial_grad else None)
         return tuple(grads)
 
-    def _backward_exec(self, has_dht: bool) -> "_Exec":
+    def _backward_exec(self, has_dht: bool) -> Executor:
         exe = self._bwd_execs.get(has_dht)
         if exe is None:
-            if self.op == "hgrn":
+            if registry.get(self.op).vector_state:
                 B, T, D = self.out_shape
-                prog = pg.hgrn_backward_program(B=B, T=T, D=D, dtype=self.out_dtype,
-                                                gate_dtype=self.dtypes["g"],
-                                                has_h0=self.initial_state, has_dht=has_dht,
-                                                execution=self.execution_request)
+                prog = kernels.backward_program(
+                    self.op, B=B, T=T, D=D, dtype=self.out_dtype, gate_dtype=self.dtypes["g"],
+                    has_h0=self.initial_state, has_dht=has_dht,
+                    execution=self.execution_request)
             else:
-                from ..kernels.scalar_backward import sm_count
-
                 B, T, H, K = self.shapes["q"]
-                prog = pg.matrix_backward_program(
+                prog = kernels.backward_program(
                     self.op, B=B, T=T, H=H, K=K, V=self.out_shape[-1], dtype=self.out_dtype,
                     gated="g" in self.shapes, has_h0=self.initial_state, has_dht=has_dht,
                     scale=self.scale, interp=self._interp,
                     beta_dtype=self.dtypes.get("beta", torch.float32),
                     sms=sm_count(self.device))
-            exe = self._bwd_execs[has_dht] = _Exec(prog, self.device, self._dispatcher,
-                                                   specialise=True)
+            exe = self._bwd_execs[has_dht] = Executor(prog, self.device, self._dispatcher,
+                                                      specialise=True)
             self.notes.extend(n for n in prog.notes if n not in self.notes)
         return exe
 
@@ -465,8 +307,6 @@ class Plan:
             self._specialise_pending = False
 
     def _run_sp(self, tensors, h0, o):
-        from ..variants.transitions import Kind
-
         kind = Kind(self.kind)
         rank, size = self.rank, self.size
         M = None
@@ -496,16 +336,12 @@ class Plan:
         return ht
 
     def _run_torch(self, tensors, h0):
-        from .. import ops
-
-        fn = getattr(ops, self.op)
+        fn = front.torch_op(self.op)
+        spec = registry.get(self.op)
         kw = dict(initial_state=h0, output_final_state=self.output_final_state)
-        if self.op != "hgrn":
+        if not spec.vector_state:
             kw["scale"] = self.scale
-        if self.op == "gated_delta_rule":
-            return fn(tensors["q"], tensors["k"], tensors["v"], tensors.get("g"),
-                      tensors["beta"], **kw)
-        return fn(*[tensors[n] for n in self.input_names], **kw)
+        return fn(*[tensors.get(n) for n in spec.inputs], **kw)  # an absent gate: None
 
     # -- reporting -------------------------------------------------------------------------
     def describe(self) -> Dict[str, Any]:
@@ -540,210 +376,3 @@ class Plan:
         d = self.describe()
         return (f"Plan({d['op']}, backend={d['backend']}, execution={d['execution']}, "
                 f"world={d['world_size']}, launches={[x['kernel'] for x in d['launches']]})")
-
-
-def _static_cache(device: torch.device, cache_dir):
-    from .aot import CubinCache, default_cache_dir
-
-    major, minor = torch.cuda.get_device_capability(device)
-    return CubinCache(cache_dir if cache_dir is not None else default_cache_dir(),
-                      target=f"cuda:{major}{minor}")
-
-
-def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] = None,
-         V: Optional[int] = None, D: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
-         gate_dtype: Optional[torch.dtype] = None, gated: Optional[bool] = None,
-         beta_dtype: Optional[torch.dtype] = None, initial_state: bool = False,
-         output_final_state: bool = False, scale: Optional[float] = None, device=None,
-         group=None, strategy: str = "auto",
-         execution: Optional[str] = None, backend: str = "auto", cache_dir=None,
-         tiles: Optional[dict] = None, dispatcher=None, maps=None) -> Plan:
-    """Plan one op call; see the module docstring.
-
-    Args:
-        op: ``linear_attn``, ``simple_gla``, ``gla``, ``gated_delta_rule`` or ``hgrn``.
-        B, T: batch and tokens per rank; H, K, V: heads and head dims (hgrn: ``D``).
-        dtype: of q/k/v (hgrn x); ``gate_dtype`` of g/beta (default fp32; hgrn: ``dtype``);
-            ``beta_dtype`` of gated_delta_rule's beta when it differs from g's.
-        gated: simple_gla / gated_delta_rule with a ``g`` input (default True); linear_attn
-            never, gla always.
-        initial_state / output_final_state: whether run takes / returns the fp32 state.
-        group: ``None``, a process group, or a ``forge_dist.comm.sim.SimRank``.
-        strategy: sequence-parallel strategy (``forge``, ``lasp2``, ...; ``auto``).
-        execution: ``fused`` / ``decoupled`` / ``None`` (the kernels' scheduler).
-        backend: ``auto``, ``static``, ``triton`` or ``torch``.
-        cache_dir: AOT cache for the static backend (default: ``FORGE_DIST_AOT_CACHE`` or
-            ``~/.cache/forge_dist/aot``).
-        tiles: overrides of the kernels' tile config (e.g. ``{"BT": 32}``).
-        dispatcher: a :class:`~.dispatcher.Dispatcher` to use (tests inject fakes).
-        maps: fused elementwise prologues, input name -> jitted map (a dict or its items;
-            :mod:`forge_dist.dsl.codegen`): the kernels map each input as they load it.
-            JIT-launched (the AOT cache holds no such kernels); not for gated_delta_rule.
-    """
-    maps = {n: m for n, m in dict(maps or {}).items() if m is not None}
-    if op not in pg.VARIANTS:
-        raise PlanError(f"op: expected one of {pg.VARIANTS}, got {op!r}")
-    if backend not in ("auto", "static", "triton", "torch"):
-        raise PlanError(f"backend: expected auto, static, triton or torch, got {backend!r}")
-    if execution not in (None, "auto", "fused", "decoupled"):
-        raise PlanError(f"execution: expected fused, decoupled or None, got {execution!r}")
-    for name, val in (("B", B), ("T", T)):
-        if not isinstance(val, int) or val < 1:
-            raise PlanError(f"{name}: expected a positive int, got {val!r}")
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise PlanError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    rank, size, simulated = _rank_size(group)
-
-    if backend == "auto":
-        if device.type == "cuda":
-            backend = "static" if dispatcher is not None else "triton"
-            if dispatcher is None:
-                cache = _static_cache(device, cache_dir)
-                if any(cache.stale(k) is None for k in cache._all):
-                    backend = "static"
-        else:
-            backend = "triton" if _interpreting() else "torch"
-    if backend in ("static", "triton") and device.type != "cuda" and not _interpreting():
-        if not (backend == "static" and dispatcher is not None):
-            raise PlanError(f"backend={backend!r}: tensors on {device} need CUDA, or "
-                            "TRITON_INTERPRET=1 set before Triton is imported")
-    if size > 1 and op not in SP_VARIANTS:
-        raise PlanError(f"group: sequence-parallel plans cover {SP_VARIANTS}; use "
-                        f"forge_dist.ops.{op} for {op} across ranks")
-    if size > 1 and backend == "torch":
-        raise PlanError("backend='torch' plans are single-rank; use forge_dist.ops with a group")
-
-    # programs for the interpreter use its precision rule; static plans are built for the GPU
-    interp = backend != "static" and _interpreting() and device.type != "cuda"
-    notes: List[str] = []
-    if op == "hgrn":
-        if D is None or D < 1:
-            raise PlanError("hgrn: give D (the feature dim of x [B, T, D])")
-        gdt = gate_dtype or dtype
-        if set(maps) - {"x", "g"}:
-            raise PlanError(f"maps: hgrn maps x and g, got {sorted(maps)}")
-        prog = pg.hgrn_program(B=B, T=T, D=D, dtype=dtype, has_h0=initial_state, tiles=tiles,
-                               gate_dtype=gdt, execution=execution, maps=maps)
-        names = ["x", "g"]
-        state_shape = (B, D)
-        out_shape = (B, T, D)
-        sm_prog = None
-    else:
-        for name, val in (("H", H), ("K", K), ("V", V)):
-            if not isinstance(val, int) or val < 1:
-                raise PlanError(f"{name}: expected a positive int, got {val!r}")
-        if K < 16 or V < 16 or K > 256 or V > 256:
-            raise PlanError(f"head dims K={K}, V={V} outside [16, 256] (the kernels' range)")
-        if gated is None:
-            gated = op != "linear_attn"
-        gdt = gate_dtype or torch.float32
-        scale = K ** -0.5 if scale is None else float(scale)
-        try:
-            prog = pg.matrix_program(op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated,
-                                     has_h0=initial_state or rank > 0, scale=scale,
-                                     execution=execution, interp=interp, tiles=tiles,
-                                     gate_dtype=gdt, beta_dtype=beta_dtype, maps=maps)
-            sm_prog = None
-            if size > 1 and rank < size - 1:
-                sm_prog = pg.matrix_program(op, B=B, T=T, H=H, K=K, V=V, dtype=dtype,
-                                            gated=gated, has_h0=False, store_o=False,
-                                            scale=scale, interp=interp, tiles=tiles,
-                                            gate_dtype=gdt, beta_dtype=beta_dtype, maps=maps)
-        except ValueError as err:
-            raise PlanError(str(err)) from None
-        names = ["q", "k", "v"] + (["g"] if gated else []) + (
-            ["beta"] if op == "gated_delta_rule" else [])
-        state_shape = (B, H, K, V)
-        out_shape = (B, T, H, V)
-    notes.extend(prog.notes)
-    if maps:
-        notes.append(f"fused prologues on {', '.join(sorted(maps))}")
-
-    if backend == "static" and dispatcher is None:
-        from .dispatcher import Dispatcher
-
-        dispatcher = Dispatcher(_static_cache(device, cache_dir))
-    disp = dispatcher if backend == "static" else None
-    finish_exec = summary_exec = None
-    if backend != "torch":
-        finish_exec = _Exec(prog, device, disp)
-        summary_exec = _Exec(sm_prog, device, disp) if sm_prog is not None else None
-        if disp is not None:
-            jit = [p for ex in (finish_exec, summary_exec) if ex for p in ex.paths
-                   if p.startswith("jit")]
-            if jit:
-                notes.append(f"{len(jit)} launch(es) fall back to the JIT: {jit}")
-
-    shapes = {n: prog.buffers[n].shape for n in names}
-    dtypes = {n: prog.buffers[n].dtype for n in names}
-    p = Plan(op=op, backend=backend, device=device, input_names=names, shapes=shapes,
-             dtypes=dtypes, initial_state=bool(initial_state),
-             output_final_state=bool(output_final_state), scale=scale,
-             state_shape=state_shape, ht_shape=prog.buffers["ht"].shape, out_shape=out_shape,
-             out_dtype=dtype, execution=prog.execution, notes=notes, rank=rank, size=size,
-             group=group, strategy=None, strategy_obj=None, kind=_KIND.get(op),
-             finish_exec=finish_exec, summary_exec=summary_exec, channels=None,
-             static=backend == "static", delta=None, zeros=None, _ht_scratch=None,
-             execution_request=execution, _dispatcher=disp, _bwd_execs={}, _interp=interp,
-             prologues=tuple(sorted(maps)), word=0,
-             _specialise_pending=(backend == "triton" and device.type == "cuda"
-                                  and size == 1))
-
-    if size == 1 and backend != "torch" and not output_final_state:
-        # the kernels write a final state nobody returns: one scratch for every run
-        p._ht_scratch = torch.empty(p.ht_shape, dtype=torch.float32, device=device)
-    if size > 1:
-        _plan_sp(p, strategy, simulated, B, T, H, K, V, dtype, gated)
-    fast = fastpath.specialise(p)
-    if fast is not None:
-        p.run = fast  # straight-line checks and launches; the general path on any miss
-    return p
-
-
-def _plan_sp(p: Plan, strategy: str, simulated: bool, B, T, H, K, V, dtype, gated) -> None:
-    """Strategy, state workspaces, forge channels and the cross-rank agreement check."""
-    from .. import sp
-    from ..variants.transitions import Kind
-
-    p.delta = torch.zeros(B, H, K, V, dtype=torch.float32, device=p.device)
-    p.zeros = torch.zeros(B, H, K, V, dtype=torch.float32, device=p.device)
-    if simulated:
-        if strategy not in ("auto", "forge"):
-            raise PlanError(f"strategy={strategy!r}: a SimRank group runs only 'forge' (the "
-                            "simulated transport)")
-        from ..sp import forge
-
-        p.strategy, p.strategy_obj = "forge", forge.FORGE
-    else:
-        if strategy not in sp.names():
-            raise PlanError(f"strategy: expected one of {sp.names()}, got {strategy!r}")
-        try:
-            p.strategy_obj = sp.resolve(strategy, p.device)
-        except (ValueError, RuntimeError) as err:
-            raise PlanError(str(err)) from None
-        p.strategy = p.strategy_obj.name
-        from ..ops import checks
-        from ..sp import agreement
-
-        # once per plan, not per run: every rank must have planned the same call.  The
-        # fields are the ops' (a rank on the runner sends the same word as one on a plan);
-        # the word travels with every run's state and is checked on the device.
-        names = agreement.GATE_NAMES  # as the ops name them: none, g, g per channel
-        gates = names[0] if p.op == "linear_attn" or not gated else (
-            names[2] if p.op == "gla" else names[1])
-        fields = agreement.op_fields(p.op, B=B, T=T, dims={"H": H, "K": K, "V": V},
-                                     dtype=dtype, strategy=p.strategy, gates=gates,
-                                     offsets=0, grad=False)
-        p.word = checks.across_ranks(p.group, p.device, fields)
-    if p.strategy == "forge":
-        from ..sp import forge
-
-        # symmetric buffers now: their allocation is a collective (NVSHMEM)
-        ch, bk, bv = forge._channel(forge._Where(p.group), "fwd", p.delta, Kind(p.kind))
-        p.channels = {"direction": "fwd", "tile": [bk, bv], "tiles": int(ch.sig.numel()),
-                      "transport": "sim" if simulated else "nvshmem"}

@@ -41,13 +41,39 @@ class SegmentSummary:
     readout: Callable[[Tensor], Tuple[Tensor, Tensor]]
 
 
+# shapes of a variant's gate ``g`` (:attr:`VariantSpec.gate`)
+GATE_SHAPES = {"head": "[B, T, H]", "channel": "[B, T, H, K]", "feature": "[B, T, D]"}
+
+
 @dataclass(frozen=True)
 class VariantSpec:
-    """Static facts about a variant: its name, transition kind and state layout."""
+    """Static facts about a variant: its name, transition kind and state layout, and (for
+    the registered ops, :mod:`.registry`) its kernels' pattern, its inputs and its gate.
+
+    Attributes:
+        pattern: the computational pattern whose kernels run it (``"scalar_decay"``,
+            ``"vector_decay"``, ``"delta_rule"``, ``"vector_state"``; see
+            :mod:`forge_dist.kernels`), or ``None`` (PyTorch only).
+        inputs: the op's tensor inputs in call order (``("q", "k", "v", "g")``).
+        gate: the shape of ``g`` (a key of :data:`GATE_SHAPES`), ``None`` without a gate.
+        gate_optional: ``g`` may be left out (then the state does not decay).
+    """
 
     name: str
     kind: Kind
     vector_state: bool = False  # True for HGRN (state [B, D], stored as [B, 1, D, 1])
+    pattern: Optional[str] = None
+    inputs: Tuple[str, ...] = ()
+    gate: Optional[str] = None
+    gate_optional: bool = False
+
+    def input_names(self, gated: bool = True) -> Tuple[str, ...]:
+        """:attr:`inputs`, without ``g`` when not ``gated``."""
+        return tuple(n for n in self.inputs if gated or n != "g")
+
+    def gate_text(self) -> str:
+        """``g``'s shape as the docs write it (``"[B, T, H]"``)."""
+        return GATE_SHAPES[self.gate]
 
 
 class SegmentWork:

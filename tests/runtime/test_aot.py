@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_dist.runtime import aot, compile_cli, dispatcher, programs
-from forge_dist.runtime.plan import plan
+from forge_dist import kernels
+from forge_dist.kernels import ir
+from forge_dist.runtime import aot, compile_cli, dispatcher, plan
 
 from .static_fakes import SMALL, TARGET, FakeDriver, verified_cache
 
@@ -42,7 +43,7 @@ def test_compile_all_for_sm90_on_cpu(built):
         # an sm_90 cubin: the ELF header's e_flags carry the SM version (low byte = 90)
         e_flags = struct.unpack_from("<I", blob, 48)[0]
         assert e_flags & 0xFF == 90, hex(e_flags)
-        assert e["name"] == programs.KERNELS[e["kernel"]][1]
+        assert e["name"] == ir.KERNELS[e["kernel"]][1]
         assert e["num_warps"] in (1, 2, 4, 8) and e["shared"] >= 0
         assert e["global_scratch_size"] == 0 and e["profile_scratch_size"] == 0
         assert len(e["source_hash"]) == 64 and e["cubin_sha256"]
@@ -117,7 +118,7 @@ def test_source_change_detected_and_rebuilt(tmp_path, monkeypatch):
     src = mod_dir / "aot_probe_kernels.py"
     src.write_text(KERNEL_SRC.format(op="+"))
     monkeypatch.syspath_prepend(str(mod_dir))  # the child process inherits sys.path
-    spec = programs.KernelSpec("aot_probe_kernels:add_kernel",
+    spec = ir.KernelSpec("aot_probe_kernels:add_kernel",
                                (("x", "*fp32"), ("y", "*fp32"), ("n", "i32")),
                                (("BLOCK", 128),), 4, 3)
     d = tmp_path / "cache"
@@ -221,7 +222,7 @@ def test_static_plan_falls_back_to_jit_for_missing_or_stale(built, tmp_path, mon
     monkeypatch.setattr(_common, "SUM_GATES_IN_WALK_MAX_TOKENS", 0)
     d = _copy(built[0], tmp_path, "partial")
     man = json.loads((d / "manifest.json").read_text())
-    prog = programs.matrix_program("simple_gla", B=1, T=96, H=2, K=32, V=48,
+    prog = kernels.forward_program("simple_gla", B=1, T=96, H=2, K=32, V=48,
                                    dtype=torch.float32, gated=True, has_h0=False,
                                    execution="decoupled")
     keys = [s.key for s in prog.specs()][1:]  # [0]: the gates' chunk sums, left valid

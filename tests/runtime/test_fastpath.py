@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from forge_dist.runtime import aot, dispatcher, fastpath
-from forge_dist.runtime.plan import PlanError, plan
+from forge_dist.runtime import PlanError, plan
 
 from .static_fakes import TARGET, FakeDriver, verified_cache
 
@@ -161,13 +161,13 @@ def test_plans_that_do_not_qualify_keep_the_general_run(built, tmp_path):
     import json
     import shutil
 
-    from forge_dist.runtime import programs
+    from forge_dist import kernels
 
     # a launch without a cubin (JIT fallback): not specialised
     d = tmp_path / "partial"
     shutil.copytree(built[0], d)
     man = json.loads((d / "manifest.json").read_text())
-    prog = programs.matrix_program("simple_gla", B=B, T=T, H=H, K=K, V=V,
+    prog = kernels.forward_program("simple_gla", B=B, T=T, H=H, K=K, V=V,
                                    dtype=torch.float32, gated=True, has_h0=False,
                                    execution="decoupled")
     del man["kernels"][prog.specs()[-1].key]
@@ -217,7 +217,7 @@ def test_triton_plan_specialised_to_the_kernels_its_first_run_compiled(monkeypat
     if not interpreting():  # a Triton plan of CPU tensors runs only in the interpreter
         pytest.skip("needs TRITON_INTERPRET=1 (on a GPU, test_gpu.py covers this path)")
 
-    plan_module = importlib.import_module("forge_dist.runtime.plan")
+    launch_module = importlib.import_module("forge_dist.runtime.jit_launch")
     p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
              backend="triton", execution="decoupled")
     assert "run" not in vars(p) and fastpath.specialise(p) is None  # nothing compiled yet
@@ -232,7 +232,7 @@ def test_triton_plan_specialised_to_the_kernels_its_first_run_compiled(monkeypat
         for ln, fn in zip(exe.program.launches, exe.kernels)]
     assert all(c is not None for c in exe._compiled)
     exe.stream = lambda: 55
-    monkeypatch.setattr(plan_module, "_raw_stream", lambda index: 55)
+    monkeypatch.setattr(launch_module, "raw_stream", lambda index: 55)
     fast = fastpath.specialise(p)
     assert fast is not None and "relaunch_usable()" in fast.__source__
     fast(q, k, v, g, out=o)
@@ -293,8 +293,8 @@ def test_backward_program_specialised_launches_what_the_general_call_does(monkey
 
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (on a GPU, test_gpu.py covers this path)")
-    plan_module = importlib.import_module("forge_dist.runtime.plan")
-    monkeypatch.setattr(plan_module, "_raw_stream", lambda index: 55)
+    launch_module = importlib.import_module("forge_dist.runtime.jit_launch")
+    monkeypatch.setattr(launch_module, "raw_stream", lambda index: 55)
     if op == "hgrn":  # two launches at this T would be one: the decoupled schedule's three
         p = plan("hgrn", B=B, T=T, D=40, dtype=torch.float32, device="cpu",
                  execution="decoupled")

@@ -12,8 +12,7 @@ import torch
 
 from forge_dist import kernels, ops
 from forge_dist.comm.sim import SimWorld
-from forge_dist.runtime import cache, dispatcher, programs
-from forge_dist.runtime.plan import PlanError, plan
+from forge_dist.runtime import PlanError, cache, dispatcher, executor, plan
 
 plan_mod = importlib.import_module("forge_dist.runtime.plan")  # the name `plan` is the function
 
@@ -435,7 +434,7 @@ def _calls(fn):
 @pytest.mark.parametrize("fn", [
     plan_mod.Plan.run, plan_mod.Plan._check, plan_mod.Plan._run_local, plan_mod.Plan._run_sp,
     plan_mod.Plan.run_backward,
-    plan_mod._Exec.__call__, plan_mod._Exec._launch,
+    executor.Executor.__call__, executor.Executor._launch,
     dispatcher.BoundLaunch.launch, dispatcher.BoundLaunch.values,
     dispatcher.ArgPack.pack], ids=lambda f: f.__qualname__)
 def test_run_path_has_no_host_sync_in_source(fn):
@@ -489,7 +488,7 @@ def test_program_specs_are_stable():
     from forge_dist.kernels._common import SUM_GATES_IN_WALK_MAX_TOKENS as LIMIT
 
     def prog(B, T, dtype=torch.bfloat16):
-        return programs.matrix_program("simple_gla", B=B, T=T, H=4, K=64, V=64, dtype=dtype,
+        return kernels.forward_program("simple_gla", B=B, T=T, H=4, K=64, V=64, dtype=dtype,
                                        gated=True, has_h0=False, execution="fused")
     keys = lambda p: [s.key for s in p.specs()]  # noqa: E731
     a, b = prog(1, 64), prog(2, LIMIT // 2)  # short: the walk alone
