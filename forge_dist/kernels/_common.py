@@ -199,7 +199,9 @@ if HAVE_TRITON:
     def reset_floor(b_g):
         """Log decays read with a hard reset (``-inf``) as :data:`HARD_RESET` (one max per
         element, in registers: no pass of its own)."""
-        return tl.maximum(b_g, HARD_RESET)
+        # HARD_RESET written out: a global here made Triton's source hash (the AOT cache's
+        # key) depend on how the module was imported (python -m gave another hash)
+        return tl.maximum(b_g, -112.0)
 
     @triton.jit
     def mapped_tile(x, MAP: tl.constexpr, r0, R, c0, C, BR: tl.constexpr, BC: tl.constexpr):
