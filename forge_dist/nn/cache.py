@@ -159,7 +159,8 @@ class CacheCall:
             y, state = conv_step(conv, x, cached)
             if l2norm_head_dim is not None:
                 heads = y.unflatten(-1, (-1, l2norm_head_dim))
-                y = F.normalize(heads.float(), dim=-1, eps=1e-6).to(y.dtype).flatten(-2)
+                wide = heads if heads.dtype == torch.float64 else heads.float()
+                y = F.normalize(wide, dim=-1, eps=1e-6).to(y.dtype).flatten(-2)
         else:
             y = conv(x, cu_seqlens=self.cu_seqlens, group=self.group,
                      l2norm_head_dim=l2norm_head_dim)

@@ -37,6 +37,7 @@ op's own error or runs it another way.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from threading import get_ident
 from typing import Dict, Optional, Tuple
@@ -47,6 +48,7 @@ from torch import Tensor
 from ..runtime import cache as plan_cache
 from ..runtime.plan import PlanError
 from ..runtime.sp_setup import sp_variants
+from ..sp.agreement import group_key
 from ..variants import registry
 from .checks import check_finite_enabled
 from .runner import needs_grad
@@ -103,6 +105,16 @@ def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_
 
 # call signature -> plan cache key, filled by calls the short path ran (see the docstring)
 _FRONT: Dict[Tuple, Tuple] = {}
+
+
+def _drop_plans() -> None:
+    """At exit, before the interpreter tears modules down: sequence-parallel plans hold their
+    process group, and a group still alive then makes gloo abort the process."""
+    _FRONT.clear()
+    plan_cache.clear()
+
+
+atexit.register(_drop_plans)
 # every switch the short path's eligibility reads: part of the signature, so that a change
 # sends the next call down the full path, which decides afresh
 _FRONT_ENV = ("FORGE_DIST_OPS_PLANS", "FORGE_DIST_KERNELS", "FORGE_DIST_CHECK_FINITE")
@@ -157,7 +169,8 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
         return None, None  # a tensor scale may change in place: the full path reads it
     key = (op, tuple([t.shape for t in tensors]), tuple([t.dtype for t in tensors]), index,
            _raw_stream(index) if index >= 0 else 0, get_ident(), initial_state is None,
-           output_final_state, scale, strategy, _switches(), grad, group)
+           output_final_state, scale, strategy, _switches(), grad,
+           None if group is None else group_key(group))
     try:
         plan_key = _FRONT.get(key)
     except TypeError:  # an unhashable scale or strategy: the full path checks it

@@ -299,8 +299,11 @@ def reject(group, device: Optional[torch.device] = None) -> None:
 
 
 def explain(group, peer: int, peer_word: int, my_word: int) -> str:
-    """Why ``peer``'s word differs from this rank's, as far as this rank can tell."""
-    table = _TABLES.get(group_key(group)) if group is not None else None
+    """Why ``peer``'s word differs from this rank's, as far as this rank can tell
+    (``group``: the process group or its :func:`group_key`)."""
+    key = None if group is None else (group if isinstance(group, (str, int)) else
+                                      group_key(group))
+    table = _TABLES.get(key) if key is not None else None
     mine = theirs = None
     if table is not None:
         mine = table.by_word.get(my_word)
@@ -422,7 +425,7 @@ def device_flag(group, device: torch.device) -> DeviceFlag:
     if flag is None:
         rank = p2p.rank_and_size(group)[0]
 
-        def describe(values, group=group, rank=rank):
+        def describe(values, group=key[0], rank=rank):  # the key: no reference to the group
             code, peer, peer_word, word = values
             if code == ERR_UPSTREAM:
                 why = (f"rank {peer} passed on a state poisoned by a signature mismatch "
@@ -453,7 +456,7 @@ class Stamp:
         data, tail = payload[:-TRAILER].view_as(like), payload[-TRAILER:]
         bad = self.flag.check_trailer(tail, self.mine, peer)
         self.bad = bad if self.bad is None else self.bad | bad
-        return torch.where(bad, torch.full_like(data, float("nan")), data)
+        return data.masked_fill_(bad, float("nan"))  # in place: no state-sized copy
 
     def send(self, x: Tensor) -> Tensor:
         """``x`` flattened with this rank's trailer (marked poisoned if a receive was bad)."""

@@ -34,6 +34,7 @@ buffers, which is a collective over NVSHMEM's world.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -257,8 +258,14 @@ class _Where:
                 self.transport = comm.NVSHMEM
                 from ..comm import nvshmem
 
-                self.pe = lambda r: nvshmem.global_rank(group, r)
-        self.group = group
+                self.pe = lambda r: nvshmem.global_rank(self.group, r)
+        # weak: the cache of these (_WHERE) must not keep a destroyed group alive until the
+        # interpreter exits, where gloo's teardown aborts the process
+        self._group = weakref.ref(group)
+
+    @property
+    def group(self):
+        return self._group()
 
     def explain(self, peer: int, peer_word: int, my_word: int) -> str:
         """Why a peer's signature word differs from this rank's (for an error message)."""
@@ -266,7 +273,7 @@ class _Where:
                                  peer_word, my_word)
 
 
-_WHERE: dict = {}
+_WHERE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _SIM_POLLS_PER_S = 20000  # interpreted polls of a signal per second, roughly
 _SHARED_CALLS: dict = {}
 
@@ -293,10 +300,9 @@ def _jitter() -> None:
 
 def _where(group) -> _Where:
     """The cached :class:`_Where` of ``group`` (a group's ranks never change)."""
-    key = id(group)
-    w = _WHERE.get(key)
-    if w is None or w.group is not group:
-        w = _WHERE[key] = _Where(group)
+    w = _WHERE.get(group)
+    if w is None:
+        w = _WHERE[group] = _Where(group)
     return w
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+import weakref
 from typing import List, Optional
 
 import torch
@@ -36,7 +37,10 @@ def timeout_seconds() -> float:
     return value
 
 
-_CHECKED: dict = {}  # group -> (rank, size): a checked group's ranks never change
+# group -> (rank, size): a checked group's ranks never change.  Weak: a module-level
+# reference would keep a destroyed group alive until the interpreter exits, where gloo's
+# teardown aborts the process.
+_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def rank_and_size(group) -> tuple[int, int]:

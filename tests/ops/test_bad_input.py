@@ -125,7 +125,8 @@ def _mismatch(group, what):
     ("shard length", ["T (tokens per rank)", "rank 0 has 16", "rank 1 has 12"]),
     ("strategy", ["strategy: every rank must pass the same value"]),
     ("dtype", ["dtype: every rank must pass the same value"]),
-    ("cu_seqlens", ["cu_seqlens (values)"]),
+    ("cu_seqlens", ["cu_seqlens: every rank must pass the same values, but rank 0 and rank 1 "
+                    "differ first at position 1: rank 0 has 5 and rank 1 has 6"]),
 ])
 def test_mismatch_across_ranks_raises_on_every_rank(what, words):
     results = run_world(2, _gather_for, what)

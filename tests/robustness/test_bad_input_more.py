@@ -157,11 +157,14 @@ OPS = {
 }
 
 NN = {
+    # all-ones masks (what generate passes) and caches work; padding and caches with
+    # packed sequences do not
     "layer attention_mask": (lambda: fnn.LinearAttention(hidden_size=16, num_heads=2)(
-        torch.randn(1, 8, 16), attention_mask=torch.ones(1, 8)), NotImplementedError,
-        ["attention_mask"]),
+        torch.randn(1, 8, 16), attention_mask=torch.tensor([[0] * 2 + [1] * 6])),
+        NotImplementedError, ["attention_mask with padding"]),
     "layer use_cache": (lambda: fnn.GatedLinearAttention(hidden_size=16, num_heads=2)(
-        torch.randn(1, 8, 16), use_cache=True), NotImplementedError, ["use_cache"]),
+        torch.randn(1, 8, 16), use_cache=True, cu_seqlens=torch.tensor([0, 3, 8])),
+        NotImplementedError, ["use_cache", "cu_seqlens"]),
     "layer unknown feature_map": (lambda: fnn.LinearAttention(hidden_size=16, num_heads=2,
                                                               feature_map="cosine"),
                                   NotImplementedError, ["feature_map:", "'cosine'"]),

@@ -62,7 +62,9 @@ def test_state_pass_memory_constant_except_lasp2(state_bytes, kind):
     state = state_bytes[3][0][kind]["state_bytes"]
     for s in ("serial", "pipelined"):
         assert worst[4][s] == worst[3][s], worst
-        assert worst[4][s] <= 12 * state, worst
+        # the signature trailer costs one more state-sized send buffer (the payload with
+        # its trailer) than the pass did before it travelled with the state
+        assert worst[4][s] <= 16 * state, worst
     # lasp2 gathers every rank's summary (and, in backward, every rank's gradient)
     assert worst[4]["lasp2"] - worst[3]["lasp2"] >= 2 * state, worst
 
