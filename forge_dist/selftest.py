@@ -3,7 +3,7 @@
 Used by ``forge-dist demo`` and by the distributed tests: :func:`run_case` runs one op on this
 rank's shard of a seeded global problem, forward and backward, gathers outputs, final states
 and gradients, and compares them with the single-process fp64 recurrence.  Errors are relative
-RMSE, ``||a - b|| / ||b||`` (DESIGN.md section 9).
+RMSE, ``||a - b|| / ||b||`` (docs/design.md section 9).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class CaseResult:
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """DESIGN.md section 9: 1e-10 with fp64 inputs, 1e-4 with fp32 inputs."""
+    """docs/design.md section 9: 1e-10 with fp64 inputs, 1e-4 with fp32 inputs."""
     return 1e-10 if dtype == torch.float64 else 1e-4
 
 

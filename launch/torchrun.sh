@@ -48,7 +48,7 @@ if [[ -z "$nproc" ]]; then
   [[ "$nproc" -ge 1 ]] || nproc=1
 fi
 
-# NVLink multicast stays off (DESIGN.md section 4): NCCL, torch symmetric memory, NVSHMEM.
+# NVLink multicast stays off (docs/design.md section 4): NCCL, torch symmetric memory, NVSHMEM.
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}

@@ -1,1 +1,1 @@
-"""Benchmarks that write results files (DESIGN.md section 10)."""
+"""Benchmarks that write results files (docs/design.md section 10)."""

@@ -16,7 +16,7 @@ config keys, defaults in ``configs/cost_model.toml``):
   ``3 S + |M|`` bytes at HBM bandwidth; the dense kind is a ``K x K x V`` fp32 matmul per
   head, ``2 B H K^2 V`` flops at ``fp32_tflops`` (IEEE/tf32x3: never bf16), plus a launch.
 * Compute.  ``ideal`` = the single-GPU shard time (measured, or FLA 0.6.0's H200 anchors of
-  DESIGN.md section 10 scaled by batch, heads and head dims when uncalibrated), split into a
+  docs/design.md section 10 scaled by batch, heads and head dims when uncalibrated), split into a
   local part and a merge part.  ``m_extra`` = the extra local work of non-last ranks that form
   the shard transition ``M`` (dense: a chain of ``T/C`` fp32 ``K x K`` products,
   ``2 K^3 (T/C) B H`` flops; other kinds a small fraction of the ideal).  ``overhead`` = the
@@ -74,7 +74,7 @@ KIND = {"linear_attn": "identity", "simple_gla": "scalar", "gla": "diagonal",
         "gated_delta_rule": "dense", "hgrn": "diagonal"}
 MIB = 2 ** 20
 
-# FLA 0.6.0 forward, 1 x H200, B=1, H=32, K=V=128, bf16 (DESIGN.md section 10), ms.
+# FLA 0.6.0 forward, 1 x H200, B=1, H=32, K=V=128, bf16 (docs/design.md section 10), ms.
 FLA_ANCHORS = {
     4096: {"simple_gla": 0.222, "gla": 0.453, "gated_delta_rule": 0.355, "linear_attn": 0.191,
            "hgrn": 0.209},

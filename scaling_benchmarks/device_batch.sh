@@ -147,7 +147,7 @@ case "$stage" in
   segtests)
     step gpu_segment_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels \
       -k "reuses or composes or segments or real_shapes" ;;
-  ws4)  # forward, the DESIGN.md shape (B=4, 32K tokens per GPU), every op x strategy
+  ws4)  # forward, the design shape (docs/design.md section 10) (B=4, 32K tokens per GPU), every op x strategy
     step weak_scaling_4gpu 330 bash launch/torchrun.sh --nproc-per-node 4 \
       scaling_benchmarks/weak_scaling.py --config configs/weak_scaling.toml \
       --set 'passes=["fwd"]' --set warmup=1 --set repeats=3 --out "$OUT"
@@ -187,7 +187,7 @@ case "$stage" in
       --set 'ops=["gla","gated_delta_rule"]' --set 'passes=["fwd"]' \
       --set 'strategies=["lasp2","forge"]' --set warmup=1 --set repeats=3 --out "$OUT" ;;
   sp2)  # 2 GPUs: the forge kernel on real NVSHMEM, the inter-rank phase alone, then the
-        # forward of the ops with a dense (GDN) or vector (hgrn) state at the DESIGN.md shape
+        # forward of the ops with a dense (GDN) or vector (hgrn) state at the design shape (docs/design.md section 10)
     step forge_multigpu_tests 300 python3 -m pytest -q -p no:cacheprovider -m multigpu \
       tests/sp/test_forge_multigpu.py
     step state_passing 130 torchrun --nproc_per_node 2 scaling_benchmarks/state_passing.py \

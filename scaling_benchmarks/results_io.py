@@ -1,4 +1,4 @@
-"""One results schema for every benchmark (DESIGN.md section 10), shared by writers and plots.
+"""One results schema for every benchmark (docs/design.md section 10), shared by writers and plots.
 
 A results file is ``scaling_benchmarks/results/<benchmark>_<device>_<date>.json``::
 

@@ -1,4 +1,4 @@
-"""Single-GPU forward / forward+backward latency of every op (DESIGN.md section 10).
+"""Single-GPU forward / forward+backward latency of every op (docs/design.md section 10).
 
 Protocol: B=1, H=32, K=V=128, bf16 (gates fp32), T in {1K, 4K, 16K, 64K, 256K}; HGRN on
 x, g [1, T, 4096].  Implementations:

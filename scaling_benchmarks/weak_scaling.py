@@ -9,7 +9,7 @@ or on the CPU with gloo at tiny shapes (spawns ``--world`` processes itself)::
 
     python scaling_benchmarks/weak_scaling.py --cpu --world 2 [--set repeats=3]
 
-Defaults follow DESIGN.md section 10 (B=4, H=32, K=V=128, 32K tokens per GPU, bf16 inputs,
+Defaults follow docs/design.md section 10 (B=4, H=32, K=V=128, 32K tokens per GPU, bf16 inputs,
 fp32 gates); ``--cpu`` starts from B=1, H=2, K=V=16, 256 tokens per rank, fp32.  Every
 setting is a config key (``--config FILE``, ``--set key=value``).
 
@@ -60,7 +60,7 @@ memory in the single-GPU pre-check, any exception) are listed under ``skipped`` 
 reason; every rank agrees on skips before a distributed call so none is left waiting.  The
 results file is rewritten after every configuration, so a killed run keeps what it measured.
 
-Output: ``<out>/weak_scaling_<device>_<date>_ws<P>.json`` (DESIGN.md section 10 schema; the
+Output: ``<out>/weak_scaling_<device>_<date>_ws<P>.json`` (docs/design.md section 10 schema; the
 ``_ws<P>`` suffix keeps the runs of a node-count sweep apart) and a PNG beside it.  ``--plot
 FILE...`` redraws one figure from several runs (time vs world size per strategy, one panel
 per op and pass, the ideal line dashed).

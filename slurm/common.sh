@@ -28,7 +28,7 @@ fi
 MASTER_PORT=${MASTER_PORT:-$(( 20000 + ${SLURM_JOB_ID:-9500} % 20000 ))}
 export MASTER_ADDR MASTER_PORT
 
-# NVLink multicast off everywhere (DESIGN.md section 4); keep explicit user choices.
+# NVLink multicast off everywhere (docs/design.md section 4); keep explicit user choices.
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}

@@ -1,4 +1,4 @@
-"""GPU-initiated communication for the inter-rank phase (DESIGN.md section 4).
+"""GPU-initiated communication for the inter-rank phase (docs/design.md section 4).
 
 Layout:
 

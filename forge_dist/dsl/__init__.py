@@ -1,4 +1,4 @@
-"""Forge programming abstraction: a variant as three PyTorch callables (DESIGN.md section 6).
+"""Forge programming abstraction: a variant as three PyTorch callables (docs/design.md section 6).
 
     from forge_dist import dsl
     my_op = dsl.variant("name", chunk_mode=..., decay_mode=..., merge_mode=...)

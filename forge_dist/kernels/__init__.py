@@ -1,4 +1,4 @@
-"""Triton chunk kernels for the four computational patterns (DESIGN.md section 5).
+"""Triton chunk kernels for the four computational patterns (docs/design.md section 5).
 
 ==================  =========================  ===============================
 pattern             variants                   module

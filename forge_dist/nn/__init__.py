@@ -1,4 +1,4 @@
-"""Sequence-parallel layers (DESIGN.md sections 1 and 8) with FLA's parameter names.
+"""Sequence-parallel layers (docs/design.md sections 1 and 8) with FLA's parameter names.
 
 Each layer takes ``group=`` (process group; ``None`` = ordinary single-device layer) and
 ``strategy=``; forward takes this rank's shard ``[B, T_local, hidden]`` and optional global

@@ -1,4 +1,4 @@
-"""Public ops (FLA conventions; see DESIGN.md section 1) and the named model wrappers."""
+"""Public ops (FLA conventions; see docs/design.md section 1) and the named model wrappers."""
 from ..runtime import front as _runtime_front
 from .attention import gated_delta_rule, gla, hgrn, linear_attn, simple_gla
 from .models import deltanet, hgrn2, lightning_attn, mamba2_ssd, retnet, retnet_decays

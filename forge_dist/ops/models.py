@@ -1,4 +1,4 @@
-"""Named model families expressed through the five core ops (DESIGN.md section 1).
+"""Named model families expressed through the five core ops (docs/design.md section 1).
 
 Each wrapper only maps a model's parameterisation onto an op; sequence parallelism,
 ``initial_state``, ``cu_seqlens`` and ``strategy`` pass straight through as keywords.

@@ -1,4 +1,4 @@
-"""Runtime: plan/run, ahead-of-time kernels and the static dispatcher (DESIGN.md section 7).
+"""Runtime: plan/run, ahead-of-time kernels and the static dispatcher (docs/design.md section 7).
 
 * :func:`plan` (:mod:`.planner`): fix shapes, dtypes, strategy, tiles, kernels and buffers
   once; :meth:`Plan.run <.plan.Plan.run>` only checks tensors against the plan and launches

@@ -21,7 +21,10 @@ from . import aot
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point; returns the process exit code."""
-    p = argparse.ArgumentParser(prog="forge-dist compile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="forge-dist compile",
+        description="Build the AOT cubin cache for the static dims of a config (no GPU needed: "
+                    "the triton wheel's bundled ptxas compiles for the target).")
     cfgmod.add_arguments(p)
     p.add_argument("--cache-dir", default=None,
                    help="cache directory (default: $FORGE_DIST_AOT_CACHE or "

@@ -1,4 +1,4 @@
-"""Sequence-parallel strategies for the inter-rank phase (DESIGN.md section 3).
+"""Sequence-parallel strategies for the inter-rank phase (docs/design.md section 3).
 
 Importing this package registers ``serial``, ``pipelined`` and ``lasp2``, and ``forge``
 (GPU-initiated NVSHMEM puts, :mod:`forge_dist.sp.forge`) where Triton is installed.

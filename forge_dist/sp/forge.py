@@ -349,7 +349,7 @@ def interpreted() -> bool:
 
 
 def _dense_precision(d: torch.Tensor) -> str:
-    """fp32 states on the GPU: 3xTF32 tensor-core dots (fp32-level error, DESIGN.md section 2);
+    """fp32 states on the GPU: 3xTF32 tensor-core dots (fp32-level error, docs/design.md section 2);
     fp64 (and the interpreter) stay IEEE."""
     return "tf32x3" if d.dtype == torch.float32 and d.is_cuda and not _interpreting() else "ieee"
 

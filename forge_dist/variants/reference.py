@@ -1,7 +1,7 @@
 """Token-by-token recurrences: the oracle for every test (run them in fp64 on the CPU).
 
 Formulas and argument order follow flash-linear-attention's ``naive`` recurrences
-(DESIGN.md section 1).  Tensors are ``[B, T, H, D]`` (HGRN ``[B, T, D]``); states are
+(docs/design.md section 1).  Tensors are ``[B, T, H, D]`` (HGRN ``[B, T, D]``); states are
 ``[B, H, K, V]`` (HGRN ``[B, D]``); gates are natural-log decays.  With ``cu_seqlens``
 (``B == 1``) every packed sequence starts from ``initial_state[n]`` (or zeros) and the final
 state has one row per sequence, ``[N, H, K, V]``.

@@ -1,5 +1,5 @@
 """Bad input gets a clear error naming the argument and what was expected, before any
-communication, on every rank (DESIGN.md section 9; issue 2's list)."""
+communication, on every rank (docs/design.md section 9; issue 2's list)."""
 import pytest
 import torch
 
