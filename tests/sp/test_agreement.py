@@ -23,10 +23,8 @@ def _shard(t, rank, T):
     return t[:, rank * T:(rank + 1) * T].contiguous()
 
 
-def _count_host_agreements(group, strategy):
-    import torch.distributed as dist
-
-    from forge_dist import ops
+def _count_host_agreements_made():
+    """Wrap the host agreement with a counter; returns the list that grows per agreement."""
     from forge_dist.sp import agreement
 
     calls = []
@@ -36,6 +34,15 @@ def _count_host_agreements(group, strategy):
         calls.append(1)
         return original(*a, **k)
     agreement._agree_on_host = counting
+    return calls
+
+
+def _count_host_agreements(group, strategy):
+    import torch.distributed as dist
+
+    from forge_dist import ops
+
+    calls = _count_host_agreements_made()
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     T = 16
     q, k, v, g = _inputs(T * size, 0)
@@ -144,15 +151,8 @@ def test_a_strategy_mismatch_names_the_strategies():
 
 def _reset_then_agree_again(group):
     from forge_dist import ops, sp
-    from forge_dist.sp import agreement
 
-    calls = []
-    original = agreement._agree_on_host
-
-    def counting(*a, **k):
-        calls.append(1)
-        return original(*a, **k)
-    agreement._agree_on_host = counting
+    calls = _count_host_agreements_made()
     q, k, v, g = _inputs(16, 0)
     ops.simple_gla(q, k, v, g, group=group, strategy="serial")
     ops.simple_gla(q, k, v, g, group=group, strategy="serial")
