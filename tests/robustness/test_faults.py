@@ -46,7 +46,7 @@ STALLS = [
     # collective before the state pass (sp.agreement.reject): they time out in lasp2's
     # all-gather within the bound instead of failing at once.
     dict(name="rank 1 rejects its own (empty) shard", strategy="lasp2", rank=1,
-         where="validate", action="stall",
+         where="validate", action="stall", peers_fail_fast=False,
          expect={0: r"rank 0 gave up after 1\.5s waiting for an all-gather",
                  2: r"rank 2 gave up after 1\.5s waiting for an all-gather"}),
 ]
@@ -65,7 +65,10 @@ def test_stall_is_named_within_the_bound_and_group_recovers(i):
     scn = STALLS[i]
     for r, pattern in scn["expect"].items():
         rec = ranks[r][i]
-        kind = "ValueError" if scn["where"] == "validate" else "StatePassTimeout"
+        # a validate scenario's peers learn of the rejection through the agreement when
+        # the signature is new (ValueError at once), else through the bounded state pass
+        kind = ("ValueError" if scn["where"] == "validate" and scn.get("peers_fail_fast", True)
+                else "StatePassTimeout")
         assert rec["error"] is not None and rec["error"].startswith(kind), rec
         assert re.search(pattern, rec["error"]), rec["error"]
         assert rec["elapsed"] <= fw.BOUND + SLACK, rec
@@ -75,7 +78,8 @@ def test_stall_is_named_within_the_bound_and_group_recovers(i):
         # no timeout wait: well under the bound (not a tight wall-time limit, which a loaded
         # CI machine could break)
         assert ranks[scn["rank"]][i]["elapsed"] < 0.5 * fw.BOUND
-        assert all(ranks[r][i]["elapsed"] < 0.5 * fw.BOUND for r in scn["expect"])
+        if scn.get("peers_fail_fast", True):
+            assert all(ranks[r][i]["elapsed"] < 0.5 * fw.BOUND for r in scn["expect"])
     # Every rank: a fresh group after teardown gives the right answer again.
     for r in range(3):
         assert ranks[r][i]["recovered_err"] < 1e-12, (r, ranks[r][i])
