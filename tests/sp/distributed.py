@@ -1,6 +1,7 @@
 """Spawn a local gloo world, run a function on every rank, return rank 0's result."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
@@ -29,7 +30,11 @@ def _worker(rank, world, port, fn, args, out_path, backend, device):
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(result, f)
+        # every rank done before any tears its connections down: a rank that leaves while
+        # a peer still finishes its last exchange makes gloo abort that peer (SIGABRT)
+        dist.barrier()
     finally:
+        gc.collect()  # objects of the run that still hold the group go before it does
         dist.destroy_process_group()
 
 
