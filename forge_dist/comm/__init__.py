@@ -3,7 +3,7 @@
 Layout:
 
 * :mod:`forge_dist.comm.device` -- Triton device functions: put-with-signal of one tile,
-  bounded signal wait, remote signal set, fence/quiet, my_pe/n_pes, error recording.  Every
+  bounded signal wait, remote signal set, fence, quiet_put, my_pe/n_pes, error recording.  Every
   function takes a ``TRANSPORT`` constexpr: :data:`SIM` (all ranks' buffers in one process,
   a leading rank axis) or :data:`NVSHMEM` (PyTorch's NVSHMEM device bitcode).  The same
   kernel source runs on both.

@@ -132,15 +132,6 @@ def fence(TRANSPORT: tl.constexpr):
 
 
 @triton.jit
-def quiet(TRANSPORT: tl.constexpr):
-    """Complete every put this thread issued (delivered at the destination)."""
-    if TRANSPORT == 1:
-        _nv.quiet()
-    else:
-        tl.debug_barrier()
-
-
-@triton.jit
 def read_signal(sig_ptr):
     """Acquire-load of a local int64 signal word (system scope: peers write it over NVLink)."""
     return tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
