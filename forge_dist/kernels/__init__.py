@@ -36,6 +36,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..variants import registry
+from ..variants.transitions import Kind
 from ._common import HAVE_TRITON, interpreting
 
 MAX_HEAD_DIM = 256
@@ -211,9 +212,15 @@ def forward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0:
                     store_o: bool = True, scale: Optional[float] = None,
                     execution: Optional[str] = None, interp: bool = False,
                     tiles: Optional[dict] = None, gate_dtype: Optional[torch.dtype] = None,
-                    beta_dtype: Optional[torch.dtype] = None, maps: Optional[dict] = None):
+                    beta_dtype: Optional[torch.dtype] = None, maps: Optional[dict] = None,
+                    summary: str = "none"):
     """Program of one segment forward (or, ``store_o=False``, its summary) of ``variant``,
     built by its pattern module's ``forward_program``.
+
+    ``summary`` (matrix states with decay or none, :func:`sp_summary_variants`): ``"none"``,
+    ``"segments"`` or ``"folded"``, what a sequence-parallel rank keeps besides its outputs
+    (:func:`.walker_launches.walk_launches`): the program's last launch is then the output
+    walks, and the state pass goes before it.
 
     Matrix state: inputs ``q, k`` (``dtype``, ``[B, T, H, K]``), ``v`` (``[B, T, H, V]``),
     ``g`` (``gate_dtype``, default fp32; by the variant's gate shape), ``beta``
@@ -233,6 +240,9 @@ def forward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0:
         return module.forward_program(B=B, T=T, D=D, dtype=dtype, has_h0=has_h0,
                                       store_o=store_o, tiles=tiles, gate_dtype=gate_dtype,
                                       execution=execution, maps=maps)
+    if summary != "none" and variant not in sp_summary_variants():
+        raise ValueError(f"summary={summary!r}: {variant} has no sequence-parallel summary "
+                         f"program (those of {sp_summary_variants()} only)")
     if spec.gate is None and gated:
         raise ValueError(f"{variant} takes no gate")
     if spec.gate is not None and not spec.gate_optional and not gated:
@@ -243,7 +253,16 @@ def forward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0:
               gate_dtype=gate_dtype or torch.float32, maps=maps)
     if "beta" in spec.inputs:
         kw["beta_dtype"] = beta_dtype
+    if summary != "none":
+        kw["summary"] = summary
     return module.forward_program(**kw)
+
+
+def sp_summary_variants() -> tuple:
+    """The matrix-state variants whose forward programs keep a sequence-parallel summary
+    (``summary=``): identity, scalar or diagonal transitions (the delta rule's dense one
+    has no such program)."""
+    return tuple(n for n in matrix_variants() if registry.get(n).kind is not Kind.DENSE)
 
 
 def backward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0: bool,

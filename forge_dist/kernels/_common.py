@@ -536,14 +536,16 @@ if HAVE_TRITON:
     @triton.jit
     def _segment_scan_kernel(hs, gt, h0, ht, NSEG, K: tl.constexpr, V: tl.constexpr,
                              BK: tl.constexpr, BV: tl.constexpr, GATED: tl.constexpr,
-                             HAS_H0: tl.constexpr, STORE_CG: tl.constexpr = False, cg=None):
+                             HAS_H0: tl.constexpr, STORE_CG: tl.constexpr = False, cg=None,
+                             KEEP_HS: tl.constexpr = False):
         """Scan over segment summaries; grid ``(cdiv(V, BV), B * H)``.
 
         hs [NSEG, B, H, K, V] fp32 holds each segment's state from a zero start and is
-        overwritten with each segment's *incoming* state; gt [NSEG, B, H, K] the segments'
-        summed log decays; h0 [B, H, K, V] the call's initial state; ht the final state.
-        STORE_CG: ``cg [NSEG + 1, B, H, K]`` gets the log decay from the start to each
-        segment's start, and in row NSEG the total (written by the ``i_v == 0`` programs).
+        overwritten with each segment's *incoming* state (unless KEEP_HS); gt [NSEG, B, H,
+        K] the segments' summed log decays; h0 [B, H, K, V] the call's initial state; ht
+        the final state.  STORE_CG: ``cg [NSEG + 1, B, H, K]`` gets the log decay from the
+        start to each segment's start, and in row NSEG the total (written by the
+        ``i_v == 0`` programs).
         """
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         NBH = tl.num_programs(1)
@@ -558,7 +560,8 @@ if HAVE_TRITON:
             slot = i_s * NBH + i_bh
             p_h = tl.make_block_ptr(hs + slot * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
             b_dS = tl.load(p_h, boundary_check=(0, 1))
-            tl.store(p_h, b_S, boundary_check=(0, 1))
+            if not KEEP_HS:
+                tl.store(p_h, b_S, boundary_check=(0, 1))
             if GATED:
                 b_g = tl.load(gt + slot * K + o_k, mask=o_k < K, other=0.0)
                 b_S = b_S * tl.exp(b_g)[:, None]

@@ -16,7 +16,7 @@ from ._common import (DecayAttentionWork, dot_precision, ensure, outputs_from_su
                       sized_config, sum_gates_in_walk, summarize, walk)
 from .ir import Buffer, Launch, Program, pow2
 from .scalar_backward import scalar_decay_backward
-from .walker_launches import gate_cumsum, matrix_buffers, walk_launches
+from .walker_launches import NO_SUMMARY, gate_cumsum, matrix_buffers, walk_launches
 
 # Tile config for this pattern (one place).  BV trades parallelism (B*H*V/BV programs)
 # against re-reading q, k once per V tile.  Measured on H200 at T=64K, B=1, H=32, K=V=128
@@ -35,17 +35,20 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
                     gated: bool, has_h0: bool, store_o: bool = True, scale: float, prec: str,
                     execution: Optional[str] = None, tiles: Optional[dict] = None,
                     gate_dtype: torch.dtype = torch.float32,
-                    maps: Optional[Dict[str, Any]] = None) -> Program:
+                    maps: Optional[Dict[str, Any]] = None,
+                    summary: str = NO_SUMMARY) -> Program:
     """The launches of one segment forward (or, ``store_o=False``, its summary) as a
     :class:`~.ir.Program`: :func:`.walker_launches.matrix_buffers`, the gates ``g [B, T, H]``
     (``gate_dtype``, ``gated``), and the walker's schedule, fused or decoupled as the
     scheduler (or ``execution``) picks, after the gates' chunk sums where the walks do not
     sum the gates themselves (:func:`._common.sum_gates_in_walk`).  ``tiles`` overrides
-    entries of :func:`fused_config`; ``maps``: fused prologues by input name."""
+    entries of :func:`fused_config`; ``maps``: fused prologues by input name.  ``summary``: what a
+    sequence-parallel rank also keeps for its state pass (:func:`.walker_launches.walk_launches`;
+    the schedule then prices the summary in)."""
     cfg = dict(fused_config(K, V), **(tiles or {}))
     sched = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], pow2(V)),
                                elem_size=torch.empty((), dtype=dtype).element_size(),
-                               request=execution)
+                               request=execution, with_summary=summary != NO_SUMMARY)
     bufs = matrix_buffers(B=B, T=T, H=H, K=K, V=V, dtype=dtype, store_o=store_o,
                           has_h0=has_h0)
     launches: list[Launch] = []
@@ -63,7 +66,8 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
                               w=None, h0="h0" if has_h0 else None,
                               o="o" if store_o else None, ht="ht", B=B, T=T, H=H, K=K, V=V,
                               gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec,
-                              n_seg=sched.n_seg, maps=maps, raw_gates=raw_gates)
+                              n_seg=sched.n_seg, maps=maps, raw_gates=raw_gates,
+                              summary=summary)
     notes = [f"execution {sched.strategy} ({sched.n_seg} segments): {sched.reason}"]
     return Program(launches, bufs, sched.strategy, notes)
 

@@ -40,7 +40,7 @@ from ._common import (HAVE_TRITON, DecayAttentionWork, dot_precision, ensure, ma
                       outputs_from_summary, reset_floor, sized_config, summarize, tl, triton,
                       walk)
 from .ir import Buffer, Launch, Program, cdiv, pow2, run_launch
-from .walker_launches import map_consts, matrix_buffers, walk_launches
+from .walker_launches import NO_SUMMARY, map_consts, matrix_buffers, walk_launches
 
 # Measured on H200 at T=64K, B=1, H=32, K=V=128 (results/kernel_profile_sweeps_*_2026-11-24):
 # walker BV=64, 4 warps, 2 stages 2.61 ms for the whole forward (3 stages 2.73, BV=32 3.07,
@@ -273,20 +273,23 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
                     gated: bool = True, has_h0: bool, store_o: bool = True, scale: float,
                     prec: str, execution: Optional[str] = None, tiles: Optional[dict] = None,
                     gate_dtype: torch.dtype = torch.float32,
-                    maps: Optional[Dict[str, Any]] = None) -> Program:
+                    maps: Optional[Dict[str, Any]] = None,
+                    summary: str = NO_SUMMARY) -> Program:
     """The launches of one segment forward (or, ``store_o=False``, its summary) as a
     :class:`~.ir.Program`: :func:`.walker_launches.matrix_buffers` and the gates ``g [B, T,
     H, K]`` (``gate_dtype``); the gated chunk tensors (:func:`gate_launch`: workspaces
     ``kd``, ``gc`` and, with outputs, ``qg``, ``a``), then the walker's schedule.  ``tiles``
     overrides entries of :func:`fused_config`; ``maps``: fused prologues of q, k, v, g (the
-    gate kernel maps q, k, g; the walker v)."""
+    gate kernel maps q, k, g; the walker v).  ``summary``: what a sequence-parallel rank also
+    keeps for its state pass (:func:`.walker_launches.walk_launches`)."""
     if not gated:
         raise ValueError("gla needs its gate g [B, T, H, K]")
     cfg = dict(fused_config(K, V), **(tiles or {}))
     BT = cfg["BT"]
     sched = scheduler.schedule(B, T, H, K, V, BT, min(cfg["BV"], pow2(V)),
                                elem_size=torch.empty((), dtype=dtype).element_size(),
-                               gate_elems=K, request=execution)
+                               gate_elems=K, request=execution,
+                               with_summary=summary != NO_SUMMARY)
     bufs = matrix_buffers(B=B, T=T, H=H, K=K, V=V, dtype=dtype, store_o=store_o,
                           has_h0=has_h0)
     bufs["g"] = Buffer((B, T, H, K), gate_dtype, "input")
@@ -303,7 +306,8 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
                               w=None, h0="h0" if has_h0 else None,
                               o="o" if store_o else None, ht="ht", B=B, T=T, H=H, K=K, V=V,
                               gate=2, scale=scale, cfg=cfg, prec=prec,
-                              a="a" if store_o else None, n_seg=sched.n_seg, maps=walk_maps)
+                              a="a" if store_o else None, n_seg=sched.n_seg, maps=walk_maps,
+                              summary=summary)
     notes = [f"execution {sched.strategy} ({sched.n_seg} segments): {sched.reason}"]
     return Program(launches, bufs, sched.strategy, notes)
 

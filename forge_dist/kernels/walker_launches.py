@@ -102,11 +102,13 @@ def walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B: int, T: int, H: int, K: int,
 
 def segment_scan_launch(*, hs: str, gt: Optional[str], h0: Optional[str], ht: str,
                         cg: Optional[str] = None, n_seg: int, B: int, H: int, K: int, V: int,
-                        cfg: dict) -> Launch:
+                        cfg: dict, keep_hs: bool = False) -> Launch:
     """The scan over segment summaries: ``hs [n_seg, B, H, K, V]`` (each segment's state
     from a zero start) and ``gt [n_seg, B, H, K]`` (their summed log decays; ``None``
     ungated) from ``h0`` (``None``: zeros) to the end state ``ht``; ``cg`` (``[n_seg + 1,
-    B, H, K]``): also the log decay from the start to each segment's start."""
+    B, H, K]``): also the log decay from the start to each segment's start.  ``hs`` is
+    overwritten with each segment's incoming state unless ``keep_hs`` (the output walks
+    still fold the summaries themselves)."""
     BV = min(cfg["BV"], pow2(V))
     args = (("hs", "buf", hs), ("gt", "buf", gt or hs), ("h0", "buf", h0 or ht),
             ("ht", "buf", ht), ("NSEG", "i32", n_seg))
@@ -116,6 +118,8 @@ def segment_scan_launch(*, hs: str, gt: Optional[str], h0: Optional[str], ht: st
         args = args + (("cg", "buf", cg),)
     else:
         const = const + (("cg", None),)
+    if keep_hs:  # set only when on (the same compiled kernel as before the flag existed)
+        const = const + (("KEEP_HS", True),)
     return Launch("segment_scan", (cdiv(V, BV), B * H, 1), args, const, cfg["num_warps"],
                   cfg["num_stages"])
 
@@ -153,20 +157,40 @@ def matrix_buffers(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype
     return bufs
 
 
+# ``summary=`` of :func:`walk_launches` (and the patterns' ``forward_program``): what a
+# sequence-parallel rank needs besides its outputs
+NO_SUMMARY = "none"  # outputs only (one device, or the last rank)
+SEGMENTS = "segments"  # the segment summaries ``hs, gt`` stay readable for the state pass
+FOLDED = "folded"  # also their fold: the shard's ``delta`` and log decays ``cg``
+SUMMARIES = (NO_SUMMARY, SEGMENTS, FOLDED)
+
+
 def walk_launches(buffers: Dict[str, Buffer], *, q, k, v, g, w, h0, o, ht, B: int, T: int,
                   H: int, K: int, V: int, gate: int, scale: float, cfg: dict, prec: str,
                   a=None, n_seg: int = 1, maps=None, raw_gates: bool = False, hc=None,
-                  vn=None) -> List[Launch]:
+                  vn=None, summary: str = NO_SUMMARY) -> List[Launch]:
     """The walker's schedule: one fused launch, or (``n_seg > 1``) the segment summaries
     then either the output walks that fold the segment scan in (``q`` given) or the segment
     scan alone.  The decoupled schedule's workspaces ``hs [n_seg, B, H, K, V]`` and (gated)
     ``gt [n_seg, B, H, K]`` fp32 are added to ``buffers``.  ``hc, vn``: fused only (see
-    :func:`walk_launch`)."""
+    :func:`walk_launch`).
+
+    ``summary`` (with outputs): ``SEGMENTS`` keeps the decoupled form even for one segment,
+    so that the last two launches are always the summaries and the output walks, and a
+    sequence-parallel rank's state pass goes between them, reading ``hs, gt`` (the output
+    walks take the incoming state as ``h0``).  ``FOLDED`` adds, before the output walks, the
+    scan of the summaries into the shard's own state ``delta [B, H, K, V]`` and log decays
+    ``cg [n_seg + 1, B, H, K]`` (row ``n_seg``: the total), for state passes that take
+    ``(M, delta)`` (the baselines)."""
+    if summary not in SUMMARIES:
+        raise ValueError(f"summary: expected one of {SUMMARIES}, got {summary!r}")
+    if summary != NO_SUMMARY and q is None:
+        raise ValueError("summary: the sequence-parallel forms need the outputs (q)")
     seg = segment_length(T, cfg["BT"], n_seg)
     n_seg = max(1, cdiv(T, seg))
     common = dict(k=k, v=v, g=g, w=w, B=B, T=T, H=H, K=K, V=V, gate=gate, scale=scale,
                   cfg=cfg, prec=prec, seg=seg, maps=maps, raw_gates=raw_gates)
-    if n_seg == 1:
+    if n_seg == 1 and summary == NO_SUMMARY:
         return [walk_launch(q=q, h0=h0, o=o, ht=ht, gt=None, n=1, a=a, hc=hc, vn=vn,
                             **common)]
     if hc is not None:
@@ -177,6 +201,12 @@ def walk_launches(buffers: Dict[str, Buffer], *, q, k, v, g, w, h0, o, ht, B: in
         gt = "gt"
         buffers["gt"] = Buffer((n_seg, B, H, K), torch.float32, "workspace")
     launches = [walk_launch(q=None, h0=None, o=None, ht="hs", gt=gt, n=n_seg, **common)]
+    if summary == FOLDED:
+        buffers["delta"] = Buffer((B, H, K, V), torch.float32, "workspace")
+        buffers["cg"] = Buffer((n_seg + 1, B, H, K), torch.float32, "workspace")
+        launches.append(segment_scan_launch(hs="hs", gt=gt, h0=None, ht="delta",
+                                            cg="cg" if gt else None, n_seg=n_seg, B=B, H=H,
+                                            K=K, V=V, cfg=cfg, keep_hs=True))
     if q is not None:  # the output walks fold the segment scan in
         launches.append(walk_launch(q=q, h0="hs", o=o, ht=ht, gt=gt, n=n_seg, a=a, s_in=h0,
                                     scan_in=True, **common))

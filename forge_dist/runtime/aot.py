@@ -153,15 +153,13 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                 for H, (K, V), bt, T in itertools.product(cfg["heads"], cfg["head_dims"],
                                                           bts, _matrix_lengths()):
                     tiles = None if bt is None else {"BT": int(bt)}
-                    for gated, mode, store_o in itertools.product(
+                    for gated, mode, summary in itertools.product(
                             _gates(variant, cfg["gated"]), _modes(variant, cfg["execution"]),
-                            _stores(variant, cfg["sequence_parallel"])):
-                        if not store_o and h0:
-                            continue  # summaries start from zero
+                            _summaries(variant, cfg["sequence_parallel"])):
                         prog = forward_program(
                             variant, B=1, T=T, H=int(H), K=int(K), V=int(V), dtype=dtype,
-                            gated=gated, has_h0=h0, store_o=store_o, execution=mode,
-                            tiles=tiles, gate_dtype=gate_dtype, beta_dtype=beta_dtype)
+                            gated=gated, has_h0=h0, execution=mode, tiles=tiles,
+                            gate_dtype=gate_dtype, beta_dtype=beta_dtype, summary=summary)
                         out.update((s.key, s) for s in prog.specs())
                     if not cfg.get("backward", True) or bt is not None:
                         continue  # the backward kernels keep their own chunk sizes
@@ -198,10 +196,12 @@ def _modes(variant, modes):
     return ["fused"] if "fused" in modes or modes else []
 
 
-def _stores(variant, sp):
+def _summaries(variant, sp):
+    """The ``summary=`` forms a plan of ``variant`` may take: a sequence-parallel rank's
+    (forge's segments, the baselines' folded summaries) besides the plain one."""
     if registry.get(variant).kind is Kind.DENSE or not sp:  # no dense summary programs
-        return [True]
-    return [True, False]
+        return ["none"]
+    return ["none", "segments", "folded"]
 
 
 # ---------------------------------------------------------------------------------------

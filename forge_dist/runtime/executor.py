@@ -78,6 +78,14 @@ class Executor:
             self._specialise_pending = False  # one try: a launch without either stays JIT
             self._fast = fastpath.specialise_program(self)
 
+    def run_range(self, tensors: Dict[str, Tensor], start: int, stop: int) -> None:
+        """Launch ``program.launches[start:stop]`` on ``tensors``: a sequence-parallel plan
+        runs its state pass between its summaries and its output walks.  Programs without
+        per-call scratch only (the forward programs)."""
+        if self._scoped:
+            raise RuntimeError("run_range: a program with scratch buffers runs whole")
+        self._launch(tensors, range(start, stop))
+
     def _call_general(self, tensors: Dict[str, Tensor]) -> None:
         if not self._scoped:
             self._launch(tensors, range(len(self._jit_calls)))

@@ -307,29 +307,23 @@ class Plan:
             self._specialise_pending = False
 
     def _run_sp(self, tensors, h0, o):
-        kind = Kind(self.kind)
-        rank, size = self.rank, self.size
-        M = None
-        if rank < size - 1:
-            local = dict(tensors)
-            local["ht"] = self.delta
-            self.summary_exec(local)
-            g = tensors.get("g")
-            if kind is not Kind.IDENTITY:
-                M = g.sum(dim=1, dtype=torch.float32).exp()  # [B, H] or [B, H, K]
-            delta = self.delta
-        else:
-            delta = self.zeros  # nobody reads the last rank's carry
-        S0 = (h0 if h0 is not None else self.zeros) if rank == 0 else self.zeros
-        S_in, _ = self.strategy_obj.forward_chain(kind, M, delta, S0, self.group, self.word)
+        """One rank's part: the program's launches up to its output walks (the gates' chunk
+        tensors, the segment summaries), the strategy's state pass (forge: one GPU-initiated
+        launch that folds the summaries and passes the state on), then the output walks,
+        which take the incoming state as ``h0``.  No host synchronisation."""
+        rank = self.rank
         ht = torch.empty(self.ht_shape, dtype=torch.float32, device=self.device)
         tensors["o"], tensors["ht"] = o, ht
-        if rank == 0:
-            if h0 is not None:
-                tensors["h0"] = h0
-        else:
+        exe, split = self.finish_exec, self.sp_split
+        exe.run_range(tensors, 0, split)
+        S0 = (h0 if h0 is not None else self.zeros) if rank == 0 else self.zeros
+        S_in = self.strategy_obj.plan_forward(Kind(self.kind), exe.workspaces, S0,
+                                              self.s_in, self.group, self.word)
+        if rank > 0:
             tensors["h0"] = S_in
-        self.finish_exec(tensors)
+        elif h0 is not None:
+            tensors["h0"] = h0
+        exe.run_range(tensors, split, len(exe.program.launches))
         return o, (ht if self.output_final_state else None)
 
     def _final(self, ht):
@@ -355,7 +349,7 @@ class Plan:
                      "path": path}
                     for ln, path in zip(ex.program.launches, ex.paths)]
         ws = {}
-        for ex in (self.finish_exec, self.summary_exec, *self._bwd_execs.values()):
+        for ex in (self.finish_exec, *self._bwd_execs.values()):
             if ex is not None:
                 ws.update({n: list(t.shape) for n, t in ex.workspaces.items()})
         return {"op": self.op, "backend": self.backend, "device": str(self.device),
@@ -367,7 +361,7 @@ class Plan:
                 "strategy": self.strategy if self.size > 1 else None,
                 "execution": self.execution, "notes": list(self.notes),
                 "launches": launches(self.finish_exec),
-                "summary_launches": launches(self.summary_exec),
+                "state_pass_before": (self.sp_split if self.size > 1 else None),
                 "backward_launches": {("with dht" if k else "without dht"): launches(ex)
                                       for k, ex in self._bwd_execs.items()},
                 "workspaces": ws, "channels": self.channels}

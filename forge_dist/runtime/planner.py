@@ -130,7 +130,6 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         names = list(spec.inputs)
         state_shape = (B, D)
         out_shape = (B, T, D)
-        sm_prog = None
     else:
         for name, val in (("H", H), ("K", K), ("V", V)):
             if not isinstance(val, int) or val < 1:
@@ -141,17 +140,19 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
             gated = spec.gate is not None
         gdt = gate_dtype or torch.float32
         scale = K ** -0.5 if scale is None else float(scale)
+        # a sequence-parallel rank but the last keeps its summaries for the state pass,
+        # which runs between them and the output walks (its last launch)
+        summary = "none"
+        if size > 1:
+            strategy_name, strategy_obj = sp_setup.resolve_strategy(strategy, simulated, device)
+            if rank < size - 1:
+                summary = strategy_obj.plan_summary
         try:
             prog = kernels.forward_program(
                 op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated,
                 has_h0=initial_state or rank > 0, scale=scale, execution=execution,
-                interp=interp, tiles=tiles, gate_dtype=gdt, beta_dtype=beta_dtype, maps=maps)
-            sm_prog = None
-            if size > 1 and rank < size - 1:
-                sm_prog = kernels.forward_program(
-                    op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated, has_h0=False,
-                    store_o=False, scale=scale, interp=interp, tiles=tiles, gate_dtype=gdt,
-                    beta_dtype=beta_dtype, maps=maps)
+                interp=interp, tiles=tiles, gate_dtype=gdt, beta_dtype=beta_dtype, maps=maps,
+                summary=summary)
         except ValueError as err:
             raise PlanError(str(err)) from None
         names = list(spec.input_names(gated))
@@ -164,13 +165,11 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
     if backend == "static" and dispatcher is None:
         dispatcher = Dispatcher(_static_cache(device, cache_dir))
     disp = dispatcher if backend == "static" else None
-    finish_exec = summary_exec = None
+    finish_exec = None
     if backend != "torch":
         finish_exec = Executor(prog, device, disp)
-        summary_exec = Executor(sm_prog, device, disp) if sm_prog is not None else None
         if disp is not None:
-            jit = [p for ex in (finish_exec, summary_exec) if ex for p in ex.paths
-                   if p.startswith("jit")]
+            jit = [p for p in finish_exec.paths if p.startswith("jit")]
             if jit:
                 notes.append(f"{len(jit)} launch(es) fall back to the JIT: {jit}")
 
@@ -183,8 +182,8 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              out_dtype=dtype, execution=prog.execution, notes=notes, rank=rank, size=size,
              group=group, strategy=None, strategy_obj=None,
              kind=spec.kind.value if op in sp_variants() else None,
-             finish_exec=finish_exec, summary_exec=summary_exec, channels=None,
-             static=backend == "static", delta=None, zeros=None, _ht_scratch=None,
+             finish_exec=finish_exec, channels=None, sp_split=len(prog.launches) - 1,
+             static=backend == "static", s_in=None, zeros=None, _ht_scratch=None,
              execution_request=execution, _dispatcher=disp, _bwd_execs={}, _interp=interp,
              prologues=tuple(sorted(maps)), word=0,
              _specialise_pending=(backend == "triton" and device.type == "cuda"
@@ -194,7 +193,8 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         # the kernels write a final state nobody returns: one scratch for every run
         p._ht_scratch = torch.empty(p.ht_shape, dtype=torch.float32, device=device)
     if size > 1:
-        sp_setup.setup(p, strategy, simulated, B, T, H, K, V, dtype, gated)
+        p.strategy, p.strategy_obj = strategy_name, strategy_obj
+        sp_setup.setup(p, simulated, B, T, H, K, V, dtype, gated)
     fast = fastpath.specialise(p)
     if fast is not None:
         p.run = fast  # straight-line checks and launches; the general path on any miss

@@ -21,27 +21,31 @@ def sp_variants() -> Tuple[str, ...]:
     """The ops with sequence-parallel plans: matrix states with an identity, scalar or
     diagonal transition (the summary programs of the delta rule's dense one are not
     built)."""
-    return tuple(n for n in kernels.matrix_variants() if registry.get(n).kind is not Kind.DENSE)
+    return kernels.sp_summary_variants()
 
 
-def setup(p: Plan, strategy: str, simulated: bool, B, T, H, K, V, dtype, gated) -> None:
-    """Strategy, state workspaces, forge channels and the cross-rank agreement check of a
-    sequence-parallel plan ``p`` (set on it)."""
-    p.delta = torch.zeros(B, H, K, V, dtype=torch.float32, device=p.device)
-    p.zeros = torch.zeros(B, H, K, V, dtype=torch.float32, device=p.device)
+def resolve_strategy(strategy: str, simulated: bool, device: torch.device):
+    """``(name, strategy object)`` of a sequence-parallel plan's ``strategy`` argument."""
     if simulated:
         if strategy not in ("auto", "forge"):
             raise PlanError(f"strategy={strategy!r}: a SimRank group runs only 'forge' (the "
                             "simulated transport)")
-        p.strategy, p.strategy_obj = "forge", forge.FORGE
-    else:
-        if strategy not in sp.names():
-            raise PlanError(f"strategy: expected one of {sp.names()}, got {strategy!r}")
-        try:
-            p.strategy_obj = sp.resolve(strategy, p.device)
-        except (ValueError, RuntimeError) as err:
-            raise PlanError(str(err)) from None
-        p.strategy = p.strategy_obj.name
+        return "forge", forge.FORGE
+    if strategy not in sp.names():
+        raise PlanError(f"strategy: expected one of {sp.names()}, got {strategy!r}")
+    try:
+        obj = sp.resolve(strategy, device)
+    except (ValueError, RuntimeError) as err:
+        raise PlanError(str(err)) from None
+    return obj.name, obj
+
+
+def setup(p: Plan, simulated: bool, B, T, H, K, V, dtype, gated) -> None:
+    """State workspaces, forge channels and the cross-rank agreement check of a
+    sequence-parallel plan ``p`` (its strategy already set, :func:`resolve_strategy`)."""
+    p.s_in = torch.zeros(B, H, K, V, dtype=torch.float32, device=p.device)
+    p.zeros = torch.zeros(B, H, K, V, dtype=torch.float32, device=p.device)
+    if not simulated:
         # once per plan, not per run: every rank must have planned the same call.  The
         # fields are the ops' (a rank on the runner sends the same word as one on a plan);
         # the word travels with every run's state and is checked on the device.
@@ -55,6 +59,6 @@ def setup(p: Plan, strategy: str, simulated: bool, B, T, H, K, V, dtype, gated) 
         _, p.word = agreement.agree(p.group, p.device, fields)
     if p.strategy == "forge":
         # symmetric buffers now: their allocation is a collective (NVSHMEM)
-        ch, bk, bv = forge._channel(forge._Where(p.group), "fwd", p.delta, Kind(p.kind))
+        ch, bk, bv = forge._channel(forge._Where(p.group), "fwd", p.s_in, Kind(p.kind))
         p.channels = {"direction": "fwd", "tile": [bk, bv], "tiles": int(ch.sig.numel()),
                       "transport": "sim" if simulated else "nvshmem"}

@@ -50,6 +50,34 @@ class Strategy:
         """Given ``g_r`` return ``(lam(r+1), lam(r))`` (``lam(P) = 0``)."""
         raise NotImplementedError
 
+    # What a sequence-parallel plan's forward program keeps for :meth:`plan_forward`
+    # (``summary=`` of forge_dist.kernels.forward_program): the shard's own state and
+    # transition, folded from the segment summaries by the program.
+    plan_summary = "folded"
+
+    def plan_forward(self, kind: Kind, summaries: Dict[str, Tensor], S0: Optional[Tensor],
+                     S_in: Tensor, group, word: int = 0) -> Tensor:
+        """A plan's forward state pass (no autograd): this rank's incoming state.
+
+        ``summaries``: the program's workspaces after its summary launches, read on every
+        rank but the last: ``delta [B, H, K, V]`` (the shard's state from a zero start) and,
+        gated, ``cg [n_seg + 1, B, H, K]`` (row ``n_seg``: the shard's summed log decay).
+        ``S0``: rank 0's start; zeros on the other ranks (and rank 0 without an initial
+        state).  ``S_in``: a buffer this rank may fill with its incoming state (rank > 0);
+        returns the incoming state (``S0`` on rank 0).
+        """
+        rank, size = p2p.rank_and_size(group)
+        M = None
+        if rank < size - 1:
+            delta = summaries["delta"]
+            if kind is not Kind.IDENTITY:
+                total = summaries["cg"][-1]  # [B, H, K]
+                M = (total[..., 0] if kind is Kind.SCALAR else total).exp()
+        else:  # the last rank: nobody reads its carry
+            delta = S0
+        out, _ = self.forward_chain(kind, M, delta, S0, group, word)
+        return out
+
 
 _REGISTRY: Dict[str, Strategy] = {}
 AUTO_ORDER = ("lasp2", "serial")

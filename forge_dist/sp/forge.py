@@ -56,15 +56,15 @@ _SRC_FIRST, _SRC_ZERO, _SRC_RECV = 0, 1, 2
 
 
 @triton.jit(do_not_specialize=["me", "prev_pe", "next_pe", "limit", "nbytes",
-                               "rank_stride", "sig_rank_stride", "word"])
+                               "rank_stride", "sig_rank_stride", "word", "nseg", "nbh"])
 def _forge_chain_kernel(
     first_ptr, d_ptr, m_ptr, x_out_ptr, y_out_ptr,
     recv_ptr, send_ptr, sig_ptr, ack_ptr, err_ptr, counter_ptr,
     me, prev_pe, next_pe, limit, nbytes, rank_stride, sig_rank_stride, word,
-    K, V, stride_mi, stride_mj,
+    K, V, stride_mi, stride_mj, nseg, nbh,
     KIND: tl.constexpr, SRC: tl.constexpr, SEND: tl.constexpr, WRITE_Y: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TRANSPORT: tl.constexpr, USE_CLOCK: tl.constexpr,
-    BJ: tl.constexpr = 32, PREC: tl.constexpr = "ieee",
+    BJ: tl.constexpr = 32, PREC: tl.constexpr = "ieee", FOLD: tl.constexpr = False,
 ):
     """One (b*h, k-tile, v-tile) per program; see the module docstring for the steps.
 
@@ -75,6 +75,10 @@ def _forge_chain_kernel(
     counter: ``[2]`` int64 ``[epoch of the last call, programs of this call done]``.
     Dense only: ``BJ`` is the row block of x per ``tl.dot``, ``PREC`` its input precision
     (``"tf32x3"`` for fp32 states on the GPU, ``"ieee"`` otherwise).
+    FOLD (a plan's forward, not dense): ``d`` is the shard's segment summaries ``hs [nseg,
+    B, H, K, V]`` and ``m`` their summed log decays ``gt [nseg, B, H, K]`` (KIND 0: unused),
+    ``nbh = B * H``; the program folds its tile of them into the shard's ``(M, delta)``
+    before it waits, so the summaries are read while the incoming tile is on its way.
     """
     pid = tl.program_id(0)
     n_k = tl.cdiv(K, BK)
@@ -89,6 +93,19 @@ def _forge_chain_kernel(
     tile_offs = tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
     tile_base = pid.to(tl.int64) * (BK * BV + dev.TRAILER)
     poison = tl.full((), 0, tl.int64)
+    if FOLD:
+        # the segment scan of the summaries (as the output walks fold it), from a zero start
+        d_fold = tl.zeros((BK, BV), dtype=tl.float32)
+        log_m = tl.zeros((BK,), dtype=tl.float32)
+        if SEND or WRITE_Y:
+            for s in range(0, nseg):
+                slot = s * nbh + bh
+                if KIND != 0:
+                    g_s = tl.load(m_ptr + slot * K + rk, mask=rk < K, other=0.0)
+                    d_fold = d_fold * tl.exp(g_s)[:, None]
+                    log_m += g_s
+                d_fold += tl.load(d_ptr + slot * K * V + rk[:, None] * V + rv[None, :],
+                                  mask=mask, other=0.0)
     # The epoch lives on the device (a CUDA graph replays the same arguments): every program
     # reads it before it counts itself done below, so none can see the bumped value.
     epoch = tl.load(counter_ptr, cache_modifier=".cg") + 1
@@ -155,6 +172,8 @@ def _forge_chain_kernel(
             tl.store(x_out_ptr + offs, x, mask=mask)
         if KIND == 0:
             y = x
+        elif FOLD:
+            y = tl.exp(log_m)[:, None] * x
         elif KIND == 1:
             y = tl.load(m_ptr + bh) * x
         else:
@@ -166,7 +185,10 @@ def _forge_chain_kernel(
         dev.set_remote_signal(ack_ptr + pid, epoch, prev_pe, me, sig_rank_stride, TRANSPORT)
 
     if SEND or WRITE_Y:
-        y = (y + tl.load(d_ptr + offs, mask=mask, other=0.0)).to(d_ptr.dtype.element_ty)
+        if FOLD:
+            y = (y + d_fold).to(d_ptr.dtype.element_ty)
+        else:
+            y = (y + tl.load(d_ptr + offs, mask=mask, other=0.0)).to(d_ptr.dtype.element_ty)
         if WRITE_Y:
             tl.store(y_out_ptr + offs, y, mask=mask)
         if SEND:
@@ -357,14 +379,25 @@ def _dense_precision(d: torch.Tensor) -> str:
 def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tensor],
                first: Optional[torch.Tensor], d: torch.Tensor, x_out: Optional[torch.Tensor],
                y_out: Optional[torch.Tensor], src: int, send: bool, prev: int, nxt: int,
-               transpose: bool, word: int = 0) -> None:
+               transpose: bool, word: int = 0, fold=None) -> None:
+    """Launch the chain kernel.  ``fold``: ``(hs, gt)``, the shard's segment summaries and
+    their log decays (``gt`` ``None`` ungated), folded in the kernel in place of ``(M,
+    d)``; ``d`` then only gives the state's shape and dtype."""
     if d.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"forge: states must be float32 or float64, got {d.dtype}")
     d = d.contiguous()
     B, H, K, V = d.shape
     capturing = d.is_cuda and torch.cuda.is_current_stream_capturing()
     ch, bk, bv = _channel(where, direction, d, kind, allocate=not capturing)
-    if M is None or kind is Kind.IDENTITY:
+    nseg = 0
+    if fold is not None:
+        if kind is Kind.DENSE:
+            raise ValueError("forge: dense transitions have no folded summaries")
+        hs, gt = fold
+        nseg = hs.shape[0]
+        kind_code, smi, smj = (0 if gt is None else _KIND_CODE[kind]), 0, 0
+        d, m_arg = hs, (gt if gt is not None else hs)
+    elif M is None or kind is Kind.IDENTITY:
         kind_code, m_arg, smi, smj = 0, d, 0, 0
     else:
         m_arg = M.to(d.dtype).contiguous()
@@ -393,10 +426,11 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
         ch.recv, ch.send, ch.sig, ch.ack, ch.err, ch.counter,
         where.pe(where.rank), where.pe(prev) if prev >= 0 else -1,
         where.pe(nxt) if nxt >= 0 else -1, limit, (bk * bv + TRAILER) * d.element_size(),
-        ch.rank_stride, ch.sig_rank_stride, word, K, V, smi, smj,
+        ch.rank_stride, ch.sig_rank_stride, word, K, V, smi, smj, nseg, B * H,
         KIND=kind_code, SRC=src, SEND=send, WRITE_Y=y_out is not None, BK=bk, BV=bv,
         TRANSPORT=where.transport, USE_CLOCK=use_clock, BJ=min(32, bk),
-        PREC=_dense_precision(d), num_warps=8 if bk * bv >= 4096 else 4)
+        PREC=_dense_precision(d), FOLD=fold is not None,
+        num_warps=8 if bk * bv >= 4096 else 4)
     what = "the incoming state" if direction == "fwd" else "the state gradient"
     ch.after_launch(where.rank, what, bound, p2p.StatePassTimeout, where.explain)
 
@@ -463,6 +497,23 @@ class Forge(Strategy):
                    _SRC_FIRST if rank == 0 else _SRC_RECV, rank < size - 1,
                    rank - 1, rank + 1 if rank < size - 1 else -1, transpose=False, word=word)
         return S_in, None
+
+    plan_summary = "segments"  # the plan's state pass folds the summaries in the kernel
+
+    def plan_forward(self, kind, summaries, S0, S_in, group, word=0):
+        """One chain launch per rank (see :meth:`.base.Strategy.plan_forward`): rank 0 sends
+        ``M S0 + delta``, a middle rank receives into ``S_in`` and sends on, the last rank
+        only receives.  ``summaries``: ``hs`` and (gated) ``gt``, the program's segment
+        summaries, folded into ``(M, delta)`` by the kernel."""
+        where = _where(group)
+        rank, size = where.rank, where.size
+        last = rank == size - 1
+        fold = None if last else (summaries["hs"], summaries.get("gt"))
+        _run_chain(where, "fwd", kind, None, S0 if rank == 0 else None, S_in,
+                   None if rank == 0 else S_in, None,
+                   _SRC_FIRST if rank == 0 else _SRC_RECV, not last,
+                   rank - 1, -1 if last else rank + 1, transpose=False, word=word, fold=fold)
+        return S0 if rank == 0 else S_in
 
     def backward_chain(self, kind, M, grad_in, group, saved, word=0):
         where = _where(group)

@@ -311,12 +311,18 @@ def test_sequence_parallel_sim_forge(op, P):
     assert d["strategy"] == "forge" and d["channels"]["transport"] == "sim"
     # gla first gates its chunks (kernels.vector.gate_chunks), the summary part only;
     # simple_gla's walks sum its scalar gates at these lengths (no gate-sum launch)
+    # one program per rank: the segment summaries, the state pass, then the output walks
+    # that take the incoming state (no second summary walk, no separate scan launch)
     first = {"gla": ["gla_gate"]}.get(op, [])
-    assert [x["kernel"] for x in d["summary_launches"]] == first + ["walk"]
-    assert d["summary_launches"][-1]["constexprs"]["STORE_O"] is False
-    if op == "gla":
-        assert d["summary_launches"][0]["constexprs"]["STORE_QA"] is False
-    assert plans[-1].describe()["summary_launches"] == []  # the last rank sends nothing
+    launches = d["launches"]
+    assert [x["kernel"] for x in launches] == first + ["walk", "walk"]
+    assert d["state_pass_before"] == len(launches) - 1
+    assert launches[-2]["constexprs"]["STORE_O"] is False
+    assert launches[-1]["constexprs"]["SCAN_IN"] is True
+    # the last rank keeps no summary nobody reads: one fused walk after the pass
+    last = plans[-1].describe()
+    assert [x["kernel"] for x in last["launches"]] == first + ["walk"]
+    assert last["launches"][-1]["constexprs"]["SCAN_IN"] is False
     for step in range(3):
         inp = _inputs(op, T=P * Tl, seed=step)
         names = plans[0].input_names
@@ -498,3 +504,55 @@ def test_program_specs_are_stable():
     e = prog(3, LIMIT, torch.float16)
     assert keys(c)[0] == keys(e)[0]  # the gates' chunk sums read g (fp32 both)
     assert keys(c)[1] != keys(e)[1]  # the walk reads bf16 / fp16 q, k, v
+
+
+def _sp_plans_world(group, ops_and_strategies):
+    """Every rank plans its shard and runs three calls (fresh data each, so forge's epochs
+    advance); returns each (op, strategy)'s largest relative error against one process."""
+    import torch.distributed as dist
+
+    from forge_dist import sp
+
+    rank, P = dist.get_rank(group), dist.get_world_size(group)
+    Tl = 48  # not a multiple of the chunk: the last chunk is partial on every rank
+    errors = {}
+    for op, strategy, execution in ops_and_strategies:
+        # 16-token chunks: three per shard, so a decoupled run has two segments
+        p = plan(op, B=B, T=Tl, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+                 group=group, strategy=strategy, initial_state=rank == 0,
+                 output_final_state=True, execution=execution, tiles={"BT": 16})
+        worst = 0.0
+        for step in range(3):
+            inp = _inputs(op, T=P * Tl, seed=step)
+            names = p.input_names
+            h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(10 + step))
+            ref_o, ref_h = getattr(ops, op)(*[inp[n] for n in names], initial_state=h0,
+                                            output_final_state=True)
+            mine = slice(rank * Tl, (rank + 1) * Tl)
+            o, ht = p.run(*[inp[n][:, mine].contiguous() for n in names],
+                          initial_state=h0 if rank == 0 else None)
+            worst = max(worst, _rel(o, ref_o[:, mine]))
+            if rank == P - 1:
+                worst = max(worst, _rel(ht, ref_h))
+        errors[f"{op}/{strategy}/{execution}"] = worst
+    sp.flush()
+    everyone = [None] * P
+    dist.all_gather_object(everyone, errors, group=group)
+    return everyone
+
+
+def test_sequence_parallel_plans_of_every_strategy_over_gloo():
+    """Plans on 3 concurrent gloo ranks: forge (the state pass folds the segment summaries
+    in its kernel, simulated transport in shared memory) and the baselines (the program
+    folds them into the shard's (M, delta) first), every op, against one process."""
+    from tests.sp.distributed import run_world
+
+    cases = [(op, s, e) for op in ("linear_attn", "simple_gla", "gla")
+             for s in ("forge", "serial", "lasp2", "pipelined") for e in (None, "decoupled")]
+    everyone = run_world(3, _sp_plans_world, cases,
+                         env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
+                              "FORGE_DIST_TIMEOUT": "120"})
+    for rank, errors in enumerate(everyone):
+        assert set(errors) == {f"{op}/{s}/{e}" for op, s, e in cases}
+        bad = {k: v for k, v in errors.items() if not v < 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
