@@ -43,6 +43,11 @@ def check_mode() -> str:
     return mode
 
 
+class SignatureMismatch(ValueError):
+    """Ranks of one sequence-parallel call passed different arguments (found by the host
+    agreement, or on the device from the signature word a state tile carries)."""
+
+
 def describe_error(err, rank: int, what: str, bound_s: float, explain=None) -> str:
     """The message for an error record ``[code, peer, tile, epoch, words...]`` seen on
     ``rank``; ``explain(peer, peer_word, own_word)`` names a signature mismatch's argument."""
@@ -148,9 +153,11 @@ class Channel:
             return
         if rank < 0 and self.who is not None:  # read by flush: name the launch's rank
             rank, what = self.who
-        msg = describe_error(err_host.tolist(), rank, what, bound_s, self.explain)
+        record = err_host.tolist()
+        msg = describe_error(record, rank, what, bound_s, self.explain)
         self.err.zero_()  # the next call starts clean (its kernel may still time out again)
-        raise exc_type(msg)
+        # an argument error, as the host agreement raises it: not a communication failure
+        raise (SignatureMismatch if int(record[0]) == ERR_SIGNATURE else exc_type)(msg)
 
 
 def make_nvshmem_channel(n_tiles: int, tile_elems: int, dtype: torch.dtype,

@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..comm.channel import SignatureMismatch  # raised here and by the channels alike
 from . import p2p
 
 ROW_LEN = 32  # words per rank in the agreement all-gather (fixed: ranks calling other ops
@@ -43,8 +44,6 @@ ERR_SIGNATURE = 5  # device error code: a peer's signature word differs from thi
 ERR_UPSTREAM = 6   # a peer forwarded a state it had poisoned (a mismatch further up)
 
 
-class SignatureMismatch(ValueError):
-    """Ranks of one sequence-parallel call passed different arguments."""
 
 
 def _stable_hash(data: bytes) -> int:

@@ -297,7 +297,7 @@ def signature_on_device(group, device):
     try:
         sp.flush()
         error = None
-    except ValueError as err:
+    except sp.agreement.SignatureMismatch as err:  # an argument error, as on the host
         error = str(err)
     if r == 0:
         if error is not None or torch.isnan(o).any():

@@ -163,3 +163,47 @@ def _reset_then_agree_again(group):
 
 def test_reset_forgets_the_agreed_signatures():
     assert run_world(2, _reset_then_agree_again) == 2
+
+
+def _forge_other_length(group):
+    """Both lengths agreed on every rank; then rank 1 alone calls with the other length
+    (no host collective for either): forge's receiver finds it from the tile's word."""
+    import torch.distributed as dist
+
+    from forge_dist import ops, sp
+
+    rank = dist.get_rank(group)
+    full = {T: _inputs(2 * T, 3, torch.float32) for T in (16, 32)}
+
+    def call(T):
+        with torch.no_grad():  # the forward of a plan: the state pass folds in the kernel
+            return ops.simple_gla(*(_shard(t, rank, T) for t in full[T]), group=group,
+                                  strategy="forge")[0]
+    for T in (16, 32):
+        call(T)
+    sp.flush()
+    error, nan = None, None
+    try:  # raised by this call (the CPU reads the flag at once) or by the flush (GPU)
+        o = call(16 if rank == 0 else 32)
+        nan = bool(torch.isnan(o).any())
+        sp.flush()
+    except sp.agreement.SignatureMismatch as err:
+        error = str(err)
+    for T in (16, 32):  # the group stays usable
+        again = call(T)
+    sp.flush()
+    everyone = [None] * 2
+    dist.all_gather_object(everyone, {"error": error, "nan": nan,
+                                      "after": bool(torch.isnan(again).any())}, group=group)
+    dist.barrier(group=group)
+    return everyone
+
+
+def test_forge_finds_a_changed_length_on_the_device_and_raises_the_argument_error():
+    rows = run_world(2, _forge_other_length, env={"TRITON_INTERPRET": "1",
+                                                  "FORGE_DIST_TIMEOUT": "60"})
+    assert rows[0] == {"error": None, "nan": False, "after": False}, rows
+    assert rows[1]["nan"] in (True, None) and not rows[1]["after"], rows
+    assert rows[1]["error"].startswith(
+        "rank 1: T (tokens per rank): every rank must pass the same value, but this rank has "
+        "32 and rank 0 has 16"), rows
