@@ -244,6 +244,7 @@ def check_group(group) -> Optional[str]:
 _KEY = "forge_dist/roster"
 _POLL_S = 0.05
 _STORE_SLACK_S = 5.0  # beyond the roll call, how long a store that stopped answering may take
+_EARLY_READ_MAX = 64  # groups up to this size read their processes after the first collective
 
 
 def _roll_call_s(bound: float) -> float:
@@ -318,15 +319,17 @@ def _ranks(ranks: List[int]) -> str:
 class _Roster:
     """What a group's store knows of its ranks, to name the one missing from a collective.
 
-    At enrolment (the group's first use on this rank) the rank writes its process (machine,
-    pid, start time) under a key of its own; after the group's first collective succeeds
-    every rank has done so, and the processes are read once.  That is all the store traffic
-    of a healthy group: a steady-state call touches no key.  After a failed collective the
-    rank writes a roll-call key for that collective and looks for the culprit: a peer whose
-    process has exited (on this machine), else the peers that did not report at the same
-    collective within a short wait.  All store use is best effort, in a daemon thread with
-    a bounded join, so a store that is gone too (e.g. hosted by the dead rank) only makes
-    the message less precise."""
+    At enrolment (the group's first use on this rank) the rank adds its process (machine,
+    pid, start time) to the group's list of processes, one store key that every rank
+    appends to; after the group's first collective succeeds every rank has done so, and the
+    list is read once (in groups of up to ``_EARLY_READ_MAX`` ranks; larger ones read it
+    after a failure).  That is all the store traffic of a healthy group: a steady-state call
+    touches no key.  After a failed collective the rank appends itself to that collective's
+    roll call (another single key) and looks for the culprit: a peer whose process has
+    exited (on this machine), else the peers missing from the roll call after a short wait.
+    Single keys keep a failure's traffic to a request or two per poll however large the
+    group.  All store use is best effort, in a daemon thread with a bounded join, so a store
+    that is gone too (e.g. hosted by the dead rank) only makes the message less precise."""
 
     def __init__(self, store, rank: int, size: int, epoch: int):
         self.store, self.rank, self.size, self.epoch = store, rank, size, epoch
@@ -335,7 +338,7 @@ class _Roster:
 
     def key(self, *parts) -> str:
         # the epoch: a store that outlives the group (re-initialised on the same store)
-        # must not show the previous incarnation's roll call
+        # must not show the previous incarnation's processes or roll calls
         return "/".join([_KEY, str(self.epoch)] + [str(p) for p in parts])
 
     @classmethod
@@ -346,24 +349,34 @@ class _Roster:
             store = distributed_c10d._get_process_group_store(group)
             epoch = store.add(f"{_KEY}/epoch/{rank}", 1)
             roster = cls(store, rank, size, epoch)
-            store.set(roster.key("proc", rank), json.dumps(_this_process()))
+            store.append(roster.key("procs"), json.dumps({"rank": rank, **_this_process()})
+                         + "\n")
             return roster
         except Exception:  # noqa: BLE001 - no store (or not reachable): no names, no harm
             return None
 
+    def _processes(self, store) -> Dict[int, dict]:
+        key = self.key("procs")
+        if not store.check([key]):  # a get of a missing key would block
+            return {}
+        procs = {}
+        for line in store.get(key).decode().splitlines():
+            info = json.loads(line)
+            procs[int(info.pop("rank"))] = info
+        return procs
+
     def read_processes(self) -> None:
         """Read the peers' processes (once): every rank enrolled before joining the group's
-        first collective, so after it succeeds the keys are there, and later the store may
-        not be (its host may be the rank that died)."""
+        first collective, so after it succeeds they are listed, and later the store may be
+        gone (its host may be the rank that died)."""
         if self.procs is not None:
             return
         self.procs = {}
-        try:  # only keys already there: a get of a missing key would block
-            keys = {r: self.key("proc", r) for r in range(self.size) if r != self.rank}
-            there = [r for r, k in keys.items() if self.store.check([k])]
-            values = self.store.multi_get([keys[r] for r in there]) if there else []
-            self.procs = {r: json.loads(v) for r, v in zip(there, values)}
-        except Exception:  # noqa: BLE001 - best effort: names come from the roll call then
+        if self.size > _EARLY_READ_MAX:  # every rank reading every rank: left to a failure
+            return
+        try:
+            self.procs = self._processes(self.store)
+        except Exception:  # noqa: BLE001 - best effort: read again after a failure
             pass
 
     def diagnose(self, collective: int, what: str, bound: float) -> Tuple[str, str]:
@@ -388,9 +401,11 @@ class _Roster:
             store = self.store
         others = [r for r in range(self.size) if r != self.rank]
         procs = dict(self.procs or {})
+        roll = self.key("roll", collective)
+        poll_s = min(1.0, _POLL_S * max(1.0, self.size / 64))  # a large group: fewer polls
         store_error = None
         try:
-            store.set(self.key("roll", collective, self.rank), "failed")
+            store.append(roll, f"{self.rank} ")
         except Exception as err:  # noqa: BLE001
             store_error = err
         deadline = time.monotonic() + wait_s
@@ -398,14 +413,10 @@ class _Roster:
         while True:
             if store_error is None:
                 try:
-                    missing = [r for r in others if r not in procs]
-                    if missing:  # a rank that failed before its first collective finished
-                        found = [r for r in missing if store.check([self.key("proc", r)])]
-                        if found:
-                            values = store.multi_get([self.key("proc", r) for r in found])
-                            procs.update({r: json.loads(v) for r, v in zip(found, values)})
-                    reported = [r for r in others
-                                if store.check([self.key("roll", collective, r)])]
+                    if any(r not in procs for r in others):  # not read yet
+                        procs.update(self._processes(store))
+                    present = {int(r) for r in store.get(roll).decode().split()}
+                    reported = [r for r in others if r in present]
                 except Exception as err:  # noqa: BLE001
                     store_error = err
             dead = [r for r in others if r not in reported and _exited(procs.get(r))]
@@ -414,7 +425,7 @@ class _Roster:
             if store_error is not None or len(reported) == len(others) \
                     or time.monotonic() >= deadline:
                 break
-            time.sleep(_POLL_S)
+            time.sleep(poll_s)
         if store_error is not None:
             return "the other ranks", (f" (could not tell which rank is missing: the group's "
                                        f"store failed too, {type(store_error).__name__}: "

@@ -7,6 +7,7 @@ roster on an in-memory store (no world), plus one gloo world that checks that a 
 group's calls touch the store only once (the steady state makes no store traffic at all).
 The tests with real dying ranks are in tests/robustness/test_faults.py.
 """
+import json
 import subprocess
 import sys
 import threading
@@ -71,16 +72,16 @@ def test_exited_tells_a_zombie_a_reused_pid_and_another_machine():
 def test_a_live_peer_that_did_not_report_is_named_after_the_roll_call():
     store = dist.HashStore()
     roster = _roster(procs={1: _alive(), 2: _alive()}, store=store)
-    store.set(roster.key("roll", 5, 1), "failed")  # rank 1 failed in this collective too
-    store.set(roster.key("roll", 4, 2), "failed")  # rank 2: another collective,
-    store.set(p2p._Roster(store, 0, 3, epoch=1).key("roll", 5, 2), "failed")  # incarnation
+    store.append(roster.key("roll", 5), "1 ")  # rank 1 failed in this collective too
+    store.append(roster.key("roll", 4), "2 ")  # rank 2: in another collective,
+    store.append(p2p._Roster(store, 0, 3, epoch=1).key("roll", 5), "2 ")  # incarnation
     start = time.monotonic()
     source, note = roster.diagnose(5, WHAT, bound=1.5)
     assert source == "rank 2"
     assert note == (" (rank 2 is alive but did not reach this collective: it raised earlier, "
                     "stalled or is making other calls)")
     assert time.monotonic() - start >= p2p._roll_call_s(1.5)
-    assert store.check([roster.key("roll", 5, 0)])  # this rank reported for its peers
+    assert store.get(roster.key("roll", 5)).split() == [b"1", b"0"]  # this rank reported
 
 
 def test_peers_on_another_machine_are_named_when_they_do_not_report():
@@ -95,7 +96,7 @@ def test_peers_on_another_machine_are_named_when_they_do_not_report():
 def test_a_peer_that_failed_before_its_first_collective_is_found_in_the_store():
     store = dist.HashStore()
     roster = _roster(size=2, procs=None, store=store)  # procs not read: no collective passed
-    store.set(roster.key("proc", 1), p2p.json.dumps(_dead()))
+    store.append(roster.key("procs"), json.dumps({"rank": 1, **_dead()}) + "\n")
     assert roster.diagnose(1, WHAT, bound=30.0)[0] == "rank 1"
 
 
@@ -103,7 +104,7 @@ def test_when_every_peer_reported_this_rank_came_late():
     store = dist.HashStore()
     roster = _roster(procs={}, store=store)
     for r in (1, 2):
-        store.set(roster.key("roll", 3, r), "failed")
+        store.append(roster.key("roll", 3), f"{r} ")
     source, note = roster.diagnose(3, WHAT, bound=30.0)
     assert source == "the other ranks"
     assert "ranks 1 and 2 failed in this collective too" in note
@@ -194,9 +195,18 @@ def _store_traffic(group):
             "procs": sorted(roster.procs)}
 
 
+def test_the_early_read_never_blocks_and_is_left_to_a_failure_in_large_groups():
+    small = _roster(size=3, store=_CountingStore(dist.HashStore()))
+    small.read_processes()  # no process listed yet: nothing to wait for
+    assert small.procs == {} and small.store.calls == ["check"]
+    large = _roster(size=p2p._EARLY_READ_MAX + 1, store=_CountingStore(dist.HashStore()))
+    large.read_processes()  # every rank of a large group reading every rank: not up front
+    assert large.procs == {} and large.store.calls == []
+
+
 def test_a_healthy_group_makes_no_store_traffic_per_call():
     out = run_world(2, _store_traffic, env={"FORGE_DIST_TIMEOUT": "20"})
     # the first call: the signature exchange, then lasp2's forward and backward all-gathers
     assert out["first"] == 3 and out["after"] == 3 + 3 * 2
     assert out["calls"] == []  # no store operation in the steady state
-    assert out["procs"] == [1]  # the peer's process was read once, after the first collective
+    assert out["procs"] == [0, 1]  # the processes were read once, after the first collective
