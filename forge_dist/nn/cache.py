@@ -71,7 +71,8 @@ def conv_tail(x: Tensor, width: int, group) -> Tensor:
     tail = x[:, T - min(T, width):]
     if p2p.rank_and_size(group)[1] > 1:
         # equal shards: the ranks' last min(T, W) tokens are contiguous in the global order
-        tail = torch.cat(p2p.all_gather(tail, group), dim=1)[:, -width:]
+        tail = torch.cat(p2p.all_gather(tail, group, "the convolution tails"),
+                         dim=1)[:, -width:]
     if tail.shape[1] < width:
         tail = F.pad(tail, (0, 0, width - tail.shape[1], 0))
     return tail.transpose(1, 2).contiguous()

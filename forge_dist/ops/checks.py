@@ -268,7 +268,8 @@ def finite(stage: str, tensors: List[Tuple[str, Optional[Tensor]]], grp, device:
 
         sig_device = device if dist.get_backend(grp) == "nccl" else torch.device("cpu")
         gathered = p2p.all_gather(torch.tensor([rank] + mine, dtype=torch.int64,
-                                               device=sig_device), grp)
+                                               device=sig_device), grp,
+                                  f"the finite checks of {stage} (FORGE_DIST_CHECK_FINITE)")
         rows = [row.tolist() for row in gathered]
     for r, pos, flat, kind in rows:
         if pos < 0:

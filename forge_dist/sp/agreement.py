@@ -224,6 +224,10 @@ def _row(fields: Dict[str, object], data: Dict[str, object]) -> List[int]:
     return values + [0] * (ROW_LEN - len(values))
 
 
+#: what the agreement all-gather exchanges, as its failure's message says
+_EXCHANGE = "the call signatures (the argument agreement of a new signature)"
+
+
 def _agree_on_host(group, device, fields, data) -> Signature:
     rank, size = p2p.rank_and_size(group)
     word = _stable_hash(repr(tuple((k, _encode(v)) for k, v in fields.items())).encode())
@@ -232,7 +236,7 @@ def _agree_on_host(group, device, fields, data) -> Signature:
         return sig
     row = torch.tensor(_row(fields, data), dtype=torch.int64,
                        device=_signature_device(group, device))
-    everyone = [r.tolist() for r in p2p.all_gather(row, group)]
+    everyone = [r.tolist() for r in p2p.all_gather(row, group, _EXCHANGE)]
     for r, other in enumerate(everyone):
         if other[0] == REJECTED:
             raise SignatureMismatch(f"rank {r} rejected its own arguments (its error names "
@@ -259,7 +263,7 @@ def _mismatch_message(group, name: str, mine, rank: int, other_rank: int, first_
     rank reaches this together (they all saw the same gathered rows); only offsets, which no
     word can show, are gathered once more to name the first that differs."""
     if isinstance(mine, tuple):
-        everyone = p2p.all_gather_object(mine, group)
+        everyone = p2p.all_gather_object(mine, group, f"every rank's {name}")
         first, theirs = everyone[0], everyone[other_rank]
     else:
         first = mine if rank == 0 else _decode(first_word)
@@ -292,7 +296,7 @@ def reject(group, device: Optional[torch.device] = None) -> None:
     row = torch.zeros(ROW_LEN, dtype=torch.int64, device=_signature_device(group, device))
     row[0] = REJECTED
     try:
-        p2p.all_gather(row, group)
+        p2p.all_gather(row, group, _EXCHANGE, diagnose=False)
     except p2p.StatePassTimeout:
         pass  # the peers are gone or elsewhere; the local error is what matters
 

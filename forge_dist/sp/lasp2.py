@@ -36,7 +36,8 @@ class Lasp2(Strategy):
             M = tr.zero(kind, *delta.shape[:2], delta.shape[2], dtype=delta.dtype,
                         device=delta.device)
         contribution = tr.combine(kind, M, S0, delta) if rank == 0 else delta
-        gathered = p2p.all_gather(_pack(kind, M, contribution, stamp), group)
+        gathered = p2p.all_gather(_pack(kind, M, contribution, stamp), group,
+                                  "the forward state summaries (lasp2's all-gather)")
         # every peer's trailer is checked (a NaN row poisons this rank's fold)
         gathered = [row[:-TRAILER] if s == rank else stamp.receive(row, s, row[:-TRAILER])
                     for s, row in enumerate(gathered)]
@@ -57,7 +58,7 @@ class Lasp2(Strategy):
     def backward_chain(self, kind, M, grad_in, group, saved, word=0):
         rank, size = p2p.rank_and_size(group)
         Ms = saved
-        grads = p2p.all_gather(grad_in, group)
+        grads = p2p.all_gather(grad_in, group, "the state gradients (lasp2's all-gather)")
         lam = torch.zeros_like(grad_in)
         for s in range(size - 1, rank, -1):
             lam = grads[s] + tr.apply_transposed(kind, Ms[s], lam)

@@ -72,10 +72,17 @@ def _misbehave(action):
 
 
 def _fault(scn, rank):
-    """A context manager injecting ``scn``'s fault on this rank (or doing nothing)."""
+    """A context manager injecting ``scn``'s fault on this rank (or doing nothing).
+
+    ``where``: "before" (the op call), "fwd" / "bwd" (the start of the state pass of
+    forward / backward), "tile" (before sending tile ``scn["tile"]`` of the pipelined
+    stream); "never" and "validate" are handled by the caller."""
     if rank != scn["rank"] or scn["where"] in ("never", "validate"):
         return patched(os, "getpid", lambda orig: orig)  # no-op
     action, where = scn["action"], scn["where"]
+    if where == "before":  # right before the op call (this is called as the call starts)
+        _misbehave(action)
+        return patched(os, "getpid", lambda orig: orig)  # no-op
     if where in ("fwd", "bwd"):
         strat = sp_base._REGISTRY[scn["strategy"]]
         attr = "forward_chain" if where == "fwd" else "backward_chain"

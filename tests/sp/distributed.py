@@ -38,16 +38,38 @@ def _worker(rank, world, port, fn, args, out_path, backend, device):
         dist.destroy_process_group()
 
 
+_PORT_TRIES = 3
+
+
+def _port_taken(err: Exception) -> bool:
+    """Whether a spawned world failed because rank 0 could not bind the rendezvous port."""
+    text = str(err)
+    return "EADDRINUSE" in text or "Address already in use" in text
+
+
 def run_world(world: int, fn, *args, env=None, backend: str = "gloo", kwargs_device=None):
     """Run ``fn(group, *args)`` on ``world`` ranks (gloo on the CPU, or NCCL with one GPU per
-    rank); returns rank 0's JSON-able result."""
+    rank); returns rank 0's JSON-able result.
+
+    The rendezvous port is one the OS had free (``free_port``), but it is released before
+    rank 0 binds it, and another process (an NCCL socket of a world just torn down, another
+    job) may take it in between: then the world is started again on a new port, up to
+    ``_PORT_TRIES`` times (rank 0 failed in ``init_process_group``, so ``fn`` ran nowhere).
+    Any other failure raises ``mp.ProcessRaisedException``/``ProcessExitedException``, whose
+    message holds the failing rank's traceback."""
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
-            mp.spawn(_worker, args=(world, free_port(), fn, args, out, backend, kwargs_device), nprocs=world,
-                     join=True)
+            for attempt in range(_PORT_TRIES):
+                try:
+                    mp.spawn(_worker, args=(world, free_port(), fn, args, out, backend,
+                                            kwargs_device), nprocs=world, join=True)
+                    break
+                except mp.ProcessRaisedException as err:
+                    if attempt == _PORT_TRIES - 1 or not _port_taken(err):
+                        raise
             with open(out) as f:
                 return json.load(f)
     finally:

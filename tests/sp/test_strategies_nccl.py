@@ -31,18 +31,17 @@ def test_matches_reference_over_nccl(op, strategy, dtype, varlen):
 
 
 @pytest.mark.multigpu
-def test_kernel_path_over_nccl():
-    """The Triton-kernel path over NCCL, launched with torchrun (see kernel_path_worker.py)."""
-    import os
-    import subprocess
-    import sys
+def test_kernel_path_over_nccl(tmp_path):
+    """The Triton-kernel path over NCCL, launched with torchrun (see kernel_path_worker.py).
+
+    A failure shows every rank's own log: the worker's watchdog dumps the stacks of a case
+    that stalls, and a rank that fails says which case and why."""
     from pathlib import Path
 
+    from tests.torchrun_workers import rank_logs, torchrun
+
     worker = Path(__file__).with_name("kernel_path_worker.py")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
-        str(worker.parents[2]), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           "2", str(worker)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("max_rel_err=") == len(OPS) * 2, proc.stdout
+    rc, lines = torchrun(worker, [], 2, tmp_path / "logs", timeout_s=1200)
+    out = "".join(lines)
+    assert rc == 0, f"torchrun rc={rc}\n{rank_logs(tmp_path / 'logs')}"
+    assert out.count("max_rel_err=") == len(OPS) * 2, out
