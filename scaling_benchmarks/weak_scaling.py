@@ -13,16 +13,47 @@ Defaults follow docs/design.md section 10 (B=4, H=32, K=V=128, 32K tokens per GP
 fp32 gates); ``--cpu`` starts from B=1, H=2, K=V=16, 256 tokens per rank, fp32.  Every
 setting is a config key (``--config FILE``, ``--set key=value``).
 
+One op per invocation (a sweep in pieces)
+-----------------------------------------
+``--ops``, ``--strategies`` and ``--modes`` (alias ``--passes``) take comma-separated names
+and set the config keys ``ops``, ``strategies`` and ``passes`` (``fwd``, ``fwdbwd``), so one
+invocation can measure one op (e.g. within a 10-minute device call)::
+
+    torchrun --nproc-per-node 2 scaling_benchmarks/weak_scaling.py \
+        --config configs/weak_scaling.toml --set B=1 --set tokens_per_gpu=16384 \
+        --ops simple_gla --modes fwd --strategies forge,serial,lasp2,pipelined --tag b1-16k
+    torchrun ... (the same) --ops gla --tag b1-16k          # adds gla's rows to the same file
+
+Every finished configuration (row or skip) is written before the next starts, and the file is
+replaced atomically, so a run killed by a time limit leaves every finished row on disk.  If the
+results file (below) already exists, the run adds to it instead of starting afresh: earlier
+rows stay, a configuration measured again replaces its row (a new skip entry never deletes a
+measured row), ``config.ops/strategies/passes`` become the union over the runs, and op rows
+get their ``vs_ideal`` from an ideal row of an earlier run when this one has none.  A file
+of another shape (``B, H, K, V, D_hgrn, tokens_per_gpu, dtype``, backend), device or world
+size is not merged into: the run stops with the reason (use another ``--tag``).
+``--results FILE`` names the file outright (the same file on every invocation, whatever the
+date); without it the name is derived from the device, date, ``--tag`` and world size.
+
+Provenance: the header holds the device, torch and Triton versions, the commit
+(``FORGE_DIST_COMMIT`` if set, else ``git rev-parse HEAD``; ``unknown`` without git, with
+a warning) and the date of the latest invocation; ``runs`` has one record per invocation
+(device, versions incl. CUDA, NCCL, Python and FLA, commit, host, start time, what it was
+asked to measure, ``complete`` once it finished) and every row and skip entry names its
+invocation by index (``"run"``).
+
 What each number means (all per rank, then reduced over ranks as below)
 ------------------------------------------------------------------------
 Times are CUDA events on the current stream (``time.perf_counter`` on the CPU), after
 ``warmup`` untimed calls, ``repeats`` timed calls, each preceded by a barrier so all ranks
-start together.  Library code is not changed: for the duration of a measurement the script
-wraps four library entry points with timestamp marks (and restores them afterwards):
-``forge_dist.sp.state_pass`` (the runner's phase 2 call), every registered strategy's
-``backward_chain`` (the reverse chain inside autograd), ``SegmentWork.finish`` of every
-work class (the start of phase 3; in a world of one the runner has no state pass) and
-``forge_dist.ops.checks.across_ranks`` (the argument check all ranks run first).
+start together.  Phase times come from the library's named phase edges
+(:mod:`forge_dist.sp.phases`; nothing listens outside a measurement, and then an edge costs
+a global read): the benchmark listens while it measures and marks the clock at each edge:
+``check`` (``forge_dist.ops.checks.across_ranks``, the argument check all ranks run first),
+``state_pass`` (the runner's phase 2 around ``sp.state_pass``; a sequence-parallel plan's
+forward chain where runtime/plan.py marks it), ``merge`` (the runner's phase 3) and
+``backward_chain`` (the reverse chain inside autograd).  A call that passes no edge (the
+single-GPU plans of forward calls on CUDA) gets no breakdown.
 
 * ``ms`` -- end-to-end time of one ``ops.<op>(..., group=WORLD, strategy=...)`` call
   (``fwdbwd``: the call plus ``o.backward(grad)``), taken per repeat as the maximum over
@@ -37,9 +68,9 @@ work class (the start of phase 3; in a world of one the runner has no state pass
   the reverse chain, i.e. ``local_ms = ms - comm_ms - merge_ms``.
   ``comm_ms``: the state pass, entry to exit: waiting for the predecessor (which includes
   its local-compute skew), transfers and combines; ``fwdbwd`` adds the reverse chain.
-  ``merge_ms``: phase 3 of the forward, state-pass exit (world of one: the first
-  ``finish``) to the op's return (readout of the incoming state, final state, output cast).  ``check_ms`` (extra): the cross-rank argument
-  check inside ``local_ms``.
+  ``merge_ms``: phase 3 of the forward, state-pass exit (world of one: the ``merge``
+  edge) to the op's return (readout of the incoming state, final state, output cast).
+  ``check_ms`` (extra): the cross-rank argument check inside ``local_ms``.
 * ``peak_mib`` -- ``torch.cuda.max_memory_allocated`` over the measurement (reset before
   warmup), MiB, maximum over ranks (``None`` on the CPU).
 * ``ideal_ms`` / rows with ``measure == "ideal"`` -- the same op on the same rank's shard in a
@@ -60,10 +91,11 @@ memory in the single-GPU pre-check, any exception) are listed under ``skipped`` 
 reason; every rank agrees on skips before a distributed call so none is left waiting.  The
 results file is rewritten after every configuration, so a killed run keeps what it measured.
 
-Output: ``<out>/weak_scaling_<device>_<date>_ws<P>.json`` (docs/design.md section 10 schema; the
-``_ws<P>`` suffix keeps the runs of a node-count sweep apart) and a PNG beside it.  ``--plot
-FILE...`` redraws one figure from several runs (time vs world size per strategy, one panel
-per op and pass, the ideal line dashed).
+Output: ``<out>/weak_scaling_<device>_<date>[_<tag>]_ws<P>.json`` or ``--results FILE``
+(docs/design.md section 10 schema plus ``runs``; the ``_ws<P>`` suffix keeps the runs of a
+node-count sweep apart) and a PNG beside it (drawn from every row in the file).  ``--plot
+FILE...`` redraws one figure from several runs or merged files (time vs world size per
+strategy, one panel per op and pass, the ideal line dashed).
 """
 from __future__ import annotations
 
@@ -111,6 +143,8 @@ DEFAULTS: Dict[str, Any] = {
     "pass_timeout_s": 60,       # FORGE_DIST_TIMEOUT: bound on every state-pass wait
     "seed": 0,
     "out": "",                  # results folder; "" = scaling_benchmarks/results
+    "tag": "",                  # results file name suffix (runs with one tag share a file)
+    "results": "",              # the results file itself (overrides out/tag naming)
     "plot": True,
 }
 
@@ -170,65 +204,25 @@ class Clock:
         return out
 
 
+# The library's named phase edges (forge_dist.sp.phases) -> the clock's marks.
+PHASE_MARKS = {("check", True): "check_start", ("check", False): "check_end",
+               ("state_pass", True): "pass_start", ("state_pass", False): "pass_end",
+               ("merge", True): "merge_start",
+               ("backward_chain", True): "bwd_start", ("backward_chain", False): "bwd_end"}
+
+
 @contextlib.contextmanager
-def instrumented(clock: Clock):
-    """Temporarily wrap the library's phase boundaries with clock marks (see docstring)."""
-    import forge_dist.ops.checks as checks
-    import forge_dist.sp as sp_pkg
-    from forge_dist.sp import base as sp_base
+def phase_marks(clock: Clock):
+    """Listen to the library's phase edges (:mod:`forge_dist.sp.phases`) and mark the clock
+    at each (the first of each name per timed call; one op call passes each edge once)."""
+    from forge_dist.sp import phases
 
-    orig_pass, orig_check = sp_pkg.state_pass, checks.across_ranks
-
-    def state_pass(*a, **k):
-        clock.mark("pass_start")
-        out = orig_pass(*a, **k)
-        clock.mark("pass_end")
-        return out
-
-    def across_ranks(*a, **k):
-        clock.mark("check_start")
-        out = orig_check(*a, **k)
-        clock.mark("check_end")
-        return out
-
-    patched = []
-    for strat in list(sp_base._REGISTRY.values()):  # the singletons sp.resolve hands out
-        orig_bwd = strat.backward_chain
-
-        def backward_chain(*a, _orig=orig_bwd, **k):
-            clock.mark("bwd_start")
-            out = _orig(*a, **k)
-            clock.mark("bwd_end")
-            return out
-        strat.backward_chain = backward_chain  # instance attribute shadows the method
-        patched.append(strat)
-    # Phase 3 starts with the first SegmentWork.finish (also where no state pass runs).
-    from forge_dist.variants.base import SegmentWork
-
-    work_classes, todo = [], [SegmentWork]
-    while todo:
-        cls = todo.pop()
-        todo += cls.__subclasses__()
-        if "finish" in cls.__dict__:
-            work_classes.append((cls, cls.__dict__["finish"]))
-
-    def finish_wrapper(orig):
-        def finish(self, *a, **k):
-            if "merge_start" not in clock.marks:
-                clock.mark("merge_start")
-            return orig(self, *a, **k)
-        return finish
-    for cls, orig in work_classes:
-        setattr(cls, "finish", finish_wrapper(orig))
-    sp_pkg.state_pass, checks.across_ranks = state_pass, across_ranks
-    try:
+    def hook(name: str, begin: bool) -> None:
+        mark = PHASE_MARKS.get((name, begin))
+        if mark is not None and mark not in clock.marks:
+            clock.mark(mark)
+    with phases.listen(hook):
         yield clock
-    finally:
-        sp_pkg.state_pass, checks.across_ranks = orig_pass, orig_check
-        for strat in patched:
-            del strat.backward_chain
-        for cls, orig in work_classes:
-            setattr(cls, "finish", orig)
 
 
 def _sync(device: torch.device) -> None:
@@ -457,6 +451,76 @@ def reduce_ranks(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
             "peak_mib": max(peaks) if peaks else None, "per_rank": ranks}
 
 
+# Config keys a results file's runs must share to be merged into it (besides device and
+# world size): the workload's shape.  Switches (ideal, state_pass, repeats...) may differ.
+MERGE_KEYS = ("B", "H", "K", "V", "D_hgrn", "tokens_per_gpu", "dtype", "backend")
+
+
+def row_key(r: Dict[str, Any]) -> tuple:
+    """What a row measured: a later row with the same key replaces it in a merged file."""
+    return r.get("op"), r.get("pass"), r.get("impl"), r.get("strategy"), r.get("measure")
+
+
+def skip_key(s: Dict[str, Any]) -> tuple:
+    return s.get("op"), s.get("pass"), s.get("measure"), s.get("strategy")
+
+
+def _union(a: List[Any], b: List[Any]) -> List[Any]:
+    return list(a) + [x for x in b if x not in a]
+
+
+def results_file(cfg, result: Dict[str, Any], size: int, out_dir: Path) -> Path:
+    """``--results FILE``, else ``<out>/weak_scaling_<device>_<date>[_<tag>]_ws<P>.json``."""
+    if cfg["results"]:
+        return Path(cfg["results"])
+    base = results_io.results_path(result, out_dir)
+    return base.with_name(f"{base.stem}_ws{size}{base.suffix}")
+
+
+def _versions() -> Dict[str, Any]:
+    import platform
+
+    out: Dict[str, Any] = {"python": platform.python_version(), "cuda": torch.version.cuda}
+    try:
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) \
+            if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - a build without NCCL
+        out["nccl"] = None
+    try:
+        from importlib.metadata import version
+
+        out["fla"] = version("flash-linear-attention")
+    except Exception:  # noqa: BLE001
+        out["fla"] = None
+    return out
+
+
+def run_record(header: Dict[str, Any], cfg) -> Dict[str, Any]:
+    """Provenance of one invocation (a merged file has one per invocation; rows and skips
+    name theirs by index in ``"run"``)."""
+    import datetime
+    import socket
+
+    rec = {k: header[k] for k in ("device", "torch", "triton", "commit", "date")}
+    rec.update(_versions())
+    rec.update(host=socket.gethostname(),
+               started=datetime.datetime.now().isoformat(timespec="seconds"),
+               ops=list(cfg["ops"]), strategies=list(cfg["strategies"]),
+               passes=list(cfg["passes"]),
+               **{k: cfg[k] for k in ("warmup", "repeats", "ideal", "state_pass", "fla_cp",
+                                      "seed")},
+               complete=False)
+    return rec
+
+
+def legacy_run_record(result: Dict[str, Any]) -> Dict[str, Any]:
+    """The run record of a file written before runs were recorded (its header's fields)."""
+    rec = {k: result.get(k) for k in ("device", "torch", "triton", "commit", "date")}
+    c = result.get("config", {})
+    rec.update({k: c.get(k) for k in ("ops", "strategies", "passes", "warmup", "repeats")})
+    return rec
+
+
 class Bench:
     """One rank's view of the sweep; rank 0 assembles and writes the results."""
 
@@ -464,30 +528,84 @@ class Bench:
         self.cfg, self.group, self.device, self.rank, self.size = cfg, group, device, rank, size
         self.clock = Clock(device)
         self.result = results_io.header("weak_scaling", self._public_config(), size)
+        if cfg["tag"]:
+            self.result["tag"] = cfg["tag"]
         self.result["skipped"] = []
         self.out_dir = Path(cfg["out"]) if cfg["out"] else results_io.RESULTS_DIR
-        self.path: Optional[Path] = None
+        self.path: Path = results_file(cfg, self.result, size, self.out_dir)
+        self.run_index = 0  # this invocation's entry in result["runs"]
+        self.result["runs"] = [run_record(self.result, cfg)]
         self.last_reason: Optional[str] = None  # why the last measure() failed (all ranks)
         self.broken: Dict[str, str] = {}  # strategy -> the timeout that retired it
 
     def _public_config(self):
-        c = {k: v for k, v in self.cfg.items() if k not in ("out", "world", "plot")}
+        c = {k: v for k, v in self.cfg.items() if k not in ("out", "world", "plot", "results")}
         c["D_hgrn"] = hgrn_width(self.cfg)
         c["backend"] = "nccl" if self.device.type == "cuda" else "gloo"
         return c
 
     # -- bookkeeping ----------------------------------------------------------------------
-    def skip(self, **fields):
-        if self.rank == 0:
-            self.result["skipped"].append(fields)
+    def merge_existing(self) -> Optional[str]:
+        """Rank 0: continue the results file if one is at ``self.path`` (rows of other ops,
+        strategies or passes from earlier invocations stay; a row measured again replaces
+        its old one).  ``None``, or why this run cannot go into that file."""
+        if self.rank != 0 or not self.path.exists():
+            return None
+        try:
+            prior = results_io.load(self.path)
+        except Exception as err:  # noqa: BLE001
+            return f"{self.path}: exists but cannot be read to merge into ({_short(err)})"
+        mine, theirs = self.result, prior
+        diff = [f"{k} {theirs.get(k)!r} != {mine[k]!r}" for k in ("benchmark", "world_size",
+                                                                   "device")
+                if theirs.get(k) != mine[k]]
+        diff += [f"{k} {theirs['config'].get(k)!r} != {mine['config'][k]!r}" for k in MERGE_KEYS
+                 if theirs["config"].get(k) != mine["config"][k]]
+        if diff:
+            return (f"{self.path} holds another configuration ({'; '.join(diff)}): "
+                    "pass another --tag or --results FILE, or move the file away")
+        runs = theirs.get("runs") or [legacy_run_record(theirs)]
+        self.run_index = len(runs)
+        mine["runs"] = runs + mine["runs"]
+        for key in ("ops", "strategies", "passes"):  # what the file covers, over all runs
+            mine["config"][key] = _union(theirs["config"].get(key, []), mine["config"][key])
+        mine["rows"] = list(theirs.get("rows", []))
+        mine["skipped"] = list(theirs.get("skipped", []))
+        if theirs.get("strategies_available"):
+            mine["strategies_available"] = dict(theirs["strategies_available"])
+        return None
 
-    def save(self):
+    def add_row(self, row: Dict[str, Any], what: Dict[str, Any]) -> None:
+        """Rank 0: ``row`` replaces any earlier row of the same configuration (and clears its
+        skip entries); written to disk at once by :meth:`save`."""
         if self.rank != 0:
             return
-        base = results_io.results_path(self.result, self.out_dir)
-        self.path = base.with_name(f"{base.stem}_ws{self.size}{base.suffix}")
+        row["run"] = self.run_index
+        key = row_key(row)
+        self.result["rows"] = [r for r in self.result["rows"] if row_key(r) != key] + [row]
+        self.result["skipped"] = [s for s in self.result["skipped"]
+                                  if skip_key(s) != skip_key(what)]
+
+    def skip(self, **fields):
+        """Rank 0: record why a configuration did not run (replacing an older skip of it;
+        a row measured earlier stays)."""
+        if self.rank == 0:
+            fields["run"] = self.run_index
+            key = skip_key(fields)
+            self.result["skipped"] = [s for s in self.result["skipped"]
+                                      if skip_key(s) != key] + [fields]
+
+    def save(self, complete: bool = False):
+        """Rank 0: rewrite the results file (atomically: a run killed mid-write leaves the
+        previous version whole)."""
+        if self.rank != 0:
+            return
+        if complete:
+            self.result["runs"][self.run_index]["complete"] = True
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.result, indent=1) + "\n")
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.result, indent=1) + "\n")
+        os.replace(tmp, self.path)
 
     def measure(self, run_factory: Callable[[], Callable], what: Dict[str, Any],
                 single: bool) -> Optional[Dict[str, Any]]:
@@ -507,7 +625,7 @@ class Bench:
             return None
         stats, err = None, None
         try:
-            with instrumented(self.clock):
+            with phase_marks(self.clock):
                 stats = timed(run, self.clock, warmup=int(cfg["warmup"]),
                               repeats=int(cfg["repeats"]), group=self.group, device=self.device)
             self._flush_forge()
@@ -563,7 +681,11 @@ class Bench:
 
             bar = tqdm(total=len(items), unit="cfg", file=sys.stderr,
                        desc=f"weak_scaling P={self.size}")
-        ideal: Dict[tuple, float] = {}
+        # (op, pass, impl) -> ideal ms; starts from a merged file's ideal rows (rank 0 reads
+        # the file; vs_ideal is only written on rank 0), so an op row measured in a later
+        # invocation than its ideal still gets its ratio
+        ideal: Dict[tuple, float] = {(r["op"], r["pass"], r["impl"]): r["ms"]
+                                     for r in self.result["rows"] if r.get("measure") == "ideal"}
         ideal_ok: Dict[tuple, bool] = {}
         seed = int(cfg["seed"]) * 7919 + self.rank  # a different shard per rank
         for item in items:
@@ -631,9 +753,9 @@ class Bench:
                 # A hung peer costs pass_timeout_s per call: do not pay it for every config.
                 self.broken.setdefault(strategy, self.last_reason)
             self.last_reason = None
-            if row is not None and self.rank == 0:
-                self.result["rows"].append(row)
-            self.save()
+            if row is not None:
+                self.add_row(row, what)
+            self.save()  # every finished configuration is on disk before the next starts
             if bar is not None:
                 bar.update(1)
         if bar is not None:
@@ -727,15 +849,26 @@ def worker(cfg) -> Optional[Path]:
         agreed = _gather(status, group)
         status = {k: next((s[k] for s in agreed if s[k]), None) for k in status}
         bench = Bench(cfg, group, device, info.rank, info.world_size)
-        bench.result["strategies_available"] = {k: v is None for k, v in status.items()}
+        # Rank 0 continues an existing results file; every rank stops if it cannot.
+        refusal = next((r for r in _gather(bench.merge_existing(), group) if r), None)
+        if refusal:
+            if info.rank == 0:
+                print(f"weak_scaling: {refusal}", file=sys.stderr)
+            raise SystemExit(2)
+        if info.rank == 0 and bench.result["commit"] == "unknown":
+            print("weak_scaling: commit unknown (no git here): set FORGE_DIST_COMMIT",
+                  file=sys.stderr)
+        bench.result.setdefault("strategies_available", {}).update(
+            {k: v is None for k, v in status.items()})
+        bench.save()  # the run record is on disk before the first configuration
         bench.run(status)
-        bench.save()
-        if info.rank == 0 and cfg["plot"] and bench.path is not None:
+        bench.save(complete=True)
+        if info.rank == 0 and cfg["plot"]:
             try:
                 plot([bench.result], bench.path.with_suffix(".png"))
             except Exception as err:  # noqa: BLE001 - the JSON is the result
                 print(f"weak_scaling: plot failed: {_short(err)}", file=sys.stderr)
-        if info.rank == 0 and bench.path is not None:
+        if info.rank == 0:
             print(f"weak_scaling: wrote {bench.path}", file=sys.stderr)
             summarize(bench.result)
         return bench.path
@@ -807,7 +940,8 @@ def plot(results: List[Dict[str, Any]], png: Path) -> Path:
             ax.set_xlabel("GPUs (ranks)")
             ax.set_ylabel("ms")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=6)
+            if ax.get_legend_handles_labels()[0]:  # a merged file may lack this op x pass
+                ax.legend(fontsize=6)
     res0 = results[0]
     c = res0.get("config", {})
     fig.suptitle(f"weak scaling, {c.get('tokens_per_gpu')} tokens/GPU, B={c.get('B')} "
@@ -840,6 +974,20 @@ def parse(argv: Optional[List[str]] = None):
     p.add_argument("--world", type=int, default=None,
                    help="ranks to spawn when not launched by torchrun/srun/mpirun")
     p.add_argument("--out", default=None, help="results folder (config key 'out')")
+    p.add_argument("--ops", default=None, metavar="OP[,OP...]",
+                   help=f"only these ops (config key 'ops'; of {','.join(OPS)})")
+    p.add_argument("--strategies", default=None, metavar="S[,S...]",
+                   help=f"only these strategies (config key 'strategies'; "
+                        f"of {','.join(STRATEGIES)})")
+    p.add_argument("--modes", "--passes", dest="modes", default=None, metavar="fwd[,fwdbwd]",
+                   help="only these passes (config key 'passes')")
+    p.add_argument("--tag", default=None,
+                   help="results file name suffix (config key 'tag'); a later run with the "
+                        "same tag (same day, world size) adds its rows to the same file")
+    p.add_argument("--results", default=None, metavar="JSON",
+                   help="the results file to write, or to add rows to if it exists "
+                        "(config key 'results'; default: <out>/weak_scaling_<device>_<date>"
+                        "[_<tag>]_ws<P>.json)")
     p.add_argument("--plot", nargs="+", metavar="JSON", default=None,
                    help="only redraw one figure from these results files (a sweep)")
     p.add_argument("--png", default=None, help="with --plot: the figure's path")
@@ -852,16 +1000,25 @@ def parse(argv: Optional[List[str]] = None):
         cfg["cpu"] = True
     if args.world is not None:
         cfg["world"] = args.world
-    if args.out is not None:
-        cfg["out"] = args.out
+    for key, value in (("out", args.out), ("tag", args.tag), ("results", args.results),
+                       ("ops", args.ops), ("strategies", args.strategies),
+                       ("passes", args.modes)):
+        if value is not None:
+            cfg[key] = value
     for key in ("ops", "strategies", "passes"):
         if isinstance(cfg[key], str):
-            cfg[key] = [x for x in cfg[key].split(",") if x]
-    bad = {"ops": set(cfg["ops"]) - set(OPS), "passes": set(cfg["passes"]) - set(PASSES)}
-    for key, extra in bad.items():
+            cfg[key] = [x.strip() for x in cfg[key].split(",") if x.strip()]
+        if not cfg[key]:
+            p.error(f"{key}: expected at least one name")
+    from forge_dist import sp
+
+    known = {"ops": OPS, "passes": PASSES,
+             "strategies": tuple(STRATEGIES) + tuple(n for n in sp.names()
+                                                     if n not in STRATEGIES)}
+    for key, choices in known.items():
+        extra = set(cfg[key]) - set(choices)
         if extra:
-            p.error(f"{key}: unknown {sorted(extra)}; choose from "
-                    f"{OPS if key == 'ops' else PASSES}")
+            p.error(f"{key}: unknown {sorted(extra)}; choose from {', '.join(choices)}")
     for key in ("B", "H", "K", "V", "tokens_per_gpu", "repeats"):
         if int(cfg[key]) < 1:
             p.error(f"{key}: expected a positive integer, got {cfg[key]}")
@@ -889,8 +1046,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from forge_dist.selftest import free_port
 
-    mp.start_processes(_spawned, args=(world, free_port(), cfg), nprocs=world, join=True,
-                       start_method="spawn")
+    try:
+        mp.start_processes(_spawned, args=(world, free_port(), cfg), nprocs=world, join=True,
+                           start_method="spawn")
+    except mp.ProcessExitedException as err:  # a rank's SystemExit (reason already printed)
+        return err.exit_code or 1
     return 0
 
 

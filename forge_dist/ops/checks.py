@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..sp import agreement, p2p
+from ..sp import agreement, p2p, phases
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -206,7 +206,8 @@ def across_ranks(grp, device: torch.device, fields: Dict[str, object],
     _state.exchanged = True
     if size == 1:
         return 0
-    _, word = agreement.agree(grp, device, fields, data)
+    with phases.CHECK:  # a named phase boundary (forge_dist.sp.phases)
+        _, word = agreement.agree(grp, device, fields, data)
     return word
 
 

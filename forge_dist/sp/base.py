@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..variants import transitions as tr
 from ..variants.transitions import Kind
-from . import p2p
+from . import p2p, phases
 
 
 class Strategy:
@@ -133,8 +133,9 @@ class _StatePass(torch.autograd.Function):
     def backward(ctx, grad_in):
         M, S_in = ctx.saved_tensors
         M = M if ctx.has_M else None
-        lam_next, lam_here = ctx.strategy.backward_chain(ctx.kind, M, grad_in.contiguous(),
-                                                         ctx.group, ctx.saved, ctx.word)
+        with phases.BACKWARD_CHAIN:
+            lam_next, lam_here = ctx.strategy.backward_chain(ctx.kind, M, grad_in.contiguous(),
+                                                             ctx.group, ctx.saved, ctx.word)
         grad_M = tr.transition_grad(ctx.kind, lam_next, S_in) if ctx.has_M else None
         return grad_M, lam_next, lam_here, None, None, None, None, None
 

@@ -142,3 +142,147 @@ def test_config_file_and_overrides():
         ws.parse(["--set", "tokens=1"])
     with pytest.raises(SystemExit):
         ws.parse(["--set", "ops=['nope']"])
+
+
+# --- a sweep in pieces: --ops/--strategies/--modes, rows on disk as they finish, merging ----
+
+ENV = dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_COMMIT="test")
+
+
+def _cmd(out: Path, *extra: str):
+    return [sys.executable, str(SCRIPT), "--cpu", "--world", "2", "--out", str(out),
+            "--set", "warmup=1", "--set", "repeats=1", "--set", "tokens_per_gpu=64",
+            "--tag", "pieces", *extra]
+
+
+def _read(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory):
+    """A run of simple_gla killed (SIGKILL, as a device call's time limit does) once two rows
+    are on disk, then a run of linear_attn with the same tag adding to the same file."""
+    import signal
+    import time
+
+    out = tmp_path_factory.mktemp("pieces")
+    proc = subprocess.Popen(_cmd(out, "--ops", "simple_gla", "--modes", "fwd,fwdbwd",
+                                 "--strategies", "serial,lasp2,pipelined"),
+                            env=ENV, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    counts, killed = [], None
+    deadline = time.monotonic() + 150
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            files = list(out.glob("weak_scaling_*_pieces_ws2.json"))
+            data = _read(files[0]) if files else None
+            if data is not None:
+                counts.append(len(data["rows"]))
+                if counts[-1] >= 2:
+                    killed = counts[-1]
+                    break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the run and the ranks it spawned
+        proc.wait(timeout=30)
+    assert killed is not None, f"the run ended ({proc.returncode}) or stalled; rows seen {counts}"
+    path = next(out.glob("weak_scaling_*_pieces_ws2.json"))
+    first = json.loads(path.read_text())
+    second = subprocess.run(_cmd(out, "--ops", "linear_attn", "--modes", "fwd",
+                                 "--strategies", "serial,lasp2"),
+                            capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert sorted(out.glob("weak_scaling_*.json")) == [path]
+    return {"path": path, "counts": counts, "first": first, "merged": _read(path)}
+
+
+def test_killed_run_leaves_its_finished_rows_on_disk(pieces):
+    first = pieces["first"]
+    assert len(first["rows"]) >= 2  # written as each finished, before the kill
+    assert pieces["counts"] == sorted(pieces["counts"])
+    assert {r["op"] for r in first["rows"]} == {"simple_gla"}
+    assert first["runs"][0]["complete"] is False and first["runs"][0]["ops"] == ["simple_gla"]
+    assert first["commit"] == "test" and first["device"] == "cpu" and first["torch"]
+
+
+def test_ops_strategies_modes_restrict_and_a_second_run_merges(pieces):
+    res, first = pieces["merged"], pieces["first"]
+    for key in HEADER:
+        assert key in res
+    # the killed run's rows are all still there, unchanged, under its run index
+    for r in first["rows"]:
+        assert r in res["rows"] and r["run"] == 0
+    mine = [r for r in res["rows"] if r["run"] == 1]
+    assert {r["op"] for r in mine} == {"linear_attn"} and {r["pass"] for r in mine} == {"fwd"}
+    assert {(r["measure"], r["strategy"]) for r in mine} == {
+        ("ideal", "ideal"), ("op", "serial"), ("op", "lasp2"), ("state_pass", "serial"),
+        ("state_pass", "lasp2")}
+    assert [r["ops"] for r in res["runs"]] == [["simple_gla"], ["linear_attn"]]
+    assert res["runs"][1]["complete"] is True and res["runs"][1]["commit"] == "test"
+    assert res["config"]["ops"] == ["simple_gla", "linear_attn"]
+    assert res["config"]["passes"] == ["fwd", "fwdbwd"]
+    assert all(s["reason"] for s in res["skipped"])
+
+
+def test_phase_breakdown_from_the_library_phase_edges(pieces):
+    rows = [r for r in pieces["merged"]["rows"] if r["measure"] in ("op", "ideal")]
+    assert any(r["measure"] == "op" for r in rows) and any(r["measure"] == "ideal" for r in rows)
+    for r in rows:
+        _check_row(r, 2)
+        b = r["breakdown"]
+        assert b["local_ms"] > 0 and b["merge_ms"] > 0
+        if r["measure"] == "op":
+            assert b["comm_ms"] > 0
+            crit = r["per_rank"][b["rank"]]
+            assert b["local_ms"] + b["comm_ms"] + b["merge_ms"] == \
+                pytest.approx(crit["ms"], rel=1e-6)
+            assert r["vs_ideal"] == pytest.approx(r["ms"] / r["ideal_ms"])
+        else:
+            assert b["comm_ms"] == 0
+
+
+def test_plot_of_a_merged_file(pieces, tmp_path):
+    png = tmp_path / "merged.png"
+    assert ws.main(["--plot", str(pieces["path"]), "--png", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+
+
+def test_cli_options_set_the_config_keys(tmp_path):
+    _, cfg = ws.parse(["--cpu", "--ops", "simple_gla,gla", "--strategies", "serial",
+                       "--modes", "fwd", "--tag", "x", "--results", str(tmp_path / "r.json")])
+    assert cfg["ops"] == ["simple_gla", "gla"] and cfg["strategies"] == ["serial"]
+    assert cfg["passes"] == ["fwd"] and cfg["tag"] == "x"
+    assert cfg["results"] == str(tmp_path / "r.json")
+    _, cfg = ws.parse(["--cpu", "--passes", "fwdbwd", "--set", "ops=['hgrn']"])
+    assert cfg["passes"] == ["fwdbwd"] and cfg["ops"] == ["hgrn"]
+    for bad in (["--ops", "nope"], ["--strategies", "nope"], ["--modes", "bwd"], ["--ops", ","]):
+        with pytest.raises(SystemExit):
+            ws.parse(["--cpu", *bad])
+
+
+def test_merging_refuses_another_shape(tmp_path):
+    import torch
+
+    def bench(*extra):
+        _, cfg = ws.parse(["--cpu", "--results", str(tmp_path / "r.json"), *extra])
+        return ws.Bench(cfg, None, torch.device("cpu"), 0, 2)
+
+    a = bench("--ops", "gla")
+    assert a.merge_existing() is None and a.run_index == 0  # no file yet
+    a.add_row({"op": "gla", "pass": "fwd", "impl": "forge_dist", "strategy": "serial",
+               "measure": "op", "ms": 1.0}, {"op": "gla", "pass": "fwd", "measure": "op",
+                                              "strategy": "serial"})
+    a.save()
+    b = bench("--ops", "hgrn")
+    assert b.merge_existing() is None and b.run_index == 1
+    assert [r["op"] for r in b.result["rows"]] == ["gla"]
+    assert b.result["config"]["ops"] == ["gla", "hgrn"]
+    c = bench("--set", "tokens_per_gpu=128")
+    reason = c.merge_existing()
+    assert reason and "tokens_per_gpu" in reason and "--tag" in reason
+    assert not list(tmp_path.glob(".*.tmp"))  # written atomically, nothing left behind
