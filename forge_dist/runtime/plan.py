@@ -45,6 +45,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels.scalar_backward import sm_count, summed_gate_grad
+from ..sp import phases
 from ..variants import registry
 from ..variants.transitions import Kind
 from . import fastpath, front
@@ -317,8 +318,9 @@ class Plan:
         exe, split = self.finish_exec, self.sp_split
         exe.run_range(tensors, 0, split)
         S0 = (h0 if h0 is not None else self.zeros) if rank == 0 else self.zeros
-        S_in = self.strategy_obj.plan_forward(Kind(self.kind), exe.workspaces, S0,
-                                              self.s_in, self.group, self.word)
+        with phases.STATE_PASS:
+            S_in = self.strategy_obj.plan_forward(Kind(self.kind), exe.workspaces, S0,
+                                                  self.s_in, self.group, self.word)
         if rank > 0:
             tensors["h0"] = S_in
         elif h0 is not None:

@@ -1,0 +1,140 @@
+"""Where the time of one sequence-parallel call goes: host time per call, GPU time per call,
+and the kernels it runs, per rank (one process per GPU)::
+
+    torchrun --nproc-per-node 2 scaling_benchmarks/sp_profile.py --op simple_gla \\
+        --tokens 16384 --strategies forge,serial --out results_dir
+
+For each strategy (and ``ideal``: the same op on this rank's shard alone, no group), after
+warm-up calls:
+
+* ``host_us``: the host's time to issue one call (``perf_counter`` over back-to-back calls
+  with no synchronisation, divided by their number);
+* ``gpu_ms``: one call between CUDA events after a barrier, median over repeats;
+* ``kernels``: ``torch.profiler``'s device time per kernel name, averaged per call.
+
+Writes ``sp_profile_<device>_<op>_<tokens>.json`` (rank 0 gathers every rank's rows).
+Forward calls without gradients, as inference and the benchmarks' ``fwd`` rows make them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import forge_dist.comm  # noqa: E402,F401  (environment defaults before NCCL/NVSHMEM start)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from forge_dist import ops  # noqa: E402
+
+
+def _inputs(op, B, T, H, K, V, device, seed):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rn(*s, dtype=torch.bfloat16):
+        return torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
+    x = {"q": rn(B, T, H, K), "k": rn(B, T, H, K) * 0.1, "v": rn(B, T, H, V)}
+    if op == "simple_gla":
+        x["g"] = -torch.rand(B, T, H, generator=gen).to(device) * 0.1
+    elif op == "gla":
+        x["g"] = -torch.rand(B, T, H, K, generator=gen).to(device) * 0.1
+    return x
+
+
+def _call(op, x, **kw):
+    with torch.no_grad():
+        return getattr(ops, op)(*x.values(), **kw)[0]
+
+
+def _profile(fn, n):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if dev_us and ev.device_type.name == "CUDA":
+            kernels[ev.key[:90]] = round(dev_us / n, 2)
+    return dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--op", default="simple_gla", choices=["linear_attn", "simple_gla", "gla"])
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens per GPU")
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=32)
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--V", type=int, default=128)
+    ap.add_argument("--strategies", default="forge,serial")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    group = dist.group.WORLD
+    rank, P = dist.get_rank(), dist.get_world_size()
+    x = _inputs(a.op, a.B, a.tokens, a.H, a.K, a.V, device, seed=rank)
+    rows = []
+    for strategy in ["ideal"] + a.strategies.split(","):
+        kw = {} if strategy == "ideal" else {"group": group, "strategy": strategy}
+
+        def call():
+            return _call(a.op, x, **kw)
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+        dist.barrier()
+        n = 50
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        host_us = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(a.repeats):
+            dist.barrier()
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            call()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        dist.barrier()
+        kernels = _profile(call, 10)
+        rows.append({"rank": rank, "strategy": strategy, "host_us": round(host_us, 1),
+                     "gpu_ms": round(statistics.median(times), 4), "kernels_us": kernels})
+        print(f"[rank {rank}] {strategy}: host {host_us:.0f} us/call, gpu "
+              f"{statistics.median(times):.3f} ms; " + ", ".join(
+                  f"{k[:40]} {v:.0f}" for k, v in list(kernels.items())[:6]), flush=True)
+    everyone = [None] * P
+    dist.all_gather_object(everyone, rows)
+    if rank == 0:
+        name = torch.cuda.get_device_name(device).replace(" ", "-")
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        path = Path(a.out) / f"sp_profile_{name}_{a.op}_{a.tokens}.json"
+        path.write_text(json.dumps({"device": name, "world_size": P, "torch": torch.__version__,
+                                    "commit": os.environ.get("FORGE_DIST_COMMIT", "unknown"),
+                                    "config": vars(a), "rows": [r for rr in everyone for r in rr]},
+                                   indent=1))
+        print(f"wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
