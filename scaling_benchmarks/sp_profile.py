@@ -80,6 +80,8 @@ def main():
     ap.add_argument("--strategies", default="forge,serial")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also cProfile N calls per strategy and print rank 0's top functions")
     a = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -116,6 +118,23 @@ def main():
             times.append(s.elapsed_time(e))
         dist.barrier()
         kernels = _profile(call, 10)
+        if a.host_profile:
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(a.host_profile):
+                call()
+            prof.disable()
+            torch.cuda.synchronize()
+            if rank == 0:
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+                print(f"[rank 0] {strategy}: host profile of {a.host_profile} calls\n"
+                      + buf.getvalue(), flush=True)
+            dist.barrier()
         rows.append({"rank": rank, "strategy": strategy, "host_us": round(host_us, 1),
                      "gpu_ms": round(statistics.median(times), 4), "kernels_us": kernels})
         print(f"[rank {rank}] {strategy}: host {host_us:.0f} us/call, gpu "

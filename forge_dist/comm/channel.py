@@ -92,6 +92,8 @@ class Channel:
     who: Optional[tuple] = None  # (rank, what) of the last launch, for errors read by flush
     explain: Optional[object] = None  # names a signature mismatch's argument (see describe)
     _err_host: Optional[Tensor] = None
+    _err_words: Optional[object] = None  # numpy view of _err_host
+    _event: Optional[object] = None  # the event re-recorded after each call's copy
     _err_event: Optional[object] = None
     _pending: list = field(default_factory=list)
 
@@ -124,11 +126,15 @@ class Channel:
             return
         if self._err_host is None:
             self._err_host = torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=True)
+            try:  # read the pinned words without a tensor op per call
+                self._err_words = self._err_host.numpy()
+            except RuntimeError:  # no numpy: index the tensor
+                self._err_words = self._err_host
+            self._event = torch.cuda.Event()
         self.poll(rank, what, bound_s, exc_type)  # the previous call's flag, if ready
         self._err_host.copy_(self.err, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._err_event = event
+        self._event.record()  # one event, re-recorded: the last call's copy is what counts
+        self._err_event = self._event
 
     def poll(self, rank: int, what: str, bound_s: float, exc_type, wait: bool = False) -> None:
         """Raise if a finished call left an error; ``wait`` blocks for the last call."""
@@ -146,9 +152,10 @@ class Channel:
         elif not event.query():
             return
         self._err_event = None
-        self._raise_if_set(self._err_host, rank, what, bound_s, exc_type)
+        self._raise_if_set(self._err_words, rank, what, bound_s, exc_type)
 
-    def _raise_if_set(self, err_host: Tensor, rank, what, bound_s, exc_type) -> None:
+    def _raise_if_set(self, err_host, rank, what, bound_s, exc_type) -> None:
+        """``err_host``: the error words on the host (a tensor, or the pinned words' array)."""
         if int(err_host[0]) == 0:
             return
         if rank < 0 and self.who is not None:  # read by flush: name the launch's rank

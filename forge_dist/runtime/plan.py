@@ -313,14 +313,18 @@ class Plan:
         launch that folds the summaries and passes the state on), then the output walks,
         which take the incoming state as ``h0``.  No host synchronisation."""
         rank = self.rank
-        ht = torch.empty(self.ht_shape, dtype=torch.float32, device=self.device)
+        if self.output_final_state:
+            ht = torch.empty(self.ht_shape, dtype=torch.float32, device=self.device)
+        else:  # nobody sees it: the plan's scratch
+            ht = self._ht_scratch
         tensors["o"], tensors["ht"] = o, ht
         exe, split = self.finish_exec, self.sp_split
         exe.run_range(tensors, 0, split)
         S0 = (h0 if h0 is not None else self.zeros) if rank == 0 else self.zeros
         with phases.STATE_PASS:
             S_in = self.strategy_obj.plan_forward(Kind(self.kind), exe.workspaces, S0,
-                                                  self.s_in, self.group, self.word)
+                                                  self.s_in, self.group, self.word,
+                                                  self._pass_keep)
         if rank > 0:
             tensors["h0"] = S_in
         elif h0 is not None:

@@ -185,11 +185,11 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              finish_exec=finish_exec, channels=None, sp_split=len(prog.launches) - 1,
              static=backend == "static", s_in=None, zeros=None, _ht_scratch=None,
              execution_request=execution, _dispatcher=disp, _bwd_execs={}, _interp=interp,
-             prologues=tuple(sorted(maps)), word=0,
+             prologues=tuple(sorted(maps)), word=0, _pass_keep={},
              _specialise_pending=(backend == "triton" and device.type == "cuda"
                                   and size == 1))
 
-    if size == 1 and backend != "torch" and not output_final_state:
+    if backend != "torch" and not output_final_state:
         # the kernels write a final state nobody returns: one scratch for every run
         p._ht_scratch = torch.empty(p.ht_shape, dtype=torch.float32, device=device)
     if size > 1:

@@ -56,7 +56,8 @@ class Strategy:
     plan_summary = "folded"
 
     def plan_forward(self, kind: Kind, summaries: Dict[str, Tensor], S0: Optional[Tensor],
-                     S_in: Tensor, group, word: int = 0) -> Tensor:
+                     S_in: Tensor, group, word: int = 0,
+                     keep: Optional[Dict[str, Any]] = None) -> Tensor:
         """A plan's forward state pass (no autograd): this rank's incoming state.
 
         ``summaries``: the program's workspaces after its summary launches, read on every
