@@ -91,10 +91,8 @@ class Channel:
     captured: bool = False  # launched inside a CUDA graph capture: errors are read by flush
     who: Optional[tuple] = None  # (rank, what) of the last launch, for errors read by flush
     explain: Optional[object] = None  # names a signature mismatch's argument (see describe)
-    _err_host: Optional[Tensor] = None
+    _err_host: Optional[Tensor] = None  # pinned copy of err, refreshed after every launch
     _err_words: Optional[object] = None  # numpy view of _err_host
-    _event: Optional[object] = None  # the event re-recorded after each call's copy
-    _err_event: Optional[object] = None
     _pending: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -130,29 +128,35 @@ class Channel:
                 self._err_words = self._err_host.numpy()
             except RuntimeError:  # no numpy: index the tensor
                 self._err_words = self._err_host
-            self._event = torch.cuda.Event()
-        self.poll(rank, what, bound_s, exc_type)  # the previous call's flag, if ready
+        else:
+            self._check_words(rank, what, bound_s, exc_type)  # an earlier call's, if landed
+        # the flag's words reach the host on their own: no event, no query, no sync
         self._err_host.copy_(self.err, non_blocking=True)
-        self._event.record()  # one event, re-recorded: the last call's copy is what counts
-        self._err_event = self._event
+
+    def _check_words(self, rank, what, bound_s, exc_type) -> None:
+        """Raise if the pinned copy of the flag shows an error.  The copies are
+        asynchronous: one may still be on its way, so the device is synchronised (an error
+        path only) before the whole record is read."""
+        if int(self._err_words[0]) == 0:
+            return
+        torch.cuda.synchronize(self.err.device)
+        words = self._err_host.clone()
+        self._err_host.zero_()
+        self._raise_if_set(words, rank, what, bound_s, exc_type)
 
     def poll(self, rank: int, what: str, bound_s: float, exc_type, wait: bool = False) -> None:
-        """Raise if a finished call left an error; ``wait`` blocks for the last call."""
+        """Raise if a finished call left an error; ``wait`` blocks for the last call (a
+        device synchronisation: :func:`forge_dist.sp.flush`)."""
         if wait and self.captured:  # graph replays schedule no check: read the flag now
             # a graph may be replayed on any stream: wait for the whole device
             torch.cuda.synchronize(self.err.device)
-            self._err_event = None
             self._raise_if_set(self.err.cpu(), rank, what, bound_s, exc_type)
             return
-        event = self._err_event
-        if event is None:
+        if self._err_host is None:
             return
         if wait:
-            event.synchronize()
-        elif not event.query():
-            return
-        self._err_event = None
-        self._raise_if_set(self._err_words, rank, what, bound_s, exc_type)
+            torch.cuda.synchronize(self.err.device)
+        self._check_words(rank, what, bound_s, exc_type)
 
     def _raise_if_set(self, err_host, rank, what, bound_s, exc_type) -> None:
         """``err_host``: the error words on the host (a tensor, or the pinned words' array)."""

@@ -22,8 +22,9 @@ constant, compiles it with ``exec`` (as Triton generates its launchers) and retu
 * an output is allocated (or ``out=`` checked) just before the first launch that writes
   it, which for the decoupled program is after the first launch too.
 
-Single-device plans qualify when every launch has a cubin, or, on the Triton backend, once
-every launch has a compiled kernel (after the first run).  The generated source is kept as
+Plans qualify when every launch has a cubin, or, on the Triton backend, once every launch has
+a compiled kernel (after the first run).  A sequence-parallel plan's function calls its
+strategy's state pass between the summaries and the output walks, as ``_run_sp`` does.  The generated source is kept as
 ``run.__source__`` for inspection.
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..sp import phases
+from ..variants.transitions import Kind
 from . import jit_launch
 from .dispatcher import current_stream_fn
 
@@ -42,8 +45,10 @@ ALIGN_MASK = jit_launch.ALIGN - 1  # kernels are specialised on 16-byte aligned 
 def _launchers(plan):
     """``("cubin", bound launches)`` or ``("jit", compiled launches)``, or ``None``."""
     exe = plan.finish_exec
-    if plan.size != 1 or exe is None or not exe.bound:
+    if exe is None or not exe.bound:
         return None
+    if plan.size != 1 and plan.rank > 0 and plan.initial_state:
+        return None  # an initial state a rank past the first ignores: the general path
     if plan.backend == "static" and all(b is not None for b in exe.bound):
         return "cubin", exe.bound
     # compiled launches exist only on a GPU (jit_launch.CompiledLaunch.make)
@@ -190,6 +195,21 @@ def specialise(plan) -> Optional[Callable]:
             body.append("    p_ht = ht.data_ptr()")
             ptr_of["ht"] = "p_ht"
 
+    def state_pass() -> None:
+        """A sequence-parallel plan's state pass, between its summaries and its output
+        walks (:meth:`~.plan.Plan._run_sp`); on a rank past the first its result is the
+        output walks' ``h0``."""
+        env.update(PASS=plan.strategy_obj.plan_forward, KIND=Kind(plan.kind),
+                   WS=exe.workspaces, S_IN=plan.s_in, GROUP=plan.group, WORD=plan.word,
+                   KEEP=plan._pass_keep, ZEROS=plan.zeros, STATE_PASS=phases.STATE_PASS)
+        start = "initial_state" if plan.rank == 0 and plan.initial_state else "ZEROS"
+        body.append("    with STATE_PASS:")
+        body.append(f"        S_in = PASS(KIND, WS, {start}, S_IN, GROUP, WORD, KEEP)")
+        if plan.rank > 0:
+            body.append("    p_h0 = S_in.data_ptr()")
+            ptr_of["h0"] = "p_h0"
+
+    split = plan.sp_split if plan.size > 1 else None
     all_slots = [_slots_of(ln, kind) for ln in launches]
     read = [{v for is_buf, v in slots if is_buf} for slots in all_slots]
     pending = list(enumerate(checked))
@@ -209,6 +229,8 @@ def specialise(plan) -> Optional[Callable]:
                 ptr_of[buffer] = f"p_{n}"
         if i == 0:
             body.append("    st = stream()")
+        if i == split:
+            state_pass()
         allocate(read[i])
         if not _emit_launch(i, ln, kind, slots, ptr_of, env, body):
             return None  # a buffer this path does not know: keep the general path

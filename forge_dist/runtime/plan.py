@@ -330,6 +330,8 @@ class Plan:
         elif h0 is not None:
             tensors["h0"] = h0
         exe.run_range(tensors, split, len(exe.program.launches))
+        if self._specialise_pending:
+            self._specialise_compiled()
         return o, (ht if self.output_final_state else None)
 
     def _final(self, ht):

@@ -520,8 +520,9 @@ def reset(group=None) -> None:
     for key in list(_CHANNELS):
         if name is None or key[-1] == name:
             ch = _CHANNELS.pop(key)
-            ch._err_event = None
-            ch.err.zero_()  # the records of calls before the reset are dropped, not re-raised
+            ch.err.zero_()
+            if ch._err_host is not None:
+                ch._err_host.zero_()  # the records of calls before the reset are dropped, not re-raised
             _RETIRED.append(ch)
 
 
