@@ -183,8 +183,21 @@ def schedule(B: int, T: int, H: int, K: int, V: int, C: int, tv: int, *, elem_si
     # the state tile spans all of K (tk = K) and BV columns
     strategy, info = algorithm1(B, T, H, K, V, C, K, tv, elem_size=elem_size,
                                 gate_elems=gate_elems, with_summary=with_summary)
-    return _resolve(request, max(1, math.ceil(T / C)),
-                    Schedule(strategy, info["n_seg"], info["reason"]))
+    auto = Schedule(strategy, info["n_seg"], info["reason"])
+    n_c = max(1, math.ceil(T / C))
+    if with_summary and strategy == FUSED:
+        # A sequence-parallel rank's summary walk is on the critical path (the next rank
+        # waits for it), and alone it is a light walk that one program per (b, h, V tile)
+        # leaves latency bound: cut it into segments until they fill the device twice
+        # over (the output walks, which fold the segments in, cost about the fused walk).
+        dev = device_params()
+        n, cap = 1, max(1, n_c // MIN_CHUNKS_PER_SEGMENT)
+        while info["P_fused"] * n < 2 * dev.max_concurrency and n * 2 <= cap:
+            n *= 2
+        if n > 1:
+            auto = Schedule(DECOUPLED, n, f"decoupled over {n} segments: the summary of a "
+                            "sequence-parallel rank is on the critical path")
+    return _resolve(request, n_c, auto)
 
 
 # The HGRN kernel is small (one warp, no shared memory) and latency bound: each step waits
