@@ -206,8 +206,9 @@ def across_ranks(grp, device: torch.device, fields: Dict[str, object],
     _state.exchanged = True
     if size == 1:
         return 0
-    with phases.CHECK:  # a named phase boundary (forge_dist.sp.phases)
-        _, word = agreement.agree(grp, device, fields, data)
+    phases.begin(phases.CHECK)  # a named phase edge (forge_dist.sp.phases); no with-block:
+    _, word = agreement.agree(grp, device, fields, data)  # torch.compile traces this
+    phases.end(phases.CHECK)
     return word
 
 

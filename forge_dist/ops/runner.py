@@ -174,32 +174,36 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
         if check_finite:  # an overflow in the local summary, before it is passed on
             checks.finite("local summary", [("carry (shard state from a zero start)", carry),
                                             ("M (shard transition)", M_rank)], group, device)
-        with phases.STATE_PASS:  # a named phase boundary (forge_dist.sp.phases)
-            S_in = sp.state_pass(kind, M_rank, carry, S0, group, strategy,
-                                 anchor=grad_anchor(inputs, initial_state), word=word)
+        # named phase edges (forge_dist.sp.phases), calls rather than a with-block: the
+        # runner is traced by torch.compile, which cannot enter a custom context manager
+        phases.begin(phases.STATE_PASS)
+        S_in = sp.state_pass(kind, M_rank, carry, S0, group, strategy,
+                             anchor=grad_anchor(inputs, initial_state), word=word)
+        phases.end(phases.STATE_PASS)
 
     # Phase 3: merge incoming states into outputs and final states.
-    with phases.MERGE:
-        outputs, finals = [], {}
-        for i, (seg, work) in enumerate(zip(segments, works)):
-            o, final = (done[i] if i in done
-                        else work.finish(S_in if seg.continues else init_for(seg)))
-            outputs.append(o)
-            if seg.ends_here or cu is None:
-                finals[seg.seq] = final
-        o = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-        if size > 1 and not segments[0].continues:
-            o = _Attach.apply(o, S_in)
-        o = o.to(out_dtype)
+    phases.begin(phases.MERGE)
+    outputs, finals = [], {}
+    for i, (seg, work) in enumerate(zip(segments, works)):
+        o, final = (done[i] if i in done
+                    else work.finish(S_in if seg.continues else init_for(seg)))
+        outputs.append(o)
+        if seg.ends_here or cu is None:
+            finals[seg.seq] = final
+    o = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    if size > 1 and not segments[0].continues:
+        o = _Attach.apply(o, S_in)
+    o = o.to(out_dtype)
 
-        final_state = None
-        if output_final_state:
-            if cu is None:
-                final_state = finals[0]
-            else:
-                zero = torch.zeros(1, H, K, V, **opts)
-                final_state = torch.cat([finals.get(n, zero) for n in range(len(cu) - 1)],
-                                        dim=0)
+    final_state = None
+    if output_final_state:
+        if cu is None:
+            final_state = finals[0]
+        else:
+            zero = torch.zeros(1, H, K, V, **opts)
+            final_state = torch.cat([finals.get(n, zero) for n in range(len(cu) - 1)],
+                                    dim=0)
+    phases.end(phases.MERGE)
     if check_finite:
         checks.finite("output", [("o", o), ("final_state", final_state)], group, device,
                       token_tensors=tokens)

@@ -59,6 +59,19 @@ class Phase:
         return f"Phase({self.name!r})"
 
 
+def begin(phase: Phase) -> None:
+    """The start edge of ``phase``, for code that ``torch.compile`` traces (Dynamo cannot
+    enter a user-defined context manager; it folds this call away while nothing listens)."""
+    if _hooks is not None:
+        _emit(phase.name, True)
+
+
+def end(phase: Phase) -> None:
+    """The end edge of ``phase`` (see :func:`begin`)."""
+    if _hooks is not None:
+        _emit(phase.name, False)
+
+
 CHECK = Phase("check")
 STATE_PASS = Phase("state_pass")
 MERGE = Phase("merge")
