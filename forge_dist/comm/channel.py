@@ -167,6 +167,10 @@ class Channel:
         record = err_host.tolist()
         msg = describe_error(record, rank, what, bound_s, self.explain)
         self.err.zero_()  # the next call starts clean (its kernel may still time out again)
+        if self._err_host is not None and err_host is not self._err_words:
+            # read from the device: a pinned copy of the same record must not raise again
+            # (callers have synchronised, so no copy is in flight)
+            self._err_host.zero_()
         # an argument error, as the host agreement raises it: not a communication failure
         raise (SignatureMismatch if int(record[0]) == ERR_SIGNATURE else exc_type)(msg)
 

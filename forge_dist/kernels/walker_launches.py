@@ -203,7 +203,8 @@ def walk_launches(buffers: Dict[str, Buffer], *, q, k, v, g, w, h0, o, ht, B: in
     launches = [walk_launch(q=None, h0=None, o=None, ht="hs", gt=gt, n=n_seg, **common)]
     if summary == FOLDED:
         buffers["delta"] = Buffer((B, H, K, V), torch.float32, "workspace")
-        buffers["cg"] = Buffer((n_seg + 1, B, H, K), torch.float32, "workspace")
+        if gt:  # ungated: the transition is the identity, no log decays to fold
+            buffers["cg"] = Buffer((n_seg + 1, B, H, K), torch.float32, "workspace")
         launches.append(segment_scan_launch(hs="hs", gt=gt, h0=None, ht="delta",
                                             cg="cg" if gt else None, n_seg=n_seg, B=B, H=H,
                                             K=K, V=V, cfg=cfg, keep_hs=True))

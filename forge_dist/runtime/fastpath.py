@@ -229,9 +229,11 @@ def specialise(plan) -> Optional[Callable]:
                 ptr_of[buffer] = f"p_{n}"
         if i == 0:
             body.append("    st = stream()")
+        # every check that can send the call to the general path comes before the state
+        # pass (o's included): a rank that passed its state must not run the program again
+        allocate(read[i])
         if i == split:
             state_pass()
-        allocate(read[i])
         if not _emit_launch(i, ln, kind, slots, ptr_of, env, body):
             return None  # a buffer this path does not know: keep the general path
     if "o" not in ptr_of:

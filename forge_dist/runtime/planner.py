@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .. import kernels
 from ..comm.channel import SimRank
 from ..variants import registry
+from ..variants.transitions import Kind
 from . import fastpath, sp_setup
 from .sp_setup import sp_variants
 from .aot import CubinCache, default_cache_dir
@@ -181,7 +182,9 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              state_shape=state_shape, ht_shape=prog.buffers["ht"].shape, out_shape=out_shape,
              out_dtype=dtype, execution=prog.execution, notes=notes, rank=rank, size=size,
              group=group, strategy=None, strategy_obj=None,
-             kind=spec.kind.value if op in sp_variants() else None,
+             # an ungated call (simple_gla without g) passes its state with no decay
+             kind=(None if op not in sp_variants() else
+                   Kind.IDENTITY.value if not gated else spec.kind.value),
              finish_exec=finish_exec, channels=None, sp_split=len(prog.launches) - 1,
              static=backend == "static", s_in=None, zeros=None, _ht_scratch=None,
              execution_request=execution, _dispatcher=disp, _bwd_execs={}, _interp=interp,

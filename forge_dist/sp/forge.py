@@ -398,27 +398,41 @@ class _Relaunch:
         self._first = self._names.index("first_ptr")
         self._limit = self._names.index("limit")
         self._device = values["d_ptr"].device.index
+        self._dummy = values["d_ptr"]  # in ``first``'s slot between calls (no caller tensor kept)
+        self._values[self._first] = self._dummy
         self._resets = _RESETS
         self.where, self.what, self.ch, self.bound = where, what, ch, bound
 
     def usable(self, first: Optional[torch.Tensor]) -> bool:
-        return self._resets == _RESETS and (first is None or (
-            first.is_contiguous() and first.data_ptr() % 16 == 0))
+        """Whether this call may relaunch: no reset since, the same wait bound (Triton typed
+        ``limit`` by its first value), no launch hook or ``FORGE_DIST_JIT_RELAUNCH=0`` (the
+        JIT path, which hooks see), and a ``first`` as aligned as the compiled kernel's."""
+        return (self._resets == _RESETS and p2p.timeout_seconds() == self.bound
+                and _relaunch_allowed()
+                and (first is None or (first.is_contiguous() and first.data_ptr() % 16 == 0)))
 
     def __call__(self, first: Optional[torch.Tensor]) -> None:
         values = self._values
         if first is not None:
             values[self._first] = first
-        bound = p2p.timeout_seconds()
-        if bound != self.bound:
-            self.bound = bound
-            values[self._limit] = int(bound * 1e9)
         g = self._grid
-        self._run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self._device),
-                  self._function, self._packed, None, None, None, *values)
+        try:
+            self._run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self._device),
+                      self._function, self._packed, None, None, None, *values)
+        finally:
+            values[self._first] = self._dummy
         where = self.where
-        self.ch.after_launch(where.rank, self.what, bound, p2p.StatePassTimeout,
+        self.ch.after_launch(where.rank, self.what, self.bound, p2p.StatePassTimeout,
                              where.explain)
+
+
+def _relaunch_allowed() -> bool:
+    """``FORGE_DIST_JIT_RELAUNCH`` is not ``0`` and no Triton launch hook is installed (as
+    the plans' own relaunches, forge_dist/runtime/jit_launch.py)."""
+    if os.environ.get("FORGE_DIST_JIT_RELAUNCH", "1") == "0":
+        return False
+    hook = triton.knobs.runtime.launch_enter_hook
+    return hook is None or not bool(getattr(hook, "calls", True))
 
 
 def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tensor],
@@ -485,10 +499,11 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
     kernel = _kernel(where.transport)[(n_tiles,)](
         **values, num_warps=8 if bk * bv >= 4096 else 4)
     what = "the incoming state" if direction == "fwd" else "the state gradient"
+    ch.after_launch(where.rank, what, bound, p2p.StatePassTimeout, where.explain)
+    # kept only once the call went through (after_launch may raise an earlier error)
     if keep is not None and use_clock and not capturing and hasattr(kernel, "packed_metadata"):
         keep["launch"] = _Relaunch(kernel, _forge_chain_kernel, n_tiles, values, where, what,
                                    bound, ch)
-    ch.after_launch(where.rank, what, bound, p2p.StatePassTimeout, where.explain)
 
 
 def flush(wait: bool = True) -> None:
@@ -521,8 +536,9 @@ def reset(group=None) -> None:
         if name is None or key[-1] == name:
             ch = _CHANNELS.pop(key)
             ch.err.zero_()
-            if ch._err_host is not None:
-                ch._err_host.zero_()  # the records of calls before the reset are dropped, not re-raised
+            # a copy still in flight may rewrite the old pinned words: drop them (PyTorch's
+            # pinned allocator keeps the block until its copies are done)
+            ch._err_host = ch._err_words = None  # the records of calls before the reset are dropped, not re-raised
             _RETIRED.append(ch)
 
 
@@ -572,6 +588,8 @@ class Forge(Strategy):
             return S0 if keep["rank"] == 0 else S_in
         where = _where(group)
         rank, size = where.rank, where.size
+        if keep is not None:
+            keep["rank"] = rank
         last = rank == size - 1
         fold = None if last else (summaries["hs"], summaries.get("gt"))
         _run_chain(where, "fwd", kind, None, S0 if rank == 0 else None, S_in,
@@ -579,8 +597,6 @@ class Forge(Strategy):
                    _SRC_FIRST if rank == 0 else _SRC_RECV, not last,
                    rank - 1, -1 if last else rank + 1, transpose=False, word=word, fold=fold,
                    keep=keep)
-        if keep is not None:
-            keep["rank"] = rank
         return S0 if rank == 0 else S_in
 
     def backward_chain(self, kind, M, grad_in, group, saved, word=0):

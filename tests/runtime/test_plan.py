@@ -516,14 +516,17 @@ def _sp_plans_world(group, ops_and_strategies):
     rank, P = dist.get_rank(group), dist.get_world_size(group)
     Tl = 48  # not a multiple of the chunk: the last chunk is partial on every rank
     errors = {}
-    for op, strategy, execution in ops_and_strategies:
+    for op, strategy, execution, gated in ops_and_strategies:
         # 16-token chunks: three per shard, so a decoupled run has two segments
         p = plan(op, B=B, T=Tl, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
                  group=group, strategy=strategy, initial_state=rank == 0,
-                 output_final_state=True, execution=execution, tiles={"BT": 16})
+                 output_final_state=True, execution=execution, tiles={"BT": 16},
+                 gated=gated)
         worst = 0.0
         for step in range(3):
             inp = _inputs(op, T=P * Tl, seed=step)
+            if gated is False:
+                inp.pop("g", None)
             names = p.input_names
             h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(10 + step))
             ref_o, ref_h = getattr(ops, op)(*[inp[n] for n in names], initial_state=h0,
@@ -534,7 +537,7 @@ def _sp_plans_world(group, ops_and_strategies):
             worst = max(worst, _rel(o, ref_o[:, mine]))
             if rank == P - 1:
                 worst = max(worst, _rel(ht, ref_h))
-        errors[f"{op}/{strategy}/{execution}"] = worst
+        errors[f"{op}{'-ungated' if gated is False else ''}/{strategy}/{execution}"] = worst
     sp.flush()
     everyone = [None] * P
     dist.all_gather_object(everyone, errors, group=group)
@@ -547,12 +550,15 @@ def test_sequence_parallel_plans_of_every_strategy_over_gloo():
     folds them into the shard's (M, delta) first), every op, against one process."""
     from tests.sp.distributed import run_world
 
-    cases = [(op, s, e) for op in ("linear_attn", "simple_gla", "gla")
+    # simple_gla without its gate: a scalar-decay variant whose transition is the identity
+    cases = [(op, s, e, gated) for op, gated in (("linear_attn", None), ("simple_gla", True),
+                                                 ("simple_gla", False), ("gla", None))
              for s in ("forge", "serial", "lasp2", "pipelined") for e in (None, "decoupled")]
     everyone = run_world(3, _sp_plans_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
                               "FORGE_DIST_TIMEOUT": "120"})
     for rank, errors in enumerate(everyone):
-        assert set(errors) == {f"{op}/{s}/{e}" for op, s, e in cases}
+        assert set(errors) == {f"{op}{'-ungated' if g is False else ''}/{s}/{e}"
+                               for op, s, e, g in cases}
         bad = {k: v for k, v in errors.items() if not v < 1e-5}
         assert not bad, f"rank {rank}: {bad}"
