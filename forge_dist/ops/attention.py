@@ -150,13 +150,17 @@ def linear_attn(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = Non
                             strategy=strategy)
     if hit is not None:
         return hit
-
-    def summarize(p, s, need_M):
-        return decay_attention.summarize(p["q"], p["k"], p["v"], None, s, need_transition=need_M)
-    return _matrix_op(LINEAR_ATTN, q, k, v, {}, summarize, scale=scale,
+    return _matrix_op(LINEAR_ATTN, q, k, v, {}, _decay_summarize, scale=scale,
                       initial_state=initial_state, output_final_state=output_final_state,
                       cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=0,
                       front_key=front_key)
+
+
+def _decay_summarize(p, s, need_M):
+    """The PyTorch summary of a segment of linear_attn (no ``g``), simple_gla or gla:
+    inputs by name."""
+    return decay_attention.summarize(p["q"], p["k"], p["v"], p.get("g"), s,
+                                     need_transition=need_M)
 
 
 @checks.collective
@@ -196,10 +200,7 @@ def simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
     B, T, H, _ = q.shape
     checks.tensor("g", g, [B, T, H])
 
-    def summarize(p, s, need_M):
-        return decay_attention.summarize(p["q"], p["k"], p["v"], p["g"], s,
-                                         need_transition=need_M)
-    return _matrix_op(SIMPLE_GLA, q, k, v, {"g": g}, summarize, scale=scale,
+    return _matrix_op(SIMPLE_GLA, q, k, v, {"g": g}, _decay_summarize, scale=scale,
                       initial_state=initial_state, output_final_state=output_final_state,
                       cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=1,
                       front_key=front_key)
@@ -223,10 +224,7 @@ def gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: Optional[float] = 
     checks.tensor("q", q, [None, None, None, None])
     checks.tensor("g", g, list(q.shape))
 
-    def summarize(p, s, need_M):
-        return decay_attention.summarize(p["q"], p["k"], p["v"], p["g"], s,
-                                         need_transition=need_M)
-    return _matrix_op(GLA, q, k, v, {"g": g}, summarize, scale=scale,
+    return _matrix_op(GLA, q, k, v, {"g": g}, _decay_summarize, scale=scale,
                       initial_state=initial_state, output_final_state=output_final_state,
                       cu_seqlens=cu_seqlens, group=group, strategy=strategy, gate_flags=2,
                       front_key=front_key)

@@ -581,15 +581,14 @@ class Forge(Strategy):
         only receives.  ``summaries``: ``hs`` and (gated) ``gt``, the program's segment
         summaries, folded into ``(M, delta)`` by the kernel.  ``keep``: the plan's dict
         for the launch kept after the first call (:class:`_Relaunch`)."""
-        first = S0 if keep is None or keep.get("rank") == 0 else None
         relaunch = keep.get("launch") if keep is not None else None
-        if relaunch is not None and relaunch.usable(first):
-            relaunch(first)
-            return S0 if keep["rank"] == 0 else S_in
+        if relaunch is not None:
+            first = S0 if relaunch.where.rank == 0 else None
+            if relaunch.usable(first):
+                relaunch(first)
+                return S0 if first is not None else S_in
         where = _where(group)
         rank, size = where.rank, where.size
-        if keep is not None:
-            keep["rank"] = rank
         last = rank == size - 1
         fold = None if last else (summaries["hs"], summaries.get("gt"))
         _run_chain(where, "fwd", kind, None, S0 if rank == 0 else None, S_in,
