@@ -13,7 +13,8 @@ warm-up calls:
 * ``kernels``: ``torch.profiler``'s device time per kernel name, averaged per call.
 
 Writes ``sp_profile_<device>_<op>_<tokens>.json`` (rank 0 gathers every rank's rows).
-Forward calls without gradients, as inference and the benchmarks' ``fwd`` rows make them.
+Forward calls without gradients, as inference and the benchmarks' ``fwd`` rows make them;
+``--grad``: the call with gradients and ``o.backward(do)``, as the ``fwdbwd`` rows make them.
 """
 from __future__ import annotations
 
@@ -46,12 +47,22 @@ def _inputs(op, B, T, H, K, V, device, seed):
         x["g"] = -torch.rand(B, T, H, generator=gen).to(device) * 0.1
     elif op == "gla":
         x["g"] = -torch.rand(B, T, H, K, generator=gen).to(device) * 0.1
+    elif op == "gated_delta_rule":
+        x["k"] = torch.nn.functional.normalize(x["k"].float(), dim=-1).to(torch.bfloat16)
+        x["g"] = -torch.rand(B, T, H, generator=gen).to(device) * 0.1
+        x["beta"] = torch.rand(B, T, H, generator=gen).to(device, torch.bfloat16)
     return x
 
 
 def _call(op, x, **kw):
     with torch.no_grad():
         return getattr(ops, op)(*x.values(), **kw)[0]
+
+
+def _call_grad(op, x, do, **kw):
+    """Forward with gradients, then the backward of ``(o * do).sum()``."""
+    o = getattr(ops, op)(*x.values(), **kw)[0]
+    o.backward(do)
 
 
 def _profile(fn, n):
@@ -71,7 +82,7 @@ def _profile(fn, n):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--op", default="simple_gla", choices=["linear_attn", "simple_gla", "gla"])
+    ap.add_argument("--op", default="simple_gla", choices=["linear_attn", "simple_gla", "gla", "gated_delta_rule"])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per GPU")
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--H", type=int, default=32)
@@ -80,6 +91,10 @@ def main():
     ap.add_argument("--strategies", default="forge,serial")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--grad", action="store_true",
+                    help="forward with gradients and backward (the fwdbwd rows' call)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also write a Chrome trace of 3 calls per strategy and rank")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also cProfile N calls per strategy and print rank 0's top functions")
     a = ap.parse_args()
@@ -90,11 +105,17 @@ def main():
     group = dist.group.WORLD
     rank, P = dist.get_rank(), dist.get_world_size()
     x = _inputs(a.op, a.B, a.tokens, a.H, a.K, a.V, device, seed=rank)
+    do = None
+    if a.grad:
+        x = {n: t.requires_grad_(True) for n, t in x.items()}
+        do = torch.randn(a.B, a.tokens, a.H, a.V, device=device, dtype=torch.bfloat16)
     rows = []
     for strategy in ["ideal"] + a.strategies.split(","):
         kw = {} if strategy == "ideal" else {"group": group, "strategy": strategy}
 
         def call():
+            if a.grad:
+                return _call_grad(a.op, x, do, **kw)
             return _call(a.op, x, **kw)
         for _ in range(5):
             call()
@@ -118,6 +139,17 @@ def main():
             times.append(s.elapsed_time(e))
         dist.barrier()
         kernels = _profile(call, 10)
+        if a.trace:
+            from torch.profiler import ProfilerActivity, profile
+
+            dist.barrier()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    call()
+                torch.cuda.synchronize()
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(a.out) / f"trace_{a.op}_{strategy}_rank{rank}.json"))
         if a.host_profile:
             import cProfile
             import io
@@ -131,7 +163,9 @@ def main():
             torch.cuda.synchronize()
             if rank == 0:
                 buf = io.StringIO()
-                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+                stats = pstats.Stats(prof, stream=buf)
+                stats.sort_stats("tottime").print_stats(22)
+                stats.sort_stats("cumulative").print_stats(40)
                 print(f"[rank 0] {strategy}: host profile of {a.host_profile} calls\n"
                       + buf.getvalue(), flush=True)
             dist.barrier()
@@ -145,7 +179,7 @@ def main():
     if rank == 0:
         name = torch.cuda.get_device_name(device).replace(" ", "-")
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        path = Path(a.out) / f"sp_profile_{name}_{a.op}_{a.tokens}.json"
+        path = Path(a.out) / f"sp_profile_{name}_{a.op}_{a.tokens}{'_grad' if a.grad else ''}.json"
         path.write_text(json.dumps({"device": name, "world_size": P, "torch": torch.__version__,
                                     "commit": os.environ.get("FORGE_DIST_COMMIT", "unknown"),
                                     "config": vars(a), "rows": [r for rr in everyone for r in rr]},

@@ -297,3 +297,38 @@ def backward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0
         B, T, H, K, V, dtype=dtype, has_h0=has_h0, has_dht=has_dht,
         scale=K ** -0.5 if scale is None else float(scale), prec=_precision(interp),
         **{n: optional[n] for n in pattern.backward_takes})
+
+
+def state_grad_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
+                       dtype: torch.dtype, has_dht: bool, gated: Optional[bool] = None,
+                       scale: Optional[float] = None, interp: bool = False, sms: int = 132):
+    """Program of the gradient of a shard's incoming state through its own outputs (and
+    ``dht``, the gradient of its final state): the reverse state walk of
+    :func:`backward_program`, storing ``dh0 [B, H, K, V]`` fp32 and no chunk states.
+
+    A sequence-parallel rank runs it before its backward, so that the reverse chain of
+    state gradients can leave the rank while the backward itself waits only for the next
+    rank's gradient (``forge_dist/runtime/sp_train.py``).  Inputs ``q, do`` and (gated)
+    ``g``, ``dht`` (``has_dht``); variants of :func:`sp_summary_variants`.
+    """
+    if variant not in sp_summary_variants():
+        raise ValueError(f"state_grad_program: expected one of {sp_summary_variants()}, "
+                         f"got {variant!r}")
+    import dataclasses
+
+    from .ir import Program
+
+    if gated is None:
+        gated = registry.get(variant).gate is not None
+    full = backward_program(variant, B=B, T=T, H=H, K=K, V=V, dtype=dtype, has_h0=True,
+                            has_dht=has_dht, gated=gated, scale=scale, interp=interp, sms=sms)
+    walk = next(ln for ln in full.launches if ln.kernel == "chunk_states_bwd")
+    # dh is never written (STORE_DH=False) and an absent input's placeholder never read:
+    # point every scratch argument at dh0, so the program has no scratch to allocate
+    scratch = {n for n, b in full.buffers.items() if b.role == "scratch"}
+    args = tuple((n, kind, "dh0" if kind == "buf" and value in scratch else value)
+                 for n, kind, value in walk.args)
+    walk = dataclasses.replace(walk, args=args, constexprs=walk.constexprs + (("STORE_DH", False),))
+    used = {value for _, kind, value in args if kind == "buf"}
+    return Program([walk], {n: b for n, b in full.buffers.items() if n in used}, "backward",
+                   ["state gradient: one reverse walk, dh0 only"])

@@ -13,9 +13,13 @@ few launches instead of the runner's autograd: at T = 1K-2K on an H100 one forwa
 took 1.5-2.7 ms through the runner and 0.48-1.2 ms planned, against 0.09-0.82 ms of GPU time
 (``scaling_benchmarks/results/train_overhead_*_s28-front.json``).
 
-Anything else (sequence parallelism, varlen, fp16 and fp64 inputs, non-contiguous tensors,
-the DSL's fused prologues with gradients, ``FORGE_DIST_CHECK_FINITE=1``, head dims outside
-the kernels' range) takes the general path, as does a call the planner refuses.  Plans are
+With a group, the ops with sequence-parallel plans (:func:`forge_dist.runtime.sp_setup.
+sp_variants`) take the same path: a forward runs the rank's plan, and a call with gradients
+its training run and backward (:mod:`forge_dist.runtime.sp_train`).
+
+Anything else (the other ops with a group, varlen, fp16 and fp64 inputs, non-contiguous
+tensors, the DSL's fused prologues with gradients, ``FORGE_DIST_CHECK_FINITE=1``, head dims
+outside the kernels' range) takes the general path, as does a call the planner refuses.  Plans are
 cached per CUDA stream and per thread (a plan's workspaces and launch parameter buffers are
 reused by every run, so two streams or two threads must not share one).  Inside a CUDA
 graph capture (``torch.cuda.graph``, ``torch.cuda.make_graphed_callables``: the forward and
@@ -81,13 +85,11 @@ def _eligible(inputs: Dict[str, Tensor], initial_state: Optional[Tensor], state_
               group, cu_seqlens, use_kernels: bool, grads: bool = False,
               sp_plan: bool = False) -> bool:
     """Whether the short path takes this call; ``grads``: it can differentiate it;
-    ``sp_plan``: the op has sequence-parallel plans (forward only), so a group is fine."""
+    ``sp_plan``: the op has sequence-parallel plans, so a group is fine."""
     if cu_seqlens is not None or not use_kernels or not enabled():
         return False
-    if group is not None:
-        if not sp_plan:
-            return False
-        grads = False  # sequence-parallel plans run forwards only: training takes the runner
+    if group is not None and not sp_plan:
+        return False
     if _compiling():  # a plan object and its host-side launches are not for tracing
         return False
     if check_finite_enabled():
@@ -148,7 +150,8 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
             (:func:`forge_dist.runtime.sp_setup.sp_variants`), forward calls only.  A repeated
             call then runs its plan with no collective and no host synchronisation: the
             ranks agreed on the signature when the plan was made, and the signature word
-            travels with the state (:mod:`forge_dist.sp.agreement`).
+            travels with the state (:mod:`forge_dist.sp.agreement`).  With gradients, the
+            plan's training run (:mod:`forge_dist.runtime.sp_train`).
     """
     if _compiling():  # torch.compile / export trace the full path, as they always did
         return None, None
@@ -160,8 +163,6 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
     first = tensors[0]
     grad = torch.is_grad_enabled() and (any([t.requires_grad for t in tensors]) or (
         initial_state is not None and initial_state.requires_grad))
-    if group is not None and grad:
-        return None, None  # sequence-parallel training runs through the runner
     index = first.get_device()
     if index >= 0 and torch.cuda.is_current_stream_capturing():
         return None, None
@@ -284,8 +285,38 @@ class _PlannedMatrix(torch.autograd.Function):
         return (None, dS, *grads)
 
 
+class _PlannedSequenceParallel(torch.autograd.Function):
+    """A matrix-state op on one rank of a group through a training plan
+    (:mod:`forge_dist.runtime.sp_train`): the forward keeps the inputs and the run's
+    incoming state and transition; the backward runs the reverse chain and the shard's
+    backward program.  Every rank must differentiate its call (the chain crosses ranks)."""
+
+    @staticmethod
+    def forward(ctx, p, initial_state, *inputs):
+        o, final, kept = p.run_train(*inputs, initial_state=initial_state)
+        ctx.plan, ctx.kept = p, kept
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs)
+        return o, final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        p = ctx.plan
+        do = (torch.zeros(p.out_shape, dtype=p.out_dtype, device=p.device) if do is None
+              else _plan_ready(do, p.out_dtype))
+        if dht is not None:
+            dht = _plan_ready(dht, torch.float32)
+        *grads, dS = p.run_backward_train(*ctx.saved_tensors, do, kept=ctx.kept, dht=dht,
+                                          need_initial_grad=ctx.needs_input_grad[1])
+        ctx.kept = None
+        return (None, dS, *grads)
+
+
 def _differentiable(p, tensors, initial_state):
     """``(o, final_state)`` of a call with gradients through plan ``p``'s autograd function."""
+    if p.size > 1:
+        return _PlannedSequenceParallel.apply(p, initial_state, *tensors)
     if registry.get(p.op).vector_state:
         return _PlannedHgrn.apply(p, *tensors, initial_state)
     return _PlannedMatrix.apply(p, initial_state, *tensors)
@@ -334,9 +365,7 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
     names = ["q", "k", "v"] + [n for n in ("g", "beta") if n in present]
     kw = dict(B=B, T=T, H=H, K=K, V=V, dtype=q.dtype, scale=scale, device=q.device)
     if group is not None:
-        if needs_grad(inputs, initial_state):
-            return None
-        kw.update(group=group, strategy=strategy)
+        kw.update(group=group, strategy=strategy, train=needs_grad(inputs, initial_state))
     if registry.get(op).gate_optional:
         kw["gated"] = "g" in present
     if present:  # g and beta may differ (FLA's usual fp32 g with a bf16 beta)

@@ -49,6 +49,8 @@ def _launchers(plan):
         return None
     if plan.size != 1 and plan.rank > 0 and plan.initial_state:
         return None  # an initial state a rank past the first ignores: the general path
+    if plan.train:  # runs go through run_train (runtime/sp_train.py), not run
+        return None
     if plan.backend == "static" and all(b is not None for b in exe.bound):
         return "cubin", exe.bound
     # compiled launches exist only on a GPU (jit_launch.CompiledLaunch.make)

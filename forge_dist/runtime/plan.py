@@ -46,9 +46,10 @@ from torch import Tensor
 from .. import kernels
 from ..kernels.scalar_backward import sm_count, summed_gate_grad
 from ..sp import phases
+from ..sp.base import Strategy
 from ..variants import registry
 from ..variants.transitions import Kind
-from . import fastpath, front
+from . import fastpath, front, sp_train
 from .executor import BoundRun, Executor
 
 
@@ -104,9 +105,23 @@ class Plan:
             initial_state: required iff the plan was made with ``initial_state=True``.
             out: optional output buffer for ``o`` (same checks as the inputs).
         """
+        tensors = self._checked_inputs("run", inputs)
+        self._check_state_and_grad(inputs, initial_state)
+        if self.backend == "torch":
+            return self._run_torch(tensors, initial_state)
+        if out is not None:
+            self._check("out", out, self.out_shape, self.out_dtype)
+        o = out if out is not None else torch.empty(self.out_shape, dtype=self.out_dtype,
+                                                    device=self.device)
+        if self.size == 1:
+            return self._run_local(tensors, initial_state, o)
+        return self._run_sp(tensors, initial_state, o)
+
+    def _checked_inputs(self, what: str, inputs) -> Dict[str, Tensor]:
+        """``inputs`` by name, each checked against the plan."""
         names = self.input_names
         if len(inputs) != len(names):
-            raise PlanError(f"run: expected {len(names)} inputs ({', '.join(names)}), got "
+            raise PlanError(f"{what}: expected {len(names)} inputs ({', '.join(names)}), got "
                             f"{len(inputs)}")
         tensors: Dict[str, Tensor] = {}
         device, static, shapes, dtypes = self.device, self.static, self.shapes, self.dtypes
@@ -118,16 +133,42 @@ class Plan:
                     and not (static and t.data_ptr() % 16)):
                 self._check(n, t, shapes[n], dtypes[n])
             tensors[n] = t
+        return tensors
+
+    def run_train(self, *inputs: Tensor, initial_state: Optional[Tensor] = None
+                  ) -> Tuple[Tensor, Optional[Tensor], "sp_train.Kept"]:
+        """A sequence-parallel run to be differentiated (plans made with ``train=True``):
+        ``(o, final_state or None, kept)``; ``kept`` goes to :meth:`run_backward_train`.
+        Arguments as :meth:`run`; called without autograd (the ops' autograd function)."""
+        if not self.train:
+            raise PlanError("run_train: make the plan with train=True (a group of more than "
+                            "one rank)")
+        tensors = self._checked_inputs("run_train", inputs)
         self._check_state_and_grad(inputs, initial_state)
-        if self.backend == "torch":
-            return self._run_torch(tensors, initial_state)
-        if out is not None:
-            self._check("out", out, self.out_shape, self.out_dtype)
-        o = out if out is not None else torch.empty(self.out_shape, dtype=self.out_dtype,
-                                                    device=self.device)
-        if self.size == 1:
-            return self._run_local(tensors, initial_state, o)
-        return self._run_sp(tensors, initial_state, o)
+        o = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        return sp_train.forward(self, tensors, initial_state, o)
+
+    def run_backward_train(self, *tensors: Tensor, kept: "sp_train.Kept",
+                           dht: Optional[Tensor] = None, need_initial_grad: bool = False
+                           ) -> Tuple[Optional[Tensor], ...]:
+        """Gradients of one :meth:`run_train` on this rank (every rank of the group calls
+        it, in the same order as their runs: the reverse chain crosses ranks): those of the
+        inputs in ``input_names`` order, then the initial state's (rank 0, else ``None``).
+
+        Args:
+            tensors: ``(*inputs, do)``: the inputs the run took and the gradient of ``o``.
+            kept: what the run returned for its backward.
+            dht: the gradient of the returned final state (fp32), or ``None``.
+        """
+        if len(tensors) != len(self.input_names) + 1:
+            raise PlanError(f"run_backward_train: expected {len(self.input_names) + 1} tensors "
+                            f"({', '.join(self.input_names)}, do), got {len(tensors)}")
+        *inputs, do = tensors
+        given = self._checked_inputs("run_backward_train", inputs)
+        self._check("do", do, self.out_shape, self.out_dtype)
+        if dht is not None:
+            self._check("dht", dht, self.state_shape, torch.float32)
+        return sp_train.backward(self, given, do, dht, kept, need_initial_grad)
 
     # the general path; plan() replaces a qualifying plan's ``run`` with a function
     # specialised to it (:mod:`.fastpath`), which calls this one on anything unusual
@@ -271,9 +312,11 @@ class Plan:
                     execution=self.execution_request)
             else:
                 B, T, H, K = self.shapes["q"]
+                # a sequence-parallel rank after the first starts from its incoming state
                 prog = kernels.backward_program(
                     self.op, B=B, T=T, H=H, K=K, V=self.out_shape[-1], dtype=self.out_dtype,
-                    gated="g" in self.shapes, has_h0=self.initial_state, has_dht=has_dht,
+                    gated="g" in self.shapes, has_h0=self.initial_state or self.rank > 0,
+                    has_dht=has_dht,
                     scale=self.scale, interp=self._interp,
                     beta_dtype=self.dtypes.get("beta", torch.float32),
                     sms=sm_count(self.device))
@@ -321,10 +364,12 @@ class Plan:
         exe, split = self.finish_exec, self.sp_split
         exe.run_range(tensors, 0, split)
         S0 = (h0 if h0 is not None else self.zeros) if rank == 0 else self.zeros
+        # a training plan's program keeps the folded summary whatever the strategy
+        plan_forward = (Strategy.plan_forward.__get__(self.strategy_obj) if self.train
+                        else self.strategy_obj.plan_forward)
         with phases.STATE_PASS:
-            S_in = self.strategy_obj.plan_forward(Kind(self.kind), exe.workspaces, S0,
-                                                  self.s_in, self.group, self.word,
-                                                  self._pass_keep)
+            S_in = plan_forward(Kind(self.kind), exe.workspaces, S0, self.s_in, self.group,
+                                self.word, self._pass_keep)
         if rank > 0:
             tensors["h0"] = S_in
         elif h0 is not None:

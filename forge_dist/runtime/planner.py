@@ -54,7 +54,7 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
          output_final_state: bool = False, scale: Optional[float] = None, device=None,
          group=None, strategy: str = "auto",
          execution: Optional[str] = None, backend: str = "auto", cache_dir=None,
-         tiles: Optional[dict] = None, dispatcher=None, maps=None) -> Plan:
+         tiles: Optional[dict] = None, dispatcher=None, maps=None, train: bool = False) -> Plan:
     """Plan one op call (see :mod:`.plan`).
 
     Args:
@@ -76,6 +76,9 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         maps: fused elementwise prologues, input name -> jitted map (a dict or its items;
             :mod:`forge_dist.dsl.codegen`): the kernels map each input as they load it.
             JIT-launched (the AOT cache holds no such kernels); not for the delta rule.
+        train: a sequence-parallel plan whose runs are differentiated
+            (:meth:`.plan.Plan.run_train`, :mod:`.sp_train`): its ranks keep the folded
+            summary ``(M, delta)`` for every strategy's forward and backward chains.
     """
     maps = {n: m for n, m in dict(maps or {}).items() if m is not None}
     if op not in kernels.variants():
@@ -147,7 +150,10 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         if size > 1:
             strategy_name, strategy_obj = sp_setup.resolve_strategy(strategy, simulated, device)
             if rank < size - 1:
-                summary = strategy_obj.plan_summary
+                summary = "folded" if train else strategy_obj.plan_summary
+        elif train:
+            raise PlanError("train: a sequence-parallel plan option (give a group of more "
+                            "than one rank); one-device plans differentiate with run_backward")
         try:
             prog = kernels.forward_program(
                 op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated,
@@ -188,7 +194,8 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              finish_exec=finish_exec, channels=None, sp_split=len(prog.launches) - 1,
              static=backend == "static", s_in=None, zeros=None, _ht_scratch=None,
              execution_request=execution, _dispatcher=disp, _bwd_execs={}, _interp=interp,
-             prologues=tuple(sorted(maps)), word=0, _pass_keep={},
+             prologues=tuple(sorted(maps)), word=0, _pass_keep={}, train=bool(train),
+             _state_grad_execs={},
              _specialise_pending=backend == "triton" and device.type == "cuda")
 
     if backend != "torch" and not output_final_state:

@@ -55,7 +55,7 @@ def setup(p: Plan, simulated: bool, B, T, H, K, V, dtype, gated) -> None:
             names[2] if kind is Kind.DIAGONAL else names[1])
         fields = agreement.op_fields(p.op, B=B, T=T, dims={"H": H, "K": K, "V": V},
                                      dtype=dtype, strategy=p.strategy, gates=gates,
-                                     offsets=0, grad=False)
+                                     offsets=0, grad=p.train)
         _, p.word = agreement.agree(p.group, p.device, fields)
     if p.strategy == "forge":
         # symmetric buffers now: their allocation is a collective (NVSHMEM)

@@ -67,17 +67,28 @@ class Strategy:
         state).  ``S_in``: a buffer this rank may fill with its incoming state (rank > 0);
         returns the incoming state (``S0`` on rank 0).
         """
-        rank, size = p2p.rank_and_size(group)
-        M = None
-        if rank < size - 1:
-            delta = summaries["delta"]
-            if kind is not Kind.IDENTITY:
-                total = summaries["cg"][-1]  # [B, H, K]
-                M = (total[..., 0] if kind is Kind.SCALAR else total).exp()
-        else:  # the last rank: nobody reads its carry
-            delta = S0
-        out, _ = self.forward_chain(kind, M, delta, S0, group, word)
+        out, _, _ = folded_forward_chain(self, kind, summaries, S0, group, word)
         return out
+
+
+def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Tensor],
+                         S0: Tensor, group, word: int = 0
+                         ) -> Tuple[Tensor, Optional[Tensor], Any]:
+    """``strategy``'s forward chain on a plan program's folded summary (``summary="folded"``:
+    ``delta`` and, gated, ``cg``): ``(S_in, M, saved)``, ``M`` this rank's shard transition
+    (``None`` for the identity kind and on the last rank) and ``saved`` what
+    :meth:`Strategy.backward_chain` takes."""
+    rank, size = p2p.rank_and_size(group)
+    M = None
+    if rank < size - 1:
+        delta = summaries["delta"]
+        if kind is not Kind.IDENTITY:
+            total = summaries["cg"][-1]  # [B, H, K]
+            M = (total[..., 0] if kind is Kind.SCALAR else total).exp()
+    else:  # the last rank: nobody reads its carry
+        delta = S0
+    S_in, saved = strategy.forward_chain(kind, M, delta, S0, group, word)
+    return S_in, M, saved
 
 
 _REGISTRY: Dict[str, Strategy] = {}

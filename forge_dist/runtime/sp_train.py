@@ -1,0 +1,124 @@
+"""Sequence-parallel training through a plan: a differentiated run on one rank of a group.
+
+A plan made with ``train=True`` (:func:`.planner.plan`; the ops make one for a repeated call
+with gradients and a group) runs its forward as an inference plan does -- the program's
+summary launches, the strategy's forward chain, the output walks from the incoming state
+``S_in`` -- and keeps ``S_in``, the shard's transition ``M`` and what the strategy's
+backward chain needs (:class:`Kept`).
+
+Its backward on rank ``r`` (``lam(r)``: the gradient of the loss with respect to ``S_in(r)``,
+``docs/design.md`` section 2) is three steps, with no autograd graph in between:
+
+1. ``lam_own``: the gradient of ``S_in(r)`` through this shard's own outputs and final state
+   alone, one reverse walk that stores no chunk states
+   (:func:`forge_dist.kernels.state_grad_program`); rank 0 skips it (nobody reads its
+   ``lam``);
+2. the strategy's backward chain: ``lam(r+1)`` arrives, ``lam(r) = lam_own + M^T lam(r+1)``
+   leaves for rank ``r - 1``;
+3. the one-device backward program with ``h0 = S_in(r)`` and ``dht = lam(r+1)`` (plus the
+   gradient of the returned final state): every gradient of this rank's inputs, and on
+   rank 0 the initial state's (its ``dh0`` is ``lam(0)``).
+
+A rank thus runs the one-device backward of its shard plus one state-gradient walk (which
+reads q, do and the gates once), and waits only for the chain, never for another rank's
+whole backward.  The general path's backward instead differentiates the summary
+separately, which reads k and v again and writes their gradients twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from ..kernels.scalar_backward import sm_count, summed_gate_grad
+from ..sp import phases
+from ..sp.base import folded_forward_chain
+from ..variants.transitions import Kind
+from .executor import Executor
+
+
+@dataclass
+class Kept:
+    """What a training run keeps for its backward: ``S_in`` ``[B, H, K, V]`` fp32 (the
+    incoming state the output walks started from; rank 0: the initial state or zeros),
+    ``M`` (this rank's shard transition, ``None`` for the identity kind and on the last
+    rank) and the strategy's ``saved``."""
+
+    S_in: Tensor
+    M: Optional[Tensor]
+    saved: Any
+
+
+def forward(p, tensors: Dict[str, Tensor], h0: Optional[Tensor], o: Tensor
+            ) -> Tuple[Tensor, Optional[Tensor], Kept]:
+    """One rank's forward of plan ``p`` (checked ``tensors`` by input name, ``o`` the output
+    buffer): ``(o, final_state or None, kept)``.  No host synchronisation."""
+    rank = p.rank
+    ht = (torch.empty(p.ht_shape, dtype=torch.float32, device=p.device)
+          if p.output_final_state else p._ht_scratch)
+    tensors["o"], tensors["ht"] = o, ht
+    exe, split = p.finish_exec, p.sp_split
+    exe.run_range(tensors, 0, split)
+    S0 = (h0 if h0 is not None else p.zeros) if rank == 0 else p.zeros
+    with phases.STATE_PASS:
+        S_in, M, saved = folded_forward_chain(p.strategy_obj, Kind(p.kind), exe.workspaces, S0,
+                                              p.group, p.word)
+    if rank > 0 or h0 is not None:
+        tensors["h0"] = S_in
+    exe.run_range(tensors, split, len(exe.program.launches))
+    return o, (ht if p.output_final_state else None), Kept(S_in, M, saved)
+
+
+def _state_grad_exec(p, has_dht: bool) -> Executor:
+    exe = p._state_grad_execs.get(has_dht)
+    if exe is None:
+        B, T, H, K = p.shapes["q"]
+        prog = kernels.state_grad_program(p.op, B=B, T=T, H=H, K=K, V=p.out_shape[-1],
+                                          dtype=p.out_dtype, has_dht=has_dht,
+                                          gated="g" in p.shapes, scale=p.scale,
+                                          interp=p._interp, sms=sm_count(p.device))
+        exe = p._state_grad_execs[has_dht] = Executor(prog, p.device, None)
+    return exe
+
+
+def backward(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tensor], kept: Kept,
+             need_initial_grad: bool) -> Tuple[Optional[Tensor], ...]:
+    """Gradients of one :func:`forward` of plan ``p``: those of ``p.input_names``, then the
+    initial state's (rank 0 with ``need_initial_grad``, else ``None``).  ``given``: the
+    inputs the run took, by name (checked); ``do``: ``o``'s shape and dtype; ``dht``: the
+    gradient of the returned final state (fp32) or ``None``."""
+    rank, size = p.rank, p.size
+    g = given.get("g")
+    if g is not None and g.dtype != torch.float32:  # the backward kernels read fp32 gates
+        given["g"] = g.float()
+    if rank > 0:  # 1. this shard's own share of lam(r), before the chain needs it
+        lam_own = torch.empty(p.state_shape, dtype=torch.float32, device=p.device)
+        walk = {"q": given["q"], "do": do, "dh0": lam_own}
+        if "g" in given:
+            walk["g"] = given["g"]
+        if dht is not None:
+            walk["dht"] = dht
+        _state_grad_exec(p, dht is not None)(walk)
+    else:  # rank 0 sends nothing back: its lam(0) comes from step 3
+        lam_own = p.zeros
+    with phases.BACKWARD_CHAIN:  # 2. lam(r+1) in, lam(r) out
+        lam_next, _ = p.strategy_obj.backward_chain(Kind(p.kind), kept.M, lam_own, p.group,
+                                                    kept.saved, p.word)
+    # 3. the shard's backward from S_in(r), with the gradient of its end state
+    end_grad = dht if rank == size - 1 else (lam_next if dht is None else lam_next + dht)
+    if rank > 0 or p.initial_state:
+        given["h0"] = kept.S_in
+    if end_grad is not None:
+        given["dht"] = end_grad
+    given["do"] = do
+    p._backward_exec(end_grad is not None)(given)
+    if "dg_part" in given:  # simple_gla: the K tiles' shares of dg
+        given["dg"] = summed_gate_grad(given["dg_part"])
+    grads = [given["dq"], given["dk"], given["dv"]]
+    if g is not None:
+        grads.append(given["dg"].to(g.dtype))
+    dS0 = given.get("dh0") if rank == 0 and need_initial_grad else None
+    return (*grads, dS0)
