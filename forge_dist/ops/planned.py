@@ -365,7 +365,10 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
     names = ["q", "k", "v"] + [n for n in ("g", "beta") if n in present]
     kw = dict(B=B, T=T, H=H, K=K, V=V, dtype=q.dtype, scale=scale, device=q.device)
     if group is not None:
-        kw.update(group=group, strategy=strategy, train=needs_grad(inputs, initial_state))
+        train = needs_grad(inputs, initial_state)
+        if train and _capturing(q.device):  # a captured training step: the general path
+            return None
+        kw.update(group=group, strategy=strategy, train=train)
     if registry.get(op).gate_optional:
         kw["gated"] = "g" in present
     if present:  # g and beta may differ (FLA's usual fp32 g with a bf16 beta)

@@ -92,7 +92,7 @@ def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Te
 
 
 _REGISTRY: Dict[str, Strategy] = {}
-AUTO_ORDER = ("lasp2", "serial")
+AUTO_ORDER = ("forge", "lasp2", "serial")
 
 
 def register(strategy: Strategy) -> Strategy:
@@ -109,14 +109,19 @@ def names() -> list[str]:
 def resolve(name: str, device: torch.device) -> Strategy:
     """The strategy called ``name``.
 
-    ``"auto"`` picks ``lasp2`` (then ``serial``).  ``forge`` is opt-in for now: it is
-    correct on 2 x H200 but its measured state pass is not yet faster than the baselines
-    for every kind (scaling_benchmarks/results/state_passing_*.json).
+    ``"auto"`` picks ``forge`` for CUDA tensors in a job on one node where NVSHMEM runs
+    (the fastest strategy in every measured 2-GPU cell, forward and forward + backward:
+    docs/performance.md), else ``lasp2`` (then ``serial``).  Across nodes forge's puts
+    would cross the network, which is not measured yet.  Every rank resolves the same
+    name (the launch environment is the same on all of them; the agreed signature holds
+    the strategy's name, so a rank that resolved another fails with a clear error).
     """
     if not isinstance(name, str) or (name != "auto" and name not in _REGISTRY):
         raise ValueError(f"strategy: expected one of {names()}, got {name!r}")
     if name == "auto":
         for candidate in AUTO_ORDER:
+            if candidate == "forge" and not _forge_for_auto(device):
+                continue
             strat = _REGISTRY.get(candidate)
             if strat is not None and strat.available(device) is None:
                 return strat
@@ -126,6 +131,18 @@ def resolve(name: str, device: torch.device) -> Strategy:
     if reason is not None:
         raise ValueError(f"strategy={name!r} cannot run on {device}: {reason}")
     return strat
+
+
+def _forge_for_auto(device) -> bool:
+    """Whether ``auto`` may pick forge: CUDA tensors (on the CPU forge runs only the
+    simulated transport, for tests) and one node (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as
+    torchrun and the launchers of ``forge_dist.launch_env`` set them)."""
+    import os
+
+    if torch.device(device).type != "cuda":
+        return False
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    return local is not None and local == world
 
 
 class _StatePass(torch.autograd.Function):

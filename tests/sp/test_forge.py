@@ -172,6 +172,24 @@ def test_registered_and_on_the_cpu_only_under_the_interpreter():
     assert sp.resolve("auto", torch.device("cpu")).name != "forge"  # never picked by auto
 
 
+def test_auto_picks_forge_for_cuda_tensors_on_one_node(monkeypatch):
+    from forge_dist.sp import base
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(STRAT, "available", lambda device: None)  # as where NVSHMEM runs
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert sp.resolve("auto", cuda).name == "forge"
+    assert sp.resolve("auto", torch.device("cpu")).name == "lasp2"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes: the puts would cross the network
+    assert sp.resolve("auto", cuda).name == "lasp2"
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a launch that does not say
+    assert not base._forge_for_auto(cuda)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(STRAT, "available", lambda device: "no NVSHMEM here")
+    assert sp.resolve("auto", cuda).name == "lasp2"
+
+
 def test_bad_inputs():
     world = SimWorld(2)
     d = torch.randn(1, 1, 16, 16)
