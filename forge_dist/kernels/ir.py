@@ -158,6 +158,30 @@ class Program:
     def specs(self) -> List[KernelSpec]:
         return [ln.spec(self.buffers) for ln in self.launches]
 
+    def parts(self, groups: List[List[int]]) -> List["Program"]:
+        """This program cut into programs run one after another, ``groups`` the launch
+        indices of each (every launch once; a launch after one it reads from).  A scratch
+        buffer used by several parts becomes an output of the first and an input of the
+        rest, which the caller keeps between them.  A sequence-parallel backward runs the
+        reverse chain between two parts."""
+        if sorted(i for g in groups for i in g) != list(range(len(self.launches))):
+            raise ValueError(f"parts: expected every launch index once, got {groups}")
+        used = [{v for g_i in g for _, kind, v in self.launches[g_i].args if kind == "buf"}
+                for g in groups]
+        out = []
+        for n, g in enumerate(groups):
+            bufs = {}
+            for name in sorted(used[n]):
+                buf = self.buffers[name]
+                if buf.role == "scratch" and any(name in u for u in used[:n]):
+                    buf = Buffer(buf.shape, buf.dtype, "input")
+                elif buf.role == "scratch" and any(name in u for u in used[n + 1:]):
+                    buf = Buffer(buf.shape, buf.dtype, "output")
+                bufs[name] = buf
+            out.append(Program([self.launches[i] for i in g], bufs, self.execution,
+                               list(self.notes)))
+        return out
+
     def lifetimes(self) -> Tuple[List[List[str]], List[List[str]]]:
         """``(allocate_at, free_at)``: per launch, the output and scratch buffers first
         used by it (allocated just before it) and the scratch buffers last used by it

@@ -195,7 +195,7 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              static=backend == "static", s_in=None, zeros=None, _ht_scratch=None,
              execution_request=execution, _dispatcher=disp, _bwd_execs={}, _interp=interp,
              prologues=tuple(sorted(maps)), word=0, _pass_keep={}, train=bool(train),
-             _state_grad_execs={},
+             _state_grad_execs={}, _backward_part_execs={},
              _specialise_pending=backend == "triton" and device.type == "cuda")
 
     if backend != "torch" and not output_final_state:

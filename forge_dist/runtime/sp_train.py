@@ -12,12 +12,15 @@ Its backward on rank ``r`` (``lam(r)``: the gradient of the loss with respect to
 1. ``lam_own``: the gradient of ``S_in(r)`` through this shard's own outputs and final state
    alone, one reverse walk that stores no chunk states
    (:func:`forge_dist.kernels.state_grad_program`); rank 0 skips it (nobody reads its
-   ``lam``);
+   ``lam``), and the last rank, whose backward needs nothing from the chain, runs its
+   backward's own reverse walk first instead, whose ``dh0`` is its whole ``lam``;
 2. the strategy's backward chain: ``lam(r+1)`` arrives, ``lam(r) = lam_own + M^T lam(r+1)``
    leaves for rank ``r - 1``;
 3. the one-device backward program with ``h0 = S_in(r)`` and ``dht = lam(r+1)`` (plus the
    gradient of the returned final state): every gradient of this rank's inputs, and on
-   rank 0 the initial state's (its ``dh0`` is ``lam(0)``).
+   rank 0 the initial state's (its ``dh0`` is ``lam(0)``).  Its forward chunk-state walk
+   needs no ``lam(r+1)``: it runs before the chain, while the chain waits
+   (:meth:`forge_dist.kernels.ir.Program.parts`).
 
 A rank thus runs the one-device backward of its shard plus one state-gradient walk (which
 reads q, do and the gates once), and waits only for the chain, never for another rank's
@@ -84,6 +87,40 @@ def _state_grad_exec(p, has_dht: bool) -> Executor:
     return exe
 
 
+def _backward_parts(p, has_dht: bool, last: bool) -> Tuple[Executor, Executor]:
+    """The one-device backward program of ``p`` cut around the reverse chain: the last rank
+    runs its reverse state walk first (its ``dh0`` is all of its ``lam``, which the chain
+    sends on), every other rank its forward chunk-state walk (which needs no ``lam(r+1)``,
+    so it runs while the chain waits)."""
+    key = (has_dht, last)
+    parts = p._backward_part_execs.get(key)
+    if parts is None:
+        prog = p._backward_exec(has_dht).program
+        names = [ln.kernel for ln in prog.launches]
+        first = names.index("chunk_states_bwd" if last else "chunk_states")
+        rest = [i for i in range(len(names)) if i != first]
+        parts = p._backward_part_execs[key] = tuple(
+            Executor(part, p.device, p._dispatcher, specialise=True)
+            for part in prog.parts([[first], rest]))
+    return parts
+
+
+def _run_part(exe: Executor, given: Dict[str, Tensor], device) -> None:
+    """Run one part on the buffers of ``given`` it names (exactly those: the executor's
+    straight-line call takes no others) and put its outputs into ``given``.  A part
+    without scratch gets its outputs allocated here (a scoped one allocates its own)."""
+    mine = {}
+    for name, buf in exe.program.buffers.items():
+        if name in given:
+            mine[name] = given[name]
+        elif buf.role == "output" and not exe._scoped:
+            mine[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+    exe(mine)
+    for name, buf in exe.program.buffers.items():
+        if buf.role == "output":
+            given[name] = mine[name]
+
+
 def backward(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tensor], kept: Kept,
              need_initial_grad: bool) -> Tuple[Optional[Tensor], ...]:
     """Gradients of one :func:`forward` of plan ``p``: those of ``p.input_names``, then the
@@ -91,30 +128,40 @@ def backward(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tensor], kep
     inputs the run took, by name (checked); ``do``: ``o``'s shape and dtype; ``dht``: the
     gradient of the returned final state (fp32) or ``None``."""
     rank, size = p.rank, p.size
+    last = rank == size - 1
     g = given.get("g")
     if g is not None and g.dtype != torch.float32:  # the backward kernels read fp32 gates
         given["g"] = g.float()
-    if rank > 0:  # 1. this shard's own share of lam(r), before the chain needs it
-        lam_own = torch.empty(p.state_shape, dtype=torch.float32, device=p.device)
-        walk = {"q": given["q"], "do": do, "dh0": lam_own}
-        if "g" in given:
-            walk["g"] = given["g"]
+    given["do"] = do
+    if rank > 0 or p.initial_state:
+        given["h0"] = kept.S_in
+    if last:
+        # the whole backward has its final gradient already: its reverse state walk (the
+        # first part) leaves the whole lam(r) in dh0 for the chain, the rest runs after
         if dht is not None:
-            walk["dht"] = dht
-        _state_grad_exec(p, dht is not None)(walk)
-    else:  # rank 0 sends nothing back: its lam(0) comes from step 3
-        lam_own = p.zeros
+            given["dht"] = dht
+        walk, rest = _backward_parts(p, dht is not None, last=True)
+        _run_part(walk, given, p.device)
+        lam_own = given.pop("dh0")
+    else:
+        walk, rest = _backward_parts(p, True, last=False)
+        if rank > 0:  # 1. this shard's own share of lam(r), before the chain needs it
+            lam_own = torch.empty(p.state_shape, dtype=torch.float32, device=p.device)
+            own = {"q": given["q"], "do": do, "dh0": lam_own}
+            if "g" in given:
+                own["g"] = given["g"]
+            if dht is not None:
+                own["dht"] = dht
+            _state_grad_exec(p, dht is not None)(own)
+        else:  # rank 0 sends nothing back: its lam(0) comes from step 3
+            lam_own = p.zeros
+        _run_part(walk, given, p.device)  # the chunk states: no lam(r+1) needed
     with phases.BACKWARD_CHAIN:  # 2. lam(r+1) in, lam(r) out
         lam_next, _ = p.strategy_obj.backward_chain(Kind(p.kind), kept.M, lam_own, p.group,
                                                     kept.saved, p.word)
-    # 3. the shard's backward from S_in(r), with the gradient of its end state
-    end_grad = dht if rank == size - 1 else (lam_next if dht is None else lam_next + dht)
-    if rank > 0 or p.initial_state:
-        given["h0"] = kept.S_in
-    if end_grad is not None:
-        given["dht"] = end_grad
-    given["do"] = do
-    p._backward_exec(end_grad is not None)(given)
+    if not last:  # 3. the rest of the backward, with the gradient of the shard's end state
+        given["dht"] = lam_next if dht is None else lam_next + dht
+    _run_part(rest, given, p.device)
     if "dg_part" in given:  # simple_gla: the K tiles' shares of dg
         given["dg"] = summed_gate_grad(given["dg_part"])
     grads = [given["dq"], given["dk"], given["dv"]]

@@ -171,3 +171,44 @@ def test_gpu_bf16_real_shape(gate, K, V):
             assert a is None
             continue
         assert rel(a, leaves[n].grad) <= 5e-3, (name, rel(a, leaves[n].grad))
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "gla"])
+def test_parts_and_state_gradient_walk_match_the_whole_program(op):
+    """What a sequence-parallel backward runs (forge_dist/runtime/sp_train.py): the program
+    cut around the chain, in both orders, gives the whole program's gradients; the
+    state-gradient walk (no chunk states stored) gives its dh0."""
+    from forge_dist import kernels
+
+    B, T, H, K, V = 1, 100, 2, 32, 32
+    gen = torch.Generator().manual_seed(4)
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEV)  # noqa: E731
+    gshape = (B, T, H) if op == "simple_gla" else (B, T, H, K)
+    base = {"q": r(B, T, H, K), "k": r(B, T, H, K), "v": r(B, T, H, V), "do": r(B, T, H, V),
+            "g": -torch.rand(*gshape, generator=gen).to(DEV) * 0.3,
+            "h0": r(B, H, K, V), "dht": r(B, H, K, V)}
+    whole = kernels.backward_program(op, B=B, T=T, H=H, K=K, V=V, dtype=torch.float32,
+                                     has_h0=True, has_dht=True, gated=True,
+                                     interp=DEV == "cpu")
+    want = whole.execute(dict(base), DEV)
+    names = [ln.kernel for ln in whole.launches]
+    for first in ("chunk_states", "chunk_states_bwd"):
+        i = names.index(first)
+        a, b = whole.parts([[i], [j for j in range(len(names)) if j != i]])
+        assert not any(buf.role == "scratch" for buf in a.buffers.values())
+        carried = [n for n, buf in a.buffers.items() if buf.role == "output"]
+        assert all(b.buffers[n].role == "input" for n in carried if n in b.buffers)
+        got = dict(base)
+        for n in carried:
+            got[n] = torch.empty(a.buffers[n].shape, dtype=a.buffers[n].dtype, device=DEV)
+        a.execute(got, DEV)
+        b.execute(got, DEV)
+        for n in ("dq", "dk", "dv", "dh0", "dg" if op == "gla" else "dg_part"):
+            assert rel(got[n], want[n]) < 1e-6, (first, n)
+    walk = kernels.state_grad_program(op, B=B, T=T, H=H, K=K, V=V, dtype=torch.float32,
+                                      has_dht=True, interp=DEV == "cpu")
+    assert set(walk.buffers) == {"q", "g", "do", "dht", "dh0"}
+    lam = walk.execute({n: base[n] for n in ("q", "g", "do", "dht")}, DEV)["dh0"]
+    assert rel(lam, want["dh0"]) < 1e-6  # dh0 does not depend on h0
+    with pytest.raises(ValueError, match="every launch index once"):
+        whole.parts([[0], [0]])

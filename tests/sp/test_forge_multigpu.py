@@ -13,7 +13,7 @@ CHECKS = ["available", "chains_identity", "chains_scalar", "chains_diagonal", "c
           "op_gated_delta_rule", "op_hgrn", "plans", "back_to_back", "no_host_sync_forge",
           "no_host_sync_lasp2", "no_host_sync_serial", "no_host_sync_pipelined",
           "signature_on_device", "timeout"]
-WORLD = 2
+WORLD = int(os.environ.get("FORGE_MG_WORLD", "2"))  # ranks, one GPU each (4 on a 4-GPU machine)
 
 
 @pytest.fixture(scope="module")
