@@ -44,6 +44,8 @@
 #   bash scaling_benchmarks/device_batch.sh trainstep-kernels # 1 GPU: the backward kernels' GPU tests (~3 min)
 #   bash scaling_benchmarks/device_batch.sh trainhost-tests # 1 GPU: the specialised backward programs'
 #                                                     #   and the ops' planned path's GPU tests (~5 min)
+#   bash scaling_benchmarks/device_batch.sh sptrain   # 2 GPUs: sequence-parallel training checks,
+#                                                     #   fwdbwd scaling of gdn, gla, hgrn (~8 min)
 #   bash scaling_benchmarks/device_batch.sh trainhost-bench # 1 GPU: training-call overhead, launch
 #                                                     #   overhead (~6 min)
 # Several stages run in order: device_batch.sh kernels single runtime
@@ -240,6 +242,16 @@ case "$stage" in
       --set 'strategies=["lasp2","forge"]' --set warmup=1 --set repeats=3 \
       --set state_pass=false --set fla_cp=false --out "$OUT"
     for f in "$OUT"/weak_scaling_*_ws2.json; do [ -e "$f" ] && mv "$f" "${f%.json}_fwdbwd-scalar.json"; done ;;
+  sptrain)  # 2 GPUs, after a change to sequence-parallel training (runtime/sp_train.py,
+            # ops/shard_call.py): its GPU checks, then fwdbwd scaling one op per step
+    step sp_training_checks 200 env FORGE_MG_CHECKS=op_gated_delta_rule,op_simple_gla,op_gla,no_host_sync_forge \
+      python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py
+    for op in gated_delta_rule gla hgrn; do
+      step "weak_scaling_fwdbwd_$op" 120 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+        scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
+        --set state_pass=false --ops "$op" --modes fwdbwd --strategies forge,serial,lasp2 \
+        --tag "b1h32-32k-fwdbwd-$op" --out "$OUT"
+    done ;;
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;

@@ -52,16 +52,19 @@ class Pattern:
     backward_module: str  # its backward_program
     mappable: Tuple[str, ...]  # inputs its forward kernels map with fused prologues
     backward_takes: Tuple[str, ...] = ()  # optional arguments of its backward_program
+    # the backward launches that give the incoming state's gradient alone (the last one the
+    # reverse state walk, which takes STORE_STATES): state_grad_program
+    state_grad: Tuple[str, ...] = ()
 
 
 # the patterns of :attr:`forge_dist.variants.base.VariantSpec.pattern`
 PATTERNS = {
     "scalar_decay": Pattern("scalar", "ScalarDecayWork", "scalar_backward",
-                            ("q", "k", "v", "g"), ("gated", "sms")),
+                            ("q", "k", "v", "g"), ("gated", "sms"), ("chunk_states_bwd",)),
     "vector_decay": Pattern("vector", "VectorDecayWork", "vector_backward",
-                            ("q", "k", "v", "g"), ("sms",)),
+                            ("q", "k", "v", "g"), ("sms",), ("chunk_states_bwd",)),
     "delta_rule": Pattern("delta", "DeltaRuleWork", "delta_backward", (),
-                          ("gated", "beta_dtype")),
+                          ("gated", "beta_dtype"), ("wy", "delta_dstates")),
     "vector_state": Pattern("vector_state", "VectorStateWork", "vector_state", ("x", "g")),
 }
 
@@ -301,34 +304,44 @@ def backward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0
 
 def state_grad_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
                        dtype: torch.dtype, has_dht: bool, gated: Optional[bool] = None,
-                       scale: Optional[float] = None, interp: bool = False, sms: int = 132):
+                       scale: Optional[float] = None, interp: bool = False, sms: int = 132,
+                       beta_dtype: torch.dtype = torch.float32):
     """Program of the gradient of a shard's incoming state through its own outputs (and
     ``dht``, the gradient of its final state): the reverse state walk of
-    :func:`backward_program`, storing ``dh0 [B, H, K, V]`` fp32 and no chunk states.
+    :func:`backward_program` (after the delta rule's WY factors), storing ``dh0
+    [B, H, K, V]`` fp32 and no chunk states.
 
     A sequence-parallel rank runs it before its backward, so that the reverse chain of
-    state gradients can leave the rank while the backward itself waits only for the next
-    rank's gradient (``forge_dist/runtime/sp_train.py``).  Inputs ``q, do`` and (gated)
-    ``g``, ``dht`` (``has_dht``); variants of :func:`sp_summary_variants`.
+    state gradients can leave the rank while its backward waits only for the next rank's
+    gradient (``forge_dist/runtime/sp_train.py``, ``forge_dist/ops/runner.py``).  Inputs
+    as the backward program's, less those the walk does not read (the scalar and vector
+    patterns: ``q, do``, gated ``g``; the delta rule: also ``k, v, beta``), ``dht`` with
+    ``has_dht``.  Matrix-state variants.
     """
-    if variant not in sp_summary_variants():
-        raise ValueError(f"state_grad_program: expected one of {sp_summary_variants()}, "
+    spec = _spec(variant)
+    if spec is None or spec.vector_state:
+        raise ValueError(f"state_grad_program: expected one of {matrix_variants()}, "
                          f"got {variant!r}")
     import dataclasses
 
     from .ir import Program
 
     if gated is None:
-        gated = registry.get(variant).gate is not None
+        gated = spec.gate is not None
     full = backward_program(variant, B=B, T=T, H=H, K=K, V=V, dtype=dtype, has_h0=True,
-                            has_dht=has_dht, gated=gated, scale=scale, interp=interp, sms=sms)
-    walk = next(ln for ln in full.launches if ln.kernel == "chunk_states_bwd")
-    # dh is never written (STORE_DH=False) and an absent input's placeholder never read:
-    # point every scratch argument at dh0, so the program has no scratch to allocate
-    scratch = {n for n, b in full.buffers.items() if b.role == "scratch"}
+                            has_dht=has_dht, gated=gated, scale=scale, interp=interp, sms=sms,
+                            beta_dtype=beta_dtype)
+    *before, walk_name = PATTERNS[spec.pattern].state_grad
+    launches = [ln for ln in full.launches if ln.kernel in before]
+    walk = next(ln for ln in full.launches if ln.kernel == walk_name)
+    # the walk's chunk states are never written (STORE_STATES=False) and an absent input's
+    # placeholder never read: point those arguments at dh0, so they need no buffer
+    made = {v for ln in launches for _, kind, v in ln.args if kind == "buf"}
+    scratch = {n for n, b in full.buffers.items() if b.role == "scratch" and n not in made}
     args = tuple((n, kind, "dh0" if kind == "buf" and value in scratch else value)
                  for n, kind, value in walk.args)
-    walk = dataclasses.replace(walk, args=args, constexprs=walk.constexprs + (("STORE_DH", False),))
-    used = {value for _, kind, value in args if kind == "buf"}
-    return Program([walk], {n: b for n, b in full.buffers.items() if n in used}, "backward",
+    launches.append(dataclasses.replace(walk, args=args,
+                                        constexprs=walk.constexprs + (("STORE_STATES", False),)))
+    used = {value for ln in launches for _, kind, value in ln.args if kind == "buf"}
+    return Program(launches, {n: b for n, b in full.buffers.items() if n in used}, "backward",
                    ["state gradient: one reverse walk, dh0 only"])

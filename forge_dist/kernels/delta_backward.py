@@ -68,10 +68,12 @@ if HAVE_TRITON:
     def _dstates_kernel(q, k, w, g, do, dht, dhc, dvn, dh0, T, NT, scale, H: tl.constexpr,
                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                         BV: tl.constexpr, GATE: tl.constexpr, HAS_DHT: tl.constexpr,
-                        STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+                        STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+                        STORE_STATES: tl.constexpr = True):
         """Reverse walk; grid ``(cdiv(V, BV), B * H)``, the whole K per program (``W^T dv'``
         mixes every row of the state).  ``dhc [B, NT, H, K, V]``: gradient w.r.t. each
-        chunk's end state; ``dvn [B, T, H, V]`` fp32: ``dv'``; ``dh0 [B, H, K, V]`` fp32."""
+        chunk's end state; ``dvn [B, T, H, V]`` fp32: ``dv'``; ``dh0 [B, H, K, V]`` fp32.
+        ``STORE_STATES=False``: ``dh0`` only (``kernels.state_grad_program``)."""
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         i_b = (i_bh // H).to(tl.int64)
         i_h = i_bh % H
@@ -90,7 +92,8 @@ if HAVE_TRITON:
             t0 = c * BT
             p_dh = tl.make_block_ptr(dhc + ((i_b * NT + c) * H + i_h) * K * V, (K, V), (V, 1),
                                      (0, i_v * BV), (BK, BV), (1, 0))
-            tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
+            if STORE_STATES:
+                tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
             p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0),
                                     (BT, BK), (1, 0))
             p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0),
@@ -117,7 +120,8 @@ if HAVE_TRITON:
             b_dvn += tl.dot(b_kd, b_dh.to(DT), input_precision=PREC)
             p_dvn = tl.make_block_ptr(dvn + (bos * H + i_h) * V, (T, V), (H * V, 1),
                                       (t0, i_v * BV), (BT, BV), (1, 0))
-            tl.store(p_dvn, b_dvn.to(p_dvn.dtype.element_ty), boundary_check=(0, 1))
+            if STORE_STATES:
+                tl.store(p_dvn, b_dvn.to(p_dvn.dtype.element_ty), boundary_check=(0, 1))
             if GATE:
                 b_dh = b_dh * tl.exp(b_GC)
             b_dh += tl.dot(tl.trans(b_qg), b_do, input_precision=PREC) * scale

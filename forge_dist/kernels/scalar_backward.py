@@ -153,11 +153,11 @@ if HAVE_TRITON:
                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                            BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
                            HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                           PREC: tl.constexpr, STORE_DH: tl.constexpr = True):
+                           PREC: tl.constexpr, STORE_STATES: tl.constexpr = True):
         """Reverse walk: ``dh[b, c, h]`` = gradient w.r.t. the state after chunk ``c``;
         ``dh0`` the gradient w.r.t. the incoming state.  Grid (NK, NV, B*H); ``GATE`` as in
-        ``_fwd_states_kernel``.  ``STORE_DH=False``: ``dh0`` only (a sequence-parallel
-        rank's state gradient before its backward, :func:`state_grad_program`)."""
+        ``_fwd_states_kernel``.  ``STORE_STATES=False``: ``dh0`` only (a sequence-parallel
+        rank's state gradient before its backward, ``kernels.state_grad_program``)."""
         i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_b = (i_bh // H).to(tl.int64)
         i_h = i_bh % H
@@ -174,7 +174,7 @@ if HAVE_TRITON:
             t0 = c * BT
             p_dh = tl.make_block_ptr(dh + ((i_b * NT + c) * H + i_h) * K * V, (K, V), (V, 1),
                                      (i_k * BK, i_v * BV), (BK, BV), (1, 0))
-            if STORE_DH:
+            if STORE_STATES:
                 tl.store(p_dh, b_dS.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
             p_qt = tl.make_block_ptr(q + (bos * H + i_h) * K, (K, T), (1, H * K),
                                      (i_k * BK, t0), (BK, BT), (0, 1))

@@ -25,7 +25,7 @@ from ..sp import p2p, phases
 from ..variants import transitions as tr
 from ..variants.base import SegmentWork, VariantSpec
 from ..variants.transitions import Kind
-from . import checks
+from . import checks, shard_call
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,13 @@ def run(spec: VariantSpec, inputs: Dict[str, Optional[Tensor]],
         part = {k: (None if t is None else t[:, seg.lo:seg.hi]) for k, t in inputs.items()}
         works.append(make_work(part, need_carry and seg is tail and seg.continues
                                and not tail_from_zero))
+    if (size > 1 and cu is None and not check_finite and needs_grad(inputs, initial_state)
+            and shard_call.takes(works[0])):
+        # one piece of one sequence on the kernels: the whole call is one autograd node,
+        # whose backward needs no derivative of the summary (shard_call.py)
+        o, final = shard_call.run(works[0], kind, strategy, group, word,
+                                  init_for(segments[0]) if rank == 0 else None)
+        return o.to(out_dtype), (final if output_final_state else None)
     done = {}  # segment index -> (o, final) for work finished before the state pass
 
     # Phase 2: the state pass carries the sequence open at the shard end to the next rank.

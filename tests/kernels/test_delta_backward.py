@@ -204,3 +204,24 @@ def test_backward_kernels_compile_for_sm90(tmp_path):
     kernels = json.loads((tmp_path / "cache" / "manifest.json").read_text())["kernels"]
     for key, entry in kernels.items():
         assert 0 < entry["shared"] <= 232448, entry
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_state_gradient_walk_gives_the_backward_dh0(gate):
+    """The WY factors and the reverse walk alone, storing no chunk states
+    (``kernels.state_grad_program``): the incoming state's gradient of the fp64 backward."""
+    from forge_dist import kernels
+
+    B, T, H, K, V = 1, 100, 2, 32, 16
+    x = make(B, T, H, K, V, gate=gate, seed=7)
+    scale = K ** -0.5
+    walk = kernels.state_grad_program("gated_delta_rule", B=B, T=T, H=H, K=K, V=V,
+                                      dtype=torch.float32, has_dht=True, gated=gate,
+                                      scale=scale, interp=DEV == "cpu")
+    assert not {"hc", "dhc", "vn", "dvn"} & set(walk.buffers)
+    given = {n: x[n] for n in ("q", "k", "v", "beta", "do", "dht")}
+    if gate:
+        given["g"] = x["g"]
+    lam = walk.execute(given, DEV)["dh0"]
+    want = fp64_grads(x, scale)[-1]
+    assert rel(lam, want) < 1e-4
