@@ -290,7 +290,7 @@ class Variant:
         cu = checks.cu_seqlens(cu_seqlens, B, T * size, device)
         rows = B if cu is None else len(cu) - 1
         checks.initial_state(initial_state, (rows,) + tuple(state_rows), device)
-        strat = sp.resolve(strategy, device) if size > 1 else None
+        strat = sp.resolve(strategy, device, group) if size > 1 else None
         fields = {"B": B, "T (tokens per rank)": T, "H": H}
         fields.update({f"dim {k}": v for k, v in sorted(sizes.items())})
         fields.update({"dtype": dtype, "strategy": strategy,

@@ -42,6 +42,7 @@ op's own error or runs it another way.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 from threading import get_ident
 from typing import Dict, Optional, Tuple
@@ -296,7 +297,9 @@ class _PlannedSequenceParallel(torch.autograd.Function):
         o, final, kept = p.run_train(*inputs, initial_state=initial_state)
         ctx.plan, ctx.kept = p, kept
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*inputs)
+        # rank 0 starts from the caller's initial state: saved through autograd, which then
+        # refuses a backward after the caller changed it in place
+        ctx.save_for_backward(initial_state if p.rank == 0 else None, *inputs)
         return o, final
 
     @staticmethod
@@ -307,9 +310,11 @@ class _PlannedSequenceParallel(torch.autograd.Function):
               else _plan_ready(do, p.out_dtype))
         if dht is not None:
             dht = _plan_ready(dht, torch.float32)
-        *grads, dS = p.run_backward_train(*ctx.saved_tensors, do, kept=ctx.kept, dht=dht,
+        h0, *inputs = ctx.saved_tensors
+        kept = ctx.kept if h0 is None else dataclasses.replace(ctx.kept, S_in=h0)
+        # the context keeps what it holds: a second backward (retain_graph) runs again
+        *grads, dS = p.run_backward_train(*inputs, do, kept=kept, dht=dht,
                                           need_initial_grad=ctx.needs_input_grad[1])
-        ctx.kept = None
         return (None, dS, *grads)
 
 

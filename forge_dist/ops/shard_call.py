@@ -128,7 +128,6 @@ class _ShardCall(torch.autograd.Function):
         dht = dfinal if last else (lam_next if dfinal is None else lam_next + dfinal)
         # 3. the shard's backward from S_in(r) with its end state's gradient
         dS, *grads = work._finish_bwd(start, tensors, do.contiguous(), dht)
-        ctx.work = ctx.M = ctx.saved = None
         needs = ctx.needs_input_grad
         dS0 = dS if rank == 0 and needs[5] else None
         return (None, None, None, None, None, dS0,

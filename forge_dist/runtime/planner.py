@@ -148,12 +148,16 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         # which runs between them and the output walks (its last launch)
         summary = "none"
         if size > 1:
-            strategy_name, strategy_obj = sp_setup.resolve_strategy(strategy, simulated, device)
+            strategy_name, strategy_obj = sp_setup.resolve_strategy(strategy, simulated, device,
+                                                                    group)
             if rank < size - 1:
                 summary = "folded" if train else strategy_obj.plan_summary
         elif train:
             raise PlanError("train: a sequence-parallel plan option (give a group of more "
                             "than one rank); one-device plans differentiate with run_backward")
+        if train and maps:
+            raise PlanError("train: the backward programs do not differentiate fused "
+                            "prologues (maps); use forge_dist.ops for gradients")
         try:
             prog = kernels.forward_program(
                 op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated,

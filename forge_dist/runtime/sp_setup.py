@@ -24,8 +24,9 @@ def sp_variants() -> Tuple[str, ...]:
     return kernels.sp_summary_variants()
 
 
-def resolve_strategy(strategy: str, simulated: bool, device: torch.device):
-    """``(name, strategy object)`` of a sequence-parallel plan's ``strategy`` argument."""
+def resolve_strategy(strategy: str, simulated: bool, device: torch.device, group=None):
+    """``(name, strategy object)`` of a sequence-parallel plan's ``strategy`` argument on
+    ``group``."""
     if simulated:
         if strategy not in ("auto", "forge"):
             raise PlanError(f"strategy={strategy!r}: a SimRank group runs only 'forge' (the "
@@ -34,7 +35,7 @@ def resolve_strategy(strategy: str, simulated: bool, device: torch.device):
     if strategy not in sp.names():
         raise PlanError(f"strategy: expected one of {sp.names()}, got {strategy!r}")
     try:
-        obj = sp.resolve(strategy, device)
+        obj = sp.resolve(strategy, device, group)
     except (ValueError, RuntimeError) as err:
         raise PlanError(str(err)) from None
     return obj.name, obj

@@ -106,21 +106,24 @@ def names() -> list[str]:
     return sorted(_REGISTRY) + ["auto"]
 
 
-def resolve(name: str, device: torch.device) -> Strategy:
-    """The strategy called ``name``.
+def resolve(name: str, device: torch.device, group=None) -> Strategy:
+    """The strategy called ``name`` (``group``: the call's process group, read by ``auto``).
 
-    ``"auto"`` picks ``forge`` for CUDA tensors in a job on one node where NVSHMEM runs
-    (the fastest strategy in every measured 2-GPU cell, forward and forward + backward:
-    docs/performance.md), else ``lasp2`` (then ``serial``).  Across nodes forge's puts
-    would cross the network, which is not measured yet.  Every rank resolves the same
-    name (the launch environment is the same on all of them; the agreed signature holds
-    the strategy's name, so a rank that resolved another fails with a clear error).
+    ``"auto"`` picks ``forge`` for CUDA tensors when ``group`` is the whole job and the job
+    runs on one node where NVSHMEM runs (the fastest strategy in every measured 2- and
+    4-GPU cell, forward and forward + backward: docs/performance.md), else ``lasp2`` (then
+    ``serial``).  Not for a subgroup: forge's symmetric buffers are allocated by a
+    collective over every process of the job, which the ranks outside the group (other
+    data-parallel replicas, with other shapes, or pipeline stages) would not join.  Not
+    across nodes: the puts would cross the network, which is not measured yet.  Every rank
+    resolves the same name (the agreed signature holds it, so a rank that resolved another
+    fails with a clear error).
     """
     if not isinstance(name, str) or (name != "auto" and name not in _REGISTRY):
         raise ValueError(f"strategy: expected one of {names()}, got {name!r}")
     if name == "auto":
         for candidate in AUTO_ORDER:
-            if candidate == "forge" and not _forge_for_auto(device):
+            if candidate == "forge" and not _forge_for_auto(device, group):
                 continue
             strat = _REGISTRY.get(candidate)
             if strat is not None and strat.available(device) is None:
@@ -133,16 +136,21 @@ def resolve(name: str, device: torch.device) -> Strategy:
     return strat
 
 
-def _forge_for_auto(device) -> bool:
+def _forge_for_auto(device, group) -> bool:
     """Whether ``auto`` may pick forge: CUDA tensors (on the CPU forge runs only the
-    simulated transport, for tests) and one node (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as
-    torchrun and the launchers of ``forge_dist.launch_env`` set them)."""
+    simulated transport, for tests), a group that is the whole job, and one node
+    (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as torchrun and the launchers of
+    ``forge_dist.launch_env`` set them)."""
     import os
 
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or group is None:
         return False
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-    return local is not None and local == world
+    if local is None or local != world:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_world_size(group) == dist.get_world_size()
 
 
 class _StatePass(torch.autograd.Function):

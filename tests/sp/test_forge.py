@@ -175,19 +175,27 @@ def test_registered_and_on_the_cpu_only_under_the_interpreter():
 def test_auto_picks_forge_for_cuda_tensors_on_one_node(monkeypatch):
     from forge_dist.sp import base
 
+    import torch.distributed as dist
+
     cuda = torch.device("cuda", 0)
+    world, sub = object(), object()  # stand-ins: the job's group and a subgroup of it
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2 if group is sub else 4)
     monkeypatch.setattr(STRAT, "available", lambda device: None)  # as where NVSHMEM runs
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert sp.resolve("auto", cuda).name == "forge"
-    assert sp.resolve("auto", torch.device("cpu")).name == "lasp2"
+    assert sp.resolve("auto", cuda, world).name == "forge"
+    assert sp.resolve("auto", cuda).name == "lasp2"  # no group given: not known to be the job
+    assert sp.resolve("auto", torch.device("cpu"), world).name == "lasp2"
+    # a subgroup (data x sequence parallel): forge's allocations are job-wide collectives
+    assert sp.resolve("auto", cuda, sub).name == "lasp2"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes: the puts would cross the network
-    assert sp.resolve("auto", cuda).name == "lasp2"
+    assert sp.resolve("auto", cuda, world).name == "lasp2"
     monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a launch that does not say
-    assert not base._forge_for_auto(cuda)
+    assert not base._forge_for_auto(cuda, world)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(STRAT, "available", lambda device: "no NVSHMEM here")
-    assert sp.resolve("auto", cuda).name == "lasp2"
+    assert sp.resolve("auto", cuda, world).name == "lasp2"
 
 
 def test_bad_inputs():
