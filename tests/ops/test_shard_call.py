@@ -67,7 +67,21 @@ def _world(group, cases):
             ref_h0 = h0.clone().requires_grad_(True)
             o, ht = getattr(ops, op)(*ref_in.values(), initial_state=ref_h0,
                                      output_final_state=True)
-            ((o * do).sum() + (ht * dht).sum()).backward()
+            # every rank returns the state after its shard and puts it in its loss: the
+            # reference's is the final state of the sequence up to that rank's end
+            ref_loss = (o * do).sum()
+            for end in range(TL, P * TL + 1, TL):
+                prefix = [None if t is None else t[:, :end] for t in ref_in.values()]
+                ref_loss = ref_loss + (getattr(ops, op)(*prefix, initial_state=ref_h0,
+                                                        output_final_state=True)[1]
+                                       * dht).sum()
+            ref_loss.backward()
+            ht = getattr(ops, op)(*[None if t is None else t.detach()
+                                    for t in ref_in.values()],
+                                  initial_state=h0, output_final_state=True)[1]
+            ht_mine = getattr(ops, op)(*[None if t is None else t.detach()[:, :(rank + 1) * TL]
+                                         for t in ref_in.values()],
+                                       initial_state=h0, output_final_state=True)[1]
             dtype = torch.float16 if form == "fp16" else torch.float32
             x = {}
             for n, t in full.items():
@@ -85,9 +99,8 @@ def _world(group, cases):
                                          output_final_state=True, group=group,
                                          strategy=strategy)
             taken &= _on_shard_call(o_r)
-            loss = (o_r.double() * do[:, mine]).sum()
-            if rank == P - 1:
-                loss = loss + (ht_r.double() * dht).sum()
+            # every rank's final state (the state after its shard) is in the loss
+            loss = (o_r.double() * do[:, mine]).sum() + (ht_r.double() * dht).sum()
             twice = strategy == "serial"  # a second backward through the kept graph
             loss.backward(retain_graph=twice)
             if twice:
@@ -95,7 +108,7 @@ def _world(group, cases):
                 for t in [*x.values(), s0]:
                     if t is not None:
                         t.grad /= 2
-            errs = [_rel(o_r, o[:, mine])]
+            errs = [_rel(o_r, o[:, mine]), _rel(ht_r, ht_mine)]
             if rank == P - 1:
                 errs.append(_rel(ht_r, ht))
             errs += [_rel(x[n].grad, ref_in[n].grad[:, mine]) for n in x if x[n] is not None]

@@ -55,7 +55,21 @@ def _train_world(group, cases):
             ref_h0 = h0.clone().requires_grad_(True)
             o, ht = getattr(ops, op)(*ref_in.values(), initial_state=ref_h0,
                                      output_final_state=True)
-            ((o * do).sum() + (ht * dht).sum()).backward()
+            # every rank returns the state after its shard and puts it in its loss: the
+            # reference's is the final state of the sequence up to that rank's end
+            ref_loss = (o * do).sum()
+            for end in range(TL, P * TL + 1, TL):
+                prefix = [None if t is None else t[:, :end] for t in ref_in.values()]
+                ref_loss = ref_loss + (getattr(ops, op)(*prefix, initial_state=ref_h0,
+                                                        output_final_state=True)[1]
+                                       * dht).sum()
+            ref_loss.backward()
+            ht = getattr(ops, op)(*[None if t is None else t.detach()
+                                    for t in ref_in.values()],
+                                  initial_state=h0, output_final_state=True)[1]
+            ht_mine = getattr(ops, op)(*[None if t is None else t.detach()[:, :(rank + 1) * TL]
+                                         for t in ref_in.values()],
+                                       initial_state=h0, output_final_state=True)[1]
             # this rank's shard, fp32, through the kernels and the group
             x = {n: t[:, mine].float().contiguous().requires_grad_(True)
                  for n, t in full.items()}
@@ -64,9 +78,8 @@ def _train_world(group, cases):
                                          output_final_state=True, group=group,
                                          strategy=strategy)
             planned &= type(o_r.grad_fn).__name__ == "_PlannedSequenceParallelBackward"
-            loss = (o_r * do[:, mine].float()).sum()
-            if rank == P - 1:  # the final state returned on the last rank is the global one
-                loss = loss + (ht_r * dht.float()).sum()
+            # every rank's final state (the state after its shard) is in the loss
+            loss = (o_r * do[:, mine].float()).sum() + (ht_r * dht.float()).sum()
             twice = strategy == "serial"  # a second backward through the kept graph
             loss.backward(retain_graph=twice)
             if twice:
@@ -74,7 +87,7 @@ def _train_world(group, cases):
                 for t in [*x.values(), s0]:
                     if t is not None:
                         t.grad /= 2
-            errs = [_rel(o_r, o[:, mine])]
+            errs = [_rel(o_r, o[:, mine]), _rel(ht_r, ht_mine)]
             if rank == P - 1:
                 errs.append(_rel(ht_r, ht))
             errs += [_rel(x[n].grad, ref_in[n].grad[:, mine]) for n in x]
@@ -90,8 +103,8 @@ def _train_world(group, cases):
 
 def test_training_plans_of_every_strategy_match_fp64_over_gloo():
     """3 concurrent ranks (forge through the simulated transport with random delays):
-    every strategy, linear_attn, simple_gla with and without its gate, gla; the initial
-    state's gradient on rank 0 and the final state's on the last rank flow through the
+    every strategy, linear_attn, simple_gla with and without its gate, gla; the gradients
+    of the initial state (rank 0) and of every rank's returned final state flow through the
     reverse chain; serial's calls run their backward twice (``retain_graph``)."""
     from tests.sp.distributed import run_world
 
