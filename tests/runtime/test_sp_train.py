@@ -25,17 +25,14 @@ def _inputs(op, T, seed, gated=True):
     return d
 
 
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def _train_world(group, cases):
     """Every rank runs two training calls per case (the second on the cached plan) and
     returns, per case, the largest relative error of o, the final state and each gradient
     against one process in fp64, and whether the calls ran on a training plan."""
     import torch.distributed as dist
 
-    from forge_dist import ops, sp
+    from forge_dist import sp
+    from tests.sp.training_check import draws, errors, reference, train_rank
 
     rank, P = dist.get_rank(group), dist.get_world_size(group)
     mine = slice(rank * TL, (rank + 1) * TL)
@@ -44,56 +41,17 @@ def _train_world(group, cases):
         worst, planned = 0.0, True
         for step in range(2):
             full = _inputs(op, P * TL, seed=step, gated=gated)
-            h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(9 + step),
-                             dtype=torch.float64)
-            do = torch.randn(B, P * TL, H, V, generator=torch.Generator().manual_seed(5),
-                             dtype=torch.float64)
-            dht = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(6),
-                              dtype=torch.float64)
-            # the reference: one process, fp64 (the PyTorch chunk form)
-            ref_in = {n: t.clone().requires_grad_(True) for n, t in full.items()}
-            ref_h0 = h0.clone().requires_grad_(True)
-            o, ht = getattr(ops, op)(*ref_in.values(), initial_state=ref_h0,
-                                     output_final_state=True)
-            # every rank returns the state after its shard and puts it in its loss: the
-            # reference's is the final state of the sequence up to that rank's end
-            ref_loss = (o * do).sum()
-            for end in range(TL, P * TL + 1, TL):
-                prefix = [None if t is None else t[:, :end] for t in ref_in.values()]
-                ref_loss = ref_loss + (getattr(ops, op)(*prefix, initial_state=ref_h0,
-                                                        output_final_state=True)[1]
-                                       * dht).sum()
-            ref_loss.backward()
-            ht = getattr(ops, op)(*[None if t is None else t.detach()
-                                    for t in ref_in.values()],
-                                  initial_state=h0, output_final_state=True)[1]
-            ht_mine = getattr(ops, op)(*[None if t is None else t.detach()[:, :(rank + 1) * TL]
-                                         for t in ref_in.values()],
-                                       initial_state=h0, output_final_state=True)[1]
+            h0, do, dht = draws(step, B, P * TL, H, K, V)
+            ref = reference(op, full, h0, do, dht, P, TL)
             # this rank's shard, fp32, through the kernels and the group
             x = {n: t[:, mine].float().contiguous().requires_grad_(True)
                  for n, t in full.items()}
             s0 = h0.float().requires_grad_(True) if rank == 0 else None
-            o_r, ht_r = getattr(ops, op)(*x.values(), initial_state=s0,
-                                         output_final_state=True, group=group,
-                                         strategy=strategy)
+            # serial's calls: a second backward through the kept graph (retain_graph)
+            o_r, ht_r = train_rank(op, x, s0, do[:, mine], dht, group, strategy,
+                                   twice=strategy == "serial")
             planned &= type(o_r.grad_fn).__name__ == "_PlannedSequenceParallelBackward"
-            # every rank's final state (the state after its shard) is in the loss
-            loss = (o_r * do[:, mine].float()).sum() + (ht_r * dht.float()).sum()
-            twice = strategy == "serial"  # a second backward through the kept graph
-            loss.backward(retain_graph=twice)
-            if twice:
-                loss.backward()
-                for t in [*x.values(), s0]:
-                    if t is not None:
-                        t.grad /= 2
-            errs = [_rel(o_r, o[:, mine]), _rel(ht_r, ht_mine)]
-            if rank == P - 1:
-                errs.append(_rel(ht_r, ht))
-            errs += [_rel(x[n].grad, ref_in[n].grad[:, mine]) for n in x]
-            if rank == 0:
-                errs.append(_rel(s0.grad, ref_h0.grad))
-            worst = max(worst, *errs)
+            worst = max(worst, *errors(ref, rank, P, TL, o_r, ht_r, x, s0))
         report[f"{op}{'' if gated else '-ungated'}/{strategy}"] = [worst, planned]
     sp.flush()
     everyone = [None] * P
