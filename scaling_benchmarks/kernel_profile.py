@@ -139,8 +139,8 @@ def config_sweep(op: str, T: int, device) -> list:
 def gate_sum_sweep(T: int, device, iters: int = 20) -> list:
     """simple_gla's forward walks (the scheduler's segments) with the scalar gates summed in
     the walks (``raw_gates``) against a gate-sum launch before them: GPU time per call of
-    every kernel (profiler), the evidence behind ``_common.SUM_GATES_IN_WALK_MAX_TOKENS``."""
-    from forge_dist.kernels import _common, scalar, scheduler
+    every kernel (profiler), the evidence behind ``walker.SUM_GATES_IN_WALK_MAX_TOKENS``."""
+    from forge_dist.kernels import compat, scalar, scheduler, walker
 
     inp = make_inputs("simple_gla", T, device)
     q, k, v, g = inp["q"], inp["k"], inp["v"], inp["g"]
@@ -150,9 +150,9 @@ def gate_sum_sweep(T: int, device, iters: int = 20) -> list:
     sched = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], V))
     rows, ref = [], None
     for raw in (False, True):
-        fn = lambda: _common.walk(k, v, q=q, g=g, gate=1, cfg=cfg, scale=K ** -0.5,  # noqa: E731
-                                  prec=_common.dot_precision(q.dtype), n_seg=sched.n_seg,
-                                  out_dtype=q.dtype, raw_gates=raw)
+        fn = lambda: walker.walk(k, v, q=q, g=g, gate=1, cfg=cfg, scale=K ** -0.5,  # noqa: E731
+                                 prec=compat.dot_precision(q.dtype), n_seg=sched.n_seg,
+                                 out_dtype=q.dtype, raw_gates=raw)
         with torch.no_grad():
             out = fn()
             per = kernel_times(fn, iters)
@@ -172,7 +172,7 @@ def segments_sweep(T: int, device, iters: int = 20, counts=(1, 2, 4, 8, 16)) -> 
     """linear_attn's and simple_gla's forward walks over segment counts (1: FUSED, one
     launch; more: DECOUPLED, summaries then outputs): GPU time of every kernel (profiler)
     and ``do_bench``'s time of the whole call, beside the scheduler's choice."""
-    from forge_dist.kernels import _common, scalar, scheduler
+    from forge_dist.kernels import compat, scalar, scheduler, walker
 
     rows = []
     for op in ("linear_attn", "simple_gla"):
@@ -185,10 +185,10 @@ def segments_sweep(T: int, device, iters: int = 20, counts=(1, 2, 4, 8, 16)) -> 
         for n in counts:
             if n > 1 and T // n < cfg["BT"] * scheduler.MIN_CHUNKS_PER_SEGMENT:
                 continue
-            fn = lambda: _common.walk(k, v, q=q, g=g, gate=0 if g is None else 1,  # noqa: E731
-                                      cfg=cfg, scale=K ** -0.5,
-                                      prec=_common.dot_precision(q.dtype), n_seg=n,
-                                      out_dtype=q.dtype)
+            fn = lambda: walker.walk(k, v, q=q, g=g, gate=0 if g is None else 1,  # noqa: E731
+                                     cfg=cfg, scale=K ** -0.5,
+                                     prec=compat.dot_precision(q.dtype), n_seg=n,
+                                     out_dtype=q.dtype)
             with torch.no_grad():
                 fn()
                 per = kernel_times(fn, iters)

@@ -257,7 +257,7 @@ def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool) -> 
     template's kernels (``fuse``, inputs it can map) or one elementwise kernel per input
     for prologues of at least :data:`PROLOGUE_KERNEL_MIN_OPS` ops."""
     from ..kernels import MAPPABLE
-    from ..kernels._common import InputMap
+    from ..kernels.work import InputMap
     from ..kernels.prologue import kernel_prologue
 
     for r, dag in dags.items():

@@ -19,9 +19,9 @@ Entry points for the runtime::
 work objects are differentiable, forward and backward in Triton (backward kernels:
 :mod:`.scalar_backward`, :mod:`.vector_backward`, :mod:`.delta_backward`, and
 :func:`.vector_state.hgrn_backward`; the summary's backward of the decay patterns is a closed
-form, one kernel in :mod:`.summary_backward`, with :func:`._common.decay_summary_backward` as
-its PyTorch reference).  :func:`forward` is a one-call convenience used by tests and
-benchmarks.
+form, one kernel in :mod:`.summary_backward`, with
+:func:`.summary_backward.decay_summary_backward` as its PyTorch reference).  :func:`forward`
+is a one-call convenience used by tests and benchmarks.
 
 Entry points for plans and the AOT step: :func:`forward_program` and
 :func:`backward_program`, the launches of one call as a :class:`.ir.Program`, built by the
@@ -37,7 +37,7 @@ import torch
 
 from ..variants import registry
 from ..variants.transitions import Kind
-from ._common import HAVE_TRITON, interpreting
+from .compat import HAVE_TRITON, interpreting
 
 MAX_HEAD_DIM = 256
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -171,7 +171,7 @@ def make_work(variant: str, inputs: Dict[str, Optional[torch.Tensor]], scale: Op
             input dtype to save the fp32 write when the caller casts anyway).
         execution: ``"fused"`` / ``"decoupled"`` / ``None`` (scheduler, or the
             ``FORGE_DIST_EXECUTION`` environment variable).
-        maps: fused elementwise prologues, input name -> :class:`._common.InputMap`: the
+        maps: fused elementwise prologues, input name -> :class:`.work.InputMap`: the
             kernels read the raw inputs and map every tile they load (inputs of
             :func:`mappable` only).
     """
@@ -205,7 +205,7 @@ def forward(variant: str, inputs: Dict[str, Optional[torch.Tensor]], scale: Opti
 
 
 def _precision(interp: bool) -> str:
-    # the kernels' rule (_common.dot_precision): IEEE under the interpreter, else 3xTF32
+    # the kernels' rule (compat.dot_precision): IEEE under the interpreter, else 3xTF32
     return "ieee" if interp else "tf32x3"
 
 

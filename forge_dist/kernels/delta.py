@@ -23,10 +23,13 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import scheduler
-from ._common import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2, reset_floor,
-                      sized_config, tl, triton, TritonWork, walk, walker_gates)
+from .compat import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2, sized_config, tl,
+                     triton)
 from .ir import Buffer, KernelSpec, Launch, Program, run_launch, tl_type
+from .tiles import reset_floor
+from .walker import walk, walker_gates
 from .walker_launches import gate_cumsum, matrix_buffers, walk_launches
+from .work import TritonWork
 from ..variants import delta_rule
 
 # The walker reads the in-chunk attention the WY launch formed (HAS_A).  Measured on H200 at

@@ -37,7 +37,7 @@ here yet).  Every exponent is a non-positive difference masked before ``exp``.
 Launches:
 
 1. ``wy`` (:mod:`.delta`) recomputes ``W, U`` and keeps ``X [B, T, H, BT]`` fp32;
-2. the shared walker (:func:`._common.walk`) re-walks the state, keeping every chunk-start
+2. the shared walker (:func:`.walker.walk`) re-walks the state, keeping every chunk-start
    state ``S [B, NT, H, K, V]`` and ``v' [B, T, H, V]``;
 3. ``_dstates_kernel``, grid ``(V tiles, B * H)``: the reverse walk, keeping ``dS'`` per
    chunk and ``dv'``, and giving the incoming state's gradient;
@@ -52,9 +52,10 @@ import torch
 from torch import Tensor
 
 from . import delta
-from ._common import (HAVE_TRITON, dot_precision, next_pow2, scalar_gate_chunk,
-                      sum_gates_in_walk, tl, triton, value_state_tiles)
+from .compat import HAVE_TRITON, dot_precision, next_pow2, tl, triton
 from .ir import Buffer, Launch, Program, buffer_args, state_buffers
+from .tiles import scalar_gate_chunk, value_state_tiles
+from .walker import sum_gates_in_walk
 from .walker_launches import gate_cumsum, segment_length, walk_launch
 
 __all__ = ["default_tiles", "delta_rule_backward", "kernel_specs"]
@@ -384,7 +385,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
 
     # 1: the WY factors, keeping X
     launches = delta.wy_launch_records(B, T, H, K, V, dtype=dtype, gated=gated, prec=wy_prec)
-    # 2: the walker keeps the chunk states and v' (kernels._common.walk, fused)
+    # 2: the walker keeps the chunk states and v' (kernels.walker.walk, fused)
     walk_cfg = delta.fused_config(K, V)
     raw_gates = gated and sum_gates_in_walk(B, T)
     g_walk = "g" if gated else None

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import HAVE_TRITON, tl, triton
+from .compat import HAVE_TRITON, tl, triton
 
 #: gate codes for the kernels
 NO_GATE, SWISH, SIGMOID = 0, 1, 2

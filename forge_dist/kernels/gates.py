@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import HAVE_TRITON, tl, triton
+from .compat import HAVE_TRITON, tl, triton
 
 BLOCK_R, BLOCK_C = 16, 128
 

@@ -23,9 +23,9 @@ import torch
 
 # kernel name -> (module, attribute).  Only these kernels are compiled / dispatched.
 KERNELS: Dict[str, Tuple[str, str]] = {
-    "walk": ("forge_dist.kernels._common", "_walk_kernel"),
-    "segment_scan": ("forge_dist.kernels._common", "_segment_scan_kernel"),
-    "gate_cumsum": ("forge_dist.kernels._common", "_gate_cumsum_kernel"),
+    "walk": ("forge_dist.kernels.walker", "_walk_kernel"),
+    "segment_scan": ("forge_dist.kernels.walker", "_segment_scan_kernel"),
+    "gate_cumsum": ("forge_dist.kernels.walker", "_gate_cumsum_kernel"),
     "gla_gate": ("forge_dist.kernels.vector", "_gate_kernel"),
     "wy": ("forge_dist.kernels.delta", "_wy_kernel"),
     "hgrn": ("forge_dist.kernels.vector_state", "_hgrn_kernel"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import HAVE_TRITON, tl, triton
+from .compat import HAVE_TRITON, tl, triton
 
 BLOCK_T = 32
 

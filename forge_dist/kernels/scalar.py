@@ -1,6 +1,6 @@
 """Matrix state with scalar (or no) decay: linear_attn (no gate) and simple_gla (``g [B,T,H]``).
 
-Both schedules run the shared walker (:mod:`._common`): FUSED, one program per
+Both schedules run the shared walker (:mod:`.walker`): FUSED, one program per
 ``(batch, head, V tile)`` over the whole sequence; DECOUPLED, the sequence cut into segments
 (summaries in parallel, a scan over segments, outputs in parallel).  The scheduler
 (:mod:`.scheduler`) picks the schedule and the segment count per shape.
@@ -12,11 +12,12 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import scheduler
-from ._common import (DecayAttentionWork, dot_precision, ensure, outputs_from_summary,
-                      sized_config, sum_gates_in_walk, summarize, walk)
+from .compat import dot_precision, ensure, sized_config
 from .ir import Buffer, Launch, Program, pow2
 from .scalar_backward import scalar_decay_backward
+from .walker import outputs_from_summary, sum_gates_in_walk, summarize, walk
 from .walker_launches import NO_SUMMARY, gate_cumsum, matrix_buffers, walk_launches
+from .work import DecayAttentionWork
 
 # Tile config for this pattern (one place).  BV trades parallelism (B*H*V/BV programs)
 # against re-reading q, k once per V tile.  Measured on H200 at T=64K, B=1, H=32, K=V=128
@@ -41,7 +42,7 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
     :class:`~.ir.Program`: :func:`.walker_launches.matrix_buffers`, the gates ``g [B, T, H]``
     (``gate_dtype``, ``gated``), and the walker's schedule, fused or decoupled as the
     scheduler (or ``execution``) picks, after the gates' chunk sums where the walks do not
-    sum the gates themselves (:func:`._common.sum_gates_in_walk`).  ``tiles`` overrides
+    sum the gates themselves (:func:`.walker.sum_gates_in_walk`).  ``tiles`` overrides
     entries of :func:`fused_config`; ``maps``: fused prologues by input name.  ``summary``: what a
     sequence-parallel rank also keeps for its state pass (:func:`.walker_launches.walk_launches`;
     the schedule then prices the summary in)."""

@@ -80,9 +80,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import (HAVE_TRITON, dot_precision, next_pow2, reset_floor, scalar_gate_chunk,
-                      tl, triton, value_state_tiles)
+from .compat import HAVE_TRITON, dot_precision, next_pow2, tl, triton
 from .ir import Buffer, Launch, Program, buffer_args, state_buffers
+from .tiles import reset_floor, scalar_gate_chunk, value_state_tiles
 
 __all__ = ["kernel_specs", "scalar_decay_backward"]
 

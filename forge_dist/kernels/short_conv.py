@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import HAVE_TRITON, tl, triton
+from .compat import HAVE_TRITON, tl, triton
 
 MAX_WIDTH = 4
 #: the L2 normalisation's floor on the norm (``forge_dist.ops.gated_delta_rule``'s)

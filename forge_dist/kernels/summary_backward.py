@@ -3,7 +3,7 @@
 The summary of a shard is ``delta = sum_t diag(c_t) k_t v_t^T`` and ``M = exp(sum_t g_t)``,
 with ``c_t = exp(r_t)`` and ``r_t = g_{t+1} + ... + g_T`` the decay after token ``t`` (a
 number per head for ``g [B, T, H]``, per key channel for ``g [B, T, H, K]``, ``c = 1``
-without ``g``).  Its gradients (see :func:`._common.decay_summary_backward`, the PyTorch
+without ``g``).  Its gradients (see :func:`decay_summary_backward`, the PyTorch
 form of the same closed form)::
 
     dk_t = c_t * (ddelta v_t),   dv_t = ddelta^T (c_t * k_t),
@@ -27,9 +27,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import (HAVE_TRITON, dot_precision, interpreting, next_pow2, reset_floor, tl,
-                      triton)
+from .compat import HAVE_TRITON, dot_precision, interpreting, next_pow2, tl, triton
 from .ir import KernelSpec, tl_type
+from .tiles import reset_floor
 
 #: Tokens per program.
 CHUNK = 64
@@ -194,6 +194,51 @@ def accumulable(grads, k: Tensor, v: Tensor, g: Optional[Tensor]) -> bool:
         return ok and dg is None
     return (ok and isinstance(dg, Tensor) and dg.shape == g.shape
             and dg.dtype == torch.float32 and dg.is_contiguous())
+
+
+def decay_summary_backward(k: Tensor, v: Tensor, g: Optional[Tensor],
+                           ddelta: Optional[Tensor], dM: Optional[Tensor]):
+    """Gradients of a shard summary with scalar or per-channel decay, in closed form (no walk).
+
+    ``delta = sum_t diag(c_t) k_t v_t^T`` with ``c_t = exp(r_t)``, ``r_t = g_{t+1} + ... + g_T``
+    (the decay after token t; per key channel when ``g`` is ``[B, T, H, K]``, one number
+    per head when ``g`` is ``[B, T, H]``, ``c = 1`` without ``g``), and ``M = exp(sum_t g_t)``::
+
+        dk_t = c_t * (ddelta v_t),   dv_t = ddelta^T (c_t * k_t),
+        dg_s = sum_{t < s} c_t * k_t * (ddelta v_t)  (summed over K for scalar gates)
+               + dM * M                               (every s)
+
+    ``r_t`` is a reverse cumulative sum shifted by one token and the sum over ``t < s`` a
+    cumulative sum shifted by one token, never a difference of two sums (which cancels: at a
+    steep ``g_t``, and an O(1) last term against an O(e^g) prefix).  Cost: two batched
+    matmuls and a dozen fp32 passes: the reference and CPU form of
+    :func:`decay_summary_backward_triton`, which the Triton works use.
+    Args: k ``[B, T, H, K]``, v ``[B, T, H, V]``, ddelta ``[B, H, K, V]`` or
+    ``None``, dM ``[B, H]`` / ``[B, H, K]`` or ``None``.  Returns ``(dk, dv, dg)`` in the
+    dtypes of k, v, g (``dg`` ``None`` without ``g``).
+    """
+    f32 = torch.float32
+    B, T, H, K = k.shape
+    kf, vf = k.to(f32), v.to(f32)
+    ddelta = (torch.zeros(B, H, K, v.shape[-1], dtype=f32, device=k.device) if ddelta is None
+              else ddelta.to(f32))
+    dk = torch.einsum("bthv,bhkv->bthk", vf, ddelta)  # ddelta v_t
+    if g is None:
+        return dk.to(k.dtype), torch.einsum("bthk,bhkv->bthv", kf, ddelta).to(v.dtype), None
+    gf = g.to(f32) if g.dim() == 4 else g.to(f32)[..., None]  # [B, T, H, K or 1]
+    zero = torch.zeros_like(gf[:, :1])
+    after = torch.flip(torch.cumsum(torch.flip(gf, [1]), 1), [1])  # g_t + ... + g_T
+    c = torch.cat([after[:, 1:], zero], 1).exp()  # exp(r_t)
+    dk = c * dk
+    dv = torch.einsum("bthk,bhkv->bthv", kf * c, ddelta)
+    per_token = kf * dk if g.dim() == 4 else (kf * dk).sum(-1, keepdim=True)
+    dg = torch.cat([zero, torch.cumsum(per_token, 1)[:, :-1]], 1)  # sum over t < s
+    if dM is not None:
+        total = gf.sum(dim=1)  # [B, H, K or 1]
+        dg = dg + (dM.to(f32).reshape(total.shape) * total.exp())[:, None]
+    if g.dim() == 3:
+        dg = dg[..., 0]
+    return dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype)
 
 
 def decay_summary_backward_triton(k: Tensor, v: Tensor, g: Optional[Tensor],

@@ -36,11 +36,12 @@ import torch
 from typing import Any, Dict, Optional
 
 from . import scheduler
-from ._common import (HAVE_TRITON, DecayAttentionWork, dot_precision, ensure, mapped_tile,
-                      outputs_from_summary, reset_floor, sized_config, summarize, tl, triton,
-                      walk)
+from .compat import HAVE_TRITON, dot_precision, ensure, sized_config, tl, triton
 from .ir import Buffer, Launch, Program, cdiv, pow2, run_launch
+from .tiles import mapped_tile, reset_floor
+from .walker import outputs_from_summary, summarize, walk
 from .walker_launches import NO_SUMMARY, map_consts, matrix_buffers, walk_launches
+from .work import DecayAttentionWork
 
 # Measured on H200 at T=64K, B=1, H=32, K=V=128 (results/kernel_profile_sweeps_*_2026-11-24):
 # walker BV=64, 4 warps, 2 stages 2.61 ms for the whole forward (3 stages 2.73, BV=32 3.07,
@@ -149,7 +150,7 @@ if HAVE_TRITON:
         a summary needs); STORE_QA: ``qg [B, T, H, K]`` and ``a [B, T, H, BT]`` (what the
         outputs need).  qg, kd and a in the operand dtype (the walker's dots take that dtype).
         Q_MAP, K_MAP, G_MAP: fused elementwise prologues applied to the loaded q, k, g tiles
-        (``_common.mapped_tile``; the gates kept in fp32).
+        (``tiles.mapped_tile``; the gates kept in fp32).
         """
         i_t, i_bh = tl.program_id(0), tl.program_id(1)
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets pass 2**31 at long T

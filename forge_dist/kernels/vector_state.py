@@ -34,10 +34,12 @@ import torch
 from typing import Any, Dict, Optional
 
 from . import scheduler
-from ._common import (HAVE_TRITON, SegmentStates, TritonWork, ensure, mapped_tile, triton, tl,
-                      use_autotune)
+from .compat import HAVE_TRITON, ensure, triton, tl
 from .ir import Buffer, Launch, Program, cdiv, run_launch
+from .tiles import mapped_tile
+from .walker import SegmentStates, use_autotune
 from .walker_launches import map_consts, segment_length
+from .work import TritonWork
 from ..variants import vector_state
 
 # Measured on H200, [1, T, 4096] bf16 (results/kernel_profile_hgrn*_2026-11-24): 8 tokens
@@ -68,7 +70,7 @@ if HAVE_TRITON:
         whole walk, each segment starts from ``h0 + exp(cg) * s_in`` (``cg [NSEG + 1, B, D]``
         from the scan); HT_LAST: only the last segment stores its end state, into
         ``ht [B, D]``.  X_MAP, G_MAP: fused elementwise prologues applied to every x, g
-        block as it is used (``_common.mapped_tile``; g kept in fp32).
+        block as it is used (``tiles.mapped_tile``; g kept in fp32).
 
         The walk is latency bound (one dependent step per block), and Triton does not
         software-pipeline loads that feed no dot, so the loop does it by hand: the next
@@ -403,7 +405,7 @@ def _segments(T: int, BT: int, n_seg: int):
 
 
 def hgrn_summarize(x, g, *, n_seg: int = 1, maps=None) -> SegmentStates:
-    """The shard summary with its segment states kept (see ``_common.summarize``); states
+    """The shard summary with its segment states kept (see ``walker.summarize``); states
     ``[B, D]``: ``delta`` from a zero start, ``decay_to [n_seg + 1, B, D]``."""
     B, T, D = x.shape
     cfg = FUSED_CONFIG

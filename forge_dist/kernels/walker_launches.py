@@ -1,14 +1,14 @@
 """The walker's launches, each described once (:class:`~.ir.Launch` records).
 
-The eager functions of :mod:`._common` (``walk``, ``summarize``, ``outputs_from_summary``,
+The eager functions of :mod:`.walker` (``walk``, ``summarize``, ``outputs_from_summary``,
 ``chunk_gate_cumsum``) bind these records to tensors and launch them; the pattern modules'
 ``forward_program`` (and ``delta_backward.backward_program``) put the same records into
 the programs that plans run and the AOT step compiles.  Buffers are named: a launch's
 pointer argument is ``("buf", name)``; an absent optional tensor is replaced by a buffer
 the kernel's constexpr flags keep it from reading.
 
-Kernels: ``walk`` (``_common._walk_kernel``), ``segment_scan``
-(``_common._segment_scan_kernel``) and ``gate_cumsum`` (``_common._gate_cumsum_kernel``).
+Kernels: ``walk`` (``walker._walk_kernel``), ``segment_scan``
+(``walker._segment_scan_kernel``) and ``gate_cumsum`` (``walker._gate_cumsum_kernel``).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ cross-rank pieces are the recurrence (``forge_dist.ops``, differentiable across 
 short convolution's halo (:mod:`forge_dist.nn.halo`).
 
 The ops' Triton kernels read contiguous ``[B, T, H, D]`` tensors (anything else is copied
-once on the way in: :func:`forge_dist.kernels._common.ensure`, and ``_plan_ready`` in
+once on the way in: :func:`forge_dist.kernels.compat.ensure`, and ``_plan_ready`` in
 :mod:`forge_dist.ops.planned` for cached plans).  The layers
 hand them contiguous tensors without copies: every projection is its own GEMM, and the fused
 short convolution, gate, rotary and norm kernels (on CUDA) read strided views and write

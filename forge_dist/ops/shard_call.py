@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..kernels._common import TritonWork, ensure
+from ..kernels.compat import ensure
+from ..kernels.work import TritonWork
 from ..sp import p2p, phases
 from ..variants import transitions as tr
 from ..variants.transitions import Kind

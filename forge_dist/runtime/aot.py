@@ -44,7 +44,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from .. import kernels
-from ..kernels import _common, backward_program, forward_program
+from ..kernels import backward_program, forward_program, walker
 from ..kernels.ir import KERNELS, KernelSpec, resolve_kernel
 from ..variants import registry
 from ..variants.transitions import Kind
@@ -177,8 +177,8 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
 def _matrix_lengths() -> Tuple[int, int]:
     """Sequence lengths whose programs cover every kernel a matrix-state plan can launch:
     short simple_gla inputs sum the scalar gates in the walks, long ones launch a gate sum
-    first (``kernels._common.sum_gates_in_walk``); nothing else in a spec depends on T."""
-    return 256, _common.SUM_GATES_IN_WALK_MAX_TOKENS + 256
+    first (``kernels.walker.sum_gates_in_walk``); nothing else in a spec depends on T."""
+    return 256, walker.SUM_GATES_IN_WALK_MAX_TOKENS + 256
 
 
 def _gates(variant, gated):

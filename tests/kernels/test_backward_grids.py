@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from forge_dist.kernels import (_common, delta, delta_backward, scalar_backward, vector_backward,
-                                vector_state)
+from forge_dist.kernels import (delta, delta_backward, scalar_backward, vector_backward,
+                                vector_state, walker)
 
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
     pytest.skip("no CUDA and TRITON_INTERPRET unset", allow_module_level=True)
@@ -31,7 +31,7 @@ class _Recorder:
         return self.kernel[grid]
 
 
-MODULES = (_common, delta, delta_backward, scalar_backward, vector_backward, vector_state)
+MODULES = (walker, delta, delta_backward, scalar_backward, vector_backward, vector_state)
 
 
 def _record(monkeypatch, log):

@@ -87,7 +87,7 @@ def bf16_dots(monkeypatch):
         return
     from triton.runtime import interpreter as it
 
-    from forge_dist.kernels._common import interpreter_bf16_dot
+    from forge_dist.kernels.compat import interpreter_bf16_dot
 
     monkeypatch.setattr(it.InterpreterBuilder, "create_dot",
                         interpreter_bf16_dot(it.InterpreterBuilder.create_dot))

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from forge_dist import kernels  # noqa: E402
 from forge_dist.dsl import codegen  # noqa: E402
-from forge_dist.kernels._common import InputMap  # noqa: E402
+from forge_dist.kernels.work import InputMap  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):

@@ -99,11 +99,11 @@ def test_forward_matches_reference(variant, execution, shape):
 @pytest.mark.parametrize("tokens_limit", [0, 10 ** 9], ids=["gate-sum-launch", "sum-in-walk"])
 def test_scalar_gate_sum_in_walk_or_before(monkeypatch, execution, tokens_limit):
     """simple_gla's walks sum the scalar gates themselves (short inputs) or read a gate sum
-    launched before them (long inputs, kernels._common.sum_gates_in_walk): both against
+    launched before them (long inputs, kernels.walker.sum_gates_in_walk): both against
     the fp64 reference, with an incoming state."""
-    from forge_dist.kernels import _common
+    from forge_dist.kernels import walker
 
-    monkeypatch.setattr(_common, "SUM_GATES_IN_WALK_MAX_TOKENS", tokens_limit)
+    monkeypatch.setattr(walker, "SUM_GATES_IN_WALK_MAX_TOKENS", tokens_limit)
     inp = make("simple_gla", 2, 100, 2, 32, 48)
     h0 = torch.randn(state_shape("simple_gla", inp), device=DEV)
     o, ht = kernels.forward("simple_gla", inp, None, h0, execution=execution)
@@ -112,13 +112,13 @@ def test_scalar_gate_sum_in_walk_or_before(monkeypatch, execution, tokens_limit)
 
 
 def test_raw_gates_validation():
-    from forge_dist.kernels import _common, scalar
+    from forge_dist.kernels import scalar, walker
 
     inp = make("simple_gla", 1, 64, 1, 16, 16)
     cfg = dict(scalar.fused_config(16, 16), tune=False)
     with pytest.raises(ValueError, match="raw_gates needs gate=1"):
-        _common.walk(inp["k"], inp["v"], q=inp["q"], g=inp["g"], gate=1, cfg=cfg,
-                     prec="ieee", raw_gates=True, g_cum=inp["g"])
+        walker.walk(inp["k"], inp["v"], q=inp["q"], g=inp["g"], gate=1, cfg=cfg,
+                    prec="ieee", raw_gates=True, g_cum=inp["g"])
 
 
 @pytest.mark.parametrize("variant", [v for v, _ in CASES if v != "linear_attn"])
@@ -141,7 +141,7 @@ def test_scalar_walk_factored_and_exact_decays(raw_gates, n_seg):
     borderline chunks in one launch (a steep chunk in the middle segment only; a chunk
     summing to exactly -60, still factored, and one just past it; head 2 mild throughout),
     against the fp64 recurrence."""
-    from forge_dist.kernels import _common
+    from forge_dist.kernels import walker
 
     B, T, H, K, V, BT = 1, 192, 3, 32, 48, 16
     inp = make("simple_gla", B, T, H, K, V)
@@ -151,8 +151,8 @@ def test_scalar_walk_factored_and_exact_decays(raw_gates, n_seg):
     g[:, 160:176, 1] = -61.0 / 16  # and one just past it (exact form)
     inp["g"] = g
     cfg = dict(BT=BT, BV=32, num_warps=4, num_stages=1, tune=False)
-    o, ht = _common.walk(inp["k"], inp["v"], q=inp["q"], g=g, gate=1, scale=K ** -0.5,
-                         cfg=cfg, prec="ieee", n_seg=n_seg, raw_gates=raw_gates)
+    o, ht = walker.walk(inp["k"], inp["v"], q=inp["q"], g=g, gate=1, scale=K ** -0.5,
+                        cfg=cfg, prec="ieee", n_seg=n_seg, raw_gates=raw_gates)
     ro, rh = reference("simple_gla", inp, None)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert rel(o, ro) < 1e-5 and rel(ht, rh) < 1e-5
@@ -162,7 +162,7 @@ def test_scalar_walk_factored_decay_fp16():
     """fp16 operands factor only chunks that decay by at most FACTOR_SPAN_FP16 (8): the
     values scaled by exp(G_C - G) would leave fp16's normal range (6e-5 ~ exp(-9.7)) in a
     chunk decaying by 20, and the first tokens' own contributions would be lost."""
-    from forge_dist.kernels import _common
+    from forge_dist.kernels import walker
 
     B, T, H, K, V, BT = 1, 64, 2, 16, 16, 16
     inp = make("simple_gla", B, T, H, K, V)
@@ -172,8 +172,8 @@ def test_scalar_walk_factored_decay_fp16():
     inp["g"] = g
     half = {n: t.to(torch.float16) for n, t in inp.items()}
     cfg = dict(BT=BT, BV=16, num_warps=4, num_stages=1, tune=False)
-    o, ht = _common.walk(half["k"], half["v"], q=half["q"], g=g, gate=1, scale=K ** -0.5,
-                         cfg=cfg, prec="ieee", n_seg=1, out_dtype=torch.float32)
+    o, ht = walker.walk(half["k"], half["v"], q=half["q"], g=g, gate=1, scale=K ** -0.5,
+                        cfg=cfg, prec="ieee", n_seg=1, out_dtype=torch.float32)
     ref_in = {n: t.to(torch.float16).float() for n, t in inp.items()}
     ref_in["g"] = g
     ro, rh = reference("simple_gla", ref_in, None)

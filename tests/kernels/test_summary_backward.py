@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from forge_dist.kernels._common import decay_summary_backward
-from forge_dist.kernels.summary_backward import CHUNK, decay_summary_backward_triton
+from forge_dist.kernels.summary_backward import (CHUNK, decay_summary_backward,
+                                                 decay_summary_backward_triton)
 from forge_dist.variants import decay_attention
 
 from .backward_common import DEV, rel, require_kernels

@@ -116,7 +116,7 @@ def test_gated_delta_rule_with_fp32_g_and_bf16_beta_takes_the_short_path(monkeyp
     if interpreting():  # the interpreter multiplies bf16 as raw bits without the shim
         from triton.runtime import interpreter as it
 
-        from forge_dist.kernels._common import interpreter_bf16_dot
+        from forge_dist.kernels.compat import interpreter_bf16_dot
         monkeypatch.setattr(it.InterpreterBuilder, "create_dot",
                             interpreter_bf16_dot(it.InterpreterBuilder.create_dot))
     t = {n: (x.bfloat16() if n in ("q", "k", "v", "beta") else x)

@@ -216,10 +216,10 @@ def test_static_plan_packs_pointers_and_scalars(built, execution):
 
 
 def test_static_plan_falls_back_to_jit_for_missing_or_stale(built, tmp_path, monkeypatch):
-    from forge_dist.kernels import _common
+    from forge_dist.kernels import walker
 
     # the three-launch program of long inputs (gate sum, summaries, outputs) at a small T
-    monkeypatch.setattr(_common, "SUM_GATES_IN_WALK_MAX_TOKENS", 0)
+    monkeypatch.setattr(walker, "SUM_GATES_IN_WALK_MAX_TOKENS", 0)
     d = _copy(built[0], tmp_path, "partial")
     man = json.loads((d / "manifest.json").read_text())
     prog = kernels.forward_program("simple_gla", B=1, T=96, H=2, K=32, V=48,

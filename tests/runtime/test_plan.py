@@ -406,16 +406,16 @@ def test_describe_reports_choices():
 @pytest.mark.parametrize("execution", ["fused", "decoupled"])
 def test_gate_sum_launch_by_length(monkeypatch, execution):
     """Short inputs sum simple_gla's gates in the walks, longer ones launch the gate sum
-    first (kernels._common.sum_gates_in_walk); the plan follows the kernels' rule and both
+    first (kernels.walker.sum_gates_in_walk); the plan follows the kernels' rule and both
     programs give the op's result."""
-    from forge_dist.kernels import _common
+    from forge_dist.kernels import walker
 
     inp = _inputs("simple_gla")
     names = ("q", "k", "v", "g")
     ref_o, ref_h = ops.simple_gla(*[inp[n] for n in names], output_final_state=True)
     kernels = {}
     for limit in (B * T, B * T - 1):  # the rule's edge: B * T tokens in, then out
-        monkeypatch.setattr(_common, "SUM_GATES_IN_WALK_MAX_TOKENS", limit)
+        monkeypatch.setattr(walker, "SUM_GATES_IN_WALK_MAX_TOKENS", limit)
         p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
                  execution=execution, output_final_state=True)
         d = p.describe()
@@ -491,7 +491,7 @@ def test_plan_cache_lru(monkeypatch):
 def test_program_specs_are_stable():
     """KernelSpec keys name cubins on disk: they must not depend on B or T, except through
     the one rule that picks kernels by length (short inputs sum the gates in the walk)."""
-    from forge_dist.kernels._common import SUM_GATES_IN_WALK_MAX_TOKENS as LIMIT
+    from forge_dist.kernels.walker import SUM_GATES_IN_WALK_MAX_TOKENS as LIMIT
 
     def prog(B, T, dtype=torch.bfloat16):
         return kernels.forward_program("simple_gla", B=B, T=T, H=4, K=64, V=64, dtype=dtype,
