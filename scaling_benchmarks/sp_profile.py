@@ -35,23 +35,19 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from forge_dist import ops  # noqa: E402
+from scaling_benchmarks import registry  # noqa: E402
 
 
 def _inputs(op, B, T, H, K, V, device, seed):
+    """The op's inputs from the benchmarks' registry (bf16 activations, fp32 gates)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
-    def rn(*s, dtype=torch.bfloat16):
-        return torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
-    x = {"q": rn(B, T, H, K), "k": rn(B, T, H, K) * 0.1, "v": rn(B, T, H, V)}
-    if op == "simple_gla":
-        x["g"] = -torch.rand(B, T, H, generator=gen).to(device) * 0.1
-    elif op == "gla":
-        x["g"] = -torch.rand(B, T, H, K, generator=gen).to(device) * 0.1
-    elif op == "gated_delta_rule":
-        x["k"] = torch.nn.functional.normalize(x["k"].float(), dim=-1).to(torch.bfloat16)
-        x["g"] = -torch.rand(B, T, H, generator=gen).to(device) * 0.1
-        x["beta"] = torch.rand(B, T, H, generator=gen).to(device, torch.bfloat16)
-    return x
+    def draw(fn):
+        return lambda *shape: fn(*shape, generator=gen).to(device)
+    inp = registry.make_inputs(op, registry.Shape(B=B, H=H, K=K, V=V), T,
+                               dtype=torch.bfloat16, randn=draw(torch.randn),
+                               rand=draw(torch.rand))
+    return {n: inp[n] for n in registry.spec(op).args}
 
 
 def _call(op, x, **kw):
@@ -82,7 +78,7 @@ def _profile(fn, n):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--op", default="simple_gla", choices=["linear_attn", "simple_gla", "gla", "gated_delta_rule"])
+    ap.add_argument("--op", default="simple_gla", choices=list(registry.NAMES))
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per GPU")
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--H", type=int, default=32)
@@ -108,7 +104,9 @@ def main():
     do = None
     if a.grad:
         x = {n: t.requires_grad_(True) for n, t in x.items()}
-        do = torch.randn(a.B, a.tokens, a.H, a.V, device=device, dtype=torch.bfloat16)
+        first = x[registry.spec(a.op).first]
+        do = torch.randn(*first.shape[:-1], first.shape[-1] if a.op == "hgrn" else a.V,
+                         device=device, dtype=torch.bfloat16)
     rows = []
     for strategy in ["ideal"] + a.strategies.split(","):
         kw = {} if strategy == "ideal" else {"group": group, "strategy": strategy}
