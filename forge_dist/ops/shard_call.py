@@ -23,7 +23,7 @@ that have no plan: the delta rule, fp16 inputs, non-contiguous tensors.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -144,4 +144,4 @@ def run(work, kind: Kind, strategy, group, word: int, initial_state: Optional[Te
                             *work.tensors)
 
 
-__all__: List[Any] = ["run", "takes"]
+__all__ = ["run", "takes"]
