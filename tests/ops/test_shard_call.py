@@ -52,9 +52,11 @@ def _world(group, cases):
     report = {}
     for op, strategy, gated, form in cases:
         worst, taken = 0.0, True
-        for step in range(2):
+        for step in range(3):
             full = _inputs(op, P * TL, step, gated)
             h0, do, dht = draws(step, B, P * TL, H, K, V)
+            if step > 0:  # the usual training call: no initial or final state
+                h0 = dht = None
             ref = reference(op, full, h0, do, dht, P, TL)
             dtype = torch.float16 if form == "fp16" else torch.float32
             x = {}
@@ -68,7 +70,7 @@ def _world(group, cases):
                     wide[..., ::2] = shard
                     shard = wide[..., ::2]
                 x[n] = shard.detach().requires_grad_(True)
-            s0 = h0.float().requires_grad_(True) if rank == 0 else None
+            s0 = h0.float().requires_grad_(True) if rank == 0 and h0 is not None else None
             # serial's calls: a second backward through the kept graph (retain_graph)
             o_r, ht_r = train_rank(op, x, s0, do[:, mine], dht, group, strategy,
                                    twice=strategy == "serial")

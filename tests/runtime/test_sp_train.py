@@ -26,9 +26,10 @@ def _inputs(op, T, seed, gated=True):
 
 
 def _train_world(group, cases):
-    """Every rank runs two training calls per case (the second on the cached plan) and
-    returns, per case, the largest relative error of o, the final state and each gradient
-    against one process in fp64, and whether the calls ran on a training plan."""
+    """Every rank runs three training calls per case (one with an initial state and every
+    rank's final state in the loss, then twice the usual call, the second on its cached
+    plan) and returns, per case, the largest relative error of o, the final state and each
+    gradient against one process in fp64, and whether the calls ran on a training plan."""
     import torch.distributed as dist
 
     from forge_dist import sp
@@ -39,14 +40,16 @@ def _train_world(group, cases):
     report = {}
     for op, strategy, gated in cases:
         worst, planned = 0.0, True
-        for step in range(2):
+        for step in range(3):
             full = _inputs(op, P * TL, seed=step, gated=gated)
             h0, do, dht = draws(step, B, P * TL, H, K, V)
+            if step > 0:  # the usual training call: no initial or final state
+                h0 = dht = None
             ref = reference(op, full, h0, do, dht, P, TL)
             # this rank's shard, fp32, through the kernels and the group
             x = {n: t[:, mine].float().contiguous().requires_grad_(True)
                  for n, t in full.items()}
-            s0 = h0.float().requires_grad_(True) if rank == 0 else None
+            s0 = h0.float().requires_grad_(True) if rank == 0 and h0 is not None else None
             # serial's calls: a second backward through the kept graph (retain_graph)
             o_r, ht_r = train_rank(op, x, s0, do[:, mine], dht, group, strategy,
                                    twice=strategy == "serial")
