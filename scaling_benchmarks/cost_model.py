@@ -65,13 +65,13 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from forge_dist import config as cfg_mod  # noqa: E402
+from forge_dist.variants import registry as variants  # noqa: E402
 from scaling_benchmarks import registry, results_io  # noqa: E402
 
 OPS = registry.NAMES
 STRATEGIES = ("serial", "pipelined", "lasp2", "forge", "fla_cp")
 PASSES = ("fwd", "fwdbwd")
-KIND = {"linear_attn": "identity", "simple_gla": "scalar", "gla": "diagonal",
-        "gated_delta_rule": "dense", "hgrn": "diagonal"}
+KIND = {op: variants.get(op).kind.value for op in OPS}  # op -> its transition kind
 MIB = 2 ** 20
 
 # FLA 0.6.0 forward, 1 x H200, B=1, H=32, K=V=128, bf16 (docs/design.md section 10), ms.

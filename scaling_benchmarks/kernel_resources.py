@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaling_benchmarks import results_io  # noqa: E402
+from scaling_benchmarks import registry, results_io  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 
@@ -58,7 +58,7 @@ def specs(K: int, V: int, H: int, D: int):
     from forge_dist.runtime import aot
 
     out = []
-    for variant in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
+    for variant in registry.NAMES:  # the benchmarked ops
         cfg = dict(aot.DEFAULTS, variants=[variant], heads=[H], head_dims=[[K, V]],
                    hgrn_dims=[D], dtypes=["bfloat16"], execution=["fused"],
                    initial_state=[True], sequence_parallel=False, backward=False)

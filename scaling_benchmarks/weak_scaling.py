@@ -311,10 +311,10 @@ def _runner(forward: Callable[[], torch.Tensor], inp, pass_: str):
 
 
 def op_kind(op: str):
-    from forge_dist.variants.transitions import Kind
+    """The op's transition kind (the variant registry's)."""
+    from forge_dist.variants import registry as variants
 
-    return {"linear_attn": Kind.IDENTITY, "simple_gla": Kind.SCALAR, "gla": Kind.DIAGONAL,
-            "gated_delta_rule": Kind.DENSE, "hgrn": Kind.DIAGONAL}[op]
+    return variants.get(op).kind
 
 
 def state_dims(op: str, cfg):
