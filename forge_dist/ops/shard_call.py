@@ -67,7 +67,7 @@ def _own_state_grad(work, tensors: List[Optional[Tensor]], do: Tensor,
     for name, buf in prog.buffers.items():
         if buf.role != "input":
             continue
-        x = {"do": do, "dht": dht, "g": g, "beta": beta}.get(name, t.get(name))
+        x = {"do": do, "dht": dht}.get(name, t.get(name))
         given[name] = ensure(x.to(buf.dtype) if x.dtype != buf.dtype else x)
     return prog.execute(given, q.device)["dh0"]
 
