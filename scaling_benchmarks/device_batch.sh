@@ -46,6 +46,8 @@
 #                                                     #   and the ops' planned path's GPU tests (~5 min)
 #   bash scaling_benchmarks/device_batch.sh sptrain   # 2 GPUs: sequence-parallel training checks,
 #                                                     #   fwdbwd scaling of gdn, gla, hgrn (~8 min)
+#   bash scaling_benchmarks/device_batch.sh spgdn     # 2 GPUs: the delta rule's sequence-parallel plan:
+#                                                     #   GPU checks, gdn fwd and simple_gla 16K scaling (~7 min)
 #   bash scaling_benchmarks/device_batch.sh trainhost-bench # 1 GPU: training-call overhead, launch
 #                                                     #   overhead (~6 min)
 # Several stages run in order: device_batch.sh kernels single runtime
@@ -60,7 +62,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -244,14 +246,26 @@ case "$stage" in
     for f in "$OUT"/weak_scaling_*_ws2.json; do [ -e "$f" ] && mv "$f" "${f%.json}_fwdbwd-scalar.json"; done ;;
   sptrain)  # 2 GPUs, after a change to sequence-parallel training (runtime/sp_train.py,
             # ops/shard_call.py): its GPU checks, then fwdbwd scaling one op per step
-    step sp_training_checks 200 env FORGE_MG_CHECKS=op_gated_delta_rule,op_simple_gla,op_gla,no_host_sync_forge \
+    step sp_training_checks 180 env FORGE_MG_CHECKS=op_gated_delta_rule,op_simple_gla,op_gla,no_host_sync_forge \
       python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py
-    for op in gated_delta_rule gla hgrn; do
-      step "weak_scaling_fwdbwd_$op" 120 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
-        scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
-        --set state_pass=false --ops "$op" --modes fwdbwd --strategies forge,serial,lasp2 \
-        --tag "b1h32-32k-fwdbwd-$op" --out "$OUT"
+    for op in gated_delta_rule:170 hgrn:110 gla:120; do
+      step "weak_scaling_fwdbwd_${op%%:*}" "${op##*:}" env CUDA_VISIBLE_DEVICES=0,1 torchrun \
+        --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
+        --set state_pass=false --ops "${op%%:*}" --modes fwdbwd --strategies forge,serial,lasp2 \
+        --tag "b1h32-32k-fwdbwd-${op%%:*}" --out "$OUT"
     done ;;
+  spgdn)  # 2 GPUs, after a change to the delta rule's sequence-parallel plan: its GPU check,
+          # forward scaling of gdn at 32K, then simple_gla at 16K
+    step spgdn_checks 150 env FORGE_MG_CHECKS=op_gated_delta_rule,plans,no_host_sync_forge \
+      python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py
+    step weak_scaling_fwd_gdn 150 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
+      --set state_pass=false --ops gated_delta_rule --modes fwd --strategies forge,serial,lasp2 \
+      --tag b1h32-32k-fwd-gdn-plan --out "$OUT"
+    step weak_scaling_fwd_16k 120 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=16384 \
+      --set state_pass=false --ops simple_gla --modes fwd --strategies forge,serial,lasp2 \
+      --tag b1h32-16k --out "$OUT" ;;
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;
