@@ -220,10 +220,11 @@ def forward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0:
     """Program of one segment forward (or, ``store_o=False``, its summary) of ``variant``,
     built by its pattern module's ``forward_program``.
 
-    ``summary`` (matrix states with decay or none, :func:`sp_summary_variants`): ``"none"``,
-    ``"segments"`` or ``"folded"``, what a sequence-parallel rank keeps besides its outputs
-    (:func:`.walker_launches.walk_launches`): the program's last launch is then the output
-    walks, and the state pass goes before it.
+    ``summary`` (matrix states, :func:`sp_summary_variants`): ``"none"``, ``"segments"``
+    or ``"folded"`` (the delta rule: ``"state"`` or ``"folded"``), what a sequence-parallel
+    rank keeps besides its outputs (:func:`.walker_launches.walk_launches`,
+    :func:`.delta.forward_program`): the program's last launch is then the output walks,
+    and the state pass goes before it.
 
     Matrix state: inputs ``q, k`` (``dtype``, ``[B, T, H, K]``), ``v`` (``[B, T, H, V]``),
     ``g`` (``gate_dtype``, default fp32; by the variant's gate shape), ``beta``
@@ -263,8 +264,15 @@ def forward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0:
 
 def sp_summary_variants() -> tuple:
     """The matrix-state variants whose forward programs keep a sequence-parallel summary
-    (``summary=``): identity, scalar or diagonal transitions (the delta rule's dense one
-    has no such program)."""
+    (``summary=``): every one (the delta rule's dense transition from a walk of its own,
+    :func:`.delta.forward_program`)."""
+    return matrix_variants()
+
+
+def sp_train_variants() -> tuple:
+    """:func:`sp_summary_variants` whose plans also train across ranks
+    (``forge_dist/runtime/sp_train.py``): identity, scalar or diagonal transitions.  The
+    delta rule trains through one autograd node per rank (``forge_dist/ops/shard_call.py``)."""
     return tuple(n for n in matrix_variants() if registry.get(n).kind is not Kind.DENSE)
 
 

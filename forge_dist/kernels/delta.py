@@ -28,7 +28,10 @@ from .compat import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2, s
 from .ir import Buffer, KernelSpec, Launch, Program, run_launch, tl_type
 from .tiles import reset_floor
 from .walker import walk, walker_gates
-from .walker_launches import gate_cumsum, matrix_buffers, walk_launches
+from .walker_launches import (FOLDED, NO_SUMMARY, STATE, gate_cumsum, matrix_buffers,
+                              walk_launch, walk_launches)
+
+DENSE_SUMMARIES = (NO_SUMMARY, STATE, FOLDED)  # the delta rule's summary= forms
 from .work import TritonWork
 from ..variants import delta_rule
 
@@ -424,22 +427,33 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
                     execution: Optional[str] = None, tiles: Optional[dict] = None,
                     gate_dtype: torch.dtype = torch.float32,
                     beta_dtype: Optional[torch.dtype] = None,
-                    maps: Optional[Dict[str, Any]] = None) -> Program:
-    """The launches of :meth:`DeltaRuleWork.finish` with no summary before it, as a
-    :class:`~.ir.Program`: :func:`.walker_launches.matrix_buffers`, ``g [B, T, H]``
-    (``gate_dtype``, ``gated``) and ``beta [B, T, H]`` (``beta_dtype``, default
-    ``gate_dtype``); the WY factors (workspaces ``w, u, xs`` and the walk's in-chunk
-    attention ``a``), the gates' chunk sums (``gated``), then one fused walk.  Only the
-    fused schedule exists, no fused prologues, and no summary program (its dense transition
-    is not built here).  ``tiles`` overrides entries of :func:`fused_config`."""
+                    maps: Optional[Dict[str, Any]] = None,
+                    summary: str = NO_SUMMARY) -> Program:
+    """The launches of :meth:`DeltaRuleWork.finish` as a :class:`~.ir.Program`:
+    :func:`.walker_launches.matrix_buffers`, ``g [B, T, H]`` (``gate_dtype``, ``gated``)
+    and ``beta [B, T, H]`` (``beta_dtype``, default ``gate_dtype``); the WY factors
+    (workspaces ``w, u, xs`` and the walk's in-chunk attention ``a``), the gates' chunk
+    sums (``gated``), then one fused walk.  Only the fused schedule exists, and no fused
+    prologues.  ``tiles`` overrides entries of :func:`fused_config`.
+
+    ``summary``: what a sequence-parallel rank keeps for the state pass, from walks
+    launched between the WY factors and the output walk (always the last launch, so the
+    pass goes before it): ``"state"``, the shard's state from a zero start in workspace
+    ``delta [B, H, K, V]`` fp32 (rank 0 without an initial state, whose transition nobody
+    needs); ``"folded"``, also its dense transition ``M [B, H, K, K]`` fp32 (a walk with no
+    values from the identity).  Both walks use the forward's operands and WY factors (the
+    default ``FORGE_DIST_DENSE_SUMMARY=input`` of :class:`DeltaRuleWork`)."""
     if execution not in (None, "auto", scheduler.FUSED):
         raise ValueError(f"execution={execution!r}: gated_delta_rule has only the fused "
                          "kernels")
     if maps:
         raise ValueError("maps: the gated_delta_rule kernels take no fused prologues")
+    if summary not in DENSE_SUMMARIES:
+        raise ValueError(f"summary: the delta rule keeps one of {DENSE_SUMMARIES}, "
+                         f"got {summary!r}")
     if not store_o:
-        raise ValueError("gated_delta_rule: the summary program (with its dense transition) "
-                         "is not built here; use forge_dist.ops for sequence parallelism")
+        raise ValueError("gated_delta_rule: a summary without outputs is not a program "
+                         "here; pass summary= with the outputs")
     cfg = dict(fused_config(K, V, dtype), **(tiles or {}))
     BT = cfg["BT"]
     if BT != WY_BT:
@@ -460,10 +474,18 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
     # the gate sum stays a launch of its own for the delta rule (see _finish_fwd)
     if gated:
         launches.append(gate_cumsum(bufs, B=B, T=T, H=H, BT=BT))
-    launches += walk_launches(bufs, q="q", k="k", v="u", g="g_cum" if gated else None, w="w",
-                              h0="h0" if has_h0 else None, o="o", ht="ht", B=B, T=T, H=H,
-                              K=K, V=V, gate=1 if gated else 0, scale=scale, cfg=cfg,
-                              prec=prec, a="a")
+    walk_args = dict(q="q", k="k", v="u", g="g_cum" if gated else None, w="w", B=B, T=T,
+                     H=H, K=K, gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec)
+    if summary != NO_SUMMARY:
+        # the shard's summary: no outputs, one segment (a dense transition has no segments)
+        plain = dict(walk_args, q=None, h0=None, o=None, gt=None, seg=T, n=1)
+        bufs["delta"] = Buffer((B, H, K, V), torch.float32, "workspace")
+        launches.append(walk_launch(ht="delta", V=V, **plain))
+        if summary == FOLDED:
+            bufs["M"] = Buffer((B, H, K, K), torch.float32, "workspace")
+            launches.append(walk_launch(ht="M", V=K, h0_eye=True, **dict(plain, v=None)))
+    launches += walk_launches(bufs, h0="h0" if has_h0 else None, o="o", ht="ht", V=V,
+                              a="a", **walk_args)
     return Program(launches, bufs, scheduler.FUSED, [])
 
 

@@ -480,51 +480,95 @@ def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
     Returns:
         ``(dx [B, T, D] in x's dtype, dg [B, T, D] in dg_dtype, dS_in [B, D] fp32 or None)``.
     """
-    B, T, D = x.shape
-    if g.shape != x.shape:
-        raise ValueError(f"g: expected shape {tuple(x.shape)} (like x), got {tuple(g.shape)}")
-    for name, t, shape in (("do", do, x.shape), ("S_in", S_in, (B, D)), ("dht", dht, (B, D)),
-                           ("h", h, x.shape)):
-        if t is not None and tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    BD = BD or BWD_CONFIG["BD"]
-    x, g = x.contiguous(), g.contiguous()
-    do = None if do is None else do.contiguous()
-    f32 = torch.float32
-    dev = x.device
-    h0 = None if S_in is None else S_in.to(f32).contiguous()
-    if h is None:
-        h, _ = hgrn_forward(x, g, h0, out_dtype=x.dtype, n_seg=n_seg)
-    h = h.contiguous()
-    seg, n_seg = _segments(T, BWD_CONFIG["BT"], n_seg)
-    cout = torch.empty(n_seg, B, D, dtype=f32, device=dev)
-    gout = torch.empty(n_seg, B, D, dtype=f32, device=dev)
-    dht32 = None if dht is None else dht.to(f32).reshape(1, B, D).contiguous()
-    # before the last walk, dx and dg are not written: x stands in for them
-    tensors = {"g": g, "h": h, "cout": cout, "gout": gout, "dx": x, "dg": x}
-    tensors.update((n, t) for n, t in (("do", do), ("h0", h0), ("dht", dht32)) if t is not None)
-    common = dict(has_h0=h0 is not None, has_do=do is not None, B=B, T=T, D=D, seg=seg,
-                  n=n_seg, BD=BD, cfg=BWD_CONFIG)
-    if n_seg == 1:
-        cin = "dht" if dht32 is not None else None
-    else:
-        # each segment's outgoing gradient from a zero start, then the reverse scan over the
-        # segments (the forward's segment scan on the segments in reverse order)
-        _launch(backward_walk_launch(grads=False, cin=None, **common), tensors)
-        # in place: cout[s] becomes the gradient entering segment s from its right (the
-        # total, which nobody reads, lands in gout[0] after the scan has read it; the walk
-        # below rewrites gout)
-        _launch(scan_launch(hs="cout", gt="gout", h0="dht" if dht32 is not None else None,
-                            ht="gout", n_seg=n_seg, B=B, D=D, BD=BD,
-                            num_warps=BWD_CONFIG["num_warps"], reverse=True), tensors)
-        # each program reads its segment's incoming gradient before it writes the outgoing
-        # one to the same slot, so the walk runs in place
-        cin = "cout"
-    tensors["dx"] = dx = torch.empty_like(x)
-    tensors["dg"] = dg = torch.empty(B, T, D, dtype=dg_dtype, device=dev)
-    _launch(backward_walk_launch(grads=True, cin=cin, **common), tensors)
-    dS_in = cout[0].clone() if S_in is not None else None  # what leaves the first segment
-    return dx, dg, dS_in
+    bw = HgrnBackward(x, g, S_in, do, BD=BD, n_seg=n_seg, dg_dtype=dg_dtype, h=h)
+    if bw.n_seg > 1:
+        bw.summaries()
+    dx, dg, dS_in = bw.finish(dht)
+    return dx, dg, (dS_in if S_in is not None else None)
+
+
+class HgrnBackward:
+    """:func:`hgrn_backward` in the steps a sequence-parallel rank runs around the reverse
+    chain of state gradients (``forge_dist/ops/shard_call.py``): :meth:`summaries` (each
+    segment's outgoing gradient from a zero start, which needs no gradient of the final
+    state), :meth:`state_grad` (the incoming state's gradient for a given final-state
+    gradient: the reverse scan alone, on copies) and :meth:`finish` (the scan and the walk
+    that writes dx and dg).  Arguments as :func:`hgrn_backward`'s."""
+
+    def __init__(self, x, g, S_in, do, *, BD: int | None = None, n_seg: int = 1,
+                 dg_dtype: torch.dtype = torch.float32, h=None):
+        B, T, D = x.shape
+        if g.shape != x.shape:
+            raise ValueError(f"g: expected shape {tuple(x.shape)} (like x), got "
+                             f"{tuple(g.shape)}")
+        for name, t, shape in (("do", do, x.shape), ("S_in", S_in, (B, D)), ("h", h, x.shape)):
+            if t is not None and tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: expected shape {tuple(shape)}, got "
+                                 f"{tuple(t.shape)}")
+        self.BD = BD = BD or BWD_CONFIG["BD"]
+        x, g = x.contiguous(), g.contiguous()
+        do = None if do is None else do.contiguous()
+        f32 = torch.float32
+        dev = x.device
+        h0 = None if S_in is None else S_in.to(f32).contiguous()
+        if h is None:
+            h, _ = hgrn_forward(x, g, h0, out_dtype=x.dtype, n_seg=n_seg)
+        seg, self.n_seg = _segments(T, BWD_CONFIG["BT"], n_seg)
+        self.x, self.shape, self.dg_dtype, self._summed = x, (B, T, D), dg_dtype, False
+        # before the last walk, dx and dg are not written: x stands in for them
+        self.tensors = {"g": g, "h": h.contiguous(), "dx": x, "dg": x,
+                        "cout": torch.empty(self.n_seg, B, D, dtype=f32, device=dev),
+                        "gout": torch.empty(self.n_seg, B, D, dtype=f32, device=dev)}
+        self.tensors.update((n, t) for n, t in (("do", do), ("h0", h0)) if t is not None)
+        self.common = dict(has_h0=h0 is not None, has_do=do is not None, B=B, T=T, D=D,
+                           seg=seg, n=self.n_seg, BD=BD, cfg=BWD_CONFIG)
+
+    def summaries(self) -> None:
+        """Each segment's outgoing gradient from a zero start (``cout``) and summed log
+        decay (``gout``): reads g and do only."""
+        _launch(backward_walk_launch(grads=False, cin=None, **self.common), self.tensors)
+        self._summed = True
+
+    def _scan(self, t: dict, dht) -> None:
+        """In place: ``cout[s]`` becomes the gradient entering segment ``s`` from its right,
+        and the gradient leaving the first segment lands in ``gout[0]``."""
+        B, _, D = self.shape
+        if dht is not None:
+            t["dht"] = dht.to(torch.float32).reshape(1, B, D).contiguous()
+        _launch(scan_launch(hs="cout", gt="gout", h0="dht" if dht is not None else None,
+                            ht="gout", n_seg=self.n_seg, B=B, D=D, BD=self.BD,
+                            num_warps=BWD_CONFIG["num_warps"], reverse=True), t)
+
+    def state_grad(self, dht) -> torch.Tensor:
+        """``dS_in [B, D]`` fp32 for the final-state gradient ``dht`` (``None``: zero),
+        after :meth:`summaries`; the summaries stay as they were for :meth:`finish`."""
+        if not self._summed:
+            raise RuntimeError("HgrnBackward.state_grad: run summaries() first")
+        t = dict(self.tensors, cout=self.tensors["cout"].clone(),
+                 gout=self.tensors["gout"].clone())
+        self._scan(t, dht)
+        return t["gout"][0]
+
+    def finish(self, dht):
+        """``(dx, dg, dS_in)`` for the final-state gradient ``dht`` (``None``: zero): one
+        fused walk, or after :meth:`summaries` the scan and the segments' walks."""
+        t = self.tensors
+        if self._summed:
+            self._scan(t, dht)
+            # each program reads its segment's incoming gradient before it writes the
+            # outgoing one to the same slot, so the walk runs in place
+            cin = "cout"
+        elif self.n_seg == 1:
+            B, _, D = self.shape
+            if dht is not None:
+                t["dht"] = dht.to(torch.float32).reshape(1, B, D).contiguous()
+            cin = "dht" if dht is not None else None
+        else:
+            raise RuntimeError("HgrnBackward.finish: segments need summaries() first")
+        t["dx"] = dx = torch.empty_like(self.x)
+        t["dg"] = dg = torch.empty(self.shape, dtype=self.dg_dtype, device=dx.device)
+        _launch(backward_walk_launch(grads=True, cin=cin, **self.common), t)
+        return dx, dg, t["cout"][0].clone()  # what leaves the first segment
 
 
 def backward_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
@@ -624,6 +668,16 @@ class VectorStateWork(TritonWork):
                                    dg_dtype=tensors[1].dtype, h=o)
         dS = None if dS is None else dS.reshape(S_in.shape).to(S_in.dtype)
         return [dS, dx, dg]
+
+    def backward_steps(self, S_in, tensors, do, o) -> "HgrnBackward":
+        """:meth:`_finish_bwd` as the steps a sequence-parallel rank runs around the reverse
+        chain (:class:`HgrnBackward`, always over segments: their summaries need no
+        gradient of the final state); ``S_in`` and the states in the runtime layout."""
+        x, g = (ensure(t) for t in tensors)
+        B, T, D = x.shape
+        return HgrnBackward(x, g, None if S_in is None else S_in.reshape(B, D), do,
+                            n_seg=self._schedule_hgrn(x, backward=True),
+                            dg_dtype=tensors[1].dtype, h=o)
 
     def _summary_bwd(self, tensors, ddelta, dM):
         """``delta`` is the final state from a zero start and ``M = exp(sum g)``: the same

@@ -226,7 +226,7 @@ if HAVE_TRITON:
                      STORE_CHUNKS: tl.constexpr = False, hc=None, vn=None,
                      SCAN_IN: tl.constexpr = False, Q_MAP: tl.constexpr = None,
                      K_MAP: tl.constexpr = None, V_MAP: tl.constexpr = None,
-                     G_RAW: tl.constexpr = False):
+                     G_RAW: tl.constexpr = False, H0_EYE: tl.constexpr = False):
         """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H, NSEG)``.
 
         Program ``(i_v, i_bh, i_s)`` walks the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a
@@ -251,6 +251,9 @@ if HAVE_TRITON:
         outputs), and each program folds the segments before its own (and ``s_in``,
         HAS_SIN, before the first) into its start state: no scan launch, and no
         ``[NSEG, B, H, K, V]`` pass between the two walks.
+        H0_EYE (no HAS_H0, K == V): the walk starts from the identity, so that its end
+        state is the segment's dense transition ``M`` (the delta rule's summary, with
+        HAS_V=False): no identity tensor is read.
         G_RAW (GATE=1): ``g`` is the per-token gates ``[B, T, H]`` themselves and each chunk
         sums them in the walk (:func:`scalar_gate_chunk`): no gate-sum launch before it.
         Q_MAP, K_MAP, V_MAP: fused elementwise prologues (:func:`mapped_tile`) applied to
@@ -290,6 +293,10 @@ if HAVE_TRITON:
                 b_S += tl.load(p_hj, boundary_check=(0, 1))
         elif HAS_H0:
             b_S = tl.load(p_h, boundary_check=(0, 1)).to(tl.float32)
+        elif H0_EYE:
+            o_ki = tl.arange(0, BK)
+            o_vj = i_v * BV + tl.arange(0, BV)
+            b_S = tl.where((o_ki[:, None] == o_vj[None, :]) & (o_ki[:, None] < K), 1.0, 0.0)
         else:
             b_S = tl.zeros([BK, BV], dtype=tl.float32)
         if HAS_SIN and not SCAN_IN:

@@ -45,7 +45,7 @@ def walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B: int, T: int, H: int, K: int,
                 gate: int, scale: float, cfg: dict, prec: str, seg: int, n: int,
                 store_ht: bool = True, a=None, s_in=None, cg=None,
                 ht_last: Optional[bool] = None, scan_in: bool = False, maps=None,
-                raw_gates: bool = False, hc=None, vn=None) -> Launch:
+                raw_gates: bool = False, hc=None, vn=None, h0_eye: bool = False) -> Launch:
     """One walker launch over ``n`` segments of ``seg`` tokens; every tensor argument is a
     buffer name or ``None`` (absent).
 
@@ -57,8 +57,12 @@ def walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B: int, T: int, H: int, K: int,
     (decayed through ``cg``, or with ``scan_in`` through the summaries' own ``gt``);
     ``scan_in``: the output walks fold the segment scan in; ``ht_last``: only the last
     segment stores the end state (default: ``scan_in``); ``hc, vn``: every chunk's start
-    state and the values the state update used, kept for a backward pass.
+    state and the values the state update used, kept for a backward pass; ``h0_eye``
+    (``h0`` ``None``, ``V == K``): start from the identity (a dense transition's walk).
     """
+    if h0_eye and (h0 is not None or V != K):
+        raise ValueError(f"walk_launch: h0_eye starts a K x K walk from the identity, got "
+                         f"h0={h0!r}, K={K}, V={V}")
     BK = pow2(K)
     BV = min(cfg["BV"], pow2(V))
     has_a = a is not None and q is not None
@@ -96,6 +100,8 @@ def walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B: int, T: int, H: int, K: int,
     const = const + map_consts(maps, ("q" if q else "") + "k" + ("v" if v else ""))
     if raw_gates:  # set only when on (the same compiled kernel as before the flag existed)
         const = const + (("G_RAW", True),)
+    if h0_eye:  # likewise
+        const = const + (("H0_EYE", True),)
     return Launch("walk", (cdiv(V, BV), B * H, n), args, const, cfg["num_warps"],
                   cfg["num_stages"])
 
@@ -163,6 +169,9 @@ NO_SUMMARY = "none"  # outputs only (one device, or the last rank)
 SEGMENTS = "segments"  # the segment summaries ``hs, gt`` stay readable for the state pass
 FOLDED = "folded"  # also their fold: the shard's ``delta`` and log decays ``cg``
 SUMMARIES = (NO_SUMMARY, SEGMENTS, FOLDED)
+# the delta rule's (forge_dist/kernels/delta.py): the shard's ``delta`` alone (rank 0 with
+# no initial state, whose dense transition nobody needs); FOLDED there is ``delta`` and ``M``
+STATE = "state"
 
 
 def walk_launches(buffers: Dict[str, Buffer], *, q, k, v, g, w, h0, o, ht, B: int, T: int,

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from ..runtime import cache as plan_cache
 from ..runtime.plan import PlanError
-from ..runtime.sp_setup import sp_variants
+from ..runtime.sp_setup import sp_train_variants, sp_variants
 from ..sp.agreement import group_key
 from ..variants import registry
 from .checks import check_finite_enabled
@@ -364,8 +364,11 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
     if {t.dtype for t in present.values()} - {torch.float32, q.dtype}:
         return None
     inputs = {"q": q, "k": k, "v": v, **present}
+    # the delta rule trains across ranks through shard_call (no training plan)
+    sp_plan = not maps and op in (sp_train_variants() if needs_grad(inputs, initial_state)
+                                  else sp_variants())
     if not _eligible(inputs, initial_state, (B, H, K, V), group, cu_seqlens, use_kernels,
-                     grads=not maps, sp_plan=op in sp_variants() and not maps):
+                     grads=not maps, sp_plan=sp_plan):
         return None
     names = ["q", "k", "v"] + [n for n in ("g", "beta") if n in present]
     kw = dict(B=B, T=T, H=H, K=K, V=V, dtype=q.dtype, scale=scale, device=q.device)

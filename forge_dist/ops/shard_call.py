@@ -18,7 +18,11 @@ r's backward is the one-device backward of its shard started from ``S_in(r)`` wi
    ``dht = lam(r+1)`` (plus the returned final state's gradient).
 
 The same steps as a training plan's (:mod:`forge_dist.runtime.sp_train`), for the calls
-that have no plan: the delta rule, fp16 inputs, non-contiguous tensors.
+that have no plan: the delta rule, hgrn, fp16 inputs, non-contiguous tensors.  hgrn's
+backward is its segments' reverse summaries (which need no ``lam(r+1)``), a reverse scan
+over them, then the walk that writes the gradients
+(:class:`forge_dist.kernels.vector_state.HgrnBackward`): ``lam_own`` is the scan alone, so
+a rank's backward reads its inputs once, as on one device.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..kernels.compat import ensure
+from ..kernels.compat import ensure, grad_like
 from ..kernels.work import TritonWork
 from ..sp import p2p, phases
 from ..variants import transitions as tr
@@ -37,10 +41,21 @@ from ..variants.transitions import Kind
 
 
 def takes(work) -> bool:
-    """Whether :func:`run` can run this segment work: a Triton work of a matrix-state variant
-    with its own Triton backward and no fused prologues."""
-    return (isinstance(work, TritonWork) and not work.input_maps and not work.vector_state
-            and type(work)._finish_bwd is not TritonWork._finish_bwd)
+    """Whether :func:`run` can run this segment work: a Triton work with its own Triton
+    backward and no fused prologues (a matrix state, or hgrn's vector state)."""
+    return (isinstance(work, TritonWork) and not work.input_maps
+            and type(work)._finish_bwd is not TritonWork._finish_bwd
+            and (not work.vector_state or hasattr(work, "backward_steps")))
+
+
+def _state_dims(work, tensors) -> Tuple[int, int, int, int]:
+    """``(B, H, K, V)`` of the state in the runtime layout (hgrn: ``[B, 1, D, 1]``)."""
+    first = tensors[0]
+    if work.vector_state:
+        B, _, D = first.shape
+        return B, 1, D, 1
+    B, _, H, K = first.shape
+    return B, H, K, tensors[work.names.index("v")].shape[-1]
 
 
 @lru_cache(maxsize=64)
@@ -77,8 +92,7 @@ class _ShardCall(torch.autograd.Function):
     def forward(ctx, work, kind, strategy, group, word, initial_state, *tensors):
         rank, size = p2p.rank_and_size(group)
         first = next(t for t in tensors if t is not None)
-        B, _, H, K = first.shape
-        V = tensors[work.names.index("v")].shape[-1]
+        B, H, K, V = _state_dims(work, tensors)
         opts = dict(dtype=torch.float32, device=first.device)
         tensors = list(tensors)
         with torch.no_grad():
@@ -102,25 +116,31 @@ class _ShardCall(torch.autograd.Function):
         ctx.work, ctx.kind, ctx.strategy, ctx.group, ctx.word = work, kind, strategy, group, word
         ctx.M, ctx.saved = M, saved
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(start, *tensors)
+        # hgrn's backward reads its states, which are its outputs
+        ctx.save_for_backward(start, o if work.vector_state else None, *tensors)
         return o, final
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dfinal):
-        start, *tensors = ctx.saved_tensors
+        start, o, *tensors = ctx.saved_tensors
         work = ctx.work
         rank, size = p2p.rank_and_size(ctx.group)
         last = rank == size - 1
         first = next(t for t in tensors if t is not None)
-        B, T, H, K = first.shape
-        V = tensors[work.names.index("v")].shape[-1]
+        B, H, K, V = _state_dims(work, tensors)
         if do is None:
-            do = torch.zeros(B, T, H, V, dtype=work.out_dtype, device=first.device)
+            do = torch.zeros(o.shape if work.vector_state else (*first.shape[:3], V),
+                             dtype=work.out_dtype, device=first.device)
         dfinal = None if dfinal is None else dfinal.to(torch.float32).contiguous()
         tensors = [ensure(t) for t in tensors]
+        steps = None
+        if work.vector_state:  # hgrn: its segments' reverse summaries need no lam(r+1)
+            steps = work.backward_steps(start, tensors, do.contiguous(), o)
+            steps.summaries()
         if rank > 0:  # 1. this shard's own share of lam(r)
-            lam_own = _own_state_grad(work, tensors, do, dfinal)
+            lam_own = (steps.state_grad(dfinal).reshape(B, H, K, V) if steps is not None
+                       else _own_state_grad(work, tensors, do, dfinal))
         else:  # rank 0 sends nothing back: its lam(0) comes from step 3
             lam_own = torch.zeros(B, H, K, V, dtype=torch.float32, device=first.device)
         with phases.BACKWARD_CHAIN:  # 2. lam(r+1) in, lam(r) out
@@ -128,7 +148,12 @@ class _ShardCall(torch.autograd.Function):
                                                       ctx.saved, ctx.word)
         dht = dfinal if last else (lam_next if dfinal is None else lam_next + dfinal)
         # 3. the shard's backward from S_in(r) with its end state's gradient
-        dS, *grads = work._finish_bwd(start, tensors, do.contiguous(), dht)
+        if steps is not None:
+            dx, dg, dS = steps.finish(dht)
+            grads = [dx, grad_like(dg, tensors[1])]
+            dS = dS.reshape(B, H, K, V)
+        else:
+            dS, *grads = work._finish_bwd(start, tensors, do.contiguous(), dht)
         needs = ctx.needs_input_grad
         dS0 = dS if rank == 0 and needs[5] else None
         return (None, None, None, None, None, dS0,

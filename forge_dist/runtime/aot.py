@@ -198,9 +198,12 @@ def _modes(variant, modes):
 
 def _summaries(variant, sp):
     """The ``summary=`` forms a plan of ``variant`` may take: a sequence-parallel rank's
-    (forge's segments, the baselines' folded summaries) besides the plain one."""
-    if registry.get(variant).kind is Kind.DENSE or not sp:  # no dense summary programs
+    (forge's segments, the baselines' folded summaries; the delta rule's state alone or
+    with its dense transition) besides the plain one."""
+    if not sp:
         return ["none"]
+    if registry.get(variant).kind is Kind.DENSE:
+        return ["none", "state", "folded"]
     return ["none", "segments", "folded"]
 
 

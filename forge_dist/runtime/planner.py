@@ -116,6 +116,10 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
     if size > 1 and op not in sp_variants():
         raise PlanError(f"group: sequence-parallel plans cover {sp_variants()}; use "
                         f"forge_dist.ops.{op} for {op} across ranks")
+    if train and op not in kernels.sp_train_variants():
+        raise PlanError(f"train: sequence-parallel training plans cover "
+                        f"{kernels.sp_train_variants()}; forge_dist.ops.{op} trains {op} "
+                        "across ranks")
     if size > 1 and backend == "torch":
         raise PlanError("backend='torch' plans are single-rank; use forge_dist.ops with a group")
 
@@ -151,7 +155,7 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
             strategy_name, strategy_obj = sp_setup.resolve_strategy(strategy, simulated, device,
                                                                     group)
             if rank < size - 1:
-                summary = "folded" if train else strategy_obj.plan_summary
+                summary = sp_setup.summary_form(op, rank, initial_state, train, strategy_obj)
         elif train:
             raise PlanError("train: a sequence-parallel plan option (give a group of more "
                             "than one rank); one-device plans differentiate with run_backward")
@@ -192,9 +196,11 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              state_shape=state_shape, ht_shape=prog.buffers["ht"].shape, out_shape=out_shape,
              out_dtype=dtype, execution=prog.execution, notes=notes, rank=rank, size=size,
              group=group, strategy=None, strategy_obj=None,
-             # an ungated call (simple_gla without g) passes its state with no decay
+             # an ungated call (simple_gla without g) passes its state with no decay; the delta
+        # rule's transition stays dense without g (beta)
              kind=(None if op not in sp_variants() else
-                   Kind.IDENTITY.value if not gated else spec.kind.value),
+                   Kind.IDENTITY.value if not gated and spec.kind is not Kind.DENSE
+                   else spec.kind.value),
              finish_exec=finish_exec, channels=None, sp_split=len(prog.launches) - 1,
              static=backend == "static", s_in=None, zeros=None, _ht_scratch=None,
              execution_request=execution, _dispatcher=disp, _bwd_execs={}, _interp=interp,

@@ -18,10 +18,26 @@ from .plan import Plan, PlanError
 
 
 def sp_variants() -> Tuple[str, ...]:
-    """The ops with sequence-parallel plans: matrix states with an identity, scalar or
-    diagonal transition (the summary programs of the delta rule's dense one are not
-    built)."""
+    """The ops with sequence-parallel plans: every matrix-state op (training plans:
+    :func:`forge_dist.kernels.sp_train_variants`)."""
     return kernels.sp_summary_variants()
+
+
+def sp_train_variants() -> Tuple[str, ...]:
+    """The ops whose sequence-parallel plans also train (``train=True``, :mod:`.sp_train`)."""
+    return kernels.sp_train_variants()
+
+
+def summary_form(op: str, rank: int, initial_state: bool, train: bool, strategy_obj) -> str:
+    """What the forward program of a rank before the last keeps for the state pass
+    (``summary=`` of :func:`forge_dist.kernels.forward_program`): a training plan's ranks
+    the folded summary whatever the strategy; the delta rule's the shard's state and
+    dense transition (``"folded"``), or on rank 0 without an initial state the state alone
+    (``"state"``: it starts from zero, so nobody needs its transition); else the
+    strategy's :attr:`~forge_dist.sp.base.Strategy.plan_summary`."""
+    if registry.get(op).kind is Kind.DENSE:
+        return "state" if rank == 0 and not initial_state else "folded"
+    return "folded" if train else strategy_obj.plan_summary
 
 
 def resolve_strategy(strategy: str, simulated: bool, device: torch.device, group=None):
@@ -51,9 +67,13 @@ def setup(p: Plan, simulated: bool, B, T, H, K, V, dtype, gated) -> None:
         # fields are the ops' (a rank on the runner sends the same word as one on a plan);
         # the word travels with every run's state and is checked on the device.
         kind = registry.get(p.op).kind
-        names = agreement.GATE_NAMES  # as the ops name them: none, g, g per channel
-        gates = names[0] if kind is Kind.IDENTITY or not gated else (
-            names[2] if kind is Kind.DIAGONAL else names[1])
+        # as the ops name them: none, g, g per channel; the delta rule's "g, beta" or "beta"
+        names = agreement.GATE_NAMES
+        if kind is Kind.DENSE:
+            gates = names[3] if gated else names[4]
+        else:
+            gates = names[0] if kind is Kind.IDENTITY or not gated else (
+                names[2] if kind is Kind.DIAGONAL else names[1])
         fields = agreement.op_fields(p.op, B=B, T=T, dims={"H": H, "K": K, "V": V},
                                      dtype=dtype, strategy=p.strategy, gates=gates,
                                      offsets=0, grad=p.train)

@@ -579,7 +579,8 @@ class Forge(Strategy):
         """One chain launch per rank (see :meth:`.base.Strategy.plan_forward`): rank 0 sends
         ``M S0 + delta``, a middle rank receives into ``S_in`` and sends on, the last rank
         only receives.  ``summaries``: ``hs`` and (gated) ``gt``, the program's segment
-        summaries, folded into ``(M, delta)`` by the kernel.  ``keep``: the plan's dict
+        summaries, folded into ``(M, delta)`` by the kernel (the delta rule: ``delta`` and
+        ``M``, read as they are).  ``keep``: the plan's dict
         for the launch kept after the first call (:class:`_Relaunch`)."""
         relaunch = keep.get("launch") if keep is not None else None
         if relaunch is not None:
@@ -590,6 +591,15 @@ class Forge(Strategy):
         where = _where(group)
         rank, size = where.rank, where.size
         last = rank == size - 1
+        if kind is Kind.DENSE:  # no segments: the program's delta and M (rank 0 from zero:
+            # delta alone, sent as M S0 + delta with S0 = 0 and no product)
+            d = S_in if last else summaries["delta"]
+            _run_chain(where, "fwd", kind, None if last else summaries.get("M"),
+                       S0 if rank == 0 else None, d, None if rank == 0 else S_in, None,
+                       _SRC_FIRST if rank == 0 else _SRC_RECV, not last,
+                       rank - 1, -1 if last else rank + 1, transpose=False, word=word,
+                       keep=keep)
+            return S0 if rank == 0 else S_in
         fold = None if last else (summaries["hs"], summaries.get("gt"))
         _run_chain(where, "fwd", kind, None, S0 if rank == 0 else None, S_in,
                    None if rank == 0 else S_in, None,

@@ -1,6 +1,6 @@
 """A rank's sequence-parallel call as one autograd node (forge_dist/ops/shard_call.py): the
-calls with gradients that have no training plan (the delta rule, fp16 inputs, non-contiguous
-tensors), on concurrent gloo ranks under Triton's interpreter, against the fp64 recurrence
+calls with gradients that have no training plan (the delta rule, hgrn, fp16 inputs,
+non-contiguous tensors), on concurrent gloo ranks under Triton's interpreter, against the fp64 recurrence
 in one process: output, final state and every gradient."""
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ TL = 80  # tokens per rank: a full and a partial 64-token chunk
 def _inputs(op, T, seed, gated):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    if op == "hgrn":  # x, g [B, T, D] with D = K
+        return {"x": r(B, T, K), "g": -torch.rand(B, T, K, generator=g, dtype=torch.float64)}
     d = {"q": r(B, T, H, K), "k": r(B, T, H, K) * 0.5, "v": r(B, T, H, V)}
     if op == "gated_delta_rule":
         d["k"] = torch.nn.functional.normalize(d["k"], dim=-1)
@@ -54,7 +56,7 @@ def _world(group, cases):
         worst, taken = 0.0, True
         for step in range(3):
             full = _inputs(op, P * TL, step, gated)
-            h0, do, dht = draws(step, B, P * TL, H, K, V)
+            h0, do, dht = draws(step, B, P * TL, H, K, V, vector_state=op == "hgrn")
             if step > 0:  # the usual training call: no initial or final state
                 h0 = dht = None
             ref = reference(op, full, h0, do, dht, P, TL)
@@ -64,7 +66,8 @@ def _world(group, cases):
                 if t is None:
                     x[n] = None
                     continue
-                shard = t[:, mine].to(torch.float32 if n in ("g", "beta") else dtype)
+                shard = t[:, mine].to(torch.float32 if n in ("g", "beta") and op != "hgrn"
+                                      else dtype)
                 if form == "strided" and n in ("q", "v"):  # a view of a wider tensor
                     wide = torch.zeros(*shard.shape[:-1], 2 * shard.shape[-1], dtype=dtype)
                     wide[..., ::2] = shard
@@ -85,16 +88,17 @@ def _world(group, cases):
 
 def test_shard_calls_match_fp64_over_gloo():
     """3 concurrent ranks (forge through the simulated transport with random delays): the
-    delta rule with and without its gate over every strategy, and the decay ops' calls
-    that take no plan (fp16, a strided q and v); serial's calls run their backward twice
-    (``retain_graph``)."""
+    delta rule with and without its gate over every strategy, the decay ops' calls that
+    take no plan (fp16, a strided q and v) and hgrn; serial's calls run their backward
+    twice (``retain_graph``)."""
     from tests.sp.distributed import run_world
 
     cases = ([("gated_delta_rule", s, gated, "fp32") for s in ("forge", "serial", "lasp2")
               for gated in (True, False)]
              + [("gated_delta_rule", "pipelined", True, "fp32"),
                 ("simple_gla", "forge", True, "fp16"), ("simple_gla", "lasp2", True, "strided"),
-                ("linear_attn", "serial", False, "strided")])
+                ("linear_attn", "serial", False, "strided")]
+             + [("hgrn", s, True, "fp32") for s in ("forge", "serial", "lasp2")])
     everyone = run_world(3, _world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_KERNELS": "triton",
                               "FORGE_DIST_SIM_JITTER_MS": "3", "FORGE_DIST_TIMEOUT": "120"})

@@ -562,3 +562,88 @@ def test_sequence_parallel_plans_of_every_strategy_over_gloo():
                                for op, s, e, g in cases}
         bad = {k: v for k, v in errors.items() if not v < 1e-5}
         assert not bad, f"rank {rank}: {bad}"
+
+
+def _sp_delta_world(group, cases):
+    """As :func:`_sp_plans_world`, for the delta rule: every rank plans its shard (96
+    tokens: one whole and one partial 64-token chunk) with an initial state on rank 0 or
+    none, and runs three calls; returns each case's largest relative error, and each
+    rank's launches."""
+    import torch.distributed as dist
+
+    from forge_dist import sp
+
+    rank, P = dist.get_rank(group), dist.get_world_size(group)
+    Tl = 96
+    errors, launches, refs = {}, {}, {}
+    for strategy, gated, with_h0 in cases:
+        p = plan("gated_delta_rule", B=B, T=Tl, H=H, K=K, V=V, dtype=torch.float32,
+                 device="cpu", group=group, strategy=strategy,
+                 initial_state=rank == 0 and with_h0, output_final_state=True, gated=gated)
+        name = f"{strategy}/{'gated' if gated else 'ungated'}/{'h0' if with_h0 else 'zero'}"
+        launches[name] = [x["kernel"] + ("/eye" if x["constexprs"].get("H0_EYE") else "")
+                          for x in p.describe()["launches"]]
+        worst = 0.0
+        for step in range(3):
+            inp = _inputs("gated_delta_rule", T=P * Tl, seed=step)
+            if not gated:
+                inp.pop("g")
+            names = p.input_names
+            h0 = (torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(10 + step))
+                  if with_h0 else None)
+            if (gated, with_h0, step) not in refs:  # the same for every strategy
+                refs[gated, with_h0, step] = ops.gated_delta_rule(
+                    inp["q"], inp["k"], inp["v"], inp.get("g"), beta=inp["beta"],
+                    initial_state=h0, output_final_state=True)
+            ref_o, ref_h = refs[gated, with_h0, step]
+            mine = slice(rank * Tl, (rank + 1) * Tl)
+            o, ht = p.run(*[inp[n][:, mine].contiguous() for n in names],
+                          initial_state=h0 if rank == 0 else None)
+            worst = max(worst, _rel(o, ref_o[:, mine]))
+            if rank == P - 1:
+                worst = max(worst, _rel(ht, ref_h))
+            if step == 0 and gated and with_h0:  # the op's forward takes such a plan too
+                cache.clear()
+                with torch.no_grad():
+                    o_op, _ = ops.gated_delta_rule(
+                        *[inp[n][:, mine].contiguous() for n in ("q", "k", "v", "g")],
+                        beta=inp["beta"][:, mine].contiguous(),
+                        initial_state=h0 if rank == 0 else None, group=group,
+                        strategy=strategy)
+                launches[name + "/op plans"] = cache.stats()["size"]
+                worst = max(worst, _rel(o_op, ref_o[:, mine]))
+        errors[name] = worst
+    sp.flush()
+    everyone = [None] * P
+    dist.all_gather_object(everyone, (errors, launches), group=group)
+    return everyone
+
+
+def test_delta_rule_sequence_parallel_plans_over_gloo():
+    """The delta rule's plans on 3 concurrent gloo ranks, every strategy, with and without
+    g and an initial state: a rank before the last walks its shard's state from zero and
+    (unless it is rank 0 starting from zero) its dense transition from the identity
+    (``H0_EYE``), then the state pass, then the output walk; the last rank keeps no
+    summary.  Against the op on the whole sequence in one process."""
+    from tests.sp.distributed import run_world
+
+    cases = [(s, gated, with_h0) for s in ("forge", "serial", "lasp2", "pipelined")
+             for gated, with_h0 in ((True, True), (True, False), (False, True))]
+    everyone = run_world(3, _sp_delta_world, cases,
+                         env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
+                              "FORGE_DIST_TIMEOUT": "120", "FORGE_DIST_KERNELS": "triton"})
+    for rank, (errors, launches) in enumerate(everyone):
+        bad = {k: v for k, v in errors.items() if not v < 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+        assert len(errors) == len(cases)
+        for name, kernels_run in launches.items():
+            if name.endswith("/op plans"):
+                assert kernels_run == 1, (rank, name)  # the op ran through one plan
+                continue
+            wy = ["wy", "wy"] + (["gate_cumsum"] if "/gated/" in name else [])
+            if rank == 2:  # the last: no summary
+                assert kernels_run == wy + ["walk"], (rank, name, kernels_run)
+            elif rank == 0 and name.endswith("/zero"):  # from zero: no transition walk
+                assert kernels_run == wy + ["walk", "walk"], (rank, name, kernels_run)
+            else:
+                assert kernels_run == wy + ["walk", "walk/eye", "walk"], (rank, name, kernels_run)

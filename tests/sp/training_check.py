@@ -12,13 +12,15 @@ def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def draws(step: int, B: int, T: int, H: int, K: int, V: int):
+def draws(step: int, B: int, T: int, H: int, K: int, V: int, vector_state: bool = False):
     """``(h0, do, dht)`` in fp64 for one step: the initial state, the output's weights in
-    the loss and the weights of every rank's final state."""
+    the loss and the weights of every rank's final state (``vector_state``: hgrn's, state
+    ``[B, K]`` and output ``[B, T, K]``)."""
     gen = torch.Generator().manual_seed(9 + step)
-    return (torch.randn(B, H, K, V, generator=gen, dtype=torch.float64),
-            torch.randn(B, T, H, V, generator=gen, dtype=torch.float64),
-            torch.randn(B, H, K, V, generator=gen, dtype=torch.float64))
+    state, out = ((B, K), (B, T, K)) if vector_state else ((B, H, K, V), (B, T, H, V))
+    return (torch.randn(*state, generator=gen, dtype=torch.float64),
+            torch.randn(*out, generator=gen, dtype=torch.float64),
+            torch.randn(*state, generator=gen, dtype=torch.float64))
 
 
 def reference(op: str, full: Dict[str, Optional[torch.Tensor]], h0, do, dht, P: int,
