@@ -46,8 +46,8 @@
 #                                                     #   and the ops' planned path's GPU tests (~5 min)
 #   bash scaling_benchmarks/device_batch.sh sptrain   # 2 GPUs: sequence-parallel training checks,
 #                                                     #   fwdbwd scaling of gdn, gla, hgrn (~8 min)
-#   bash scaling_benchmarks/device_batch.sh spgdn     # 2 GPUs: the delta rule's sequence-parallel plan:
-#                                                     #   GPU checks, gdn fwd and simple_gla 16K scaling (~7 min)
+#   bash scaling_benchmarks/device_batch.sh spgdn     # 2 GPUs: the delta rule's sequence-parallel plan,
+#                                                     #   hgrn's training: GPU checks, scaling (~10 min)
 #   bash scaling_benchmarks/device_batch.sh trainhost-bench # 1 GPU: training-call overhead, launch
 #                                                     #   overhead (~6 min)
 # Several stages run in order: device_batch.sh kernels single runtime
@@ -254,18 +254,20 @@ case "$stage" in
         --set state_pass=false --ops "${op%%:*}" --modes fwdbwd --strategies forge,serial,lasp2 \
         --tag "b1h32-32k-fwdbwd-${op%%:*}" --out "$OUT"
     done ;;
-  spgdn)  # 2 GPUs, after a change to the delta rule's sequence-parallel plan: its GPU check,
-          # forward scaling of gdn at 32K, then simple_gla at 16K
-    step spgdn_checks 150 env FORGE_MG_CHECKS=op_gated_delta_rule,plans,no_host_sync_forge \
+  spgdn)  # 2 GPUs, after the delta rule's sequence-parallel plan and hgrn's shard_call
+          # training: their GPU checks, gdn fwd and hgrn fwdbwd scaling, the no-sync check
+    step spgdn_checks 170 env FORGE_MG_CHECKS=plans_delta,op_hgrn,op_gated_delta_rule \
       python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py
-    step weak_scaling_fwd_gdn 150 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+    step weak_scaling_fwd_gdn 130 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
       scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
       --set state_pass=false --ops gated_delta_rule --modes fwd --strategies forge,serial,lasp2 \
       --tag b1h32-32k-fwd-gdn-plan --out "$OUT"
-    step weak_scaling_fwd_16k 120 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
-      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=16384 \
-      --set state_pass=false --ops simple_gla --modes fwd --strategies forge,serial,lasp2 \
-      --tag b1h32-16k --out "$OUT" ;;
+    step weak_scaling_fwdbwd_hgrn 110 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
+      --set state_pass=false --ops hgrn --modes fwdbwd --strategies forge,serial,lasp2 \
+      --tag b1h32-32k-fwdbwd-hgrn-split --out "$OUT"
+    step no_host_sync_forge 170 env FORGE_MG_CHECKS=no_host_sync_forge \
+      python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py ;;
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;

@@ -11,6 +11,8 @@ out of step between ranks):
   the serial and lasp2 strategies;
 * ``op_<name>``: each op with group + strategy="forge" equals serial, lasp2 and the
   single-GPU op on the whole sequence, outputs and input gradients;
+* ``plans`` / ``plans_delta``: sequence-parallel plans of every strategy against the op on
+  one GPU (``plans_delta``: the delta rule's, from zero and from an initial state);
 * ``back_to_back``: 1000 forward chains launched without host synchronisation, each with
   its own data, all correct (no stale signal, no overwritten slot);
 * ``no_host_sync_<strategy>``: steady-state calls of every op (forward, and forward +
@@ -221,6 +223,46 @@ def plan_check(group, device):
     return f"{len(errs)} cases, largest {max(errs.values()):.1e}"
 
 
+def plan_delta_check(group, device):
+    """The delta rule's sequence-parallel plans (its dense summary walked in the program):
+    every strategy, from a zero start (rank 0 walks no transition) and from an initial
+    state (every rank before the last walks it from the identity), fp32 and bf16, against
+    the op on the whole sequence on one GPU, and forge against serial."""
+    from forge_dist.runtime import plan
+
+    r, P = dist.get_rank(group), dist.get_world_size(group)
+    B, T_local, H, D = 2, 1000, 4, 64
+    full = op_inputs("gated_delta_rule", B, T_local * P, H, D, 13, device)
+    mine = slice(r * T_local, (r + 1) * T_local)
+    h0 = torch.randn(B, H, D, D, generator=torch.Generator().manual_seed(3)).to(device)
+    errs = {}
+    for dtype, with_h0 in ((torch.float32, False), (torch.float32, True),
+                           (torch.bfloat16, True)):
+        x = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in full.items()}
+        with torch.no_grad():
+            ref, _ = call_op("gated_delta_rule", x, initial_state=h0 if with_h0 else None)
+        ref = ref[:, mine].float()
+        outs = {}
+        for strategy in ("forge", "serial", "lasp2", "pipelined"):
+            p = plan("gated_delta_rule", B=B, T=T_local, H=H, K=D, V=D, dtype=dtype,
+                     device=device, group=group, strategy=strategy,
+                     initial_state=with_h0 and r == 0)
+            for _ in range(3):  # repeated runs: the steady state, fresh epochs
+                o, _ = p.run(*[x[n][:, mine].contiguous() for n in p.input_names],
+                             initial_state=h0 if with_h0 and r == 0 else None)
+            torch.cuda.synchronize()
+            outs[strategy] = o.float()
+            errs[f"{dtype}/{'h0' if with_h0 else 'zero'}/{strategy}"] = rel(o, ref)
+        errs[f"{dtype}/{'h0' if with_h0 else 'zero'}/forge-vs-serial"] = rel(
+            outs["forge"], outs["serial"])
+    sp.flush()
+    # bf16: the output's own rounding (the single-GPU op is bf16 too)
+    bad = {k: v for k, v in errs.items() if not v < (2e-2 if "bfloat16" in k else 1e-4)}
+    if bad:
+        raise AssertionError(f"relative errors {bad}")
+    return " ".join(f"{k}={v:.1e}" for k, v in errs.items())
+
+
 def back_to_back(group, device, n_calls=1000):
     r, P = dist.get_rank(group), dist.get_world_size(group)
     B, H, K, V = 1, 4, 64, 64
@@ -375,6 +417,7 @@ def main():
         for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
             run(f"op_{name}", op_check, name, group, device)
         run("plans", plan_check, group, device)
+        run("plans_delta", plan_delta_check, group, device)
         run("back_to_back", back_to_back, group, device)
         for strategy in ("forge", "lasp2", "serial", "pipelined"):
             run(f"no_host_sync_{strategy}", no_host_sync, group, device, strategy)
