@@ -48,6 +48,7 @@
 #                                                     #   fwdbwd scaling of gdn, gla, hgrn (~8 min)
 #   bash scaling_benchmarks/device_batch.sh spgdn     # 2 GPUs: the delta rule's sequence-parallel plan,
 #                                                     #   hgrn's training: GPU checks, scaling (~10 min)
+#   bash scaling_benchmarks/device_batch.sh sptune    # 2 GPUs: gdn summary-walk tiles, hgrn fwdbwd profile (~7 min)
 #   bash scaling_benchmarks/device_batch.sh trainhost-bench # 1 GPU: training-call overhead, launch
 #                                                     #   overhead (~6 min)
 # Several stages run in order: device_batch.sh kernels single runtime
@@ -62,7 +63,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -268,6 +269,19 @@ case "$stage" in
       --tag b1h32-32k-fwdbwd-hgrn-split --out "$OUT"
     step no_host_sync_forge 170 env FORGE_MG_CHECKS=no_host_sync_forge \
       python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py ;;
+  sptune)  # 2 GPUs: the delta rule's summary-walk tiles on the chain's critical path (gdn
+           # forward scaling, forge, one run per tile config); hgrn fwdbwd host/GPU profile
+    for tiles in default "BV=16,num_warps=2" "BV=16,num_warps=4" "BV=64,num_warps=4"; do
+      tag=$(echo "$tiles" | tr -d ',=_' | tr 'A-Z' 'a-z')
+      step "ws_fwd_gdn_$tag" 75 env CUDA_VISIBLE_DEVICES=0,1 \
+        FORGE_DIST_DENSE_SUMMARY_TILES="$([ "$tiles" = default ] || echo "$tiles")" \
+        torchrun --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --set B=1 \
+        --set tokens_per_gpu=32768 --set state_pass=false --ops gated_delta_rule --modes fwd \
+        --strategies forge --tag "b1h32-32k-fwd-gdn-sum-$tag" --out "$OUT"
+    done
+    step sp_profile_hgrn 110 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+      scaling_benchmarks/sp_profile.py --op hgrn --tokens 32768 --strategies forge --grad \
+      --trace --out "$OUT" ;;
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;

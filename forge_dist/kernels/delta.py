@@ -478,7 +478,8 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
                      H=H, K=K, gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec)
     if summary != NO_SUMMARY:
         # the shard's summary: no outputs, one segment (a dense transition has no segments)
-        plain = dict(walk_args, q=None, h0=None, o=None, gt=None, seg=T, n=1)
+        plain = dict(walk_args, q=None, h0=None, o=None, gt=None, seg=T, n=1,
+                     cfg=dict(summary_config(K, V, dtype), **(tiles or {})))
         bufs["delta"] = Buffer((B, H, K, V), torch.float32, "workspace")
         launches.append(walk_launch(ht="delta", V=V, **plain))
         if summary == FOLDED:
@@ -487,6 +488,28 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
     launches += walk_launches(bufs, h0="h0" if has_h0 else None, o="o", ht="ht", V=V,
                               a="a", **walk_args)
     return Program(launches, bufs, scheduler.FUSED, [])
+
+
+# The summary walks' tiles (no outputs: the state's V columns, or K for the transition,
+# over the shard's chunks), as a sequence-parallel rank before the last runs them between
+# the WY factors and the state pass: every microsecond of them is on the chain's critical
+# path.  Overridable for tuning with FORGE_DIST_DENSE_SUMMARY_TILES ("BV=16,num_warps=2").
+SUMMARY_CONFIG: Dict[str, int] = {}
+
+
+def summary_config(K: int, V: int, dtype: torch.dtype) -> dict:
+    """The tile config of the delta rule's summary walks: :func:`fused_config` with
+    ``SUMMARY_CONFIG`` and ``FORGE_DIST_DENSE_SUMMARY_TILES`` (``key=value`` pairs of
+    ``BV``, ``num_warps``, ``num_stages``) over it."""
+    cfg = dict(fused_config(K, V, dtype), **SUMMARY_CONFIG)
+    raw = os.environ.get("FORGE_DIST_DENSE_SUMMARY_TILES", "").strip()
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        key, _, value = item.partition("=")
+        if key not in ("BV", "num_warps", "num_stages") or not value.isdigit():
+            raise ValueError(f"FORGE_DIST_DENSE_SUMMARY_TILES: expected BV=, num_warps= or "
+                             f"num_stages= with a positive integer, got {item!r}")
+        cfg[key] = int(value)
+    return cfg
 
 
 def summary_precision() -> str:
@@ -554,7 +577,7 @@ class DeltaRuleWork(TritonWork):
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g, beta = (ensure(t) for t in tensors)
         exact = k.dtype == torch.float32 or summary_precision() == "fp32"
-        cfg = fused_config(k.shape[-1], v.shape[-1], torch.float32 if exact else k.dtype)
+        cfg = summary_config(k.shape[-1], v.shape[-1], torch.float32 if exact else k.dtype)
         if exact:
             prec = dot_precision(torch.float32)
             k, v = k.to(torch.float32), v.to(torch.float32)
