@@ -375,7 +375,9 @@ def test_validation_errors():
     (dict(op="linear_attn", gated=True), "linear_attn takes no gate"),
     (dict(op="gated_delta_rule", execution="decoupled"), "gated_delta_rule has only the fused"),
     (dict(op="hgrn"), "hgrn: give D"),
-    (dict(group=SimWorld(2)[0], op="gated_delta_rule"), "sequence-parallel plans cover"),
+    (dict(group=SimWorld(2)[0], op="hgrn"), "sequence-parallel plans cover"),
+    (dict(group=SimWorld(2)[0], op="gated_delta_rule", train=True),
+     "sequence-parallel training plans cover"),
     (dict(group=SimWorld(2)[0], strategy="lasp2"), "a SimRank group runs only 'forge'"),
     (dict(group=SimWorld(2)[0], backend="torch"), "single-rank"),
 ])
