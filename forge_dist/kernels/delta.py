@@ -25,11 +25,11 @@ import torch
 from . import scheduler
 from .compat import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2, sized_config, tl,
                      triton)
-from .ir import Buffer, KernelSpec, Launch, Program, cdiv, run_launch, tl_type
+from .ir import Buffer, KernelSpec, Launch, Program, run_launch, tl_type
 from .tiles import reset_floor
 from .walker import walk, walker_gates
 from .walker_launches import (FOLDED, NO_SUMMARY, STATE, gate_cumsum, matrix_buffers,
-                              segment_length, walk_launch, walk_launches)
+                              walk_launch, walk_launches)
 from .work import TritonWork
 from ..variants import delta_rule
 
@@ -319,32 +319,6 @@ if HAVE_TRITON:
             _wy_apply(k, v, g, beta, w, u, xs, bos, t0, T, i_h, H, K, V, BT, BK, BV, GATE,
                       PREC, STORE_A, q, a)
 
-    @triton.jit
-    def _dense_fold_kernel(x, m, out, NSEG, K: tl.constexpr, N: tl.constexpr,
-                           BK: tl.constexpr, BN: tl.constexpr, ADD: tl.constexpr,
-                           PREC: tl.constexpr):
-        """grid ``(cdiv(N, BN), B * H)``: the segments' summaries of a dense transition
-        folded left to right, ``S = x_0``, then ``S = m_s S (+ x_s with ADD)`` for ``s = 1 ..
-        NSEG - 1``, into ``out [B, H, K, N]``; ``x [NSEG, B, H, K, N]``, ``m [NSEG, B, H, K,
-        K]`` (``m_s S``: row i of the result is ``sum_j m_s[i, j] S[j]``), all fp32.  The
-        whole ``K x K`` transition is one tile (``BK = K <= 128``)."""
-        i_n, i_bh = tl.program_id(0), tl.program_id(1)
-        nbh = tl.num_programs(1)
-        o_k = tl.arange(0, BK)
-        o_n = i_n * BN + tl.arange(0, BN)
-        x_off = o_k[:, None] * N + o_n[None, :]
-        x_mask = (o_k[:, None] < K) & (o_n[None, :] < N)
-        m_off = o_k[:, None] * K + o_k[None, :]
-        m_mask = (o_k[:, None] < K) & (o_k[None, :] < K)
-        b_S = tl.load(x + i_bh.to(tl.int64) * K * N + x_off, mask=x_mask, other=0.0)
-        for s in range(1, NSEG):
-            slot = (s * nbh + i_bh).to(tl.int64)
-            b_m = tl.load(m + slot * K * K + m_off, mask=m_mask, other=0.0)
-            b_S = tl.dot(b_m, b_S, input_precision=PREC)
-            if ADD:
-                b_S += tl.load(x + slot * K * N + x_off, mask=x_mask, other=0.0)
-        tl.store(out + i_bh.to(tl.int64) * K * N + x_off, b_S, mask=x_mask)
-
 
 def wy_x_dtype(dtype: torch.dtype, store_x: bool = False, cfg: dict = None) -> torch.dtype:
     """The dtype of the WY inverse ``X`` for inputs of ``dtype`` (see ``WY_CONFIG``)."""
@@ -515,61 +489,26 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
 # over the shard's chunks), as a sequence-parallel rank before the last runs them between
 # the WY factors and the state pass: every microsecond of them is on the chain's critical
 # path.  Overridable for tuning with FORGE_DIST_DENSE_SUMMARY_TILES ("BV=16,num_warps=2").
-# Measured on 2 x H100 (gated_delta_rule forward, B=1, H=32, K=V=128, 32K tokens per GPU, one
-# summary walk; results/weak_scaling_*_b1h32-32k-fwd-gdn-sum-*): the fused walk's BV=32 and 4
-# warps 2.29 ms; BV=16 with 2 warps 3.06, with 4 warps 2.33; BV=64 2.40.
+# Measured on 2 x H100 (the whole sequence-parallel forward, B=1, H=32, K=V=128, 32K tokens
+# per GPU, docs/performance.md): the fused walk's BV=32 with 4 warps 2.29 ms; BV=16 with
+# 2 warps 3.06, with 4 warps 2.33; BV=64 2.40.
 SUMMARY_CONFIG: Dict[str, int] = {}
 
 
 def summary_config(K: int, V: int, dtype: torch.dtype) -> dict:
     """The tile config of the delta rule's summary walks: :func:`fused_config` with
     ``SUMMARY_CONFIG`` and ``FORGE_DIST_DENSE_SUMMARY_TILES`` (``key=value`` pairs of
-    ``BV``, ``num_warps``, ``num_stages`` and ``summary_segments``, which fixes
-    :func:`summary_segments`) over it."""
+    ``BV``, ``num_warps``, ``num_stages``) over it."""
     cfg = dict(fused_config(K, V, dtype), **SUMMARY_CONFIG)
     raw = os.environ.get("FORGE_DIST_DENSE_SUMMARY_TILES", "").strip()
     for item in filter(None, (x.strip() for x in raw.split(","))):
         key, _, value = item.partition("=")
-        if key not in ("BV", "num_warps", "num_stages", "summary_segments") or not (
+        if key not in ("BV", "num_warps", "num_stages") or not (
                 value.isdigit() and int(value) > 0):
-            raise ValueError(f"FORGE_DIST_DENSE_SUMMARY_TILES: expected BV=, num_warps=, "
-                             f"num_stages= or summary_segments= with a positive integer, "
-                             f"got {item!r}")
+            raise ValueError(f"FORGE_DIST_DENSE_SUMMARY_TILES: expected BV=, num_warps= or "
+                             f"num_stages= with a positive integer, got {item!r}")
         cfg[key] = int(value)
     return cfg
-
-
-# The summary walks run over segments of the shard in parallel (each segment's state from
-# zero and its transition from the identity, then one fold) until they launch about this
-# many programs: one walk of B=1, H=32, V=128 is 128 programs of 32 columns, one per SM,
-# each stepping through every chunk of the shard (latency bound).  Heads of K <= 128 only
-# (the fold holds a whole K x K transition in one tile); at least 4 chunks a segment.
-SUMMARY_PROGRAMS = 1024
-MAX_SUMMARY_SEGMENTS = 8
-
-
-def summary_segments(*, B: int, T: int, H: int, K: int, V: int, cfg: dict) -> int:
-    """How many segments the summary walks of a ``[B, T, H, K|V]`` shard run over (``cfg``:
-    :func:`summary_config`; its ``summary_segments`` entry fixes the count)."""
-    if "summary_segments" in cfg:
-        return max(1, int(cfg["summary_segments"]))
-    if K > 128:
-        return 1
-    per_segment = B * H * (cdiv(V, cfg["BV"]) + cdiv(K, cfg["BV"]))
-    chunks = cdiv(T, cfg["BT"])
-    return max(1, min(MAX_SUMMARY_SEGMENTS, cdiv(SUMMARY_PROGRAMS, per_segment), chunks // 4))
-
-
-def dense_fold_launch(*, x: str, m: str, out: str, add: bool, B: int, H: int, K: int,
-                      N: int, n_seg: int, prec: str) -> Launch:
-    """The fold of segment summaries (``_dense_fold_kernel``) from buffers ``x [n_seg, B,
-    H, K, N]`` and ``m [n_seg, B, H, K, K]`` into ``out [B, H, K, N]``."""
-    BN = min(32, next_pow2(N))
-    return Launch("dense_fold", (cdiv(N, BN), B * H, 1),
-                  (("x", "buf", x), ("m", "buf", m), ("out", "buf", out),
-                   ("NSEG", "i32", n_seg)),
-                  (("K", K), ("N", N), ("BK", next_pow2(K)), ("BN", BN), ("ADD", add),
-                   ("PREC", prec)), 8 if next_pow2(K) >= 128 else 4, 1)
 
 
 def summary_launches(bufs: Dict[str, Buffer], *, B: int, T: int, H: int, K: int, V: int,
@@ -578,35 +517,19 @@ def summary_launches(bufs: Dict[str, Buffer], *, B: int, T: int, H: int, K: int,
     """The launches of a shard's summary from the WY factors (buffers ``k, u, w`` and,
     ``gated``, the gates' chunk sums ``g_cum``): its state from a zero start into workspace
     ``delta [B, H, K, V]`` and, with ``transition``, its dense transition into ``M [B, H,
-    K, K]`` (a walk with no values from the identity).  Over :func:`summary_segments`
-    segments: every segment's state and transition (workspaces ``hs``, ``hm``), then their
-    folds (:func:`dense_fold_launch`).  What :func:`forward_program` and
+    K, K]`` (the same walk with no values from the identity, ``H0_EYE``).  One walk over
+    the shard each: cutting it into segments walked in parallel and folded measured slower
+    (docs/performance.md).  What :func:`forward_program` and
     :meth:`DeltaRuleWork._summary_fwd` launch."""
     cfg = dict(summary_config(K, V, dtype), **(tiles or {}))
-    BT = cfg["BT"]
-    n_seg = summary_segments(B=B, T=T, H=H, K=K, V=V, cfg=cfg)
-    seg = segment_length(T, BT, n_seg)
-    n_seg = cdiv(T, seg)
     walk = dict(q=None, k="k", v="u", g="g_cum" if gated else None, w="w", h0=None, o=None,
                 gt=None, B=B, T=T, H=H, K=K, gate=1 if gated else 0, scale=1.0, cfg=cfg,
-                prec=prec, seg=seg, n=n_seg)
-    f32 = torch.float32
-    bufs["delta"] = Buffer((B, H, K, V), f32, "workspace")
+                prec=prec, seg=T, n=1)
+    bufs["delta"] = Buffer((B, H, K, V), torch.float32, "workspace")
+    launches = [walk_launch(ht="delta", V=V, **walk)]
     if transition:
-        bufs["M"] = Buffer((B, H, K, K), f32, "workspace")
-    if n_seg == 1:
-        launches = [walk_launch(ht="delta", V=V, **walk)]
-        if transition:
-            launches.append(walk_launch(ht="M", V=K, h0_eye=True, **dict(walk, v=None)))
-        return launches
-    bufs["hs"] = Buffer((n_seg, B, H, K, V), f32, "workspace")
-    bufs["hm"] = Buffer((n_seg, B, H, K, K), f32, "workspace")
-    fold = dict(B=B, H=H, K=K, n_seg=n_seg, prec=prec)
-    launches = [walk_launch(ht="hs", V=V, **walk),
-                walk_launch(ht="hm", V=K, h0_eye=True, **dict(walk, v=None)),
-                dense_fold_launch(x="hs", m="hm", out="delta", add=True, N=V, **fold)]
-    if transition:
-        launches.append(dense_fold_launch(x="hm", m="hm", out="M", add=False, N=K, **fold))
+        bufs["M"] = Buffer((B, H, K, K), torch.float32, "workspace")
+        launches.append(walk_launch(ht="M", V=K, h0_eye=True, **dict(walk, v=None)))
     return launches
 
 

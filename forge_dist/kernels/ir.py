@@ -28,7 +28,6 @@ KERNELS: Dict[str, Tuple[str, str]] = {
     "gate_cumsum": ("forge_dist.kernels.walker", "_gate_cumsum_kernel"),
     "gla_gate": ("forge_dist.kernels.vector", "_gate_kernel"),
     "wy": ("forge_dist.kernels.delta", "_wy_kernel"),
-    "dense_fold": ("forge_dist.kernels.delta", "_dense_fold_kernel"),
     "hgrn": ("forge_dist.kernels.vector_state", "_hgrn_kernel"),
     "hgrn_scan": ("forge_dist.kernels.vector_state", "_hgrn_scan_kernel"),
     "hgrn_bwd": ("forge_dist.kernels.vector_state", "_hgrn_bwd_kernel"),

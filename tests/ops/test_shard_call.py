@@ -99,11 +99,9 @@ def test_shard_calls_match_fp64_over_gloo():
                 ("simple_gla", "forge", True, "fp16"), ("simple_gla", "lasp2", True, "strided"),
                 ("linear_attn", "serial", False, "strided")]
              + [("hgrn", s, True, "fp32") for s in ("forge", "serial", "lasp2")])
-    # the delta rule's summary over two segments, folded (kernels.delta.summary_launches)
     everyone = run_world(3, _world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_KERNELS": "triton",
-                              "FORGE_DIST_SIM_JITTER_MS": "3", "FORGE_DIST_TIMEOUT": "120",
-                              "FORGE_DIST_DENSE_SUMMARY_TILES": "summary_segments=2"})
+                              "FORGE_DIST_SIM_JITTER_MS": "3", "FORGE_DIST_TIMEOUT": "120"})
     for rank, report in enumerate(everyone):
         assert len(report) == len(cases)
         missed = [k for k, (_, taken) in report.items() if not taken]
