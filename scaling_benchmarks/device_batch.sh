@@ -49,9 +49,7 @@
 #   bash scaling_benchmarks/device_batch.sh spgdn     # 2 GPUs: the delta rule's sequence-parallel plan,
 #                                                     #   hgrn's training: GPU checks, scaling (~10 min)
 #   bash scaling_benchmarks/device_batch.sh sptune    # 2 GPUs: gdn summary-walk tiles, hgrn fwdbwd profile (~7 min)
-#   bash scaling_benchmarks/device_batch.sh spgdn2    # 2 GPUs: the delta rule's segmented summary: checks,
-#                                                     #   gdn fwd and fwdbwd scaling (~7 min)
-#   bash scaling_benchmarks/device_batch.sh spseg     # 2 GPUs: gdn summary segments at a small shape (~4 min)
+#   bash scaling_benchmarks/device_batch.sh sp4       # 4 GPUs: the delta rule's plan, hgrn training (~5 min)
 #   bash scaling_benchmarks/device_batch.sh trainhost-bench # 1 GPU: training-call overhead, launch
 #                                                     #   overhead (~6 min)
 # Several stages run in order: device_batch.sh kernels single runtime
@@ -66,7 +64,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|spgdn2|spseg) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -285,27 +283,18 @@ case "$stage" in
     step sp_profile_hgrn 110 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
       scaling_benchmarks/sp_profile.py --op hgrn --tokens 32768 --strategies forge --grad \
       --trace --out "$OUT" ;;
-  spgdn2)  # 2 GPUs, after the delta rule's summary over segments: its GPU checks, gdn forward
-           # and forward + backward scaling
-    step spgdn_checks 150 env FORGE_MG_CHECKS=plans_delta,op_gated_delta_rule \
+  sp4)  # 4 GPUs: the delta rule's plan and hgrn's training at 4 ranks (middle ranks walk the
+        # dense transition from the identity): GPU checks, gdn forward and hgrn fwdbwd scaling
+    step sp4_checks 130 env FORGE_MG_WORLD=4 FORGE_MG_CHECKS=plans_delta,op_hgrn \
       python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py
-    step weak_scaling_fwd_gdn 120 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+    step weak_scaling_fwd_gdn_p4 100 torchrun --nproc-per-node 4 \
       scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
       --set state_pass=false --ops gated_delta_rule --modes fwd --strategies forge,serial,lasp2 \
-      --tag b1h32-32k-fwd-gdn-segments --out "$OUT"
-    step weak_scaling_fwdbwd_gdn 170 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+      --tag b1h32-32k-fwd-gdn-p4 --out "$OUT"
+    step weak_scaling_fwdbwd_hgrn_p4 80 torchrun --nproc-per-node 4 \
       scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
-      --set state_pass=false --ops gated_delta_rule --modes fwdbwd --strategies forge,serial,lasp2 \
-      --tag b1h32-32k-fwdbwd-gdn-segments --out "$OUT" ;;
-  spseg)  # 2 GPUs: the delta rule's summary over 1, 2 or 4 segments where one walk fills
-          # few SMs (B=2, H=12, K=96, V=64, 10000 tokens per GPU), gdn forward, forge
-    for n in 1 2 4; do
-      step "ws_fwd_gdn_odd_seg$n" 75 env CUDA_VISIBLE_DEVICES=0,1 \
-        FORGE_DIST_DENSE_SUMMARY_TILES="summary_segments=$n" torchrun --nproc-per-node 2 \
-        scaling_benchmarks/weak_scaling.py --set B=2 --set H=12 --set K=96 --set V=64 \
-        --set tokens_per_gpu=10000 --set state_pass=false --ops gated_delta_rule --modes fwd \
-        --strategies forge --tag "odd-10k-gdn-seg$n" --out "$OUT"
-    done ;;
+      --set state_pass=false --ops hgrn --modes fwdbwd --strategies forge,serial,lasp2 \
+      --tag b1h32-32k-fwdbwd-hgrn-p4 --out "$OUT" ;;
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;

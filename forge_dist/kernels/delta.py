@@ -503,11 +503,13 @@ def summary_config(K: int, V: int, dtype: torch.dtype) -> dict:
     raw = os.environ.get("FORGE_DIST_DENSE_SUMMARY_TILES", "").strip()
     for item in filter(None, (x.strip() for x in raw.split(","))):
         key, _, value = item.partition("=")
-        if key not in ("BV", "num_warps", "num_stages") or not (
-                value.isdigit() and int(value) > 0):
-            raise ValueError(f"FORGE_DIST_DENSE_SUMMARY_TILES: expected BV=, num_warps= or "
-                             f"num_stages= with a positive integer, got {item!r}")
-        cfg[key] = int(value)
+        n = int(value) if value.isdigit() else 0
+        if key not in ("BV", "num_warps", "num_stages") or n < 1 or (
+                key != "num_stages" and (n & (n - 1) or key == "BV" and n < 16)):
+            raise ValueError(f"FORGE_DIST_DENSE_SUMMARY_TILES: expected BV= (a power of two "
+                             f">= 16), num_warps= (a power of two) or num_stages= (a positive "
+                             f"integer), got {item!r}")
+        cfg[key] = n
     return cfg
 
 

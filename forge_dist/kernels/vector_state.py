@@ -480,6 +480,9 @@ def hgrn_backward(x, g, S_in, do, dht, *, BD: int | None = None, n_seg: int = 1,
     Returns:
         ``(dx [B, T, D] in x's dtype, dg [B, T, D] in dg_dtype, dS_in [B, D] fp32 or None)``.
     """
+    B, T, D = x.shape
+    if dht is not None and tuple(dht.shape) != (B, D):
+        raise ValueError(f"dht: expected shape {(B, D)}, got {tuple(dht.shape)}")
     bw = HgrnBackward(x, g, S_in, do, BD=BD, n_seg=n_seg, dg_dtype=dg_dtype, h=h)
     if bw.n_seg > 1:
         bw.summaries()

@@ -50,11 +50,13 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..kernels.delta import summary_precision
 from ..runtime import cache as plan_cache
 from ..runtime.plan import PlanError
 from ..runtime.sp_setup import sp_train_variants, sp_variants
 from ..sp.agreement import group_key
 from ..variants import registry
+from ..variants.transitions import Kind
 from .checks import check_finite_enabled
 from .runner import needs_grad
 
@@ -120,7 +122,8 @@ def _drop_plans() -> None:
 atexit.register(_drop_plans)
 # every switch the short path's eligibility reads: part of the signature, so that a change
 # sends the next call down the full path, which decides afresh
-_FRONT_ENV = ("FORGE_DIST_OPS_PLANS", "FORGE_DIST_KERNELS", "FORGE_DIST_CHECK_FINITE")
+_FRONT_ENV = ("FORGE_DIST_OPS_PLANS", "FORGE_DIST_KERNELS", "FORGE_DIST_CHECK_FINITE",
+              "FORGE_DIST_DENSE_SUMMARY")
 # os.environ.get encodes its key and goes through the Mapping machinery: 0.8 us per switch
 # on the CPU, a sixth of the front.  The dict os.environ keeps (CPython's ``_data``, kept in
 # step by every os.environ assignment) read with pre-encoded keys gives the same values.  It
@@ -131,9 +134,10 @@ _ENV_KEYS = tuple(getattr(os.environ, "encodekey", lambda n: n)(n) for n in _FRO
 def _switches() -> Tuple:
     data = getattr(os.environ, "_data", None)
     if type(data) is dict:
-        return data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1]), data.get(_ENV_KEYS[2])
+        return (data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1]), data.get(_ENV_KEYS[2]),
+                data.get(_ENV_KEYS[3]))
     get = os.environ.get
-    return get(_FRONT_ENV[0]), get(_FRONT_ENV[1]), get(_FRONT_ENV[2])
+    return get(_FRONT_ENV[0]), get(_FRONT_ENV[1]), get(_FRONT_ENV[2]), get(_FRONT_ENV[3])
 
 
 def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_state,
@@ -364,9 +368,14 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
     if {t.dtype for t in present.values()} - {torch.float32, q.dtype}:
         return None
     inputs = {"q": q, "k": k, "v": v, **present}
-    # the delta rule trains across ranks through shard_call (no training plan)
+    # the delta rule trains across ranks through shard_call (no training plan), and its
+    # plans walk the summary in the inputs' dtype: FORGE_DIST_DENSE_SUMMARY=fp32 (fp32
+    # copies) takes the general path
     sp_plan = not maps and op in (sp_train_variants() if needs_grad(inputs, initial_state)
                                   else sp_variants())
+    if (sp_plan and registry.get(op).kind is Kind.DENSE and q.dtype != torch.float32
+            and summary_precision() == "fp32"):
+        sp_plan = False
     if not _eligible(inputs, initial_state, (B, H, K, V), group, cu_seqlens, use_kernels,
                      grads=not maps, sp_plan=sp_plan):
         return None

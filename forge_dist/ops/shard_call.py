@@ -137,7 +137,8 @@ class _ShardCall(torch.autograd.Function):
         steps = None
         if work.vector_state:  # hgrn: its segments' reverse summaries need no lam(r+1)
             steps = work.backward_steps(start, tensors, do.contiguous(), o)
-            steps.summaries()
+            if rank > 0 or steps.n_seg > 1:  # rank 0's own lam is never read: one walk
+                steps.summaries()
         if rank > 0:  # 1. this shard's own share of lam(r)
             lam_own = (steps.state_grad(dfinal).reshape(B, H, K, V) if steps is not None
                        else _own_state_grad(work, tensors, do, dfinal))

@@ -116,7 +116,7 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
     if size > 1 and op not in sp_variants():
         raise PlanError(f"group: sequence-parallel plans cover {sp_variants()}; use "
                         f"forge_dist.ops.{op} for {op} across ranks")
-    if train and op not in kernels.sp_train_variants():
+    if train and size > 1 and op not in kernels.sp_train_variants():
         raise PlanError(f"train: sequence-parallel training plans cover "
                         f"{kernels.sp_train_variants()}; forge_dist.ops.{op} trains {op} "
                         "across ranks")
@@ -196,8 +196,8 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
              state_shape=state_shape, ht_shape=prog.buffers["ht"].shape, out_shape=out_shape,
              out_dtype=dtype, execution=prog.execution, notes=notes, rank=rank, size=size,
              group=group, strategy=None, strategy_obj=None,
-             # an ungated call (simple_gla without g) passes its state with no decay; the delta
-        # rule's transition stays dense without g (beta)
+             # an ungated call (simple_gla without g) passes its state with no decay; the
+             # delta rule's transition stays dense without g (beta)
              kind=(None if op not in sp_variants() else
                    Kind.IDENTITY.value if not gated and spec.kind is not Kind.DENSE
                    else spec.kind.value),

@@ -75,8 +75,8 @@ def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Te
                          S0: Tensor, group, word: int = 0
                          ) -> Tuple[Tensor, Optional[Tensor], Any]:
     """``strategy``'s forward chain on a plan program's folded summary (``summary="folded"``:
-    ``delta`` and, gated, ``cg``; the delta rule's ``delta`` and ``M``, or on rank 0 from a
-    zero start ``delta`` alone): ``(S_in, M, saved)``, ``M`` this rank's shard transition
+    ``delta`` and, gated, ``cg``; the delta rule's ``delta`` and ``M``): ``(S_in, M,
+    saved)``, ``M`` this rank's shard transition
     (``None`` for the identity kind and on the last rank) and ``saved`` what
     :meth:`Strategy.backward_chain` takes."""
     rank, size = p2p.rank_and_size(group)
@@ -84,10 +84,10 @@ def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Te
     if rank < size - 1:
         delta = summaries["delta"]
         if kind is Kind.DENSE:
-            M = summaries.get("M")
-            if M is None:  # rank 0 from a zero start ("state"): its transition is not read
-                B, H, K, _ = delta.shape
-                M = tr.zero(kind, B, H, K, dtype=delta.dtype, device=delta.device)
+            M = summaries.get("M")  # rank 0 from zero: a zero one (runtime/sp_setup.py)
+            if M is None:
+                raise ValueError(f"rank {rank}: a dense transition's chain needs the "
+                                 "shard's M")
         elif kind is not Kind.IDENTITY:
             total = summaries["cg"][-1]  # [B, H, K]
             M = (total[..., 0] if kind is Kind.SCALAR else total).exp()

@@ -594,7 +594,10 @@ class Forge(Strategy):
         if kind is Kind.DENSE:  # no segments: the program's delta and M (rank 0 from zero:
             # delta alone, sent as M S0 + delta with S0 = 0 and no product)
             d = S_in if last else summaries["delta"]
-            _run_chain(where, "fwd", kind, None if last else summaries.get("M"),
+            M = None if last else summaries.get("M")
+            if M is None and 0 < rank < size - 1:
+                raise ValueError(f"forge: rank {rank} needs its transition M (dense)")
+            _run_chain(where, "fwd", kind, M,
                        S0 if rank == 0 else None, d, None if rank == 0 else S_in, None,
                        _SRC_FIRST if rank == 0 else _SRC_RECV, not last,
                        rank - 1, -1 if last else rank + 1, transpose=False, word=word,

@@ -129,3 +129,19 @@ def test_delta_wy_kernels_compile_for_sm90(monkeypatch, tmp_path):
     assert len({s.key for s in specs}) == len(specs) == 6
     rep = aot.compile_specs(specs, tmp_path / "cache")
     assert sorted(rep["compiled"]) == sorted(s.key for s in specs), rep
+
+
+@pytest.mark.parametrize("raw,msg", [("BV=24", "BV=24"), ("num_warps=3", "num_warps=3"),
+                                     ("BK=16", "BK=16"), ("BV=8", "BV=8"),
+                                     ("num_stages=0", "num_stages=0")])
+def test_summary_tiles_switch_is_checked(monkeypatch, raw, msg):
+    """FORGE_DIST_DENSE_SUMMARY_TILES: only the summary walks' tile keys, with values a
+    kernel compiles for; a bad one is named as written."""
+    from forge_dist.kernels.delta import summary_config
+
+    monkeypatch.setenv("FORGE_DIST_DENSE_SUMMARY_TILES", raw)
+    with pytest.raises(ValueError, match=f"got '{msg}'"):
+        summary_config(128, 128, torch.bfloat16)
+    monkeypatch.setenv("FORGE_DIST_DENSE_SUMMARY_TILES", "BV=16, num_warps=2,num_stages=3")
+    cfg = summary_config(128, 128, torch.bfloat16)
+    assert (cfg["BV"], cfg["num_warps"], cfg["num_stages"]) == (16, 2, 3)

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from forge_dist.kernels.vector_state import VectorStateWork, hgrn_backward
+from forge_dist.kernels.vector_state import HgrnBackward, VectorStateWork, hgrn_backward
 from forge_dist.variants.reference import hgrn_ref
 
 from .backward_common import DEV, rel, require_kernels
@@ -64,6 +64,26 @@ def test_matches_fp64_autograd(T, BD, n_seg, s_in, do, dht):
         assert rel(dS, ref["S_in"]) < 1e-5
     else:
         assert dS is None
+
+
+@pytest.mark.parametrize("n_seg", [1, 3])
+def test_steps_around_the_reverse_chain(n_seg):
+    """HgrnBackward as a sequence-parallel rank runs it: the segments' reverse summaries,
+    the incoming state's gradient for one final-state gradient (the scan alone), then the
+    gradients for another (what arrives from the next rank): each equals the whole
+    backward with that final-state gradient, and the first leaves the second untouched."""
+    x = make(2, 37, 20, seed=5)
+    other = torch.randn(2, 20, generator=torch.Generator().manual_seed(6)).to(x["dht"])
+    steps = HgrnBackward(x["x"], x["g"], x["S_in"], x["do"], BD=8, n_seg=n_seg)
+    steps.summaries()
+    own = steps.state_grad(x["dht"])
+    dx, dg, dS = steps.finish(other)
+    assert rel(own, fp64_grads(x)["S_in"]) < 1e-5
+    ref = fp64_grads(dict(x, dht=other))
+    assert rel(dx, ref["x"]) < 1e-5 and rel(dg, ref["g"]) < 1e-5
+    assert rel(dS, ref["S_in"]) < 1e-5
+    with pytest.raises(RuntimeError, match="run summaries"):
+        HgrnBackward(x["x"], x["g"], None, x["do"], n_seg=n_seg).state_grad(None)
 
 
 @pytest.mark.parametrize("BT", [1, 4, 16])
