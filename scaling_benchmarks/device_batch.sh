@@ -50,6 +50,7 @@
 #                                                     #   hgrn's training: GPU checks, scaling (~10 min)
 #   bash scaling_benchmarks/device_batch.sh sptune    # 2 GPUs: gdn summary-walk tiles, hgrn fwdbwd profile (~7 min)
 #   bash scaling_benchmarks/device_batch.sh sp4       # 4 GPUs: the delta rule's plan, hgrn training (~5 min)
+#   bash scaling_benchmarks/device_batch.sh spfinal   # 2 GPUs: plans checks, B=4 / 16K / gdn fwd scaling (~6 min)
 #   bash scaling_benchmarks/device_batch.sh trainhost-bench # 1 GPU: training-call overhead, launch
 #                                                     #   overhead (~6 min)
 # Several stages run in order: device_batch.sh kernels single runtime
@@ -64,7 +65,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -295,6 +296,22 @@ case "$stage" in
       scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
       --set state_pass=false --ops hgrn --modes fwdbwd --strategies forge,serial,lasp2 \
       --tag b1h32-32k-fwdbwd-hgrn-p4 --out "$OUT" ;;
+  spfinal)  # 2 GPUs: the last rank's zero-start walk (scalar decay), the delta rule's plan
+            # after review: GPU checks, then simple_gla B=4 and 16K, gdn forward scaling
+    step spfinal_checks 130 env FORGE_MG_CHECKS=plans,plans_delta,op_hgrn \
+      python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py
+    step weak_scaling_fwd_b4 100 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+      scaling_benchmarks/weak_scaling.py --set B=4 --set tokens_per_gpu=32768 \
+      --set state_pass=false --ops simple_gla --modes fwd --strategies forge,serial,lasp2 \
+      --tag b4h32-32k-incoming --out "$OUT"
+    step weak_scaling_fwd_gdn 80 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
+      --set state_pass=false --ops gated_delta_rule --modes fwd --strategies forge,serial,lasp2 \
+      --tag b1h32-32k-fwd-gdn-final --out "$OUT"
+    step weak_scaling_fwd_16k 60 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=16384 \
+      --set state_pass=false --ops simple_gla --modes fwd --strategies forge,serial,lasp2 \
+      --tag b1h32-16k-final --out "$OUT" ;;
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;
