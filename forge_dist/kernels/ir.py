@@ -25,7 +25,6 @@ import torch
 KERNELS: Dict[str, Tuple[str, str]] = {
     "walk": ("forge_dist.kernels.walker", "_walk_kernel"),
     "segment_scan": ("forge_dist.kernels.walker", "_segment_scan_kernel"),
-    "incoming_state": ("forge_dist.kernels.walker", "_incoming_state_kernel"),
     "gate_cumsum": ("forge_dist.kernels.walker", "_gate_cumsum_kernel"),
     "gla_gate": ("forge_dist.kernels.vector", "_gate_kernel"),
     "wy": ("forge_dist.kernels.delta", "_wy_kernel"),

@@ -16,8 +16,7 @@ from .compat import dot_precision, ensure, sized_config
 from .ir import Buffer, Launch, Program, pow2
 from .scalar_backward import scalar_decay_backward
 from .walker import outputs_from_summary, sum_gates_in_walk, summarize, walk
-from .walker_launches import (INCOMING, NO_SUMMARY, gate_cumsum, incoming_state_launch,
-                              matrix_buffers, walk_launches)
+from .walker_launches import NO_SUMMARY, gate_cumsum, matrix_buffers, walk_launches
 from .work import DecayAttentionWork
 
 # Tile config for this pattern (one place).  BV trades parallelism (B*H*V/BV programs)
@@ -46,24 +45,11 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
     sum the gates themselves (:func:`.walker.sum_gates_in_walk`).  ``tiles`` overrides
     entries of :func:`fused_config`; ``maps``: fused prologues by input name.  ``summary``: what a
     sequence-parallel rank also keeps for its state pass (:func:`.walker_launches.walk_launches`;
-    the schedule then prices the summary in); ``"incoming"`` (the last rank: ``h0`` is the
-    state the pass delivers): where the walk is fused, it starts from zero and the last
-    launch adds ``h0`` (:func:`.walker_launches.incoming_state_launch`), so the walk runs
-    while the state travels; decoupled walks already run their summaries meanwhile and keep
-    the plain form."""
+    the schedule then prices the summary in)."""
     cfg = dict(fused_config(K, V), **(tiles or {}))
-    incoming = summary == INCOMING
     sched = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], pow2(V)),
                                elem_size=torch.empty((), dtype=dtype).element_size(),
-                               request=execution,
-                               with_summary=summary not in (NO_SUMMARY, INCOMING))
-    if incoming:
-        if not (store_o and has_h0):
-            raise ValueError("summary='incoming': a receiving rank's program (outputs, h0)")
-        if sched.n_seg > 1:  # its summaries already run while the state travels
-            incoming, summary = False, NO_SUMMARY
-        else:
-            summary = NO_SUMMARY
+                               request=execution, with_summary=summary != NO_SUMMARY)
     bufs = matrix_buffers(B=B, T=T, H=H, K=K, V=V, dtype=dtype, store_o=store_o,
                           has_h0=has_h0)
     launches: list[Launch] = []
@@ -74,21 +60,16 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
         # sum made before them
         raw_gates = sum_gates_in_walk(B, T, (maps or {}).get("g"))
         g_walk = "g"
-        if not raw_gates or incoming:  # the incoming state's decay reads the sums too
+        if not raw_gates:
             launches.append(gate_cumsum(bufs, B=B, T=T, H=H, BT=cfg["BT"], maps=maps))
-            g_walk, raw_gates = "g_cum", False
+            g_walk = "g_cum"
     launches += walk_launches(bufs, q="q" if store_o else None, k="k", v="v", g=g_walk,
-                              w=None, h0="h0" if has_h0 and not incoming else None,
+                              w=None, h0="h0" if has_h0 else None,
                               o="o" if store_o else None, ht="ht", B=B, T=T, H=H, K=K, V=V,
                               gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec,
                               n_seg=sched.n_seg, maps=maps, raw_gates=raw_gates,
                               summary=summary)
     notes = [f"execution {sched.strategy} ({sched.n_seg} segments): {sched.reason}"]
-    if incoming:  # the walk started from zero: the state from the pass is added after it
-        launches.append(incoming_state_launch(
-            q="q", gc="g_cum" if gated else None, s_in="h0", o="o", ht="ht", store_ht=True,
-            B=B, T=T, H=H, K=K, V=V, scale=scale, cfg=cfg, prec=prec))
-        notes.append("the incoming state added after a zero-start walk")
     return Program(launches, bufs, sched.strategy, notes)
 
 

@@ -343,45 +343,6 @@ if HAVE_TRITON:
                 tl.store(gt + i_sbh * K + o_k, b_gt, mask=o_k < K)
 
     @triton.jit
-    def _incoming_state_kernel(q, gc, s_in, o, ht, T, scale, H: tl.constexpr,
-                               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                               BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-                               STORE_HT: tl.constexpr, PREC: tl.constexpr):
-        """An incoming state added to outputs walked from a zero start (scalar or no decay);
-        grid ``(cdiv(V, BV), B * H)``.  By linearity the walk from ``S_in`` is the walk from
-        zero plus ``o_t += scale * exp(G_t) * q_t S_in`` and ``h_T += exp(G_T) * S_in``,
-        ``G_t`` the log decay from the shard's start through token ``t``: so a rank that
-        receives its state walks its shard while the state travels, and this launch, one
-        streaming read of q and o, follows the pass.  q [B, T, H, K]; gc [B, H, T] fp32, the
-        gates' chunk-local cumulative sums (GATE=1); s_in [B, H, K, V] fp32; o [B, T, H, V]
-        (read and rewritten); ht [B, H, K, V] fp32 (STORE_HT: read and rewritten)."""
-        i_v, i_bh = tl.program_id(0), tl.program_id(1)
-        i_b = (i_bh // H).to(tl.int64)
-        i_h = i_bh % H
-        bos = i_b * T
-        p_s = tl.make_block_ptr(s_in + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        b_S = tl.load(p_s, boundary_check=(0, 1))
-        b_Sd = b_S.to(q.dtype.element_ty)  # the state in the operand dtype, as the walks use it
-        rows = tl.arange(0, BT)
-        # the log decay from the shard's start to this chunk's start (a 0-d fp32 tensor)
-        b_before = tl.sum(tl.zeros([1], dtype=tl.float32), axis=0)
-        for t0 in range(0, T, BT):
-            p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
-            b_add = tl.dot(tl.load(p_q, boundary_check=(0, 1)), b_Sd, input_precision=PREC)
-            if GATE == 1:
-                o_t = t0 + rows
-                b_G = tl.load(gc + i_bh.to(tl.int64) * T + o_t, mask=o_t < T, other=0.0)
-                b_add = b_add * tl.exp(b_before + b_G)[:, None]
-                b_before += tl.load(gc + i_bh.to(tl.int64) * T + tl.minimum(t0 + BT, T) - 1)
-            p_o = tl.make_block_ptr(o + (bos * H + i_h) * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-            b_o = tl.load(p_o, boundary_check=(0, 1)).to(tl.float32) + b_add * scale
-            tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
-        if STORE_HT:
-            p_h = tl.make_block_ptr(ht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-            b_h = tl.load(p_h, boundary_check=(0, 1)) + tl.exp(b_before) * b_S
-            tl.store(p_h, b_h, boundary_check=(0, 1))
-
-    @triton.jit
     def _segment_scan_kernel(hs, gt, h0, ht, NSEG, K: tl.constexpr, V: tl.constexpr,
                              BK: tl.constexpr, BV: tl.constexpr, GATED: tl.constexpr,
                              HAS_H0: tl.constexpr, STORE_CG: tl.constexpr = False, cg=None,

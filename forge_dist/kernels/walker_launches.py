@@ -130,22 +130,6 @@ def segment_scan_launch(*, hs: str, gt: Optional[str], h0: Optional[str], ht: st
                   cfg["num_stages"])
 
 
-def incoming_state_launch(*, q: str, gc: Optional[str], s_in: str, o: str, ht: str,
-                          store_ht: bool, B: int, T: int, H: int, K: int, V: int,
-                          scale: float, cfg: dict, prec: str) -> Launch:
-    """The incoming state added to a zero-start walk's outputs ``o`` and end state ``ht``
-    (``walker._incoming_state_kernel``): ``gc`` the gates' chunk-local sums (``None``:
-    no decay)."""
-    BV = min(cfg["BV"], pow2(V))
-    return Launch("incoming_state", (cdiv(V, BV), B * H, 1),
-                  (("q", "buf", q), ("gc", "buf", gc or s_in), ("s_in", "buf", s_in),
-                   ("o", "buf", o), ("ht", "buf", ht), ("T", "i32", T),
-                   ("scale", "fp32", float(scale))),
-                  (("H", H), ("K", K), ("V", V), ("BT", cfg["BT"]), ("BK", pow2(K)),
-                   ("BV", BV), ("GATE", 0 if gc is None else 1), ("STORE_HT", store_ht),
-                   ("PREC", prec)), cfg["num_warps"], 1)
-
-
 def gate_cumsum_launch(*, g: str, gc: str, B: int, T: int, H: int, BT: int,
                        maps=None) -> Launch:
     """The scalar gates' chunk-local cumulative sums: ``g [B, T, H]`` -> ``gc [B, H, T]``
@@ -188,10 +172,6 @@ SUMMARIES = (NO_SUMMARY, SEGMENTS, FOLDED)
 # the delta rule's (forge_dist/kernels/delta.py): the shard's ``delta`` alone (rank 0 with
 # no initial state, whose dense transition nobody needs); FOLDED there is ``delta`` and ``M``
 STATE = "state"
-# the last rank's, scalar decay (forge_dist/kernels/scalar.py): it keeps no summary, and
-# where its walk is fused the walk starts from zero before the pass and the incoming state
-# is added after it (incoming_state_launch)
-INCOMING = "incoming"
 
 
 def walk_launches(buffers: Dict[str, Buffer], *, q, k, v, g, w, h0, o, ht, B: int, T: int,

@@ -156,8 +156,6 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                     for gated, mode, summary in itertools.product(
                             _gates(variant, cfg["gated"]), _modes(variant, cfg["execution"]),
                             _summaries(variant, cfg["sequence_parallel"])):
-                        if summary == "incoming" and not h0:
-                            continue  # a receiving rank's program has its h0
                         prog = forward_program(
                             variant, B=1, T=T, H=int(H), K=int(K), V=int(V), dtype=dtype,
                             gated=gated, has_h0=h0, execution=mode, tiles=tiles,
@@ -204,11 +202,9 @@ def _summaries(variant, sp):
     with its dense transition) besides the plain one."""
     if not sp:
         return ["none"]
-    spec = registry.get(variant)
-    if spec.kind is Kind.DENSE:
+    if registry.get(variant).kind is Kind.DENSE:
         return ["none", "state", "folded"]
-    return ["none", "segments", "folded"] + (["incoming"] if spec.pattern == "scalar_decay"
-                                             else [])
+    return ["none", "segments", "folded"]
 
 
 # ---------------------------------------------------------------------------------------

@@ -154,8 +154,8 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         if size > 1:
             strategy_name, strategy_obj = sp_setup.resolve_strategy(strategy, simulated, device,
                                                                     group)
-            summary = sp_setup.summary_form(op, rank, size, initial_state, train,
-                                            strategy_obj, mapped=bool(maps))
+            if rank < size - 1:
+                summary = sp_setup.summary_form(op, rank, initial_state, train, strategy_obj)
         elif train:
             raise PlanError("train: a sequence-parallel plan option (give a group of more "
                             "than one rank); one-device plans differentiate with run_backward")

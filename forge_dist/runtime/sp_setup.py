@@ -28,21 +28,14 @@ def sp_train_variants() -> Tuple[str, ...]:
     return kernels.sp_train_variants()
 
 
-def summary_form(op: str, rank: int, size: int, initial_state: bool, train: bool,
-                 strategy_obj, mapped: bool = False) -> str:
-    """What the forward program of a sequence-parallel rank keeps for the state pass
-    (``summary=`` of :func:`forge_dist.kernels.forward_program`).  A rank before the last:
-    in a training plan the folded summary whatever the strategy; the delta rule's the
-    shard's state and dense transition (``"folded"``), or on rank 0 without an initial
-    state the state alone (``"state"``: it starts from zero, so nobody needs its
-    transition); else the strategy's :attr:`~forge_dist.sp.base.Strategy.plan_summary`.
-    The last rank keeps none; a scalar-decay forward without fused prologues takes its
-    incoming state after its walk (``"incoming"``)."""
-    spec = registry.get(op)
-    if rank == size - 1:
-        scalar = spec.pattern == "scalar_decay"
-        return "incoming" if scalar and not train and not mapped else "none"
-    if spec.kind is Kind.DENSE:
+def summary_form(op: str, rank: int, initial_state: bool, train: bool, strategy_obj) -> str:
+    """What the forward program of a rank before the last keeps for the state pass
+    (``summary=`` of :func:`forge_dist.kernels.forward_program`): a training plan's ranks
+    the folded summary whatever the strategy; the delta rule's the shard's state and
+    dense transition (``"folded"``), or on rank 0 without an initial state the state alone
+    (``"state"``: it starts from zero, so nobody needs its transition); else the
+    strategy's :attr:`~forge_dist.sp.base.Strategy.plan_summary`."""
+    if registry.get(op).kind is Kind.DENSE:
         return "state" if rank == 0 and not initial_state else "folded"
     return "folded" if train else strategy_obj.plan_summary
 
