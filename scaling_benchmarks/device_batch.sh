@@ -296,8 +296,8 @@ case "$stage" in
       scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
       --set state_pass=false --ops hgrn --modes fwdbwd --strategies forge,serial,lasp2 \
       --tag b1h32-32k-fwdbwd-hgrn-p4 --out "$OUT" ;;
-  spfinal)  # 2 GPUs: the last rank's zero-start walk (scalar decay), the delta rule's plan
-            # after review: GPU checks, then simple_gla B=4 and 16K, gdn forward scaling
+  spfinal)  # 2 GPUs: GPU checks of the plans, then simple_gla B=4 and 16K, gdn forward scaling
+            # (run at 2b13300 with the last rank's zero-start walk, since taken out)
     step spfinal_checks 130 env FORGE_MG_CHECKS=plans,plans_delta,op_hgrn \
       python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py
     step weak_scaling_fwd_b4 100 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \

@@ -64,10 +64,10 @@ def setup(p: Plan, simulated: bool, B, T, H, K, V, dtype, gated) -> None:
     p.zeros = torch.zeros(B, H, K, V, dtype=torch.float32, device=p.device)
     if (Kind(p.kind) is Kind.DENSE and p.rank < p.size - 1
             and "M" not in p.finish_exec.workspaces):
-        # rank 0 from zero walks no transition (summary "state"): the state pass reads a
-        # zero one, which multiplies its zero start
-        p.finish_exec.workspaces["M"] = torch.zeros(B, H, K, K, dtype=torch.float32,
-                                                    device=p.device)
+        # rank 0 from zero walks no transition (summary "state"): the baselines' state pass
+        # reads a zero one, which multiplies its zero start (forge's adds no product)
+        p.finish_exec.workspaces["M_zero"] = torch.zeros(B, H, K, K, dtype=torch.float32,
+                                                         device=p.device)
     if not simulated:
         # once per plan, not per run: every rank must have planned the same call.  The
         # fields are the ops' (a rank on the runner sends the same word as one on a plan);

@@ -84,7 +84,8 @@ def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Te
     if rank < size - 1:
         delta = summaries["delta"]
         if kind is Kind.DENSE:
-            M = summaries.get("M")  # rank 0 from zero: a zero one (runtime/sp_setup.py)
+            # rank 0 from zero: a zero one (runtime/sp_setup.py)
+            M = summaries.get("M", summaries.get("M_zero"))
             if M is None:
                 raise ValueError(f"rank {rank}: a dense transition's chain needs the "
                                  "shard's M")

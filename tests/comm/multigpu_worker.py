@@ -216,13 +216,7 @@ def plan_check(group, device):
                 outs[strategy] = o
                 errs[f"{name}/{execution}/{strategy}"] = rel(o, ref)
             errs[f"{name}/{execution}/forge-vs-serial"] = rel(outs["forge"], outs["serial"])
-            if name != "gla" and execution == "fused" and r == P - 1:
-                # the last rank's fused walk starts from zero and adds its state after the
-                # pass (kernels.walker._incoming_state_kernel)
-                kernels_run = [x["kernel"] for x in p.describe()["launches"]]
-                if kernels_run[-1] != "incoming_state":
-                    raise AssertionError(f"{name}: the last rank ran {kernels_run}")
-    # bf16, the op's own dtype on one GPU: the incoming state added to bf16 outputs
+    # bf16, against the op in bf16 on one GPU
     full = op_inputs("simple_gla", B, T_local * P, H, D, 12, device)
     full = {n: (t.bfloat16() if n != "g" else t) for n, t in full.items()}
     mine = slice(r * T_local, (r + 1) * T_local)
