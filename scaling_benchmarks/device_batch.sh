@@ -81,6 +81,12 @@ step() {  # step NAME SECONDS COMMAND...
   echo "== $name rc=${PIPESTATUS[0]}" | tee -a "$OUT/batch.log"
 }
 
+ws() {  # ws NAME SECONDS RANKS OP MODE B TOKENS TAG [STRATEGIES]: one weak-scaling step
+  step "$1" "$2" torchrun --nproc-per-node "$3" scaling_benchmarks/weak_scaling.py --set B="$6" \
+    --set tokens_per_gpu="$7" --set state_pass=false --ops "$4" --modes "$5" \
+    --strategies "${9:-forge,serial,lasp2}" --tag "$8" --out "$OUT"
+}
+
 for stage in "$@"; do
 case "$stage" in
   robust|faults)  # issue 9 on the GPU (-s: the worker's lines reach the log as they come)
@@ -252,66 +258,41 @@ case "$stage" in
     step sp_training_checks 180 env FORGE_MG_CHECKS=op_gated_delta_rule,op_simple_gla,op_gla,no_host_sync_forge \
       python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py
     for op in gated_delta_rule:170 hgrn:110 gla:120; do
-      step "weak_scaling_fwdbwd_${op%%:*}" "${op##*:}" env CUDA_VISIBLE_DEVICES=0,1 torchrun \
-        --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
-        --set state_pass=false --ops "${op%%:*}" --modes fwdbwd --strategies forge,serial,lasp2 \
-        --tag "b1h32-32k-fwdbwd-${op%%:*}" --out "$OUT"
+      ws "weak_scaling_fwdbwd_${op%%:*}" "${op##*:}" 2 "${op%%:*}" fwdbwd 1 32768 \
+        "b1h32-32k-fwdbwd-${op%%:*}"
     done ;;
   spgdn)  # 2 GPUs, after the delta rule's sequence-parallel plan and hgrn's shard_call
           # training: their GPU checks, gdn fwd and hgrn fwdbwd scaling, the no-sync check
     step spgdn_checks 170 env FORGE_MG_CHECKS=plans_delta,op_hgrn,op_gated_delta_rule \
       python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py
-    step weak_scaling_fwd_gdn 130 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
-      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
-      --set state_pass=false --ops gated_delta_rule --modes fwd --strategies forge,serial,lasp2 \
-      --tag b1h32-32k-fwd-gdn-plan --out "$OUT"
-    step weak_scaling_fwdbwd_hgrn 110 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
-      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
-      --set state_pass=false --ops hgrn --modes fwdbwd --strategies forge,serial,lasp2 \
-      --tag b1h32-32k-fwdbwd-hgrn-split --out "$OUT"
+    ws weak_scaling_fwd_gdn 130 2 gated_delta_rule fwd 1 32768 b1h32-32k-fwd-gdn-plan
+    ws weak_scaling_fwdbwd_hgrn 110 2 hgrn fwdbwd 1 32768 b1h32-32k-fwdbwd-hgrn-split
     step no_host_sync_forge 170 env FORGE_MG_CHECKS=no_host_sync_forge \
       python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py ;;
   sptune)  # 2 GPUs: the delta rule's summary-walk tiles on the chain's critical path (gdn
            # forward scaling, forge, one run per tile config); hgrn fwdbwd host/GPU profile
     for tiles in default "BV=16,num_warps=2" "BV=16,num_warps=4" "BV=64,num_warps=4"; do
       tag=$(echo "$tiles" | tr -d ',=_' | tr 'A-Z' 'a-z')
-      step "ws_fwd_gdn_$tag" 75 env CUDA_VISIBLE_DEVICES=0,1 \
-        FORGE_DIST_DENSE_SUMMARY_TILES="$([ "$tiles" = default ] || echo "$tiles")" \
-        torchrun --nproc-per-node 2 scaling_benchmarks/weak_scaling.py --set B=1 \
-        --set tokens_per_gpu=32768 --set state_pass=false --ops gated_delta_rule --modes fwd \
-        --strategies forge --tag "b1h32-32k-fwd-gdn-sum-$tag" --out "$OUT"
+      export FORGE_DIST_DENSE_SUMMARY_TILES="$([ "$tiles" = default ] || echo "$tiles")"
+      ws "ws_fwd_gdn_$tag" 75 2 gated_delta_rule fwd 1 32768 "b1h32-32k-fwd-gdn-sum-$tag" forge
     done
-    step sp_profile_hgrn 110 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
+    unset FORGE_DIST_DENSE_SUMMARY_TILES
+    step sp_profile_hgrn 110 torchrun --nproc-per-node 2 \
       scaling_benchmarks/sp_profile.py --op hgrn --tokens 32768 --strategies forge --grad \
       --trace --out "$OUT" ;;
   sp4)  # 4 GPUs: the delta rule's plan and hgrn's training at 4 ranks (middle ranks walk the
         # dense transition from the identity): GPU checks, gdn forward and hgrn fwdbwd scaling
     step sp4_checks 130 env FORGE_MG_WORLD=4 FORGE_MG_CHECKS=plans_delta,op_hgrn \
       python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py
-    step weak_scaling_fwd_gdn_p4 100 torchrun --nproc-per-node 4 \
-      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
-      --set state_pass=false --ops gated_delta_rule --modes fwd --strategies forge,serial,lasp2 \
-      --tag b1h32-32k-fwd-gdn-p4 --out "$OUT"
-    step weak_scaling_fwdbwd_hgrn_p4 80 torchrun --nproc-per-node 4 \
-      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
-      --set state_pass=false --ops hgrn --modes fwdbwd --strategies forge,serial,lasp2 \
-      --tag b1h32-32k-fwdbwd-hgrn-p4 --out "$OUT" ;;
+    ws weak_scaling_fwd_gdn_p4 100 4 gated_delta_rule fwd 1 32768 b1h32-32k-fwd-gdn-p4
+    ws weak_scaling_fwdbwd_hgrn_p4 80 4 hgrn fwdbwd 1 32768 b1h32-32k-fwdbwd-hgrn-p4 ;;
   spfinal)  # 2 GPUs: GPU checks of the plans, then simple_gla B=4 and 16K, gdn forward scaling
             # (run at 2b13300 with the last rank's zero-start walk, since taken out)
     step spfinal_checks 130 env FORGE_MG_CHECKS=plans,plans_delta,op_hgrn \
       python3 -m pytest -q -s -m multigpu tests/sp/test_forge_multigpu.py
-    step weak_scaling_fwd_b4 100 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
-      scaling_benchmarks/weak_scaling.py --set B=4 --set tokens_per_gpu=32768 \
-      --set state_pass=false --ops simple_gla --modes fwd --strategies forge,serial,lasp2 \
-      --tag b4h32-32k-incoming --out "$OUT"
-    step weak_scaling_fwd_gdn 80 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
-      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=32768 \
-      --set state_pass=false --ops gated_delta_rule --modes fwd --strategies forge,serial,lasp2 \
-      --tag b1h32-32k-fwd-gdn-final --out "$OUT"
-    step weak_scaling_fwd_16k 60 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 \
-      scaling_benchmarks/weak_scaling.py --set B=1 --set tokens_per_gpu=16384 \
-      --set state_pass=false --ops simple_gla --modes fwd --strategies forge,serial,lasp2 \
-      --tag b1h32-16k-final --out "$OUT" ;;
+    ws weak_scaling_fwd_b4 100 2 simple_gla fwd 4 32768 b4h32-32k-incoming
+    ws weak_scaling_fwd_gdn 80 2 gated_delta_rule fwd 1 32768 b1h32-32k-fwd-gdn-final
+    ws weak_scaling_fwd_16k 60 2 simple_gla fwd 1 16384 b1h32-16k-final ;;
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;

@@ -508,6 +508,17 @@ def test_program_specs_are_stable():
     assert keys(c)[1] != keys(e)[1]  # the walk reads bf16 / fp16 q, k, v
 
 
+def _rank_error(p, inp, h0, ref_o, ref_h, rank: int, P: int, Tl: int) -> float:
+    """Run plan ``p`` on this rank's shard of ``inp`` (``h0`` on rank 0): the relative error
+    of its output against the whole sequence's ``ref_o``, and on the last rank of its
+    final state against ``ref_h``."""
+    mine = slice(rank * Tl, (rank + 1) * Tl)
+    o, ht = p.run(*[inp[n][:, mine].contiguous() for n in p.input_names],
+                  initial_state=h0 if rank == 0 else None)
+    err = _rel(o, ref_o[:, mine])
+    return max(err, _rel(ht, ref_h)) if rank == P - 1 else err
+
+
 def _sp_plans_world(group, ops_and_strategies):
     """Every rank plans its shard and runs three calls (fresh data each, so forge's epochs
     advance); returns each (op, strategy)'s largest relative error against one process."""
@@ -529,16 +540,10 @@ def _sp_plans_world(group, ops_and_strategies):
             inp = _inputs(op, T=P * Tl, seed=step)
             if gated is False:
                 inp.pop("g", None)
-            names = p.input_names
             h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(10 + step))
-            ref_o, ref_h = getattr(ops, op)(*[inp[n] for n in names], initial_state=h0,
+            ref_o, ref_h = getattr(ops, op)(*[inp[n] for n in p.input_names], initial_state=h0,
                                             output_final_state=True)
-            mine = slice(rank * Tl, (rank + 1) * Tl)
-            o, ht = p.run(*[inp[n][:, mine].contiguous() for n in names],
-                          initial_state=h0 if rank == 0 else None)
-            worst = max(worst, _rel(o, ref_o[:, mine]))
-            if rank == P - 1:
-                worst = max(worst, _rel(ht, ref_h))
+            worst = max(worst, _rank_error(p, inp, h0, ref_o, ref_h, rank, P, Tl))
         errors[f"{op}{'-ungated' if gated is False else ''}/{strategy}/{execution}"] = worst
     sp.flush()
     everyone = [None] * P
@@ -590,7 +595,6 @@ def _sp_delta_world(group, cases):
             inp = _inputs("gated_delta_rule", T=P * Tl, seed=step)
             if not gated:
                 inp.pop("g")
-            names = p.input_names
             h0 = (torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(10 + step))
                   if with_h0 else None)
             if (gated, with_h0, step) not in refs:  # the same for every strategy
@@ -598,12 +602,8 @@ def _sp_delta_world(group, cases):
                     inp["q"], inp["k"], inp["v"], inp.get("g"), beta=inp["beta"],
                     initial_state=h0, output_final_state=True)
             ref_o, ref_h = refs[gated, with_h0, step]
+            worst = max(worst, _rank_error(p, inp, h0, ref_o, ref_h, rank, P, Tl))
             mine = slice(rank * Tl, (rank + 1) * Tl)
-            o, ht = p.run(*[inp[n][:, mine].contiguous() for n in names],
-                          initial_state=h0 if rank == 0 else None)
-            worst = max(worst, _rel(o, ref_o[:, mine]))
-            if rank == P - 1:
-                worst = max(worst, _rel(ht, ref_h))
             if step == 0 and gated and with_h0:  # the op's forward takes such a plan too
                 cache.clear()
                 with torch.no_grad():
