@@ -3,7 +3,8 @@
 A results file is ``scaling_benchmarks/results/<benchmark>_<device>_<date>.json``::
 
     {"benchmark", "device", "world_size", "torch", "triton", "commit", "date",
-     "config": {...}, "rows": [{"op", "T", "pass", "impl", "ms", ...}, ...]}
+     "switches": {FORGE_DIST_*: value}, "config": {...},
+     "rows": [{"op", "T", "pass", "impl", "ms", ...}, ...]}
 """
 from __future__ import annotations
 
@@ -38,8 +39,16 @@ def device_name() -> str:
     return "cpu"
 
 
+def switches() -> Dict[str, str]:
+    """The ``FORGE_DIST_*`` environment switches set for this run (tile overrides, schedules,
+    timeouts), as they were written; ``FORGE_DIST_COMMIT`` is the header's ``commit``."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith("FORGE_DIST_") and k != "FORGE_DIST_COMMIT"}
+
+
 def header(benchmark: str, config: Dict[str, Any], world_size: int = 1) -> Dict[str, Any]:
-    """The common fields of a results file (versions, device, commit, date)."""
+    """The common fields of a results file (versions, device, commit, date, the
+    ``FORGE_DIST_*`` switches of the run)."""
     import torch
 
     try:
@@ -50,7 +59,8 @@ def header(benchmark: str, config: Dict[str, Any], world_size: int = 1) -> Dict[
         triton_version = None
     return {"benchmark": benchmark, "device": device_name(), "world_size": world_size,
             "torch": torch.__version__, "triton": triton_version, "commit": _commit(),
-            "date": datetime.date.today().isoformat(), "config": config, "rows": []}
+            "date": datetime.date.today().isoformat(), "switches": switches(),
+            "config": config, "rows": []}
 
 
 def results_path(result: Dict[str, Any], out_dir: Optional[Path] = None) -> Path:

@@ -502,6 +502,7 @@ def run_record(header: Dict[str, Any], cfg) -> Dict[str, Any]:
     import socket
 
     rec = {k: header[k] for k in ("device", "torch", "triton", "commit", "date")}
+    rec["switches"] = results_io.switches()  # each merged run's own
     rec.update(_versions())
     rec.update(host=socket.gethostname(),
                started=datetime.datetime.now().isoformat(timespec="seconds"),

@@ -16,15 +16,16 @@ sys.path.insert(0, str(REPO))
 from scaling_benchmarks import weak_scaling as ws  # noqa: E402
 
 OPS = ["linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"]
-HEADER = ("benchmark", "device", "world_size", "torch", "triton", "commit", "date", "config",
-          "rows")
+HEADER = ("benchmark", "device", "world_size", "torch", "triton", "commit", "date", "switches",
+          "config", "rows")
 ROW = ("op", "T", "pass", "impl", "ms", "ms_min", "strategy", "world_size", "tokens_per_gpu",
        "breakdown", "peak_mib", "measure", "per_rank")
 
 
 def _run(tmp_path: Path, world: int) -> dict:
     out = tmp_path / f"w{world}"
-    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_COMMIT="test")
+    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_COMMIT="test",
+               FORGE_DIST_TIMEOUT="300")  # a switch: recorded with the run
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--cpu", "--world", str(world), "--out", str(out),
          "--set", "warmup=1", "--set", "repeats=2"],
@@ -60,6 +61,8 @@ def test_one_rank_writes_ideal_rows(one_rank):
     for key in HEADER:
         assert key in one_rank
     assert one_rank["benchmark"] == "weak_scaling" and one_rank["world_size"] == 1
+    assert one_rank["switches"]["FORGE_DIST_TIMEOUT"] == "300"  # the run's switches
+    assert "FORGE_DIST_COMMIT" not in one_rank["switches"]  # that is the header's commit
     ideal = [r for r in one_rank["rows"] if r["measure"] == "ideal"]
     assert {(r["op"], r["pass"]) for r in ideal} == {(o, p) for o in OPS
                                                      for p in ("fwd", "fwdbwd")}
