@@ -117,8 +117,9 @@ def resolve(name: str, device: torch.device, group=None) -> Strategy:
     """The strategy called ``name`` (``group``: the call's process group, read by ``auto``).
 
     ``"auto"`` picks ``forge`` for CUDA tensors when ``group`` is the whole job and the job
-    runs on one node where NVSHMEM runs (the fastest strategy in every measured 2- and
-    4-GPU cell, forward and forward + backward: docs/performance.md), else ``lasp2`` (then
+    runs on one node where NVSHMEM runs (the fastest strategy, or within noise of the
+    fastest, in every measured 2- and 4-GPU cell, forward and forward + backward:
+    docs/performance.md), else ``lasp2`` (then
     ``serial``).  Not for a subgroup: forge's symmetric buffers are allocated by a
     collective over every process of the job, which the ranks outside the group (other
     data-parallel replicas, with other shapes, or pipeline stages) would not join.  Not
