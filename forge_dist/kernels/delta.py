@@ -611,10 +611,9 @@ class DeltaRuleWork(TritonWork):
         gate = 0 if g is None else 1
         B, T, H, K = k.shape
         bufs: Dict[str, Buffer] = {}
+        # k is in the walks' dtype here (fp32 when exact): the same tiles as cfg's
         launches = summary_launches(bufs, B=B, T=T, H=H, K=K, V=v.shape[-1], dtype=k.dtype,
-                                    gated=bool(gate), transition=need_M, prec=prec,
-                                    tiles={"BV": cfg["BV"], "num_warps": cfg["num_warps"],
-                                           "num_stages": cfg["num_stages"]})
+                                    gated=bool(gate), transition=need_M, prec=prec)
         tensors = {n: torch.empty(b.shape, dtype=b.dtype, device=k.device)
                    for n, b in bufs.items()}
         tensors.update(k=k, u=u, w=w)

@@ -532,13 +532,20 @@ class HgrnBackward:
         _launch(backward_walk_launch(grads=False, cin=None, **self.common), self.tensors)
         self._summed = True
 
+    def _bind_dht(self, t: dict, dht) -> Optional[str]:
+        """Put the final-state gradient into ``t`` as the kernels read it (fp32 ``[1, B,
+        D]``); its buffer name, or ``None`` (zero)."""
+        if dht is None:
+            return None
+        B, _, D = self.shape
+        t["dht"] = dht.to(torch.float32).reshape(1, B, D).contiguous()
+        return "dht"
+
     def _scan(self, t: dict, dht) -> None:
         """In place: ``cout[s]`` becomes the gradient entering segment ``s`` from its right,
         and the gradient leaving the first segment lands in ``gout[0]``."""
         B, _, D = self.shape
-        if dht is not None:
-            t["dht"] = dht.to(torch.float32).reshape(1, B, D).contiguous()
-        _launch(scan_launch(hs="cout", gt="gout", h0="dht" if dht is not None else None,
+        _launch(scan_launch(hs="cout", gt="gout", h0=self._bind_dht(t, dht),
                             ht="gout", n_seg=self.n_seg, B=B, D=D, BD=self.BD,
                             num_warps=BWD_CONFIG["num_warps"], reverse=True), t)
 
@@ -562,10 +569,7 @@ class HgrnBackward:
             # outgoing one to the same slot, so the walk runs in place
             cin = "cout"
         elif self.n_seg == 1:
-            B, _, D = self.shape
-            if dht is not None:
-                t["dht"] = dht.to(torch.float32).reshape(1, B, D).contiguous()
-            cin = "dht" if dht is not None else None
+            cin = self._bind_dht(t, dht)
         else:
             raise RuntimeError("HgrnBackward.finish: segments need summaries() first")
         t["dx"] = dx = torch.empty_like(self.x)

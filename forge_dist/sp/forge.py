@@ -591,20 +591,16 @@ class Forge(Strategy):
         where = _where(group)
         rank, size = where.rank, where.size
         last = rank == size - 1
-        if kind is Kind.DENSE:  # no segments: the program's delta and M (rank 0 from zero:
-            # delta alone, sent as M S0 + delta with S0 = 0 and no product)
-            d = S_in if last else summaries["delta"]
-            M = None if last else summaries.get("M")
-            if M is None and 0 < rank < size - 1:
+        M, d, fold = None, S_in, None  # the last rank only receives
+        if not last and kind is Kind.DENSE:
+            # no segments: the program's delta and M (rank 0 from zero: delta alone, sent
+            # as M S0 + delta with S0 = 0 and no product)
+            M, d = summaries.get("M"), summaries["delta"]
+            if M is None and rank > 0:
                 raise ValueError(f"forge: rank {rank} needs its transition M (dense)")
-            _run_chain(where, "fwd", kind, M,
-                       S0 if rank == 0 else None, d, None if rank == 0 else S_in, None,
-                       _SRC_FIRST if rank == 0 else _SRC_RECV, not last,
-                       rank - 1, -1 if last else rank + 1, transpose=False, word=word,
-                       keep=keep)
-            return S0 if rank == 0 else S_in
-        fold = None if last else (summaries["hs"], summaries.get("gt"))
-        _run_chain(where, "fwd", kind, None, S0 if rank == 0 else None, S_in,
+        elif not last:
+            fold = (summaries["hs"], summaries.get("gt"))
+        _run_chain(where, "fwd", kind, M, S0 if rank == 0 else None, d,
                    None if rank == 0 else S_in, None,
                    _SRC_FIRST if rank == 0 else _SRC_RECV, not last,
                    rank - 1, -1 if last else rank + 1, transpose=False, word=word, fold=fold,
