@@ -51,6 +51,12 @@
 #   bash scaling_benchmarks/device_batch.sh sptune    # 2 GPUs: gdn summary-walk tiles, hgrn fwdbwd profile (~7 min)
 #   bash scaling_benchmarks/device_batch.sh sp4       # 4 GPUs: the delta rule's plan, hgrn training (~5 min)
 #   bash scaling_benchmarks/device_batch.sh spfinal   # 2 GPUs: plans checks, B=4 / 16K / gdn fwd scaling (~6 min)
+#   bash scaling_benchmarks/device_batch.sh verify-mg # 2 GPUs: the multigpu suite three times in a row (~8 min)
+#   bash scaling_benchmarks/device_batch.sh verify-gpu # 2 GPUs: the gpu suite split over the two
+#                                                     #   cards, launch overhead here and at BASE (~9 min)
+#   bash scaling_benchmarks/device_batch.sh verify-bench # 2 GPUs: single_device here and at BASE on
+#                                                     #   card 0, layers and DSL variants on card 1 (~9 min)
+#     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base)
 #   bash scaling_benchmarks/device_batch.sh trainhost-bench # 1 GPU: training-call overhead, launch
 #                                                     #   overhead (~6 min)
 # Several stages run in order: device_batch.sh kernels single runtime
@@ -65,7 +71,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -146,6 +152,38 @@ case "$stage" in
   runtime)
     step gpu_runtime_tests 180 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/runtime
     step launch_overhead 150 python3 scaling_benchmarks/launch_overhead.py --out "$OUT" ;;
+  verify-mg)  # the suite of the robustness issue's item 9, three times in a row, then FLA's models
+    for i in 1 2 3; do
+      step multigpu_run$i 170 python3 -m pytest -q -x -p no:cacheprovider -m multigpu tests/sp \
+        tests/robustness/test_forge_gpu.py tests/runtime/test_gpu.py
+    done
+    step multigpu_nn 100 python3 -m pytest -q -p no:cacheprovider -m multigpu tests/nn ;;
+  verify-gpu)  # every gpu test, the two cards in parallel; then launch overhead alone, BASE first
+    ( export CUDA_VISIBLE_DEVICES=0; step gpu_kernels 330 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/kernels > /dev/null ) &
+    ( export CUDA_VISIBLE_DEVICES=1; step gpu_rest 330 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests --ignore=tests/kernels > /dev/null ) &
+    wait
+    if [ -d _base ]; then
+      step launch_overhead_base 100 env PYTHONPATH="$PWD/_base:/tmp/site" \
+        python3 _base/scaling_benchmarks/launch_overhead.py --repeats 3 --cache-dir /tmp/aot_base --out "$OUT/base" --tag base
+    fi
+    step launch_overhead_head 100 python3 scaling_benchmarks/launch_overhead.py --repeats 3 \
+      --cache-dir /tmp/aot_head --out "$OUT" --tag head ;;
+  verify-bench)  # card 0: single_device at BASE, then here (same card); card 1: layers, DSL variants
+    sd_args=(--T 4096,16384,65536 --no-dsl --sweep "" --impls forge_dist/auto,ops)
+    ( export CUDA_VISIBLE_DEVICES=0
+      if [ -d _base ]; then
+        step single_base 240 env PYTHONPATH="$PWD/_base:/tmp/site" \
+          python3 _base/scaling_benchmarks/single_device.py "${sd_args[@]}" --out "$OUT/base" --tag base > /dev/null
+      fi
+      step single_head 240 python3 scaling_benchmarks/single_device.py "${sd_args[@]}" --out "$OUT" \
+        --tag head > /dev/null ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      step layers 330 python3 scaling_benchmarks/layers.py --out "$OUT" > /dev/null
+      step dsl_variants 200 python3 -m scaling_benchmarks.dsl_variants --budget-s 170 --out "$OUT" \
+        > /dev/null ) &
+    wait ;;
   tests)
     step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests ;;
   single)
