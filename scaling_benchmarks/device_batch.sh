@@ -56,6 +56,7 @@
 #                                                     #   cards, launch overhead here and at BASE (~9 min)
 #   bash scaling_benchmarks/device_batch.sh verify-bench # 2 GPUs: single_device here and at BASE on
 #                                                     #   card 0, layers and DSL variants on card 1 (~9 min)
+#   bash scaling_benchmarks/device_batch.sh layers-sp # 2 GPUs: every layer sequence-parallel against one shard (~6 min)
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base)
 #   bash scaling_benchmarks/device_batch.sh trainhost-bench # 1 GPU: training-call overhead, launch
 #                                                     #   overhead (~6 min)
@@ -71,7 +72,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -184,6 +185,8 @@ case "$stage" in
       step dsl_variants 200 python3 -m scaling_benchmarks.dsl_variants --budget-s 170 --out "$OUT" \
         > /dev/null ) &
     wait ;;
+  layers-sp)  # the layers' issue: each layer with forge on 2 GPUs against its shard alone
+    step layers_sp 420 torchrun --nproc-per-node 2 scaling_benchmarks/layers.py --sp --out "$OUT" ;;
   tests)
     step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests ;;
   single)

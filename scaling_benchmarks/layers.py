@@ -17,6 +17,11 @@ Triton 3.6 / Hopper) is a row with ``skipped`` and the reason.  Times:
 (:mod:`scaling_benchmarks.results_io`), then a PNG.
 
     python scaling_benchmarks/layers.py [--layers gdn,gla] [--passes fwd,fwdbwd] [--out DIR]
+
+With ``--sp`` (under torchrun, or ``--cpu --world 2``) it times the layers sequence-parallel
+against one shard instead (:mod:`scaling_benchmarks.layers_sp`):
+
+    torchrun --nproc-per-node 2 scaling_benchmarks/layers.py --sp [--strategy forge]
 """
 from __future__ import annotations
 
@@ -227,10 +232,28 @@ def main(argv=None):
                     help="results folder (default scaling_benchmarks/results)")
     ap.add_argument("--tag", default=None, help="suffix of the results file name")
     ap.add_argument("--plot", default=None, help="only redraw the PNG of this results JSON")
+    sp = ap.add_argument_group("sequence parallel (--sp)")
+    sp.add_argument("--sp", action="store_true",
+                    help="the layers sequence-parallel against one shard (torchrun, or --cpu)")
+    sp.add_argument("--strategy", default="forge", help="the layers' strategy")
+    sp.add_argument("--tokens-per-gpu", type=int, default=None,
+                    help=f"tokens per rank (default {T}; with --cpu 32)")
+    sp.add_argument("--repeats", type=int, default=None, help="timed calls (default 20)")
+    sp.add_argument("--cpu", action="store_true", help="gloo processes on the CPU, fp32")
+    sp.add_argument("--world", type=int, default=1,
+                    help="with --cpu: ranks to spawn when not launched by torchrun")
     args = ap.parse_args(argv)
     if args.plot:
-        plot(results_io.load(args.plot), Path(args.plot).with_suffix(".png"))
+        data = results_io.load(args.plot)
+        if data["benchmark"] == "layers_sp":
+            from scaling_benchmarks import layers_sp
+            layers_sp.plot(data, Path(args.plot).with_suffix(".png"))
+        else:
+            plot(data, Path(args.plot).with_suffix(".png"))
         return 0
+    if args.sp:
+        from scaling_benchmarks import layers_sp
+        return layers_sp.main(args)
     if not torch.cuda.is_available():
         print("layers.py needs a CUDA GPU", file=sys.stderr)
         return 2

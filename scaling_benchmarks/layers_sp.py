@@ -1,0 +1,235 @@
+"""Every layer of :mod:`forge_dist.nn` sequence-parallel, against the same layer on one shard.
+
+Run by ``layers.py --sp`` under torchrun (one GPU per rank, NCCL), or on the CPU with
+``--cpu --world N`` (gloo processes, fp32, tiny shards: a check of the code path, not a
+timing).  Each rank holds the same layer (seeded initialisation) and the same global input
+``x [B, P * tokens_per_gpu, hidden]``, and takes its shard of the sequence.  Per layer and
+pass (``fwd`` under ``torch.no_grad``; ``fwdbwd``: forward + backward of ``(o * w).sum()``):
+
+* ``shard_ms``: the layer on the rank's shard alone (no group), every rank at once;
+* ``ms``: the layer on the rank's shard with the group (the ranks' sequence-parallel call);
+* ``ratio = ms / shard_ms`` (the issue's target: <= 1.2 at 8192 tokens per GPU);
+* ``max_rel_err``: the sequence-parallel output against the same layer on the whole
+  sequence on one device (``max |a - b| / max |b|``), and for ``fwdbwd`` also over ``dx`` and
+  every parameter gradient (summed over the ranks).
+
+Times as in ``weak_scaling.py``: a barrier before every call, CUDA events, the slowest rank per
+repeat, the median over repeats.  Rows go to JSON as they complete, then a PNG.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scaling_benchmarks import layers as lb, results_io  # noqa: E402
+from scaling_benchmarks import weak_scaling as ws  # noqa: E402
+
+#: CPU smoke shapes: B, tokens per rank (the layers' widths stay FLA's at hidden 1024)
+CPU_B, CPU_TOKENS = 1, 32
+
+
+def build(name: str, device, dtype, group, strategy: str):
+    """Our layer ``name`` at the shapes of :data:`layers.LAYERS`, seeded the same on every
+    rank, holding ``group`` and ``strategy``."""
+    from forge_dist import nn as fnn
+
+    cls, _, kw = lb.LAYERS[name]
+    torch.manual_seed(0)
+    extra = {"num_layers": 4} if name == "lightning" else {}
+    layer = fnn.__dict__[cls](layer_idx=1, group=group, strategy=strategy, **extra, **kw)
+    return layer.to(device, dtype)
+
+
+def _call(layer, x, w, pas, group):
+    """One pass of ``layer`` on ``x`` with ``group`` (None: the shard alone); returns the
+    output (``fwdbwd``: after the backward, gradients in ``.grad``)."""
+    if pas == "fwd":
+        with torch.no_grad():
+            return lb._out(layer(x, group=group))
+    x.grad = None
+    for p in layer.parameters():
+        p.grad = None
+    o = lb._out(layer(x, group=group))
+    (o.float() * w).sum().backward()
+    return o
+
+
+def _grads(layer, x):
+    return [x.grad] + [p.grad for _, p in sorted(layer.named_parameters())]
+
+
+def run_layer(name, pas, *, group, strategy, device, dtype, B, tokens, warmup, repeats):
+    """The row of one layer and pass (rank 0's copy is the one written)."""
+    import torch.distributed as dist
+
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    layer = build(name, device, dtype, group, strategy)
+    hidden = lb.HIDDEN
+    gen = torch.Generator(device=device).manual_seed(1)
+    x_full = torch.randn(B, P * tokens, hidden, device=device, dtype=dtype, generator=gen)
+    w_full = torch.randn(B, P * tokens, hidden, device=device, generator=gen)
+    sl = slice(r * tokens, (r + 1) * tokens)
+    grad = pas == "fwdbwd"
+    x_full.requires_grad_(grad)
+    x = x_full.detach()[:, sl].clone().requires_grad_(grad)
+    w = w_full[:, sl]
+
+    ref = _call(layer, x_full, w_full, pas, None).detach()[:, sl]
+    ref_grads = None
+    if grad:
+        ref_grads = [None if g is None else g.detach().clone() for g in _grads(layer, x_full)]
+        ref_grads[0] = ref_grads[0][:, sl]
+    x_full = w_full = None
+
+    out = _call(layer, x, w, pas, group).detach()
+    errs = [lb._max_rel(out, ref)]
+    if grad:
+        got = [None if g is None else g.detach().clone() for g in _grads(layer, x)]
+        for g in got[1:]:
+            if g is not None:
+                dist.all_reduce(g, group=group)
+        errs += [lb._max_rel(a, b) for a, b in zip(got, ref_grads)
+                 if a is not None and b is not None]
+    ref = ref_grads = out = None
+
+    clock = ws.Clock(device)
+
+    def shard(_clock):
+        _call(layer, x, w, pas, None)
+
+    def sequence_parallel(_clock):
+        _call(layer, x, w, pas, group)
+
+    timings = {}
+    for label, fn in (("shard", shard), ("sp", sequence_parallel)):
+        mine = ws.timed(fn, clock, warmup=warmup, repeats=repeats, group=group, device=device)
+        timings[label] = ws.reduce_ranks(ws._gather(mine, group))
+    err = max(ws._gather(max(errs), group))
+    row = {"layer": name, "pass": pas, "impl": "forge_dist", "strategy": layer.strategy,
+           "world_size": P, "tokens_per_gpu": tokens, "ms": timings["sp"]["ms"],
+           "ms_min": timings["sp"]["ms_min"], "shard_ms": timings["shard"]["ms"],
+           "ratio": timings["sp"]["ms"] / timings["shard"]["ms"], "max_rel_err": err,
+           "peak_mib": timings["sp"]["peak_mib"], "per_rank": timings["sp"]["per_rank"]}
+    return row
+
+
+def worker(args) -> int:
+    import torch.distributed as dist
+
+    from forge_dist import launch_env
+
+    info = launch_env.detect(use_mpi4py=False)
+    cpu = args.cpu or not torch.cuda.is_available()
+    if cpu:
+        device, dtype, backend = torch.device("cpu"), torch.float32, "gloo"
+    else:
+        local = info.local_rank
+        torch.cuda.set_device(local)
+        device, dtype, backend = torch.device("cuda", local), torch.bfloat16, "nccl"
+    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
+                            **({"device_id": device} if device.type == "cuda" else {}))
+    group = dist.group.WORLD
+    P, rank = dist.get_world_size(), dist.get_rank()
+    B = CPU_B if cpu else lb.B
+    tokens = args.tokens_per_gpu or (CPU_TOKENS if cpu else lb.T)
+    warmup, repeats = (1, args.repeats or 2) if cpu else (3, args.repeats or 20)
+    result = results_io.header("layers_sp", {
+        "B": B, "tokens_per_gpu": tokens, "hidden": lb.HIDDEN, "dtype": str(dtype)[6:],
+        "strategy": args.strategy, "warmup": warmup, "repeats": repeats,
+        "layers": {n: lb.LAYERS[n][2] for n in lb.LAYERS}}, world_size=P)
+    if args.tag:
+        result["tag"] = args.tag
+    out_dir = Path(args.out) if args.out else None
+    path = results_io.results_path(result, out_dir)
+    if rank == 0:
+        path = results_io.write(result, out_dir)
+
+    for name in [n for n in args.layers.split(",") if n]:
+        for pas in args.passes.split(","):
+            try:
+                row = run_layer(name, pas, group=group, strategy=args.strategy, device=device, dtype=dtype, B=B,
+                                tokens=tokens, warmup=warmup, repeats=repeats)
+            except Exception as e:  # noqa: BLE001 - recorded; the ranks stay in step
+                traceback.print_exc()
+                row = {"layer": name, "pass": pas, "impl": "forge_dist",
+                       "skipped": lb._reason(e)}
+            if rank == 0:
+                result["rows"].append(row)
+                results_io.write(result, out_dir)
+                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                       if k != "per_rank"}, flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if rank == 0:
+        try:
+            plot(result, path.with_suffix(".png"))
+        except Exception as e:  # noqa: BLE001
+            print(f"plot failed: {e}", file=sys.stderr)
+        print(f"wrote {path}")
+    dist.destroy_process_group()
+    return 0
+
+
+def plot(result, png):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "ratio" in r]
+    names = list(dict.fromkeys(r["layer"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for i, pas in enumerate(("fwd", "fwdbwd")):
+        ys = [next((r["ratio"] for r in rows if r["layer"] == n and r["pass"] == pas), 0.0)
+              for n in names]
+        ax.bar([j + 0.4 * i for j in range(len(names))], ys, width=0.4, label=pas)
+    ax.axhline(1.2, color="k", ls="--", lw=1, label="target 1.2x")
+    ax.set_xticks([j + 0.2 for j in range(len(names))])
+    ax.set_xticklabels(names, rotation=30, fontsize=8)
+    ax.set_ylabel("sequence-parallel / one shard")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    cfg = result["config"]
+    ax.set_title(f"layers, {result['world_size']} x {result['device']}, B={cfg['B']}, "
+                 f"{cfg['tokens_per_gpu']} tokens per rank, {cfg['dtype']} (0: not run)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def _spawned(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    worker(args)
+
+
+def main(args) -> int:
+    """``args``: layers.py's parsed arguments (``--sp`` and the options it reads)."""
+    from forge_dist import launch_env
+
+    unknown = [n for n in args.layers.split(",") if n and n not in lb.LAYERS]
+    if unknown:
+        print(f"--layers: unknown {unknown}; choose from {list(lb.LAYERS)}", file=sys.stderr)
+        return 2
+    if launch_env.detect(use_mpi4py=False).source != "single" or args.world <= 1:
+        return worker(args)
+    if not args.cpu:
+        print("layers.py --sp: --world spawns local processes; use torchrun for GPUs "
+              "(or pass --cpu)", file=sys.stderr)
+        return 2
+    import torch.multiprocessing as mp
+
+    from forge_dist.selftest import free_port
+
+    try:
+        mp.start_processes(_spawned, args=(args.world, free_port(), args), nprocs=args.world,
+                           join=True, start_method="spawn")
+    except mp.ProcessExitedException as err:
+        return err.exit_code or 1
+    return 0

@@ -1,0 +1,55 @@
+"""layers.py --sp on the CPU (gloo processes, fp32, 32 tokens per rank): rows, errors, files."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scaling_benchmarks" / "layers.py"
+
+
+def _run(tmp_path, *extra):
+    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_COMMIT="test")
+    return subprocess.run([sys.executable, str(SCRIPT), "--sp", "--cpu", "--out", str(tmp_path),
+                           *extra], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("layers_sp")
+    proc = _run(out, "--world", "2", "--layers", "gla,gdn", "--repeats", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted(out.glob("layers_sp_*.json"))
+    assert len(files) == 1, files
+    assert files[0].with_suffix(".png").stat().st_size > 10_000
+    return json.loads(files[0].read_text())
+
+
+def test_every_layer_and_pass_has_a_row(two_ranks):
+    assert two_ranks["world_size"] == 2 and two_ranks["config"]["tokens_per_gpu"] == 32
+    rows = two_ranks["rows"]
+    assert [(r["layer"], r["pass"]) for r in rows] == [
+        ("gla", "fwd"), ("gla", "fwdbwd"), ("gdn", "fwd"), ("gdn", "fwdbwd")]
+    for r in rows:
+        assert "skipped" not in r, r
+        assert r["strategy"] == "forge" and r["world_size"] == 2
+        assert r["ms"] > 0 and r["shard_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["ms"] / r["shard_ms"])
+        assert len(r["per_rank"]) == 2
+
+
+def test_sequence_parallel_layers_equal_the_whole_sequence(two_ranks):
+    # fp32: the outputs, dx and every parameter gradient (summed over ranks) against the
+    # layer on the whole sequence; a rank that dropped its incoming state is off by O(1)
+    for r in two_ranks["rows"]:
+        assert r["max_rel_err"] < 1e-4, r
+
+
+def test_unknown_layer_is_named(tmp_path):
+    proc = _run(tmp_path, "--layers", "gla,nope")
+    assert proc.returncode == 2
+    assert "--layers" in proc.stderr and "nope" in proc.stderr
