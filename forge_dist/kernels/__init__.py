@@ -30,6 +30,7 @@ pattern modules (the eager functions launch the same records, :mod:`.walker_laun
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -83,6 +84,33 @@ def variants() -> tuple:
 def matrix_variants() -> tuple:
     """:func:`variants` with a matrix state ``[B, H, K, V]``."""
     return tuple(n for n in variants() if not registry.get(n).vector_state)
+
+
+def sm_count(device) -> int:
+    """SMs of ``device`` (an int passes through: a count a caller already has)."""
+    if isinstance(device, int):
+        return device
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # nominal (H100/H200) for CPU runs under the interpreter
+
+
+def summed_gate_grad(dg_part: torch.Tensor) -> torch.Tensor:
+    """``dg [B, T, H]`` from a backward program's ``dg_part [NK, B, T, H]``, the K tiles'
+    shares (a view when there is one tile)."""
+    return dg_part[0] if dg_part.shape[0] == 1 else dg_part.sum(0)
+
+
+def summary_precision() -> str:
+    """``FORGE_DIST_DENSE_SUMMARY``: ``input`` (default) computes a 16-bit shard's summary
+    (delta and the dense M) with the forward's own operands and shares the forward's WY
+    factors; ``fp32`` computes it from fp32 copies with 3xTF32 dots (about 5x slower at the
+    weak-scaling shard, ``results/gdn_pieces_*.json``: relative error of ``M S + delta``
+    2e-7 instead of 2.7e-3, which is the bf16 forward's own level)."""
+    raw = os.environ.get("FORGE_DIST_DENSE_SUMMARY", "").strip().lower() or "input"
+    if raw not in ("input", "fp32"):
+        raise ValueError(f"FORGE_DIST_DENSE_SUMMARY: expected 'input' or 'fp32', got {raw!r}")
+    return raw
 
 
 def _module(name: str):

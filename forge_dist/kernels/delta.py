@@ -12,7 +12,7 @@ Two stages (see :mod:`forge_dist.variants.delta_rule` for the chunk equations):
 
 The summary's dense transition ``M`` is the same walk started from ``S = I`` with ``U = 0``
 (columns of the state are independent, so the walk carries the identity's columns).  For
-16-bit inputs it uses the forward's operands and WY factors (see :func:`summary_precision`
+16-bit inputs it uses the forward's operands and WY factors (see :func:`forge_dist.kernels.summary_precision`
 for the fp32 option); fp32 inputs use fp32 operands with 3xTF32 dots.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import scheduler
+from . import scheduler, summary_precision
 from .compat import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2, sized_config, tl,
                      triton)
 from .ir import Buffer, KernelSpec, Launch, Program, run_launch, tl_type
@@ -533,18 +533,6 @@ def summary_launches(bufs: Dict[str, Buffer], *, B: int, T: int, H: int, K: int,
         bufs["M"] = Buffer((B, H, K, K), torch.float32, "workspace")
         launches.append(walk_launch(ht="M", V=K, h0_eye=True, **dict(walk, v=None)))
     return launches
-
-
-def summary_precision() -> str:
-    """``FORGE_DIST_DENSE_SUMMARY``: ``input`` (default) computes a 16-bit shard's summary
-    (delta and the dense M) with the forward's own operands and shares the forward's WY
-    factors; ``fp32`` computes it from fp32 copies with 3xTF32 dots (about 5x slower at the
-    weak-scaling shard, ``results/gdn_pieces_*.json``: relative error of ``M S + delta``
-    2e-7 instead of 2.7e-3, which is the bf16 forward's own level)."""
-    raw = os.environ.get("FORGE_DIST_DENSE_SUMMARY", "").strip().lower() or "input"
-    if raw not in ("input", "fp32"):
-        raise ValueError(f"FORGE_DIST_DENSE_SUMMARY: expected 'input' or 'fp32', got {raw!r}")
-    return raw
 
 
 class DeltaRuleWork(TritonWork):

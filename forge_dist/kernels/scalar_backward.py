@@ -83,6 +83,7 @@ from torch import Tensor
 from .compat import HAVE_TRITON, dot_precision, next_pow2, tl, triton
 from .ir import Buffer, Launch, Program, buffer_args, state_buffers
 from .tiles import reset_floor, scalar_gate_chunk, value_state_tiles
+from . import sm_count, summed_gate_grad
 
 __all__ = ["kernel_specs", "scalar_decay_backward"]
 
@@ -327,15 +328,6 @@ if HAVE_TRITON:
         tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
 
 
-def sm_count(device) -> int:
-    """SMs of ``device`` (an int passes through: a count a caller already has)."""
-    if isinstance(device, int):
-        return device
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # nominal (H100/H200) for CPU runs under the interpreter
-
-
 def default_tiles(B: int, H: int, K: int, V: int, device: torch.device | int) -> dict:
     """Tile sizes per kernel (see the module docstring for the reasoning); ``device``: the
     device or its SM count.
@@ -495,12 +487,6 @@ def scalar_decay_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
     prog.execute(tensors, q.device)
     dg = summed_gate_grad(tensors["dg_part"]) if g is not None else None
     return tensors["dq"], tensors["dk"], tensors["dv"], dg, tensors.get("dh0")
-
-
-def summed_gate_grad(dg_part: Tensor) -> Tensor:
-    """``dg [B, T, H]`` from the program's ``dg_part [NK, B, T, H]``, the K tiles' shares
-    (a view when there is one tile)."""
-    return dg_part[0] if dg_part.shape[0] == 1 else dg_part.sum(0)
 
 
 def kernel_specs(K: int = 128, V: int = 128, dtype: torch.dtype = torch.bfloat16, *,

@@ -130,7 +130,8 @@ from torch import Tensor
 from . import vector
 from .compat import HAVE_TRITON, dot_precision, next_pow2, tl, triton
 from .ir import Buffer, Launch, Program, buffer_args, state_buffers
-from .scalar_backward import sm_count, state_walks
+from . import sm_count
+from .scalar_backward import state_walks
 from .tiles import reset_floor
 
 __all__ = ["default_tiles", "kernel_specs", "vector_decay_backward"]

@@ -8,16 +8,18 @@ functions behind ``summary`` and ``finish``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Optional
 
 import torch
 from torch import Tensor
 
 from . import scheduler
 from .compat import ensure, grad_like, next_pow2
-from .walker import SegmentStates
 from ..variants import decay_attention
 from ..variants.base import SegmentWork
+
+if TYPE_CHECKING:  # the walker's kernels load when a pattern's work does, not with this base
+    from .walker import SegmentStates
 
 
 # --------------------------------------------------------------------------------------------

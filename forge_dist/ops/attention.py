@@ -239,8 +239,13 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta:
     """Gated delta rule, ``S_t = exp(g_t)(I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T``.
 
     Args:
+        k: ``[B, T, H, K]`` keys, L2-normalised over K (as FLA's layers give them), or pass
+            ``use_qk_l2norm_in_kernel=True``.  Where ``b_t ||k_t||^2 > 2`` (raw keys of
+            dimension K have ``||k||^2 ~ K``), ``I - b_t k_t k_t^T`` has an eigenvalue below
+            -1: the state grows with every such token and a long sequence overflows to
+            Inf/NaN (``FORGE_DIST_CHECK_FINITE=1`` names the first one).
         g: ``[B, T, H]`` log decays, or ``None`` for DeltaNet.
-        beta: ``[B, T, H]`` write strengths.
+        beta: ``[B, T, H]`` write strengths in ``[0, 1]`` (FLA's layers take a sigmoid).
         use_qk_l2norm_in_kernel: L2-normalise q and k over the head dimension first (FLA's
             flag of the same name).
     """

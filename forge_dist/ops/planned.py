@@ -50,7 +50,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..kernels.delta import summary_precision
+from ..kernels import summary_precision
 from ..runtime import cache as plan_cache
 from ..runtime.plan import PlanError
 from ..runtime.sp_setup import sp_train_variants, sp_variants

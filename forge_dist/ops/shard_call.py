@@ -68,15 +68,13 @@ def _state_grad(variant, B, T, H, K, V, dtype, has_dht, gated, scale, interp, sm
 def _own_state_grad(work, tensors: List[Optional[Tensor]], do: Tensor,
                     dht: Optional[Tensor]) -> Tensor:
     """``lam_own [B, H, K, V]`` fp32: the incoming state's gradient through this shard."""
-    from ..kernels.scalar_backward import sm_count
-
     t = dict(zip(work.names, tensors))
     q, v = t["q"], t["v"]
     B, T, H, K = q.shape
     g, beta = t.get("g"), t.get("beta")
     prog = _state_grad(work.variant, B, T, H, K, v.shape[-1], q.dtype, dht is not None,
                        g is not None, work.scale, kernels.interpreting(),
-                       sm_count(q.device) if q.device.type == "cuda" else 132,
+                       kernels.sm_count(q.device) if q.device.type == "cuda" else 132,
                        torch.float32 if beta is None else beta.dtype)
     given = {}
     for name, buf in prog.buffers.items():

@@ -44,7 +44,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from .. import kernels
-from ..kernels import backward_program, forward_program, walker
+from ..kernels import backward_program, forward_program
 from ..kernels.ir import KERNELS, KernelSpec, resolve_kernel
 from ..variants import registry
 from ..variants.transitions import Kind
@@ -178,6 +178,8 @@ def _matrix_lengths() -> Tuple[int, int]:
     """Sequence lengths whose programs cover every kernel a matrix-state plan can launch:
     short simple_gla inputs sum the scalar gates in the walks, long ones launch a gate sum
     first (``kernels.walker.sum_gates_in_walk``); nothing else in a spec depends on T."""
+    from ..kernels import walker  # its kernels cost ~13 ms to import: only AOT builds read this
+
     return 256, walker.SUM_GATES_IN_WALK_MAX_TOKENS + 256
 
 

@@ -44,7 +44,6 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..kernels.scalar_backward import sm_count, summed_gate_grad
 from ..sp import phases
 from ..sp.base import Strategy
 from ..variants import registry
@@ -292,7 +291,7 @@ class Plan:
             given["g"] = g.float()
         exe(given)  # allocates the gradients and the scratch it needs, drops the scratch
         if "dg_part" in given:  # simple_gla: the K tiles' shares of dg
-            given["dg"] = summed_gate_grad(given["dg_part"])
+            given["dg"] = kernels.summed_gate_grad(given["dg_part"])
         grads = [given["dq"], given["dk"], given["dv"]]
         if g is not None:
             grads.append(given["dg"].to(g.dtype))
@@ -319,7 +318,7 @@ class Plan:
                     has_dht=has_dht,
                     scale=self.scale, interp=self._interp,
                     beta_dtype=self.dtypes.get("beta", torch.float32),
-                    sms=sm_count(self.device))
+                    sms=kernels.sm_count(self.device))
             exe = self._bwd_execs[has_dht] = Executor(prog, self.device, self._dispatcher,
                                                       specialise=True)
             self.notes.extend(n for n in prog.notes if n not in self.notes)

@@ -36,7 +36,6 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..kernels.scalar_backward import sm_count, summed_gate_grad
 from ..sp import phases
 from ..sp.base import folded_forward_chain
 from ..variants.transitions import Kind
@@ -82,7 +81,7 @@ def _state_grad_exec(p, has_dht: bool) -> Executor:
         prog = kernels.state_grad_program(p.op, B=B, T=T, H=H, K=K, V=p.out_shape[-1],
                                           dtype=p.out_dtype, has_dht=has_dht,
                                           gated="g" in p.shapes, scale=p.scale,
-                                          interp=p._interp, sms=sm_count(p.device))
+                                          interp=p._interp, sms=kernels.sm_count(p.device))
         exe = p._state_grad_execs[has_dht] = Executor(prog, p.device, None)
     return exe
 
@@ -163,7 +162,7 @@ def backward(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tensor], kep
         given["dht"] = lam_next if dht is None else lam_next + dht
     _run_part(rest, given, p.device)
     if "dg_part" in given:  # simple_gla: the K tiles' shares of dg
-        given["dg"] = summed_gate_grad(given["dg_part"])
+        given["dg"] = kernels.summed_gate_grad(given["dg_part"])
     grads = [given["dq"], given["dk"], given["dv"]]
     if g is not None:
         grads.append(given["dg"].to(g.dtype))

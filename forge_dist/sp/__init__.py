@@ -32,10 +32,12 @@ def flush(wait: bool = True) -> None:
 
 def reset(group=None) -> None:
     """Forget this rank's per-group state (of ``group``, or all): forge channels, agreed
-    signatures and pending device errors.  Call it on every rank after a call (or its
-    backward) raised anywhere, before the group is used again: the ranks may be out of step,
-    and the next call's first agreement and channel allocation line them up again (both are
-    collectives, like any first call)."""
+    signatures and pending device errors.  Call it on every rank after an error that every
+    rank raised from the same call (an argument mismatch): the group is still in step, and
+    the next call's first agreement and channel allocation are collectives, like any first
+    call.  After any other error (a timeout, a dead peer, an exception on one rank only) the
+    group may hold half-done collectives: make a new process group on every rank instead
+    (README, "Sequence parallelism")."""
     from .agreement import forget
 
     if forge is not None:

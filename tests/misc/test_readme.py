@@ -1,7 +1,8 @@
 """The README's code blocks run, so that they cannot rot.
 
 Every fenced block whose info string is exactly ``python`` is executed on the CPU, each in a
-fresh namespace (a reader copies one block at a time); an exception fails the test.  A block
+fresh namespace (a reader copies one block at a time); an exception fails the test, and so
+does a floating-point tensor it leaves with a NaN or Inf.  A block
 whose info string adds a word (```` ```python torchrun ````, ```` ```python gpu ````) needs
 a launcher or GPUs: it is only compiled.  ``bash`` blocks are checked against ``.ci/run``:
 the README's install-and-run commands are the ones CI runs.
@@ -10,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -40,7 +42,13 @@ def test_python_block(line, extra, source, capsys):
     if extra:  # needs torchrun or GPUs: compiled above, not run
         assert set(extra) <= {"torchrun", "gpu"}, f"unknown fence words {extra} at line {line}"
         return
-    exec(code, {"__name__": f"readme_line{line}"})
+    namespace = {"__name__": f"readme_line{line}"}
+    exec(code, namespace)
+    # a block that runs but computes NaN or Inf (the delta rule with raw keys did) fails too
+    bad = [name for name, value in namespace.items()
+           if torch.is_tensor(value) and value.is_floating_point()
+           and not torch.isfinite(value).all()]
+    assert not bad, f"README.md:{line}: non-finite values in {bad}"
 
 
 def test_install_commands_are_what_ci_runs():
