@@ -2,8 +2,9 @@
 against the single-process fp64 recurrence (outputs, final states, every gradient).
 
 One rank never passes a state, so world size 1 runs each case once (the strategy is not
-used there).  The Triton kernels (``TRITON_INTERPRET=1``) run across three ranks for serial
-and pipelined here, and for lasp2 in tests/sp/test_kernel_path_gloo.py."""
+used there).  The Triton kernels (``TRITON_INTERPRET=1``) run across three ranks for serial,
+pipelined and forge (its simulated transport, fp32: the local work in the kernels too) here,
+and for lasp2 in tests/sp/test_kernel_path_gloo.py."""
 import functools
 
 import pytest
@@ -20,8 +21,9 @@ CASES = [(w, s) for w in WORLDS for s in (STRATEGIES if w > 1 else (ONE_RANK,))]
 KERNEL_ENV = {"TRITON_INTERPRET": "1", "FORGE_DIST_KERNELS": "triton",
               "FORGE_DIST_TIMEOUT": "120"}
 # The interpreter is slow: one layout per strategy (packed sequences straddling the ranks
-# through serial's hops, dense through pipelined's tiles); lasp2 runs both elsewhere.
-KERNEL_CASES = (("serial", True), ("pipelined", False))
+# through serial's hops, dense through pipelined's tiles), both for forge (cheap: about 20 s);
+# lasp2 runs both elsewhere.
+KERNEL_CASES = (("serial", True), ("pipelined", False), ("forge", True), ("forge", False))
 
 
 def _rows(group, strategies):
