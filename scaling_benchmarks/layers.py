@@ -11,7 +11,8 @@ Our rows record ``max_rel_err`` against FLA (``max |ours - fla| / max |fla|`` ov
 and for ``fwdbwd`` also over ``dx`` and every parameter gradient), ``speedup`` (FLA's time over
 ours), and a breakdown: ``gemm_ms`` (the layer's ``nn.Linear`` calls timed alone on inputs of
 the shapes they saw) and ``op_ms`` (the ``forge_dist.ops`` call alone on the inputs it saw), with
-``rest_over_op = (ms - gemm_ms) / op_ms``.  A pass FLA refuses (e.g. its gated backward on
+``rest_over_op = (ms - gemm_ms) / op_ms``; with ``--kernels N`` also ``kernels_us``, the
+device time per kernel name of our layer's pass (``torch.profiler``, N calls).  A pass FLA refuses (e.g. its gated backward on
 Triton 3.6 / Hopper) is a row with ``skipped`` and the reason.  Times:
 ``triton.testing.do_bench`` medians.  Rows go to JSON as they complete
 (:mod:`scaling_benchmarks.results_io`), then a PNG.
@@ -228,6 +229,9 @@ def main(argv=None):
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--rep", type=int, default=50, help="do_bench time per measurement, ms")
     ap.add_argument("--no-breakdown", action="store_true", help="skip gemm_ms / op_ms")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also profile N calls of our layer: device time per kernel "
+                         "(kernels_us, the 15 largest) in its row")
     ap.add_argument("--out", default=None,
                     help="results folder (default scaling_benchmarks/results)")
     ap.add_argument("--tag", default=None, help="suffix of the results file name")
@@ -319,6 +323,10 @@ def main(argv=None):
                     row.update(gemm_ms=gemm, op_ms=op_ms)
                     if op_ms:
                         row["rest_over_op"] = (row["ms"] - gemm) / op_ms
+                if args.kernels:  # where the time outside the GEMMs and the op goes
+                    from scaling_benchmarks.kernel_profile import kernel_times
+                    times = kernel_times(run, args.kernels)
+                    row["kernels_us"] = dict(list(times.items())[:15])
                 add(row)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()

@@ -36,6 +36,7 @@ import torch.distributed as dist  # noqa: E402
 
 from forge_dist import ops  # noqa: E402
 from scaling_benchmarks import registry  # noqa: E402
+from scaling_benchmarks.kernel_profile import kernel_times  # noqa: E402
 
 
 def _inputs(op, B, T, H, K, V, device, seed):
@@ -59,21 +60,6 @@ def _call_grad(op, x, do, **kw):
     """Forward with gradients, then the backward of ``(o * do).sum()``."""
     o = getattr(ops, op)(*x.values(), **kw)[0]
     o.backward(do)
-
-
-def _profile(fn, n):
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    kernels = {}
-    for ev in prof.key_averages():
-        dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if dev_us and ev.device_type.name == "CUDA":
-            kernels[ev.key[:90]] = round(dev_us / n, 2)
-    return dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
 
 
 def main():
@@ -136,7 +122,7 @@ def main():
             torch.cuda.synchronize()
             times.append(s.elapsed_time(e))
         dist.barrier()
-        kernels = _profile(call, 10)
+        kernels = kernel_times(call, 10)
         if a.trace:
             from torch.profiler import ProfilerActivity, profile
 
