@@ -57,6 +57,8 @@
 #   bash scaling_benchmarks/device_batch.sh verify-bench # 2 GPUs: single_device here and at BASE on
 #                                                     #   card 0, layers and DSL variants on card 1 (~9 min)
 #   bash scaling_benchmarks/device_batch.sh layers-sp # 2 GPUs: every layer sequence-parallel against one shard (~6 min)
+#   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
+#                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base)
 #   bash scaling_benchmarks/device_batch.sh trainhost-bench # 1 GPU: training-call overhead, launch
 #                                                     #   overhead (~6 min)
@@ -72,7 +74,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -188,6 +190,19 @@ case "$stage" in
       step layers 330 python3 scaling_benchmarks/layers.py --out "$OUT" > /dev/null
       step dsl_variants 200 python3 -m scaling_benchmarks.dsl_variants --budget-s 170 --out "$OUT" \
         > /dev/null ) &
+    wait ;;
+  verify4)  # a 4-GPU machine: the multigpu suite on one pair while the other two cards run the
+    # gpu suite (the two jobs share nothing: separate processes, ports and NVSHMEM worlds)
+    ( export CUDA_VISIBLE_DEVICES=0,1
+      for i in $(seq "${MG_FIRST:-1}" "${MG_RUNS:-1}"); do
+        step multigpu_run$i "${MG_LIMIT:-450}" python3 -m pytest -v -x -p no:cacheprovider \
+          --durations=30 -m multigpu tests/sp tests/robustness/test_forge_gpu.py \
+          tests/runtime/test_gpu.py > /dev/null
+      done ) &
+    ( export CUDA_VISIBLE_DEVICES=2; step gpu_kernels "${GPU_LIMIT:-540}" python3 -m pytest -v \
+        -p no:cacheprovider --durations=20 -m gpu tests/kernels > /dev/null ) &
+    ( export CUDA_VISIBLE_DEVICES=3; step gpu_rest "${GPU_LIMIT:-540}" python3 -m pytest -v \
+        -p no:cacheprovider --durations=20 -m gpu tests --ignore=tests/kernels > /dev/null ) &
     wait ;;
   layers-sp)  # the layers' issue: each layer with forge on 2 GPUs against its shard alone
     step layers_sp 420 torchrun --nproc-per-node 2 scaling_benchmarks/layers.py --sp --out "$OUT" ;;
