@@ -134,7 +134,8 @@ def worker(args) -> int:
         device, dtype, backend = torch.device("cuda", local), torch.bfloat16, "nccl"
     dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
                             **({"device_id": device} if device.type == "cuda" else {}))
-    group = dist.group.WORLD
+    control = dist.group.WORLD  # only this loop's agreement on how each row went
+    group = dist.new_group(list(range(dist.get_world_size())))  # the layers' calls
     P, rank = dist.get_world_size(), dist.get_rank()
     B = CPU_B if cpu else lb.B
     tokens = args.tokens_per_gpu or (CPU_TOKENS if cpu else lb.T)
@@ -153,12 +154,20 @@ def worker(args) -> int:
     for name in [n for n in args.layers.split(",") if n]:
         for pas in args.passes.split(","):
             try:
-                row = run_layer(name, pas, group=group, strategy=args.strategy, device=device, dtype=dtype, B=B,
-                                tokens=tokens, warmup=warmup, repeats=repeats)
-            except Exception as e:  # noqa: BLE001 - recorded; the ranks stay in step
+                row = run_layer(name, pas, group=group, strategy=args.strategy, device=device,
+                                dtype=dtype, B=B, tokens=tokens, warmup=warmup,
+                                repeats=repeats)
+            except Exception as e:  # noqa: BLE001 - recorded; the next row runs
                 traceback.print_exc()
                 row = {"layer": name, "pass": pas, "impl": "forge_dist",
-                       "skipped": lb._reason(e)}
+                       "skipped": f"rank {rank}: {lb._reason(e)}"}
+            rows = [None] * P
+            dist.all_gather_object(rows, row, group=control)
+            failed = [r for r in rows if "skipped" in r]
+            if failed:  # a call raised on some rank and may have left collectives half
+                # done: every rank goes on with a new group (README, "Sequence parallelism")
+                row = failed[0]
+                group = dist.new_group(list(range(P)))
             if rank == 0:
                 result["rows"].append(row)
                 results_io.write(result, out_dir)

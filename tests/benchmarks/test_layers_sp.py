@@ -53,3 +53,15 @@ def test_unknown_layer_is_named(tmp_path):
     proc = _run(tmp_path, "--layers", "gla,nope")
     assert proc.returncode == 2
     assert "--layers" in proc.stderr and "nope" in proc.stderr
+
+
+def test_a_failed_row_is_recorded_and_the_next_runs(tmp_path):
+    # 2 tokens per rank: GatedDeltaNet's convolution halo (3 tokens) does not fit, and every
+    # rank says so; the next layer runs on a new group
+    proc = _run(tmp_path, "--world", "2", "--layers", "gdn,gla", "--passes", "fwd",
+                "--tokens-per-gpu", "2", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(next(tmp_path.glob("layers_sp_*.json")).read_text())["rows"]
+    assert [r["layer"] for r in rows] == ["gdn", "gla"]
+    assert "convolution halo" in rows[0]["skipped"], rows[0]
+    assert "skipped" not in rows[1] and rows[1]["max_rel_err"] < 1e-4, rows[1]
