@@ -69,7 +69,9 @@ from forge_dist.variants import registry as variants  # noqa: E402
 from scaling_benchmarks import registry, results_io  # noqa: E402
 
 OPS = registry.NAMES
-STRATEGIES = ("serial", "pipelined", "lasp2", "forge", "fla_cp")
+STRATEGIES = ("serial", "pipelined", "lasp2", "forge", "scan", "hier", "fla_cp")
+# GPU-initiated strategies (the chain and the two log-depth passes), among which ``auto`` picks
+GPU_INITIATED = ("forge", "scan", "hier")
 PASSES = ("fwd", "fwdbwd")
 KIND = {op: variants.get(op).kind.value for op in OPS}  # op -> its transition kind
 MIB = 2 ** 20
@@ -88,7 +90,7 @@ FLA_ANCHORS = {
 
 # Defaults; every number is explained in configs/cost_model.toml.
 DEFAULTS: Dict[str, Any] = {
-    "P": [1, 2, 4, 8, 16, 32, 64, 128],
+    "P": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
     "gpus_per_node": 8,
     "ops": list(OPS),
     "strategies": list(STRATEGIES),
@@ -109,6 +111,9 @@ DEFAULTS: Dict[str, Any] = {
     "ib": {"p2p_latency_us": 12.0, "p2p_GBps": 40.0, "coll_latency_us": 15.0,
            "coll_GBps": 40.0, "dev_latency_us": 15.0, "dev_GBps": 35.0},
     "forge": {"tile_kib": 16.0, "overlap_frac": 0.0, "design_overlap_frac": 0.5},
+    # auto's time at the largest P over its time at P = 2 that counts as flat (the
+    # scaling issue: 1.15 at B=1 and 16K tokens per GPU, 1.05 at B=4 and 32K)
+    "flat_target": 1.15,
     "compute": {"chunk": 64, "fwdbwd_over_fwd": 3.0, "local_frac": 0.9,
                 "m_extra_frac_nondense": 0.02, "m_extra_bwd_factor": 3.0,
                 "overhead_ms": 0.03,
@@ -194,17 +199,50 @@ class Model:
             payload = S + (Mb if direction == "fwd" else 0.0)
             return self.allgather_us(P, payload) + (P - 1) * comb
         if strategy == "forge":
-            tile = min(S, self.p["forge"]["tile_kib"] * 1024.0)
-            n_tiles = max(1.0, S / tile)
-            # One tile's combine on one SM while the others work on theirs.
-            tile_comb = (comb - self.p["hardware"]["kernel_launch_us"]) * \
-                min(n_tiles, self.p["hardware"]["n_sms"]) / n_tiles
-            slowest = min(h["dev_GBps"] for h in hops)
-            return (self.p["hardware"]["kernel_launch_us"]
-                    + sum(h["dev_latency_us"] + tile / (h["dev_GBps"] * 1e3) + tile_comb
-                          for h in hops)
-                    + (S - tile) / (slowest * 1e3))
+            return self._tile_stream_us(hops, S, comb)
+        if strategy in ("scan", "hier"):
+            # A round composes whole summaries (M with the state, unless M is the identity)
+            # and keeps two (the exclusive prefix and the inclusive one it sends on): twice a
+            # chain combine, plus M's own product for dense transitions.
+            B, H, K, V = self.dims(op)
+            comb2 = 2 * comb * (1.0 + (K / V if KIND[op] == "dense" else 0.0))
+            return self._tile_stream_us(self.rounds(strategy, P), S + Mb, comb2)
         raise ValueError(f"unknown strategy {strategy!r}")
+
+    def rounds(self, strategy: str, P: int) -> List[Dict[str, float]]:
+        """The links a tile crosses, in order, in a log-depth pass over ``P`` ranks.
+
+        ``scan``: recursive doubling over all ranks, ``ceil(log2 P)`` rounds; once ``P``
+        exceeds a node, every round has a pair across nodes, so each waits on InfiniBand.
+        ``hier``: recursive doubling inside each node (NVLink), then across the nodes'
+        totals (InfiniBand, ``ceil(log2 nodes)`` rounds), then one NVLink put of the node's
+        incoming state to its ranks."""
+        G = int(self.p["gpus_per_node"])
+        nv, ib = self.p["nvlink"], self.p["ib"]
+        if strategy == "scan":
+            return [ib if P > G else nv] * math.ceil(math.log2(P))
+        inside = [nv] * math.ceil(math.log2(min(P, G)))
+        if P <= G:
+            return inside
+        return inside + [ib] * math.ceil(math.log2(math.ceil(P / G))) + [nv]
+
+    def _tile_stream_us(self, links: List[Dict[str, float]], nbytes: float,
+                        comb: float) -> float:
+        """``nbytes`` cut into tiles that flow through ``links`` one after another, each
+        link's step a GPU-initiated put and the tile's share of ``comb`` (tiles cut through:
+        the latencies add up, the bytes cross the slowest link once)."""
+        if not links:
+            return 0.0
+        hw = self.p["hardware"]
+        tile = min(nbytes, self.p["forge"]["tile_kib"] * 1024.0)
+        n_tiles = max(1.0, nbytes / tile)
+        # One tile's combine on one SM while the others work on theirs.
+        tile_comb = (comb - hw["kernel_launch_us"]) * min(n_tiles, hw["n_sms"]) / n_tiles
+        slowest = min(h["dev_GBps"] for h in links)
+        return (hw["kernel_launch_us"]
+                + sum(h["dev_latency_us"] + tile / (h["dev_GBps"] * 1e3) + tile_comb
+                      for h in links)
+                + (nbytes - tile) / (slowest * 1e3))
 
     # -- compute (milliseconds) ----------------------------------------------------------
     def ideal_ms(self, op: str, pass_: str, impl: str = "forge_dist") -> float:
@@ -248,6 +286,13 @@ class Model:
             c["fwdbwd_over_fwd"] if pass_ == "fwdbwd" else 1.0)
 
     # -- predictions ---------------------------------------------------------------------
+    def auto(self, op: str, pass_: str, P: int, overlap_frac: Optional[float] = None
+             ) -> Tuple[str, Dict[str, Any]]:
+        """``auto``'s pick among the GPU-initiated strategies: the fastest predicted one
+        (ties to the earlier of :data:`GPU_INITIATED`), and its prediction."""
+        preds = [(s, self.predict(op, s, pass_, P, overlap_frac)) for s in GPU_INITIATED]
+        return min(preds, key=lambda sp: sp[1]["ms"])
+
     def predict(self, op: str, strategy: str, pass_: str, P: int,
                 overlap_frac: Optional[float] = None) -> Dict[str, Any]:
         """``{"ms", "breakdown": {local_ms, comm_ms, merge_ms}, "peak_mib_extra"}``."""
@@ -263,13 +308,15 @@ class Model:
             chain += self.chain_us(strategy, op, P, "bwd")
         chain_ms = chain / 1e3
         if overlap_frac is None:
-            overlap_frac = self.p["forge"]["overlap_frac"] if strategy == "forge" else 0.0
+            overlap_frac = (self.p["forge"]["overlap_frac"] if strategy in GPU_INITIATED
+                            else 0.0)
         exposed = max(0.0, chain_ms - overlap_frac * local0)
         extra = self.fla_extra_ms(pass_) if fla else self.m_extra_ms(op, pass_)
         overhead = 0.0 if fla else self.p["compute"]["overhead_ms"]
         local = local0 + extra + overhead
         S, Mb = self.sizes(op)
         mem = {"serial": 2 * S, "pipelined": 2 * S, "forge": 2 * S,
+               "scan": 3 * (S + Mb), "hier": 3 * (S + Mb),
                "lasp2": P * (S + Mb) + S, "fla_cp": P * (S + Mb) + S}[strategy] / MIB
         return {"ms": local + exposed + merge,
                 "breakdown": {"local_ms": local, "comm_ms": exposed, "merge_ms": merge},
@@ -601,6 +648,16 @@ def report(params: Dict[str, Any], results: List[Dict[str, Any]], fitted: Dict[s
                         "ms": pred["ms"], "breakdown": pred["breakdown"],
                         "chain_ms": pred.get("chain_ms", 0.0),
                         "peak_mib_extra": pred["peak_mib_extra"]})
+            for P in P_list:  # auto's pick among the GPU-initiated strategies
+                chosen, pred = model.auto(op, pass_, P)
+                head["rows"].append({
+                    "op": op, "T": int(params["workload"]["tokens_per_gpu"]) * P,
+                    "pass": pass_, "impl": "model", "strategy": "auto", "chosen": chosen,
+                    "world_size": P, "tokens_per_gpu": int(params["workload"]["tokens_per_gpu"]),
+                    "ms": pred["ms"], "breakdown": pred["breakdown"],
+                    "chain_ms": pred.get("chain_ms", 0.0),
+                    "peak_mib_extra": pred["peak_mib_extra"]})
+    head["flatness"] = flatness(model, params)
     head["validation"] = validate(model, results, fitted)
     errs = [abs(v["rel_err"]) for v in head["validation"]]
     summary = {"points": len(errs), "median_abs_rel_err": _median(errs),
@@ -630,6 +687,29 @@ def report(params: Dict[str, Any], results: List[Dict[str, Any]], fitted: Dict[s
     head["parameters"] = _public(params)
     head["calibration"] = {"files": params.get("calibrate", []), "fitted": fitted}
     return head
+
+
+def flatness(model: Model, params: Dict[str, Any]) -> Dict[str, Any]:
+    """Per op and pass: ``auto``'s time at the largest P over its time at P = 2, against
+    ``flat_target``, beside the chain's (forge's) growth, and what auto picks at each P."""
+    P_max = max(int(x) for x in params["P"])
+    out: Dict[str, Any] = {}
+    for op in params["ops"]:
+        out[op] = {}
+        for pass_ in params["passes"]:
+            picks = {int(P): model.auto(op, pass_, int(P))[0] for P in params["P"] if int(P) > 1}
+            auto2, autoN = model.auto(op, pass_, 2)[1]["ms"], model.auto(op, pass_, P_max)[1]["ms"]
+            design = params["forge"]["design_overlap_frac"]
+            d2 = model.auto(op, pass_, 2, design)[1]["ms"]
+            dN = model.auto(op, pass_, P_max, design)[1]["ms"]
+            chain = (model.predict(op, "forge", pass_, P_max)["ms"]
+                     / model.predict(op, "forge", pass_, 2)["ms"])
+            out[op][pass_] = {"P": P_max, "auto_ratio": autoN / auto2,
+                              "auto_ratio_design_overlap": dN / d2, "chain_ratio": chain,
+                              "target": params["flat_target"],
+                              "meets_target": autoN / auto2 <= params["flat_target"],
+                              "picks": picks}
+    return out
 
 
 def _public(params):
@@ -688,6 +768,13 @@ def plot(doc: Dict[str, Any], results: List[Dict[str, Any]], png: Path) -> Path:
 
 def print_summary(doc: Dict[str, Any]) -> None:
     print(f"cost model ({doc['device']}); fitted: {sorted(doc['calibration']['fitted'])}")
+    print("\nauto at the largest P / auto at 2 GPUs (its picks by P), beside the chain's growth:")
+    for op, v in doc["flatness"].items():
+        for ps, x in v.items():
+            picks = ", ".join(f"{P}:{s}" for P, s in x["picks"].items())
+            print(f"  {op:<18}{ps:<7}P={x['P']}: auto {x['auto_ratio']:.3f} (design overlap "
+                  f"{x['auto_ratio_design_overlap']:.3f}; target {x['target']}), chain "
+                  f"{x['chain_ratio']:.2f}  [{picks}]")
     print("\nforge at 128 GPUs / forge at 2 GPUs (target <= 1.1):")
     for op, v in doc["forge_128_vs_2"].items():
         print("  " + f"{op:<18}" + "  ".join(
@@ -718,6 +805,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--calibrate", nargs="*", default=None, metavar="JSON",
                     help="measured results files (weak_scaling, state_passing)")
     ap.add_argument("--out", default=None, help="results folder")
+    ap.add_argument("--tag", default=None, help="suffix of the results file name")
     args = ap.parse_args(argv)
     params = cfg_mod.load(DEFAULTS, args.config, args.overrides)
     if args.calibrate is not None:
@@ -730,6 +818,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if results:
         params, fitted = calibrate(params, results)
     doc = report(params, results, fitted, base)
+    if args.tag:
+        doc["tag"] = args.tag
     out_dir = Path(params["out"]) if params["out"] else results_io.RESULTS_DIR
     path = results_io.write(doc, out_dir)
     if params["plot"]:

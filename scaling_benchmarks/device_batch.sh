@@ -57,9 +57,11 @@
 #   bash scaling_benchmarks/device_batch.sh verify-bench # 2 GPUs: single_device here and at BASE on
 #                                                     #   card 0, layers and DSL variants on card 1 (~9 min)
 #   bash scaling_benchmarks/device_batch.sh layers-sp # 2 GPUs: every layer sequence-parallel against one shard (~6 min)
+#   bash scaling_benchmarks/device_batch.sh layers    # 1 GPU: every layer against FLA's, per-kernel times (~9 min)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
-#     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base)
+#     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
+#      pass BASE_COMMIT=0303e10 so its results files name it)
 #   bash scaling_benchmarks/device_batch.sh trainhost-bench # 1 GPU: training-call overhead, launch
 #                                                     #   overhead (~6 min)
 # Several stages run in order: device_batch.sh kernels single runtime
@@ -74,7 +76,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -172,7 +174,7 @@ case "$stage" in
         tests --ignore=tests/kernels > /dev/null ) &
     wait
     if [ -d _base ]; then
-      step launch_overhead_base 100 env PYTHONPATH="$PWD/_base:/tmp/site" \
+      step launch_overhead_base 100 env PYTHONPATH="$PWD/_base:/tmp/site" FORGE_DIST_COMMIT="${BASE_COMMIT:-base}" \
         python3 _base/scaling_benchmarks/launch_overhead.py --repeats 3 --cache-dir /tmp/aot_base --out "$OUT/base" --tag base
     fi
     step launch_overhead_head 100 python3 scaling_benchmarks/launch_overhead.py --repeats 3 \
@@ -181,7 +183,7 @@ case "$stage" in
     sd_args=(--T 4096,16384,65536 --no-dsl --sweep "" --impls forge_dist/auto,ops)
     ( export CUDA_VISIBLE_DEVICES=0
       if [ -d _base ]; then
-        step single_base 240 env PYTHONPATH="$PWD/_base:/tmp/site" \
+        step single_base 240 env PYTHONPATH="$PWD/_base:/tmp/site" FORGE_DIST_COMMIT="${BASE_COMMIT:-base}" \
           python3 _base/scaling_benchmarks/single_device.py "${sd_args[@]}" --out "$OUT/base" --tag base > /dev/null
       fi
       step single_head 240 python3 scaling_benchmarks/single_device.py "${sd_args[@]}" --out "$OUT" \
@@ -205,7 +207,12 @@ case "$stage" in
         -p no:cacheprovider --durations=20 -m gpu tests --ignore=tests/kernels > /dev/null ) &
     wait ;;
   layers-sp)  # the layers' issue: each layer with forge on 2 GPUs against its shard alone
-    step layers_sp 420 torchrun --nproc-per-node 2 scaling_benchmarks/layers.py --sp --out "$OUT" ;;
+    # (LAYERS, default all; the 2026-11-27 file ran gdn,gla,simple_gla,hgrn with --repeats 10)
+    step layers_sp 420 torchrun --nproc-per-node 2 scaling_benchmarks/layers.py --sp \
+      --layers "${LAYERS:-gdn,gla,retnet,simple_gla,hgrn,linear_attn,mamba2,lightning}" \
+      --repeats "${REPEATS:-10}" --out "$OUT" ;;
+  layers)  # every layer against FLA's on one GPU, with the per-kernel breakdown of ours
+    step layers 560 python3 scaling_benchmarks/layers.py --kernels 5 --out "$OUT" ;;
   tests)
     step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests ;;
   single)

@@ -18,6 +18,7 @@ repeat, the median over repeats.  Rows go to JSON as they complete, then a PNG.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import traceback
@@ -58,6 +59,11 @@ def _call(layer, x, w, pas, group):
     o = lb._out(layer(x, group=group))
     (o.float() * w).sum().backward()
     return o
+
+
+def _worst(errs):
+    """The largest error, NaN if any is (``max`` would drop a NaN that does not come first)."""
+    return float("nan") if any(e != e for e in errs) else max(errs)
 
 
 def _grads(layer, x):
@@ -110,7 +116,7 @@ def run_layer(name, pas, *, group, strategy, device, dtype, B, tokens, warmup, r
     for label, fn in (("shard", shard), ("sp", sequence_parallel)):
         mine = ws.timed(fn, clock, warmup=warmup, repeats=repeats, group=group, device=device)
         timings[label] = ws.reduce_ranks(ws._gather(mine, group))
-    err = max(ws._gather(max(errs), group))
+    err = _worst(ws._gather(_worst(errs), group))
     row = {"layer": name, "pass": pas, "impl": "forge_dist", "strategy": layer.strategy,
            "world_size": P, "tokens_per_gpu": tokens, "ms": timings["sp"]["ms"],
            "ms_min": timings["sp"]["ms_min"], "shard_ms": timings["shard"]["ms"],
@@ -123,6 +129,7 @@ def worker(args) -> int:
     import torch.distributed as dist
 
     from forge_dist import launch_env
+    from forge_dist.sp import p2p
 
     info = launch_env.detect(use_mpi4py=False)
     cpu = args.cpu or not torch.cuda.is_available()
@@ -132,10 +139,13 @@ def worker(args) -> int:
         local = info.local_rank
         torch.cuda.set_device(local)
         device, dtype, backend = torch.device("cuda", local), torch.bfloat16, "nccl"
-    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
+    # every wait bounded (a rank that raised where its peers do not wait for it must not
+    # leave them in a collective for NCCL's or gloo's default of 10-30 minutes)
+    bound = datetime.timedelta(seconds=p2p.timeout_seconds())
+    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=bound,
                             **({"device_id": device} if device.type == "cuda" else {}))
     control = dist.group.WORLD  # only this loop's agreement on how each row went
-    group = dist.new_group(list(range(dist.get_world_size())))  # the layers' calls
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=bound)  # the layers
     P, rank = dist.get_world_size(), dist.get_rank()
     B = CPU_B if cpu else lb.B
     tokens = args.tokens_per_gpu or (CPU_TOKENS if cpu else lb.T)
@@ -167,7 +177,7 @@ def worker(args) -> int:
             if failed:  # a call raised on some rank and may have left collectives half
                 # done: every rank goes on with a new group (README, "Sequence parallelism")
                 row = failed[0]
-                group = dist.new_group(list(range(P)))
+                group = dist.new_group(list(range(P)), timeout=bound)
             if rank == 0:
                 result["rows"].append(row)
                 results_io.write(result, out_dir)
@@ -226,8 +236,12 @@ def main(args) -> int:
     if unknown:
         print(f"--layers: unknown {unknown}; choose from {list(lb.LAYERS)}", file=sys.stderr)
         return 2
-    if launch_env.detect(use_mpi4py=False).source != "single" or args.world <= 1:
+    if launch_env.detect(use_mpi4py=False).source != "single":
         return worker(args)
+    if args.world <= 1:
+        print("layers.py --sp: run it under torchrun (one process per GPU), or on the CPU "
+              "with --cpu --world N (N >= 2)", file=sys.stderr)
+        return 2
     if not args.cpu:
         print("layers.py --sp: --world spawns local processes; use torchrun for GPUs "
               "(or pass --cpu)", file=sys.stderr)

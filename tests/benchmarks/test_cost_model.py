@@ -251,3 +251,47 @@ def test_config_file_matches_defaults():
         assert loaded[table] == cm.DEFAULTS[table], table
     with pytest.raises(cfg_mod.ConfigError):
         cfg_mod.load(cm.DEFAULTS, None, ["nvlink.nope=1"])
+
+
+def test_log_depth_passes_count_their_rounds():
+    m = cm.Model(params())
+    nv, ib = m.p["nvlink"], m.p["ib"]
+    assert m.rounds("scan", 8) == [nv] * 3  # one node: NVLink only
+    assert m.rounds("scan", 1024) == [ib] * 10  # past a node every round has a cross pair
+    assert m.rounds("hier", 8) == [nv] * 3
+    # inside the node, across 128 nodes' totals, then the node's state to its ranks
+    assert m.rounds("hier", 1024) == [nv] * 3 + [ib] * 7 + [nv]
+    assert m.rounds("scan", 2) == [nv] and m.rounds("scan", 3) == [nv] * 2
+
+
+def test_log_depth_passes_grow_with_log_P_and_the_chain_with_P():
+    m = cm.Model(params())
+    op = "simple_gla"
+    scan = [m.chain_us("scan", op, 2 ** k) for k in range(1, 4)]  # inside a node
+    steps = [b - a for a, b in zip(scan, scan[1:])]
+    assert steps[0] == pytest.approx(steps[1])  # one more NVLink round per doubling
+    big = {s: m.chain_us(s, op, 1024) for s in ("forge", "scan", "hier")}
+    assert big["hier"] < big["scan"] < big["forge"] / 10  # 7 IB rounds < 10 < 127 IB hops
+    assert m.chain_us("hier", op, 8) == m.chain_us("scan", op, 8)
+
+
+def test_auto_picks_the_fastest_gpu_initiated_strategy():
+    m = cm.Model(params(workload={"B": 1, "H": 32, "K": 128, "V": 128, "D_hgrn": 0,
+                                  "tokens_per_gpu": 16384}))
+    for P in (2, 8, 64, 1024):
+        chosen, pred = m.auto("simple_gla", "fwd", P)
+        times = {s: m.predict("simple_gla", s, "fwd", P)["ms"] for s in cm.GPU_INITIATED}
+        assert pred["ms"] == min(times.values()) and times[chosen] == pred["ms"]
+    assert m.auto("simple_gla", "fwd", 2)[0] == "forge"  # one hop: the chain, no M to send
+    assert m.auto("simple_gla", "fwd", 1024)[0] in ("scan", "hier")
+
+
+def test_report_has_auto_rows_and_flatness(tmp_path):
+    p = params(P=[1, 2, 16, 1024], ops=["gla"], strategies=["forge", "scan", "hier"])
+    doc = cm.report(p, [], {})
+    auto = [r for r in doc["rows"] if r["strategy"] == "auto"]
+    assert {r["world_size"] for r in auto} == {1, 2, 16, 1024}
+    assert all(r["chosen"] in cm.GPU_INITIATED for r in auto)
+    flat = doc["flatness"]["gla"]["fwd"]
+    assert flat["P"] == 1024 and flat["auto_ratio"] >= 1.0 and flat["chain_ratio"] > 1.0
+    assert set(flat["picks"]) == {2, 16, 1024}
