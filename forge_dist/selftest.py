@@ -19,8 +19,9 @@ from torch import Tensor
 
 from . import ops
 from .variants import reference as ref
+from .variants import registry
 
-OPS = ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn")
+OPS = registry.names()  # every registered op (one registration adds it to the checks)
 STRATEGIES = ("serial", "pipelined", "lasp2")
 
 
@@ -60,22 +61,20 @@ def _problem(op: str, T: int, T_local: int, dtype: torch.dtype, device, seed: in
     B = 1 if varlen else 2
     H = 2
     K, V, D = dims  # the defaults are small and ragged; kernels need K, V >= 16
-    if op == "hgrn":
-        x = randn(B, T, D)
-        g = torch.nn.functional.logsigmoid(randn(B, T, D) + 2.0)
-        tensors = {"x": x, "g": g}
+    spec = registry.get(op)
+    gate_shape = {"head": (B, T, H), "channel": (B, T, H, K), "feature": (B, T, D)}
+    if spec.vector_state:
+        tensors = {"x": randn(B, T, D)}
         state_shape = (D,)
     else:
         q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
         tensors = {"q": q, "k": k, "v": v}
-        if op in ("simple_gla", "gated_delta_rule"):
-            tensors["g"] = torch.nn.functional.logsigmoid(randn(B, T, H) + 2.0)
-        if op == "gla":
-            tensors["g"] = torch.nn.functional.logsigmoid(randn(B, T, H, K) + 2.0)
-        if op == "gated_delta_rule":
-            tensors["k"] = k / k.norm(dim=-1, keepdim=True)
-            tensors["beta"] = torch.sigmoid(randn(B, T, H))
         state_shape = (H, K, V)
+    if spec.gate is not None:
+        tensors["g"] = torch.nn.functional.logsigmoid(randn(*gate_shape[spec.gate]) + 2.0)
+    if "beta" in spec.inputs:  # the delta rule: unit keys, write strengths in (0, 1)
+        tensors["k"] = tensors["k"] / tensors["k"].norm(dim=-1, keepdim=True)
+        tensors["beta"] = torch.sigmoid(randn(B, T, H))
     cu = None
     rows = B
     if varlen:
@@ -94,27 +93,15 @@ def _problem(op: str, T: int, T_local: int, dtype: torch.dtype, device, seed: in
 def call_op(op: str, t: Dict[str, Tensor], **kw):
     """Run public op ``op`` on the named tensors of ``t`` (``initial_state`` optional)."""
     init = t.get("initial_state")
-    if op == "hgrn":
-        return ops.hgrn(t["x"], t["g"], initial_state=init, **kw)
-    if op == "gated_delta_rule":
-        return ops.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
-                                    initial_state=init, **kw)
-    gate = (t["g"],) if op in ("simple_gla", "gla") else ()
-    return getattr(ops, op)(t["q"], t["k"], t["v"], *gate, initial_state=init, **kw)
+    args = [t[n] for n in registry.get(op).inputs]  # the public functions take them in order
+    return getattr(ops, op)(*args, initial_state=init, **kw)
 
 
 def call_reference(op: str, t: Dict[str, Tensor], **kw):
     """The fp64 recurrence of ``op`` on the named tensors of ``t``."""
     kw.setdefault("initial_state", t.get("initial_state"))
-    if op == "hgrn":
-        return ref.hgrn_ref(t["x"], t["g"], **kw)
-    if op == "linear_attn":
-        return ref.linear_attn_ref(t["q"], t["k"], t["v"], **kw)
-    if op == "simple_gla":
-        return ref.simple_gla_ref(t["q"], t["k"], t["v"], g=t["g"], **kw)
-    if op == "gla":
-        return ref.gla_ref(t["q"], t["k"], t["v"], t["g"], **kw)
-    return ref.gated_delta_rule_ref(t["q"], t["k"], t["v"], t.get("g"), t["beta"], **kw)
+    args = [t[n] for n in registry.get(op).inputs]  # ``<op>_ref`` takes them in the op's order
+    return getattr(ref, f"{op}_ref")(*args, **kw)
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:
