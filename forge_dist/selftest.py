@@ -22,7 +22,7 @@ from .variants import reference as ref
 from .variants import registry
 
 OPS = registry.names()  # every registered op (one registration adds it to the checks)
-STRATEGIES = ("serial", "pipelined", "lasp2")
+STRATEGIES = ("serial", "pipelined", "lasp2", "scan")
 
 
 @dataclass

@@ -57,6 +57,8 @@
 #   bash scaling_benchmarks/device_batch.sh verify-bench # 2 GPUs: single_device here and at BASE on
 #                                                     #   card 0, layers and DSL variants on card 1 (~9 min)
 #   bash scaling_benchmarks/device_batch.sh layers-sp # 2 GPUs: every layer sequence-parallel against one shard (~6 min)
+#   bash scaling_benchmarks/device_batch.sh scan4     # 4 GPUs: the log-depth scan beside the chains,
+#                                                     #   weak scaling fwd + fwdbwd (~8 min)
 #   bash scaling_benchmarks/device_batch.sh layers    # 1 GPU: every layer against FLA's, per-kernel times (~9 min)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
@@ -76,7 +78,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FORGE_DIST_COMMIT="${FORGE_DIST_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 unset TRITON_INTERPRET
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -211,6 +213,10 @@ case "$stage" in
     step layers_sp 420 torchrun --nproc-per-node 2 scaling_benchmarks/layers.py --sp \
       --layers "${LAYERS:-gdn,gla,retnet,simple_gla,hgrn,linear_attn,mamba2,lightning}" \
       --repeats "${REPEATS:-10}" --out "$OUT" ;;
+  scan4)  # the scaling issue: scan (log2 P rounds) against the chains and lasp2 at 4 GPUs
+    ws scan4_16k 200 4 simple_gla fwd 1 16384 b1h32-16k-scan forge,serial,lasp2,scan
+    ws scan4_gdn 200 4 gated_delta_rule fwd 1 32768 b1h32-32k-gdn-scan forge,serial,lasp2,scan
+    ws scan4_bwd 160 4 simple_gla fwdbwd 1 32768 b1h32-32k-fwdbwd-scan forge,serial,lasp2,scan ;;
   layers)  # every layer against FLA's on one GPU, with the per-kernel breakdown of ours
     step layers 560 python3 scaling_benchmarks/layers.py --kernels 5 --out "$OUT" ;;
   tests)

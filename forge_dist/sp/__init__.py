@@ -1,9 +1,10 @@
 """Sequence-parallel strategies for the inter-rank phase (docs/design.md section 3).
 
-Importing this package registers ``serial``, ``pipelined`` and ``lasp2``, and ``forge``
-(GPU-initiated NVSHMEM puts, :mod:`forge_dist.sp.forge`) where Triton is installed.
+Importing this package registers ``serial``, ``pipelined``, ``lasp2`` and ``scan`` (log-depth,
+:mod:`forge_dist.sp.scan`), and ``forge`` (GPU-initiated NVSHMEM puts,
+:mod:`forge_dist.sp.forge`) where Triton is installed.
 """
-from . import lasp2, pipelined, serial  # noqa: F401  (registration)
+from . import lasp2, pipelined, scan, serial  # noqa: F401  (registration)
 from .base import Strategy, names, register, resolve, state_pass
 from .p2p import StatePassTimeout
 

@@ -164,6 +164,32 @@ def wait(work, group, peer: int, what: str) -> None:
     _wait(work, group, peer, what)
 
 
+def exchange(send: Optional[Tensor], dst: int, recv_buf: Optional[Tensor], src: int, group,
+             what: str) -> None:
+    """Send ``send`` to ``dst`` while receiving into ``recv_buf`` from ``src`` (either may be
+    ``None``), bounded.  Both are posted as one batch (one NCCL group), so a rank's send
+    never waits behind its own receive: in a round where every rank both receives and
+    sends, separate calls would queue them on one stream and chain the ranks."""
+    ops, peers = [], []
+    if recv_buf is not None:
+        ops.append(dist.P2POp(dist.irecv, recv_buf, _global(group, src), group))
+        peers.append((src, what))
+    if send is not None:
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), _global(group, dst), group))
+        peers.append((dst, f"the send of {what}"))
+    if not ops:
+        return
+    start = time.monotonic()
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as err:
+        peer, w_what = peers[0]
+        msg = _failed(group, peer, w_what, True, time.monotonic() - start)
+        raise StatePassTimeout(f"{msg}: {err}") from err
+    for work, (peer, w_what) in zip(works, peers):
+        _wait(work, group, peer, w_what)
+
+
 def _collective(post, group, what: str, diagnose: bool) -> None:
     """Run one collective (``post()`` returns its work handle), bounded; a failure names the
     missing rank.  Its number on this group (the same on every rank, since every rank makes

@@ -561,6 +561,8 @@ def test_sequence_parallel_plans_of_every_strategy_over_gloo():
     cases = [(op, s, e, gated) for op, gated in (("linear_attn", None), ("simple_gla", True),
                                                  ("simple_gla", False), ("gla", None))
              for s in ("forge", "serial", "lasp2", "pipelined") for e in (None, "decoupled")]
+    cases += [(op, "scan", None, gated) for op, gated in (("linear_attn", None),
+                                                          ("simple_gla", True), ("gla", None))]
     everyone = run_world(3, _sp_plans_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
                               "FORGE_DIST_TIMEOUT": "120"})
@@ -646,7 +648,8 @@ def test_delta_rule_sequence_parallel_plans_over_gloo():
 
     cases = [(s, gated, with_h0) for s in ("forge", "serial", "lasp2", "pipelined")
              for gated, with_h0 in ((True, True), (True, False), (False, True))]
-    cases += [("forge", False, False), ("lasp2", False, False)]
+    cases += [("forge", False, False), ("lasp2", False, False), ("scan", True, True),
+              ("scan", False, False)]
     everyone = run_world(3, _sp_delta_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
                               "FORGE_DIST_TIMEOUT": "120", "FORGE_DIST_KERNELS": "triton"})

@@ -9,7 +9,7 @@ import torch
 
 from .distributed import run_world
 
-STRATEGIES = ["serial", "lasp2", "pipelined"]
+STRATEGIES = ["serial", "lasp2", "pipelined", "scan"]
 
 
 def _inputs(T, seed, dtype=torch.float64):

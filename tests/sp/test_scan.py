@@ -1,0 +1,67 @@
+"""The log-depth strategy (``scan``) beyond the strategy matrix's 1-4 ranks: 5, 8 and 16 gloo
+ranks against the fp64 recurrence (every op at 5 and 8, dense and packed, outputs and every
+gradient; a scalar and the dense transition at 16), and ``ceil(log2 P)`` rounds per
+direction."""
+import math
+
+import pytest
+import torch
+
+from forge_dist.selftest import OPS, run_case, tolerance
+
+from .distributed import run_world
+
+
+def _errors(group, ops, layouts, T_local):
+    return [run_case(op, "scan", torch.float64, varlen, group=group, T_local=T_local).as_dict()
+            for op in ops for varlen in layouts]
+
+
+@pytest.mark.parametrize("world,ops,layouts,T_local", [
+    (5, OPS, (False, True), 16),
+    (8, OPS, (False, True), 12),
+    (16, ("simple_gla", "gated_delta_rule"), (False, True), 8),
+], ids=["world5", "world8", "world16"])
+def test_scan_matches_the_recurrence(world, ops, layouts, T_local):
+    rows = run_world(world, _errors, ops, layouts, T_local)
+    assert len(rows) == len(ops) * len(layouts)
+    for row in rows:
+        bad = {k: v for k, v in row["errors"].items() if not v <= tolerance(torch.float64)}
+        assert not bad, (row["op"], row["varlen"], bad)
+        assert {"o", "final_state", "d_initial_state"} <= set(row["errors"])
+
+
+def _rounds(group):
+    import torch.distributed as dist
+
+    from forge_dist import ops
+    from forge_dist.sp import p2p
+
+    calls = []
+    real = p2p.exchange
+
+    def counted(*args, **kwargs):
+        calls.append(args[-1])  # what was exchanged
+        return real(*args, **kwargs)
+    p2p.exchange = counted
+    try:
+        rank = dist.get_rank(group)
+        gen = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(1, 8, 2, 4, generator=gen, dtype=torch.float64,
+                               requires_grad=True) for _ in range(3))
+        g = torch.nn.functional.logsigmoid(torch.randn(1, 8, 2, generator=gen,
+                                                       dtype=torch.float64))
+        o, _ = ops.simple_gla(q, k, v, g, group=group, strategy="scan")
+        fwd = len(calls)
+        o.sum().backward()
+    finally:
+        p2p.exchange = real
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, (fwd, len(calls) - fwd), group=group)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_every_rank_takes_ceil_log2_P_rounds_each_way(world):
+    for fwd, bwd in run_world(world, _rounds):
+        assert fwd == bwd == math.ceil(math.log2(world))
