@@ -55,6 +55,32 @@ _KIND_CODE = {Kind.IDENTITY: 0, Kind.SCALAR: 1, Kind.DIAGONAL: 2, Kind.DENSE: 3}
 _SRC_FIRST, _SRC_ZERO, _SRC_RECV = 0, 1, 2
 
 
+@triton.jit
+def _send_tile(y, mask, poison, pid, epoch, recv_ptr, send_ptr, sig_ptr, ack_ptr, err_ptr,
+               tile_base, tile_offs, me, next_pe, limit, nbytes, rank_stride,
+               sig_rank_stride, word, BK: tl.constexpr, BV: tl.constexpr,
+               TRANSPORT: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """Put tile ``y`` with its signal ``2 * epoch + poison`` into ``next_pe``'s receive slot,
+    once that rank has credited the previous call's (bounded)."""
+    credit = dev.wait_ge(ack_ptr + pid, epoch - 1, limit, USE_CLOCK)
+    sent = credit >= epoch - 1
+    if not sent:
+        # The slot may still be read by the lagging consumer: leave the data alone and
+        # send only the poisoned signal (a zero-byte put).  A consumer still on the
+        # previous call sees it as "ahead" and fails instead of reading on.
+        dev.record_error(err_ptr, dev.ERR_CREDIT_TIMEOUT, next_pe, pid, epoch)
+        dev.set_remote_signal(sig_ptr + pid, 2 * epoch + 1, next_pe, me, sig_rank_stride,
+                              TRANSPORT)
+    else:
+        dev.put_tile_signal(recv_ptr + tile_base, send_ptr + tile_base, tile_offs, y, mask,
+                            dev.trailer_values(word, y.dtype), nbytes, sig_ptr + pid,
+                            2 * epoch + poison, next_pe, me, rank_stride, sig_rank_stride,
+                            BK * BV, TRANSPORT)
+    dev.quiet_put(recv_ptr + tile_base, send_ptr + tile_base, sig_ptr + pid,
+                  2 * epoch + poison, next_pe, me, rank_stride, sig_rank_stride, sent,
+                  BK * BV, TRANSPORT)
+
+
 @triton.jit(do_not_specialize=["me", "prev_pe", "next_pe", "limit", "nbytes",
                                "rank_stride", "sig_rank_stride", "word", "nseg", "nbh"])
 def _forge_chain_kernel(
@@ -65,6 +91,7 @@ def _forge_chain_kernel(
     KIND: tl.constexpr, SRC: tl.constexpr, SEND: tl.constexpr, WRITE_Y: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TRANSPORT: tl.constexpr, USE_CLOCK: tl.constexpr,
     BJ: tl.constexpr = 32, PREC: tl.constexpr = "ieee", FOLD: tl.constexpr = False,
+    SEND_FIRST: tl.constexpr = False,
 ):
     """One (b*h, k-tile, v-tile) per program; see the module docstring for the steps.
 
@@ -75,6 +102,9 @@ def _forge_chain_kernel(
     counter: ``[2]`` int64 ``[epoch of the last call, programs of this call done]``.
     Dense only: ``BJ`` is the row block of x per ``tl.dot``, ``PREC`` its input precision
     (``"tf32x3"`` for fp32 states on the GPU, ``"ieee"`` otherwise).
+    SEND_FIRST (a round of the log-depth scan, :mod:`.scan`): the program puts ``d``'s tile
+    to ``next_pe`` before it waits for ``prev_pe``'s (the two are different ranks), then
+    receives into ``x_out`` (and ``y_out = M x + d``); it forwards nothing it received.
     FOLD (a plan's forward, not dense): ``d`` is the shard's segment summaries ``hs [nseg,
     B, H, K, V]`` and ``m`` their summed log decays ``gt [nseg, B, H, K]`` (KIND 0: unused),
     ``nbh = B * H``; the program folds its tile of them into the shard's ``(M, delta)``
@@ -109,6 +139,12 @@ def _forge_chain_kernel(
     # The epoch lives on the device (a CUDA graph replays the same arguments): every program
     # reads it before it counts itself done below, so none can see the bumped value.
     epoch = tl.load(counter_ptr, cache_modifier=".cg") + 1
+
+    if SEND_FIRST and SEND:
+        own = tl.load(d_ptr + offs, mask=mask, other=0.0)
+        _send_tile(own, mask, 0, pid, epoch, recv_ptr, send_ptr, sig_ptr, ack_ptr, err_ptr,
+                   tile_base, tile_offs, me, next_pe, limit, nbytes, rank_stride,
+                   sig_rank_stride, word, BK, BV, TRANSPORT, USE_CLOCK)
 
     if SRC == 2:
         target = 2 * epoch
@@ -191,24 +227,10 @@ def _forge_chain_kernel(
             y = (y + tl.load(d_ptr + offs, mask=mask, other=0.0)).to(d_ptr.dtype.element_ty)
         if WRITE_Y:
             tl.store(y_out_ptr + offs, y, mask=mask)
-        if SEND:
-            credit = dev.wait_ge(ack_ptr + pid, epoch - 1, limit, USE_CLOCK)
-            sent = credit >= epoch - 1
-            if not sent:
-                # The slot may still be read by the lagging consumer: leave the data alone
-                # and send only the poisoned signal (a zero-byte put).  A consumer still
-                # on the previous call sees it as "ahead" and fails instead of reading on.
-                dev.record_error(err_ptr, dev.ERR_CREDIT_TIMEOUT, next_pe, pid, epoch)
-                dev.set_remote_signal(sig_ptr + pid, 2 * epoch + 1, next_pe, me,
-                                      sig_rank_stride, TRANSPORT)
-            else:
-                dev.put_tile_signal(recv_ptr + tile_base, send_ptr + tile_base, tile_offs, y,
-                                    mask, dev.trailer_values(word, y.dtype), nbytes,
-                                    sig_ptr + pid, 2 * epoch + poison, next_pe, me,
-                                    rank_stride, sig_rank_stride, BK * BV, TRANSPORT)
-            dev.quiet_put(recv_ptr + tile_base, send_ptr + tile_base, sig_ptr + pid,
-                          2 * epoch + poison, next_pe, me, rank_stride, sig_rank_stride, sent,
-                          BK * BV, TRANSPORT)
+        if SEND and not SEND_FIRST:
+            _send_tile(y, mask, poison, pid, epoch, recv_ptr, send_ptr, sig_ptr, ack_ptr,
+                       err_ptr, tile_base, tile_offs, me, next_pe, limit, nbytes, rank_stride,
+                       sig_rank_stride, word, BK, BV, TRANSPORT, USE_CLOCK)
 
     # The last program to finish publishes this call's epoch for the next launch.  The
     # barrier keeps every thread's reads of the counter and puts ahead of the count.
@@ -439,12 +461,13 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
                first: Optional[torch.Tensor], d: torch.Tensor, x_out: Optional[torch.Tensor],
                y_out: Optional[torch.Tensor], src: int, send: bool, prev: int, nxt: int,
                transpose: bool, word: int = 0, fold=None,
-               keep: Optional[dict] = None) -> None:
+               keep: Optional[dict] = None, send_first: bool = False) -> None:
     """Launch the chain kernel.  ``fold``: ``(hs, gt)``, the shard's segment summaries and
     their log decays (``gt`` ``None`` ungated), folded in the kernel in place of ``(M,
     d)``; ``d`` then only gives the state's shape and dtype.  ``keep``: a dict where a
     GPU launch leaves its :class:`_Relaunch` (``keep["launch"]``) for calls on the same
-    buffers."""
+    buffers.  ``send_first``: put ``d`` to ``nxt`` before receiving from ``prev`` (a scan
+    round, see the kernel)."""
     if d.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"forge: states must be float32 or float64, got {d.dtype}")
     d = d.contiguous()
@@ -495,7 +518,7 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
         stride_mj=smj, nseg=nseg, nbh=B * H,
         KIND=kind_code, SRC=src, SEND=send, WRITE_Y=y_out is not None, BK=bk, BV=bv,
         TRANSPORT=where.transport, USE_CLOCK=use_clock, BJ=min(32, bk),
-        PREC=_dense_precision(d), FOLD=fold is not None)
+        PREC=_dense_precision(d), FOLD=fold is not None, SEND_FIRST=send_first)
     kernel = _kernel(where.transport)[(n_tiles,)](
         **values, num_warps=8 if bk * bv >= 4096 else 4)
     what = "the incoming state" if direction == "fwd" else "the state gradient"

@@ -16,9 +16,14 @@ over the maps ``x -> M_r^T x + g_r``, from the last rank.
 
 Against the chain (``serial``, ``forge``: ``P - 1`` hops on the last rank's path) this is
 ``ceil(log2 P)`` hops and ``2 ceil(log2 P)`` compositions per rank, each message a state and
-its transition.  The rounds here are host-issued point-to-point transfers, bounded and
-stamped like ``serial``'s; a GPU-initiated version (puts with signals per tile, as forge's)
-is not built yet.
+its transition.
+
+Where forge's transport runs (CUDA tensors with NVSHMEM, or the simulated transport of a
+gloo group under Triton's interpreter) the rounds are GPU-initiated: forge's kernel in its
+send-first mode puts this rank's tiles to ``r + 2^k`` with a signal each, then waits for
+``r - 2^k``'s in the kernel (bounded, signature-checked, one channel per round and
+direction), and the compositions run as tensor ops on the stream: no host synchronisation.
+Elsewhere the rounds are batched host point-to-point transfers, stamped like ``serial``'s.
 """
 from __future__ import annotations
 
@@ -83,6 +88,70 @@ def _exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: 
     return torch.zeros_like(d) if acc_d is None else acc_d
 
 
+def _device_rounds(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: int,
+                   rank_at: Callable[[int], int], group, word: int, direction: str) -> Tensor:
+    """:func:`_exclusive_scan` with each round's transfers GPU-initiated (forge's kernel,
+    send-first; see the module docstring)."""
+    from . import forge
+
+    where = forge._where(group)
+    m_shape = _m_shape(kind, d)
+    B, H, K, _ = d.shape
+    m4 = {None: None, 2: (B, H, 1, 1), 3: (B, H, K, 1), 4: (B, H, K, K)}[
+        None if m_shape is None else len(m_shape)]
+    incl_M, incl_d = M, d.contiguous()
+    acc_M: Optional[Tensor] = None
+    acc_d: Optional[Tensor] = None
+    dist, k = 1, 0
+    while dist < size:
+        src, dst = pos - dist, pos + dist
+        parts = [(f"scan{k}-{direction}", incl_d, d.shape)]
+        if m4 is not None:  # an aggregate whose M no rank reads (position 0) sends zeros
+            held = (torch.zeros(m4, dtype=d.dtype, device=d.device) if incl_M is None
+                    else incl_M.to(d.dtype).reshape(m4).contiguous())
+            parts.append((f"scan{k}-{direction}-M", held, m4))
+        got = []
+        for key, held, shape in parts:
+            into = torch.empty(shape, dtype=d.dtype, device=d.device)
+            if src < 0 and dst >= size:  # idle this round: its channel is allocated all the
+                forge._channel(where, key, held, Kind.IDENTITY)  # same (a collective)
+            else:
+                forge._run_chain(where, key, Kind.IDENTITY, None, None, held, into, None,
+                                 forge._SRC_RECV if src >= 0 else forge._SRC_ZERO,
+                                 dst < size, rank_at(src) if src >= 0 else -1,
+                                 rank_at(dst) if dst < size else -1, transpose=False,
+                                 word=word, send_first=True)
+            got.append(into)
+        if src >= 0:
+            r_d = got[0]
+            r_M = got[1].reshape(m_shape) if m4 is not None else None
+            if acc_d is None:
+                acc_M, acc_d = r_M, r_d
+            else:
+                acc_d = tr.combine(kind, acc_M, r_d, acc_d)
+                acc_M = tr.compose(kind, acc_M, r_M)
+            if pos + 2 * dist < size:
+                incl_d = tr.combine(kind, incl_M, r_d, incl_d).contiguous()
+                incl_M = tr.compose(kind, incl_M, r_M)
+        dist, k = dist * 2, k + 1
+    return torch.zeros_like(d) if acc_d is None else acc_d
+
+
+def _on_device(group, like: Tensor) -> bool:
+    """Whether forge's transport runs the rounds here (see the module docstring)."""
+    try:
+        from . import forge
+    except Exception:  # noqa: BLE001 - no Triton: the host rounds
+        return False
+    import torch.distributed as dist
+
+    if isinstance(group, forge.chan.SimRank):
+        return False  # the one-process simulation runs ranks in order: no concurrent rounds
+    if like.is_cuda:
+        return forge.Forge().available(like.device) is None
+    return forge.interpreted() and dist.get_backend(group) == "gloo"
+
+
 class Scan(Strategy):
     """``ceil(log2 P)`` rounds per direction; see the module docstring."""
 
@@ -94,25 +163,32 @@ class Scan(Strategy):
             return S0, None
         if 0 < rank < size - 1 and M is None and kind is not Kind.IDENTITY:
             raise ValueError(f"scan: rank {rank} needs its transition M ({kind.value})")
-        stamp = Stamp(group, word, delta)
         # rank 0 folds S0 into its map; then every prefix starts from zero
         d = tr.combine(kind, M, S0, delta) if rank == 0 else delta
-        S_in = _exclusive_scan(kind, M, d, rank, size, lambda p: p, group, stamp,
-                               "the incoming state (scan)")
-        stamp.done()
+        if _on_device(group, delta):
+            S_in = _device_rounds(kind, M, d, rank, size, lambda p: p, group, word, "fwd")
+        else:
+            stamp = Stamp(group, word, delta)
+            S_in = _exclusive_scan(kind, M, d, rank, size, lambda p: p, group, stamp,
+                                   "the incoming state (scan)")
+            stamp.done()
         return (S0 if rank == 0 else S_in), None
 
     def backward_chain(self, kind, M, grad_in, group, saved, word=0):
         rank, size = p2p.rank_and_size(group)
         if size == 1:
             return torch.zeros_like(grad_in), grad_in.clone()
-        stamp = Stamp(group, word, grad_in)
         # lam(r) = g_r + M_r^T lam(r+1): the maps x -> M_r^T x + g_r, from the last rank
         Mt = M.transpose(-1, -2) if (kind is Kind.DENSE and M is not None) else M
-        lam_next = _exclusive_scan(kind, Mt, grad_in, size - 1 - rank, size,
-                                   lambda p: size - 1 - p, group, stamp,
-                                   "the state gradient (scan)")
-        stamp.done()
+        if _on_device(group, grad_in):
+            lam_next = _device_rounds(kind, Mt, grad_in, size - 1 - rank, size,
+                                      lambda p: size - 1 - p, group, word, "bwd")
+        else:
+            stamp = Stamp(group, word, grad_in)
+            lam_next = _exclusive_scan(kind, Mt, grad_in, size - 1 - rank, size,
+                                       lambda p: size - 1 - p, group, stamp,
+                                       "the state gradient (scan)")
+            stamp.done()
         return lam_next, grad_in + tr.apply_transposed(kind, M, lam_next)
 
 

@@ -1,7 +1,9 @@
 """The log-depth strategy (``scan``) beyond the strategy matrix's 1-4 ranks: 5, 8 and 16 gloo
 ranks against the fp64 recurrence (every op at 5 and 8, dense and packed, outputs and every
-gradient; a scalar and the dense transition at 16), and ``ceil(log2 P)`` rounds per
-direction."""
+gradient; a scalar and the dense transition at 16), ``ceil(log2 P)`` rounds per direction,
+and its GPU-initiated rounds (forge's kernel, send-first) over the simulated transport, ranks
+running concurrently with random delays, at 3 and 5 ranks (a rank idle in a round still
+allocates that round's channel)."""
 import math
 
 import pytest
@@ -65,3 +67,37 @@ def _rounds(group):
 def test_every_rank_takes_ceil_log2_P_rounds_each_way(world):
     for fwd, bwd in run_world(world, _rounds):
         assert fwd == bwd == math.ceil(math.log2(world))
+
+
+DEVICE_ENV = {"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
+              "FORGE_DIST_TIMEOUT": "120"}
+
+
+def _device_errors(group):
+    from forge_dist.sp import forge, p2p
+
+    launches, exchanges = [0], [0]
+    real_chain, real_exchange = forge._run_chain, p2p.exchange
+
+    def chain(*args, **kwargs):
+        launches[0] += kwargs.get("send_first", False)
+        return real_chain(*args, **kwargs)
+
+    def exchange(*args, **kwargs):
+        exchanges[0] += 1
+        return real_exchange(*args, **kwargs)
+    forge._run_chain, p2p.exchange = chain, exchange
+    try:
+        rows = _errors(group, OPS, (False, True), 16)
+    finally:
+        forge._run_chain, p2p.exchange = real_chain, real_exchange
+    return {"rows": rows, "send_first_launches": launches[0], "host_exchanges": exchanges[0]}
+
+
+@pytest.mark.parametrize("world", [3, 5])
+def test_gpu_initiated_rounds_over_the_simulated_transport(world):
+    out = run_world(world, _device_errors, env=DEVICE_ENV)
+    assert out["send_first_launches"] > 0 and out["host_exchanges"] == 0, out
+    for row in out["rows"]:
+        bad = {k: v for k, v in row["errors"].items() if not v <= tolerance(torch.float64)}
+        assert not bad, (row["op"], row["varlen"], bad)
