@@ -18,6 +18,8 @@ out of step between ranks):
 * ``no_host_sync_<strategy>``: steady-state calls of every op (forward, and forward +
   backward) with a signature agreed earlier run under
   ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation fails the check;
+* ``scan_chains_<kind>``, ``scan_op_<name>``, ``no_host_sync_scan``: the same for the
+  log-depth strategy (its GPU-initiated rounds), apart so that its failure stands alone;
 * ``signature_on_device``: two signatures agreed, then the ranks pass different ones (no
   host collective runs): the receiving rank's output is NaN and ``sp.flush()`` raises an
   error naming the argument and both values;
@@ -87,7 +89,7 @@ def summaries(kind, P, B, H, K, V, seed, device):
     return Ms, ds, S0, gs
 
 
-def chain_check(kind, group, device, K=128, V=128):
+def chain_check(kind, group, device, K=128, V=128, strategies=("forge", "serial", "lasp2")):
     r, P = dist.get_rank(group), dist.get_world_size(group)
     B, H = 2, 4
     Ms, ds, S0, gs = summaries(kind, P, B, H, K, V, 11, device)
@@ -103,7 +105,7 @@ def chain_check(kind, group, device, K=128, V=128):
         lams[s] = (nxt, lam)
     S0_r = S0 if r == 0 else torch.zeros_like(S0)
     out = {}
-    for name in ("forge", "serial", "lasp2"):
+    for name in strategies:
         strat = sp.resolve(name, device)
         S_in, saved = strat.forward_chain(kind, M, ds[r], S0_r, group)
         ln, lh = strat.backward_chain(kind, M, gs[r], group, saved)
@@ -114,7 +116,7 @@ def chain_check(kind, group, device, K=128, V=128):
         errs += [rel(S_in, ins[r]), rel(lh, lams[r][1])]
         if r < P - 1:
             errs.append(rel(ln, lams[r][0]))
-    for name in ("serial", "lasp2"):
+    for name in [s for s in ("serial", "lasp2") if s in out and "forge" in out]:
         errs.append(rel(out["forge"][0], out[name][0]))
         errs.append(rel(out["forge"][2], out[name][2]))
     worst = max(errs)
@@ -154,12 +156,12 @@ def call_op(name, inputs, **kw):
     return fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], **kw)
 
 
-def op_check(name, group, device):
+def op_check(name, group, device, strategies=("forge", "serial", "lasp2")):
     r, P = dist.get_rank(group), dist.get_world_size(group)
     B, T_local, H, D = 2, 64, 2, 32
     full = op_inputs(name, B, T_local * P, H, D, 5, device)
     results, w_full = {}, None
-    for strategy in ("single", "forge", "serial", "lasp2"):
+    for strategy in ("single",) + tuple(strategies):
         if strategy == "single":
             inp = {k: v.clone().requires_grad_(True) for k, v in full.items()}
             o, fs = call_op(name, inp, output_final_state=True)
@@ -179,12 +181,13 @@ def op_check(name, group, device):
         results[strategy] = (o[:, sl].detach(), {k: v.grad[:, sl] for k, v in inp.items()})
     errs = {}
     base_o, base_g = results["single"]
-    for strategy in ("forge", "serial", "lasp2"):
+    for strategy in strategies:
         o, grads = results[strategy]
         errs[strategy] = max([rel(o, base_o)] + [rel(grads[k], base_g[k]) for k in grads])
-    errs["forge-vs-serial"] = max(
-        [rel(results["forge"][0], results["serial"][0])]
-        + [rel(results["forge"][1][k], results["serial"][1][k]) for k in base_g])
+    if "forge" in results and "serial" in results:
+        errs["forge-vs-serial"] = max(
+            [rel(results["forge"][0], results["serial"][0])]
+            + [rel(results["forge"][1][k], results["serial"][1][k]) for k in base_g])
     if max(errs.values()) > 1e-4:
         raise AssertionError(f"{name}: relative errors {errs}")
     return " ".join(f"{k}={v:.1e}" for k, v in errs.items())
@@ -424,9 +427,9 @@ def main():
         # FORGE_MG_CHECKS=a,b,... runs only those checks (a device call too short for all)
         only = [c for c in os.environ.get("FORGE_MG_CHECKS", "").split(",") if c]
 
-        def run(name, fn, *args):
+        def run(name, fn, *args, **kwargs):
             if not only or name in only:
-                check(name)(fn)(*args)
+                check(name)(fn)(*args, **kwargs)
         for kind in Kind:
             run(f"chains_{kind.value}", chain_check, kind, group, device)
         run("chains_dense_K64_V96", chain_check, Kind.DENSE, group, device, 64, 96)
@@ -437,6 +440,13 @@ def main():
         run("back_to_back", back_to_back, group, device)
         for strategy in ("forge", "lasp2", "serial", "pipelined"):
             run(f"no_host_sync_{strategy}", no_host_sync, group, device, strategy)
+        # the log-depth strategy: its own cases, so that a failure of it stands apart
+        for kind in Kind:
+            run(f"scan_chains_{kind.value}", chain_check, kind, group, device,
+                strategies=("scan",))
+        for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
+            run(f"scan_op_{name}", op_check, name, group, device, strategies=("scan",))
+        run("no_host_sync_scan", no_host_sync, group, device, "scan")
         dist.barrier(group)
         run("signature_on_device", signature_on_device, group, device)
         dist.barrier(group)

@@ -12,7 +12,10 @@ CHECKS = ["available", "chains_identity", "chains_scalar", "chains_diagonal", "c
           "chains_dense_K64_V96", "op_linear_attn", "op_simple_gla", "op_gla",
           "op_gated_delta_rule", "op_hgrn", "plans", "back_to_back", "no_host_sync_forge",
           "no_host_sync_lasp2", "no_host_sync_serial", "no_host_sync_pipelined",
-          "signature_on_device", "timeout"]
+          "signature_on_device", "timeout",
+          "scan_chains_identity", "scan_chains_scalar", "scan_chains_diagonal", "scan_chains_dense",
+          "scan_op_linear_attn", "scan_op_simple_gla", "scan_op_gla", "scan_op_gated_delta_rule",
+          "scan_op_hgrn", "no_host_sync_scan"]
 WORLD = int(os.environ.get("FORGE_MG_WORLD", "2"))  # ranks, one GPU each (4 on a 4-GPU machine)
 
 
