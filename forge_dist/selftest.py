@@ -22,6 +22,7 @@ from .variants import reference as ref
 from .variants import registry
 
 OPS = registry.names()  # every registered op (one registration adds it to the checks)
+_FAMILIES = {"deltanet": "gated_delta_rule"}  # a named family checked by its base's reference
 STRATEGIES = ("serial", "pipelined", "lasp2", "scan")
 
 
@@ -100,8 +101,10 @@ def call_op(op: str, t: Dict[str, Tensor], **kw):
 def call_reference(op: str, t: Dict[str, Tensor], **kw):
     """The fp64 recurrence of ``op`` on the named tensors of ``t``."""
     kw.setdefault("initial_state", t.get("initial_state"))
-    args = [t[n] for n in registry.get(op).inputs]  # ``<op>_ref`` takes them in the op's order
-    return getattr(ref, f"{op}_ref")(*args, **kw)
+    base = _FAMILIES.get(op, op)
+    # ``<op>_ref`` takes the op's inputs in its order; an absent optional one (g) is None
+    args = [t.get(n) for n in registry.get(base).inputs]
+    return getattr(ref, f"{base}_ref")(*args, **kw)
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:
