@@ -24,9 +24,12 @@ send-first mode puts this rank's tiles to ``r + 2^k`` with a signal each, then w
 ``r - 2^k``'s in the kernel (bounded, signature-checked, one channel per round and
 direction), and the compositions run as tensor ops on the stream: no host synchronisation.
 Elsewhere the rounds are batched host point-to-point transfers, stamped like ``serial``'s.
+``FORGE_DIST_SCAN_ROUNDS=host`` takes the host rounds everywhere (every rank must see the
+same value).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -139,6 +142,11 @@ def _device_rounds(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: i
 
 def _on_device(group, like: Tensor) -> bool:
     """Whether forge's transport runs the rounds here (see the module docstring)."""
+    choice = os.environ.get("FORGE_DIST_SCAN_ROUNDS", "auto")
+    if choice not in ("auto", "host"):
+        raise ValueError(f"FORGE_DIST_SCAN_ROUNDS: expected 'auto' or 'host', got {choice!r}")
+    if choice == "host":
+        return False
     try:
         from . import forge
     except Exception:  # noqa: BLE001 - no Triton: the host rounds

@@ -1,9 +1,13 @@
-"""The log-depth strategy (``scan``) beyond the strategy matrix's 1-4 ranks: 5, 8 and 16 gloo
-ranks against the fp64 recurrence (every op at 5 and 8, dense and packed, outputs and every
-gradient; a scalar and the dense transition at 16), ``ceil(log2 P)`` rounds per direction,
-and its GPU-initiated rounds (forge's kernel, send-first) over the simulated transport, ranks
-running concurrently with random delays, at 3 and 5 ranks (a rank idle in a round still
-allocates that round's channel)."""
+"""The log-depth strategy (``scan``).
+
+The CPU ranks of the test suite run under Triton's interpreter, where scan takes its
+GPU-initiated rounds over the simulated transport (so do the strategy matrix's 2-4 ranks and
+the plan tests).  Here: the batched host rounds (``FORGE_DIST_SCAN_ROUNDS=host``) at 5, 8 and
+16 gloo ranks against the fp64 recurrence (every op at 5 and 8, dense and packed, outputs
+and every gradient; a scalar and the dense transition at 16); ``ceil(log2 P)`` rounds per
+direction on both paths; and the GPU-initiated rounds with concurrent jittered ranks at 3
+and 5 ranks (a rank idle in a round still allocates that round's channel).
+"""
 import math
 
 import pytest
@@ -12,6 +16,12 @@ import torch
 from forge_dist.selftest import OPS, run_case, tolerance
 
 from .distributed import run_world
+
+
+DEVICE_ENV = {"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
+              "FORGE_DIST_TIMEOUT": "120"}
+HOST = {"FORGE_DIST_SCAN_ROUNDS": "host"}  # the batched host rounds (the tests' CPU ranks
+# otherwise take the GPU-initiated rounds over the simulated transport, under the interpreter)
 
 
 def _errors(group, ops, layouts, T_local):
@@ -25,7 +35,7 @@ def _errors(group, ops, layouts, T_local):
     (16, ("simple_gla", "gated_delta_rule"), (False, True), 8),
 ], ids=["world5", "world8", "world16"])
 def test_scan_matches_the_recurrence(world, ops, layouts, T_local):
-    rows = run_world(world, _errors, ops, layouts, T_local)
+    rows = run_world(world, _errors, ops, layouts, T_local, env=HOST)
     assert len(rows) == len(ops) * len(layouts)
     for row in rows:
         bad = {k: v for k, v in row["errors"].items() if not v <= tolerance(torch.float64)}
@@ -37,15 +47,20 @@ def _rounds(group):
     import torch.distributed as dist
 
     from forge_dist import ops
-    from forge_dist.sp import p2p
+    from forge_dist.sp import forge, p2p
 
-    calls = []
-    real = p2p.exchange
+    host, device = [], []
+    real_exchange, real_chain = p2p.exchange, forge._run_chain
 
-    def counted(*args, **kwargs):
-        calls.append(args[-1])  # what was exchanged
-        return real(*args, **kwargs)
-    p2p.exchange = counted
+    def exchange(*args, **kwargs):
+        host.append(args[-1])
+        return real_exchange(*args, **kwargs)
+
+    def chain(*args, **kwargs):
+        if kwargs.get("send_first") and not args[1].endswith("-M"):  # a round's state tiles
+            device.append(args[1])
+        return real_chain(*args, **kwargs)
+    p2p.exchange, forge._run_chain = exchange, chain
     try:
         rank = dist.get_rank(group)
         gen = torch.Generator().manual_seed(rank)
@@ -54,23 +69,29 @@ def _rounds(group):
         g = torch.nn.functional.logsigmoid(torch.randn(1, 8, 2, generator=gen,
                                                        dtype=torch.float64))
         o, _ = ops.simple_gla(q, k, v, g, group=group, strategy="scan")
-        fwd = len(calls)
+        fwd = (len(host), len(device))
         o.sum().backward()
     finally:
-        p2p.exchange = real
+        p2p.exchange, forge._run_chain = real_exchange, real_chain
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, (fwd, len(calls) - fwd), group=group)
+    dist.all_gather_object(out, (fwd, (len(host) - fwd[0], len(device) - fwd[1])),
+                           group=group)
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3, 5, 8])
-def test_every_rank_takes_ceil_log2_P_rounds_each_way(world):
-    for fwd, bwd in run_world(world, _rounds):
+def test_every_rank_takes_ceil_log2_P_host_rounds_each_way(world):
+    for (fwd, _), (bwd, _) in run_world(world, _rounds, env=HOST):
         assert fwd == bwd == math.ceil(math.log2(world))
 
 
-DEVICE_ENV = {"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
-              "FORGE_DIST_TIMEOUT": "120"}
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_launches_log2_P_device_rounds_each_way(world):
+    # a power of two: every rank sends or receives in every round
+    for (_, fwd), (_, bwd) in run_world(world, _rounds, env=DEVICE_ENV):
+        assert fwd == bwd == int(math.log2(world))
+
+
 
 
 def _device_errors(group):
