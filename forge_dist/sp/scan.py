@@ -50,34 +50,28 @@ def _m_shape(kind: Kind, like: Tensor) -> Optional[Tuple[int, ...]]:
 
 
 def _exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: int,
-                    rank_at: Callable[[int], int], group, stamp: Stamp, what: str) -> Tensor:
+                    exchange) -> Tensor:
     """The ``d`` of the composition of the maps at positions ``0 .. pos - 1`` (zeros at
     position 0), this rank holding position ``pos``'s map ``(M, d)``; ``M`` ``None`` is read
-    as the identity (and where no later map reads it).  ``rank_at``: the rank at a position."""
+    as the identity (and where no later map reads it).
+
+    ``exchange(k, src, dst, M, d)``: round ``k``'s transfers, this rank's ``(M, d)`` to
+    position ``dst`` (if ``< size``) and ``(M, d)`` from position ``src`` (if ``>= 0``),
+    returned (``None`` when nothing arrives); ``M`` is ``None`` for the identity kind."""
     m_shape = _m_shape(kind, d)
-    n_d = d.numel()
-    n_m = 0 if m_shape is None else int(torch.Size(m_shape).numel())
     incl_M, incl_d = M, d
     acc_M: Optional[Tensor] = None
     acc_d: Optional[Tensor] = None
-    dist = 1
+    dist, k = 1, 0
     while dist < size:
         src, dst = pos - dist, pos + dist
-        payload = out = None
-        if src >= 0:
-            payload = torch.empty(n_d + n_m + TRAILER, dtype=d.dtype, device=d.device)
-        if dst < size:
-            parts = [incl_d.reshape(-1)]
-            if n_m:  # an aggregate whose M no rank reads (it holds position 0) sends zeros
-                parts.append(torch.zeros(n_m, dtype=d.dtype, device=d.device)
-                             if incl_M is None else incl_M.to(d.dtype).reshape(-1))
-            out = stamp.send(torch.cat(parts))
-        p2p.exchange(out, rank_at(dst) if out is not None else -1, payload,
-                     rank_at(src) if payload is not None else -1, group, what)
-        if payload is not None:
-            got = stamp.receive(payload, rank_at(src), payload[:-TRAILER])
-            r_d = got[:n_d].view_as(d)
-            r_M = got[n_d:].view(m_shape) if n_m else None
+        sent_M = None
+        if m_shape is not None:  # an aggregate whose M no rank reads (position 0): zeros
+            sent_M = (torch.zeros(m_shape, dtype=d.dtype, device=d.device) if incl_M is None
+                      else incl_M.to(d.dtype))
+        got = exchange(k, src, dst, sent_M, incl_d)
+        if got is not None:
+            r_M, r_d = got
             # what arrived comes before what this rank holds: x -> held(arrived(x))
             if acc_d is None:
                 acc_M, acc_d = r_M, r_d
@@ -87,57 +81,58 @@ def _exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: 
             if pos + 2 * dist < size:  # incl is sent again in a later round
                 incl_d = tr.combine(kind, incl_M, r_d, incl_d)
                 incl_M = tr.compose(kind, incl_M, r_M)
-        dist *= 2
+        dist, k = dist * 2, k + 1
     return torch.zeros_like(d) if acc_d is None else acc_d
 
 
-def _device_rounds(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: int,
-                   rank_at: Callable[[int], int], group, word: int, direction: str) -> Tensor:
-    """:func:`_exclusive_scan` with each round's transfers GPU-initiated (forge's kernel,
-    send-first; see the module docstring)."""
+def _host_exchange(group, rank_at: Callable[[int], int], stamp: Stamp, what: str, size: int):
+    """A round as one batch of host point-to-point transfers of ``[d | M | trailer]``."""
+    def exchange(k, src, dst, M, d):
+        n_d = d.numel()
+        n_m = 0 if M is None else M.numel()
+        payload = out = None
+        if src >= 0:
+            payload = torch.empty(n_d + n_m + TRAILER, dtype=d.dtype, device=d.device)
+        if dst < size:
+            out = stamp.send(d.reshape(-1) if M is None else
+                             torch.cat([d.reshape(-1), M.reshape(-1)]))
+        p2p.exchange(out, rank_at(dst) if out is not None else -1, payload,
+                     rank_at(src) if payload is not None else -1, group, what)
+        if payload is None:
+            return None
+        got = stamp.receive(payload, rank_at(src), payload[:-TRAILER])
+        return (None if M is None else got[n_d:].view_as(M)), got[:n_d].view_as(d)
+    return exchange
+
+
+def _device_exchange(group, rank_at: Callable[[int], int], word: int, direction: str,
+                     size: int):
+    """A round as forge's kernel in its send-first mode, one launch per tensor and one
+    channel per round, tensor and direction (see the module docstring)."""
     from . import forge
 
     where = forge._where(group)
-    m_shape = _m_shape(kind, d)
-    B, H, K, _ = d.shape
-    m4 = {None: None, 2: (B, H, 1, 1), 3: (B, H, K, 1), 4: (B, H, K, K)}[
-        None if m_shape is None else len(m_shape)]
-    incl_M, incl_d = M, d.contiguous()
-    acc_M: Optional[Tensor] = None
-    acc_d: Optional[Tensor] = None
-    dist, k = 1, 0
-    while dist < size:
-        src, dst = pos - dist, pos + dist
-        parts = [(f"scan{k}-{direction}", incl_d, d.shape)]
-        if m4 is not None:  # an aggregate whose M no rank reads (position 0) sends zeros
-            held = (torch.zeros(m4, dtype=d.dtype, device=d.device) if incl_M is None
-                    else incl_M.to(d.dtype).reshape(m4).contiguous())
-            parts.append((f"scan{k}-{direction}-M", held, m4))
-        got = []
-        for key, held, shape in parts:
-            into = torch.empty(shape, dtype=d.dtype, device=d.device)
-            if src < 0 and dst >= size:  # idle this round: its channel is allocated all the
-                forge._channel(where, key, held, Kind.IDENTITY)  # same (a collective)
-            else:
-                forge._run_chain(where, key, Kind.IDENTITY, None, None, held, into, None,
-                                 forge._SRC_RECV if src >= 0 else forge._SRC_ZERO,
-                                 dst < size, rank_at(src) if src >= 0 else -1,
-                                 rank_at(dst) if dst < size else -1, transpose=False,
-                                 word=word, send_first=True)
-            got.append(into)
-        if src >= 0:
-            r_d = got[0]
-            r_M = got[1].reshape(m_shape) if m4 is not None else None
-            if acc_d is None:
-                acc_M, acc_d = r_M, r_d
-            else:
-                acc_d = tr.combine(kind, acc_M, r_d, acc_d)
-                acc_M = tr.compose(kind, acc_M, r_M)
-            if pos + 2 * dist < size:
-                incl_d = tr.combine(kind, incl_M, r_d, incl_d).contiguous()
-                incl_M = tr.compose(kind, incl_M, r_M)
-        dist, k = dist * 2, k + 1
-    return torch.zeros_like(d) if acc_d is None else acc_d
+
+    def move(key, held, src, dst):
+        into = torch.empty_like(held)
+        if src < 0 and dst >= size:  # idle this round: its channel is allocated all the
+            forge._channel(where, key, held, Kind.IDENTITY)  # same (a collective)
+        else:
+            forge._run_chain(where, key, Kind.IDENTITY, None, None, held, into, None,
+                             forge._SRC_RECV if src >= 0 else forge._SRC_ZERO, dst < size,
+                             rank_at(src) if src >= 0 else -1,
+                             rank_at(dst) if dst < size else -1, transpose=False, word=word,
+                             send_first=True)
+        return into
+
+    def exchange(k, src, dst, M, d):
+        r_d = move(f"scan{k}-{direction}", d.contiguous(), src, dst)
+        r_M = None
+        if M is not None:  # the kernel moves [B, H, K, V] states: M as one, V = 1 or K
+            m4 = M.reshape(*M.shape, *(1,) * (4 - M.dim())).contiguous()
+            r_M = move(f"scan{k}-{direction}-M", m4, src, dst).view_as(M)
+        return None if src < 0 else (r_M, r_d)
+    return exchange
 
 
 def _on_device(group, like: Tensor) -> bool:
@@ -156,7 +151,7 @@ def _on_device(group, like: Tensor) -> bool:
     if isinstance(group, forge.chan.SimRank):
         return False  # the one-process simulation runs ranks in order: no concurrent rounds
     if like.is_cuda:
-        return forge.Forge().available(like.device) is None
+        return forge.FORGE.available(like.device) is None
     return forge.interpreted() and dist.get_backend(group) == "gloo"
 
 
@@ -164,6 +159,17 @@ class Scan(Strategy):
     """``ceil(log2 P)`` rounds per direction; see the module docstring."""
 
     name = "scan"
+
+    @staticmethod
+    def _scan(kind, M, d, pos, size, rank_at, group, word, direction, what):
+        if _on_device(group, d):
+            return _exclusive_scan(kind, M, d, pos, size,
+                                   _device_exchange(group, rank_at, word, direction, size))
+        stamp = Stamp(group, word, d)
+        out = _exclusive_scan(kind, M, d, pos, size,
+                              _host_exchange(group, rank_at, stamp, what, size))
+        stamp.done()
+        return out
 
     def forward_chain(self, kind, M, delta, S0, group, word=0):
         rank, size = p2p.rank_and_size(group)
@@ -173,13 +179,8 @@ class Scan(Strategy):
             raise ValueError(f"scan: rank {rank} needs its transition M ({kind.value})")
         # rank 0 folds S0 into its map; then every prefix starts from zero
         d = tr.combine(kind, M, S0, delta) if rank == 0 else delta
-        if _on_device(group, delta):
-            S_in = _device_rounds(kind, M, d, rank, size, lambda p: p, group, word, "fwd")
-        else:
-            stamp = Stamp(group, word, delta)
-            S_in = _exclusive_scan(kind, M, d, rank, size, lambda p: p, group, stamp,
-                                   "the incoming state (scan)")
-            stamp.done()
+        S_in = self._scan(kind, M, d, rank, size, lambda p: p, group, word, "fwd",
+                          "the incoming state (scan)")
         return (S0 if rank == 0 else S_in), None
 
     def backward_chain(self, kind, M, grad_in, group, saved, word=0):
@@ -188,15 +189,9 @@ class Scan(Strategy):
             return torch.zeros_like(grad_in), grad_in.clone()
         # lam(r) = g_r + M_r^T lam(r+1): the maps x -> M_r^T x + g_r, from the last rank
         Mt = M.transpose(-1, -2) if (kind is Kind.DENSE and M is not None) else M
-        if _on_device(group, grad_in):
-            lam_next = _device_rounds(kind, Mt, grad_in, size - 1 - rank, size,
-                                      lambda p: size - 1 - p, group, word, "bwd")
-        else:
-            stamp = Stamp(group, word, grad_in)
-            lam_next = _exclusive_scan(kind, Mt, grad_in, size - 1 - rank, size,
-                                       lambda p: size - 1 - p, group, stamp,
-                                       "the state gradient (scan)")
-            stamp.done()
+        lam_next = self._scan(kind, Mt, grad_in, size - 1 - rank, size,
+                              lambda p: size - 1 - p, group, word, "bwd",
+                              "the state gradient (scan)")
         return lam_next, grad_in + tr.apply_transposed(kind, M, lam_next)
 
 
