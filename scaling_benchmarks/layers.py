@@ -140,19 +140,20 @@ def _max_rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def _run(layer, x, w, pas):
-    """A callable running one pass of ``layer`` (``fwdbwd``: gradients into ``.grad``)."""
+def _run(layer, x, w, pas, **call):
+    """A callable running one pass of ``layer`` (``fwdbwd``: gradients into ``.grad``);
+    ``call``: the layer's keyword arguments (``group=`` for the sequence-parallel rows)."""
     if pas == "fwd":
         def fwd():
             with torch.no_grad():
-                return _out(layer(x))
+                return _out(layer(x, **call))
         return fwd
 
     def fwdbwd():
         x.grad = None
         for p in layer.parameters():
             p.grad = None
-        o = _out(layer(x))
+        o = _out(layer(x, **call))
         (o.float() * w).sum().backward()
         return o
     return fwdbwd

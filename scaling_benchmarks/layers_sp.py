@@ -47,27 +47,9 @@ def build(name: str, device, dtype, group, strategy: str):
     return layer.to(device, dtype)
 
 
-def _call(layer, x, w, pas, group):
-    """One pass of ``layer`` on ``x`` with ``group`` (None: the shard alone); returns the
-    output (``fwdbwd``: after the backward, gradients in ``.grad``)."""
-    if pas == "fwd":
-        with torch.no_grad():
-            return lb._out(layer(x, group=group))
-    x.grad = None
-    for p in layer.parameters():
-        p.grad = None
-    o = lb._out(layer(x, group=group))
-    (o.float() * w).sum().backward()
-    return o
-
-
 def _worst(errs):
     """The largest error, NaN if any is (``max`` would drop a NaN that does not come first)."""
     return float("nan") if any(e != e for e in errs) else max(errs)
-
-
-def _grads(layer, x):
-    return [x.grad] + [p.grad for _, p in sorted(layer.named_parameters())]
 
 
 def run_layer(name, pas, *, group, strategy, device, dtype, B, tokens, warmup, repeats):
@@ -86,17 +68,18 @@ def run_layer(name, pas, *, group, strategy, device, dtype, B, tokens, warmup, r
     x = x_full.detach()[:, sl].clone().requires_grad_(grad)
     w = w_full[:, sl]
 
-    ref = _call(layer, x_full, w_full, pas, None).detach()[:, sl]
+    ref = lb._run(layer, x_full, w_full, pas, group=None)().detach()[:, sl]
     ref_grads = None
     if grad:
-        ref_grads = [None if g is None else g.detach().clone() for g in _grads(layer, x_full)]
+        ref_grads = [None if g is None else g.detach().clone()
+                     for g in lb._grads(layer, x_full)]
         ref_grads[0] = ref_grads[0][:, sl]
     x_full = w_full = None
 
-    out = _call(layer, x, w, pas, group).detach()
+    out = lb._run(layer, x, w, pas, group=group)().detach()
     errs = [lb._max_rel(out, ref)]
     if grad:
-        got = [None if g is None else g.detach().clone() for g in _grads(layer, x)]
+        got = [None if g is None else g.detach().clone() for g in lb._grads(layer, x)]
         for g in got[1:]:
             if g is not None:
                 dist.all_reduce(g, group=group)
@@ -106,15 +89,12 @@ def run_layer(name, pas, *, group, strategy, device, dtype, B, tokens, warmup, r
 
     clock = ws.Clock(device)
 
-    def shard(_clock):
-        _call(layer, x, w, pas, None)
-
-    def sequence_parallel(_clock):
-        _call(layer, x, w, pas, group)
-
+    passes = {"shard": lb._run(layer, x, w, pas, group=None),
+              "sp": lb._run(layer, x, w, pas, group=group)}
     timings = {}
-    for label, fn in (("shard", shard), ("sp", sequence_parallel)):
-        mine = ws.timed(fn, clock, warmup=warmup, repeats=repeats, group=group, device=device)
+    for label, run in passes.items():
+        mine = ws.timed(lambda _clock, run=run: run(), clock, warmup=warmup, repeats=repeats,
+                        group=group, device=device)
         timings[label] = ws.reduce_ranks(ws._gather(mine, group))
     err = _worst(ws._gather(_worst(errs), group))
     row = {"layer": name, "pass": pas, "impl": "forge_dist", "strategy": layer.strategy,
