@@ -94,6 +94,13 @@ step() {  # step NAME SECONDS COMMAND...
   echo "== $name rc=${PIPESTATUS[0]}" | tee -a "$OUT/batch.log"
 }
 
+mg_runs() {  # the multigpu suite of the robustness issue's item 9, runs MG_FIRST..MG_RUNS in a row
+  for i in $(seq "${MG_FIRST:-1}" "${MG_RUNS:-1}"); do
+    step multigpu_run$i "${MG_LIMIT:-450}" python3 -m pytest -v -x -p no:cacheprovider \
+      --durations=30 -m multigpu tests/sp tests/robustness/test_forge_gpu.py tests/runtime/test_gpu.py
+  done
+}
+
 ws() {  # ws NAME SECONDS RANKS OP MODE B TOKENS TAG [STRATEGIES]: one weak-scaling step
   step "$1" "$2" torchrun --nproc-per-node "$3" scaling_benchmarks/weak_scaling.py --set B="$6" \
     --set tokens_per_gpu="$7" --set state_pass=false --ops "$4" --modes "$5" \
@@ -163,10 +170,7 @@ case "$stage" in
     # FLA's models with MG_NN=1.  A cold run compiles every kernel: on 2 x H100 (2026-11-27)
     # neither of two cold runs passed its first test (which runs all 19 forge cases) in 170 s;
     # the third, warm, did 79 tests in 170 s.
-    for i in $(seq "${MG_FIRST:-1}" "${MG_RUNS:-1}"); do
-      step multigpu_run$i "${MG_LIMIT:-450}" python3 -m pytest -v -x -p no:cacheprovider \
-        --durations=30 -m multigpu tests/sp tests/robustness/test_forge_gpu.py tests/runtime/test_gpu.py
-    done
+    mg_runs
     [ "${MG_NN:-0}" = 1 ] && step multigpu_nn 200 python3 -m pytest -v -p no:cacheprovider \
       -m multigpu tests/nn ;;
   verify-gpu)  # every gpu test, the two cards in parallel; then launch overhead alone, BASE first
@@ -197,12 +201,7 @@ case "$stage" in
     wait ;;
   verify4)  # a 4-GPU machine: the multigpu suite on one pair while the other two cards run the
     # gpu suite (the two jobs share nothing: separate processes, ports and NVSHMEM worlds)
-    ( export CUDA_VISIBLE_DEVICES=0,1
-      for i in $(seq "${MG_FIRST:-1}" "${MG_RUNS:-1}"); do
-        step multigpu_run$i "${MG_LIMIT:-450}" python3 -m pytest -v -x -p no:cacheprovider \
-          --durations=30 -m multigpu tests/sp tests/robustness/test_forge_gpu.py \
-          tests/runtime/test_gpu.py > /dev/null
-      done ) &
+    ( export CUDA_VISIBLE_DEVICES=0,1; mg_runs > /dev/null ) &
     ( export CUDA_VISIBLE_DEVICES=2; step gpu_kernels "${GPU_LIMIT:-540}" python3 -m pytest -v \
         -p no:cacheprovider --durations=20 -m gpu tests/kernels > /dev/null ) &
     ( export CUDA_VISIBLE_DEVICES=3; step gpu_rest "${GPU_LIMIT:-540}" python3 -m pytest -v \
