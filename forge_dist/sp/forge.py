@@ -190,7 +190,7 @@ def _forge_chain_kernel(
                              mask=jmask, other=0.0, cache_modifier=".cg")
                 xb = tl.where(poison != 0, float("nan"), xb).to(xb.dtype)
                 tl.store(x_out_ptr + bh * K * V + rj[:, None] * V + rv[None, :], xb, mask=jmask)
-            if (SEND or WRITE_Y) and SRC != 1:
+            if ((SEND and not SEND_FIRST) or WRITE_Y) and SRC != 1:
                 mm = tl.load(m_ptr + bh * K * K + rk[:, None] * stride_mi + rj[None, :] * stride_mj,
                              mask=(rk[:, None] < K) & (rj[None, :] < K), other=0.0)
                 y += tl.dot(mm, xb, input_precision=PREC)
@@ -220,7 +220,7 @@ def _forge_chain_kernel(
         tl.debug_barrier()  # the whole tile is read before the slot is handed back
         dev.set_remote_signal(ack_ptr + pid, epoch, prev_pe, me, sig_rank_stride, TRANSPORT)
 
-    if SEND or WRITE_Y:
+    if (SEND and not SEND_FIRST) or WRITE_Y:  # a send-first round sent d already
         if FOLD:
             y = (y + d_fold).to(d_ptr.dtype.element_ty)
         else:
