@@ -10,7 +10,8 @@ Shapes (``Shape``): the single-device protocol (B=1, H=32, K=V=128, hgrn on
 ``[1, T, 4096]``, T from 1K to 256K) and the weak-scaling shard (B=4, H=32, K=V=128, 32K
 tokens per GPU; hgrn's width ``H * K`` unless set), as in ``docs/design.md`` section 10.
 
-Adding an op on an existing pattern is one ``BenchOp`` entry here.
+The ops are the package's registered variants (:mod:`forge_dist.variants.registry`): a new
+op registered there is benchmarked with no change here.
 """
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from forge_dist.variants import registry as variants
+
 
 @dataclass(frozen=True)
 class BenchOp:
     """How a benchmark calls one op and draws its inputs.
 
-    ``args``: argument names in call order; ``gate``: ``"head"`` (``[B, T, H]``), ``"key"``
-    (``[B, T, H, K]``), ``"channel"`` (hgrn: ``[B, T, D]``) or ``None``.
+    ``args``: argument names in call order; ``gate``: ``"head"`` (``[B, T, H]``),
+    ``"channel"`` (``[B, T, H, K]``), ``"feature"`` (hgrn: ``[B, T, D]``) or ``None``.
     """
     name: str
     args: Tuple[str, ...]
@@ -43,13 +46,15 @@ class BenchOp:
         return self.args[0]
 
 
-OPS: Dict[str, BenchOp] = {op.name: op for op in (
-    BenchOp("linear_attn", ("q", "k", "v"), None),
-    BenchOp("simple_gla", ("q", "k", "v", "g"), "head"),
-    BenchOp("gla", ("q", "k", "v", "g"), "key"),
-    BenchOp("gated_delta_rule", ("q", "k", "v", "g", "beta"), "head", normalize_k=True),
-    BenchOp("hgrn", ("x", "g"), "channel"),
-)}
+def _bench_op(name: str) -> BenchOp:
+    v = variants.get(name)
+    # the delta rule's keys are drawn L2-normalised (unnormalised ones overflow its state)
+    return BenchOp(name, v.inputs, v.gate, normalize_k=v.pattern == "delta_rule")
+
+
+# every op the package registers with kernels (forge_dist.variants.registry)
+OPS: Dict[str, BenchOp] = {name: _bench_op(name) for name in variants.names()
+                           if variants.get(name).pattern is not None}
 NAMES: Tuple[str, ...] = tuple(OPS)
 
 
@@ -107,7 +112,7 @@ def make_inputs(op: str, shape: Shape, T: int, *, dtype: torch.dtype,
         inp["k"] = F.normalize(inp["k"].float(), dim=-1).to(dtype)
     if s.gate == "head":
         inp["g"] = F.logsigmoid(randn(B, T, H) + gate_offset)
-    elif s.gate == "key":
+    elif s.gate == "channel":
         inp["g"] = F.logsigmoid(randn(B, T, H, K) + gate_offset)
     if "beta" in s.args:
         inp["beta"] = rand(B, T, H).to(dtype)

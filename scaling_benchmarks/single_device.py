@@ -61,7 +61,7 @@ def make_inputs(op, T, device, requires_grad=False):
 def io_bytes(op, inp):
     """Bytes of the compulsory traffic: inputs read + o written (o in the input dtype)."""
     read = sum(t.numel() * t.element_size() for t in inp.values())
-    first = inp["x"] if op == "hgrn" else inp["v"]
+    first = inp["x"] if registry.spec(op).vector_state else inp["v"]
     return read + first.numel() * first.element_size()
 
 

@@ -91,7 +91,7 @@ def main():
     if a.grad:
         x = {n: t.requires_grad_(True) for n, t in x.items()}
         first = x[registry.spec(a.op).first]
-        do = torch.randn(*first.shape[:-1], first.shape[-1] if a.op == "hgrn" else a.V,
+        do = torch.randn(*first.shape[:-1], first.shape[-1] if registry.spec(a.op).vector_state else a.V,
                          device=device, dtype=torch.bfloat16)
     rows = []
     for strategy in ["ideal"] + a.strategies.split(","):

@@ -63,17 +63,18 @@ def make_inputs(op: str, T: int, device) -> dict:
     def r(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(device)
 
-    if op == "hgrn":
+    spec = registry.spec(op)
+    if spec.vector_state:
         t = {"x": r(B, T, D).bfloat16(), "g": F.logsigmoid(r(B, T, D) + 2).bfloat16()}
         do = r(B, T, D).bfloat16()
     else:
         t = {"q": r(B, T, H, K).bfloat16(), "k": F.normalize(r(B, T, H, K), dim=-1).bfloat16(),
              "v": r(B, T, H, V).bfloat16()}
-        if op in ("simple_gla", "gated_delta_rule"):
+        if spec.gate == "head":
             t["g"] = F.logsigmoid(r(B, T, H) + 4)
-        if op == "gla":
+        elif spec.gate == "channel":
             t["g"] = F.logsigmoid(r(B, T, H, K) + 4)
-        if op == "gated_delta_rule":
+        if "beta" in spec.args:
             t["beta"] = torch.sigmoid(r(B, T, H))
         do = r(B, T, H, V).bfloat16()
     return {"leaves": {n: x.requires_grad_(True) for n, x in t.items()}, "do": do}

@@ -319,7 +319,7 @@ def op_kind(op: str):
 
 def state_dims(op: str, cfg):
     """``(B, H, K, V)`` of the internal fp32 state (HGRN: ``[B, 1, D, 1]``)."""
-    if op == "hgrn":
+    if registry.spec(op).vector_state:
         return int(cfg["B"]), 1, hgrn_width(cfg), 1
     return tuple(int(cfg[k]) for k in ("B", "H", "K", "V"))
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from . import codegen
 from .placement import use_kernels
-from .roles import assignments, describe_roles, hint, template_for
+from .roles import assignments, describe_roles, hint, is_delta_rule, is_vector, template_for
 
 _ELEMENTWISE_FUNCS = {torch.relu, torch.sigmoid, torch.exp, torch.tanh, torch.abs, torch.neg,
                       operator.neg, F.relu, F.elu, F.silu, F.softplus, F.logsigmoid, F.gelu,
@@ -176,7 +176,7 @@ class Lowering:
     def _template_inputs(self, part) -> Dict[str, torch.Tensor]:
         """What the template's kernels take, by role: the prologue outputs, q/k/v (hgrn x)
         in the input dtype, gates as they come; inputs with a fused prologue as they are."""
-        dtype = part[self.roles["x" if self.template == "hgrn" else "q"]].dtype
+        dtype = part[self.roles["x" if is_vector(self.template) else "q"]].dtype
         out = {}
         for r, p in self.prologues.items():
             t = part[self.roles[r]]
@@ -199,7 +199,7 @@ class Lowering:
         from ..ops import planned
         from ..ops.runner import needs_grad
 
-        if (self.template != "hgrn" or self.fused) and needs_grad(inputs, initial_state):
+        if (not is_vector(self.template) or self.fused) and needs_grad(inputs, initial_state):
             # matrix-state gradients, and hgrn's with a fused prologue (its planned backward
             # takes the mapped gates): the runner (skip the prologue here)
             return None
@@ -207,7 +207,7 @@ class Lowering:
         maps = {n: m.kernel for n, m in self.fused.items()}
         common = dict(initial_state=initial_state, output_final_state=output_final_state,
                       cu_seqlens=None, group=None, use_kernels=True, maps=maps)
-        if self.template == "hgrn":
+        if is_vector(self.template):
             return planned.hgrn_call(x["x"], x["g"], **common)
         s = scale if self.scale_mode == "user" else 1.0
         return planned.matrix_call(self.template, x["q"], x["k"], x["v"],
@@ -313,10 +313,10 @@ def _reference(template: str, mapped: Dict[str, torch.Tensor], scale: float):
     backward is checked with)."""
     from ..variants import decay_attention, delta_rule, vector_state
 
-    if template == "hgrn":
+    if is_vector(template):
         return vector_state.summarize(mapped["x"], mapped["g"], need_transition=False,
                                       chunk_size=4)
-    if template == "gated_delta_rule":
+    if is_delta_rule(template):
         return delta_rule.summarize(mapped["q"], mapped["k"], mapped["v"], mapped.get("g"),
                                     mapped["beta"], scale, need_transition=False, chunk_size=4)
     return decay_attention.summarize(mapped["q"], mapped["k"], mapped["v"], mapped.get("g"),

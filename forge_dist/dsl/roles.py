@@ -25,22 +25,45 @@ from __future__ import annotations
 import itertools
 from typing import Dict, List, Optional, Set, Tuple
 
+from ..variants import registry
 from ..variants.transitions import Kind
 
-# template -> {role: trailing dim}; gated_delta_rule's g is optional
-ROLES = {"linear_attn": {"q": "K", "k": "K", "v": "V"},
-         "simple_gla": {"q": "K", "k": "K", "v": "V", "g": ""},
-         "gla": {"q": "K", "k": "K", "v": "V", "g": "K"},
-         "gated_delta_rule": {"q": "K", "k": "K", "v": "V", "g": "", "beta": ""},
-         "hgrn": {"x": "D", "g": "D"}}
-BY_KIND = {Kind.IDENTITY: "linear_attn", Kind.SCALAR: "simple_gla", Kind.DIAGONAL: "gla",
-           Kind.DENSE: "gated_delta_rule"}
+# a role's trailing dim: q/k/v/x by name, g by the registered gate's shape
+_DIM_OF_INPUT = {"q": "K", "k": "K", "v": "V", "x": "D", "beta": ""}
+_DIM_OF_GATE = {"head": "", "channel": "K", "feature": "D"}
+
+
+def _roles(spec) -> Dict[str, str]:
+    return {n: _DIM_OF_GATE[spec.gate] if n == "g" else _DIM_OF_INPUT[n] for n in spec.inputs}
+
+
+# template (a registered variant with kernels) -> {role: trailing dim}; the delta rule's g is
+# optional (:func:`roles_of`)
+ROLES = {name: _roles(registry.get(name)) for name in registry.names()
+         if registry.get(name).pattern is not None}
+# a matrix state's transition kind -> its template (the first registered of that kind)
+BY_KIND: Dict[Kind, str] = {}
+for _name in ROLES:
+    if not registry.get(_name).vector_state:
+        BY_KIND.setdefault(registry.get(_name).kind, _name)
+VECTOR_TEMPLATE = next(n for n in ROLES if registry.get(n).vector_state)
+del _name
 MAX_CANDIDATES = 8  # assignments validated at most (4 for the delta rule with a gate)
+
+
+def is_vector(template: str) -> bool:
+    """The template's state is a vector (hgrn: inputs ``x, g``, no q/k/v)."""
+    return registry.get(template).vector_state
+
+
+def is_delta_rule(template: str) -> bool:
+    """The template is the delta rule (beta, and a gate that may be left out)."""
+    return registry.get(template).pattern == "delta_rule"
 
 
 def template_for(v) -> str:
     """The template of the variant's state and transition kind."""
-    return "hgrn" if v.vector else BY_KIND[v.kind]
+    return VECTOR_TEMPLATE if v.vector else BY_KIND[v.kind]
 
 
 def reads(v) -> Dict[str, Set[str]]:
@@ -57,8 +80,7 @@ def roles_of(template: str, v) -> Dict[str, str]:
     """The template's roles for this variant (the delta rule's gate only when it has one
     more per-head scalar input than beta needs)."""
     roles = dict(ROLES[template])
-    if template == "gated_delta_rule" and \
-            sum(1 for d in v.inputs.values() if d == "") < 2:
+    if is_delta_rule(template) and sum(1 for d in v.inputs.values() if d == "") < 2:
         del roles["g"]
     return roles
 
@@ -111,7 +133,7 @@ def hint(v, template: str, reason: str) -> str:
     where = reads(v)
     decay_inputs = [n for n in v.input_names if "decay" in where[n]]
     n_extra = len(v.inputs) - len(roles)
-    if template != "hgrn" and len(decay_inputs) > 1:
+    if not is_vector(template) and len(decay_inputs) > 1:
         return (f"more than one input feeds the decay ({', '.join(decay_inputs)}): pass one "
                 f"log decay (for example their sum) as a single input")
     if n_extra > 0:
@@ -125,8 +147,8 @@ def hint(v, template: str, reason: str) -> str:
         return (f"the {template} template has roles {', '.join(roles)} only ("
                 f"{'; '.join(surplus)}): apply the extra input outside the variant (gate the "
                 f"output after the call) or fold it into another input before the call")
-    if template == "gated_delta_rule" and n_extra < 0:
-        return "the gated_delta_rule template needs a per-head beta input (the step size)"
+    if is_delta_rule(template) and n_extra < 0:
+        return f"the {template} template needs a per-head beta input (the step size)"
     if "trailing dims" in reason:
         if "g" in roles and roles["g"] not in v.inputs.values():
             return (f"pass the log decay as an input (trailing dims: "

@@ -1,4 +1,4 @@
-"""``torch.library`` custom ops for the five core ops, so that ``torch.compile`` traces through
+"""``torch.library`` custom ops for every registered op (:mod:`forge_dist.variants.registry`), so that ``torch.compile`` traces through
 a layer without breaking the graph at the recurrence.
 
 Each op ``forge_dist::<name>`` wraps the eager op of :mod:`forge_dist.ops.attention` as an
@@ -6,7 +6,7 @@ opaque node:
 
 * forward runs the eager op under ``torch.no_grad()`` (its cross-rank state pass included);
 * a shape function (``register_fake``) gives FakeTensor outputs for tracing;
-* the backward is a second custom op, ``forge_dist::sp_backward``, which recomputes the eager
+* the backward is a second custom op, ``forge_dist::<name>_backward``, which recomputes the eager
   op under ``torch.enable_grad()`` on detached inputs and calls ``torch.autograd.grad``, so the
   existing (cross-rank) autograd of the eager op computes the gradients.  The recompute costs
   one more forward per backward (activation-checkpoint style); every rank runs it at the same
@@ -16,22 +16,29 @@ opaque node:
 Process groups are not a custom-op argument type: the wrappers pass ``group.group_name`` (a
 ``str``) and the op resolves it with ``torch.distributed.distributed_c10d._resolve_process_group``.
 
-Use the wrappers here directly (same signatures as :mod:`forge_dist.ops`), or call
+Each op's schema, shape function and wrapper are read off its public function's signature
+(:func:`_register`), so a new registered op needs nothing here.  Use the wrappers here
+directly (same signatures as :mod:`forge_dist.ops`), or call
 :func:`enable` to make the :mod:`forge_dist.nn` layers use them (``use_custom_ops=True`` on a
 layer does the same for one layer).  Double backward is not supported.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Sequence, Tuple
+import functools
+import inspect
+import typing
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from ..variants import registry
 from . import attention
 
-__all__ = ["enable", "disable", "enabled", "use", "linear_attn", "simple_gla", "gla",
-           "gated_delta_rule", "hgrn", "group_name", "resolve_group"]
+__all__ = ["enable", "disable", "enabled", "use", "group_name", "resolve_group",
+           *registry.names()]
 
 _ENABLED = False
 
@@ -76,47 +83,87 @@ def resolve_group(name: Optional[str]):
     return _resolve_process_group(name)
 
 
-# ------------------------------------------------------------------- eager calls by name
-#: op name -> names of its tensor inputs, in the custom op's order
-_INPUTS: Dict[str, Tuple[str, ...]] = {
-    "linear_attn": ("q", "k", "v"),
-    "simple_gla": ("q", "k", "v", "g", "g_gamma"),
-    "gla": ("q", "k", "v", "g"),
-    "gated_delta_rule": ("q", "k", "v", "g", "beta"),
-    "hgrn": ("x", "g"),
-}
+# ------------------------------------------------------------- the ops' signatures
+# Each custom op takes ``(*tensor inputs, initial_state, cu_seqlens, *options)``: the public
+# op's positional tensors, then its keyword arguments in the order it declares them, with
+# ``group`` passed as ``group_name`` (a ``str``; process groups are no schema type).
+_SCHEMA_TYPES = {Tensor: "Tensor", Optional[Tensor]: "Tensor?", Optional[float]: "float?",
+                 float: "float", bool: "bool", str: "str"}
+_STATE_ARGS = ("initial_state", "cu_seqlens")
 
 
-def _eager(op: str, tensors: Sequence[Optional[Tensor]], initial_state, cu_seqlens, scale,
-           output_final_state: bool, gname: Optional[str], strategy: str, flag: bool):
-    t = dict(zip(_INPUTS[op], tensors))
-    common = dict(initial_state=initial_state, output_final_state=output_final_state,
-                  cu_seqlens=cu_seqlens, group=resolve_group(gname), strategy=strategy)
-    if op == "hgrn":
-        return attention.hgrn(t["x"], t["g"], **common)
-    if op == "linear_attn":
-        return attention.linear_attn(t["q"], t["k"], t["v"], scale=scale, **common)
-    if op == "simple_gla":
-        return attention.simple_gla(t["q"], t["k"], t["v"], t["g"], t["g_gamma"], scale=scale,
-                                    **common)
-    if op == "gla":
-        return attention.gla(t["q"], t["k"], t["v"], t["g"], scale=scale, **common)
-    if op == "gated_delta_rule":
-        return attention.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
-                                          scale=scale, use_qk_l2norm_in_kernel=flag, **common)
-    raise ValueError(f"unknown op {op!r}")
+@dataclass(frozen=True)
+class _Signature:
+    """One registered op's custom-op layout, read off its public function in :mod:`.attention`.
+
+    ``tensors``: the positional tensor inputs (``("q", "k", "v", "g")``); ``options``: the
+    keyword arguments after ``initial_state`` and ``cu_seqlens`` (``group`` as
+    ``group_name``); ``defaults``: the public defaults by name; ``schema``: the
+    ``torch.library`` schema."""
+
+    op: str
+    tensors: Tuple[str, ...]
+    options: Tuple[str, ...]
+    defaults: Dict[str, Any]
+    schema: str
+
+    def args(self, a: Dict[str, Any]) -> list:
+        """The custom op's positional arguments from the public op's arguments ``a``."""
+        rest = [group_name(a["group"]) if n == "group_name" else a[n] for n in self.options]
+        return [a[n] for n in self.tensors] + [a[n] for n in _STATE_ARGS] + rest
+
+    def named(self, args: Sequence) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """Inverse of :meth:`args`: ``(tensors by name, keyword arguments by name)``."""
+        n = len(self.tensors)
+        tensors = dict(zip(self.tensors, args[:n]))
+        kw = dict(zip(_STATE_ARGS + self.options, args[n:]))
+        return tensors, kw
 
 
-def _forward(op, tensors, initial_state, cu_seqlens, scale, output_final_state, gname,
-             strategy, flag=False) -> Tuple[Tensor, Tensor]:
+def _signature(op: str) -> _Signature:
+    fn = getattr(attention, op)
+    hints = typing.get_type_hints(fn)
+    params = list(inspect.signature(fn).parameters.values())
+    tensors = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+    keywords = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    inputs = registry.get(op).inputs  # the registered inputs first, then extras (g_gamma)
+    if tensors[:len(inputs)] != inputs or \
+            not set(_STATE_ARGS) <= set(keywords):
+        raise TypeError(f"forge_dist.ops.{op}'s signature does not fit the custom-op layout "
+                        f"(tensor inputs {tensors}, keyword arguments {keywords})")
+    options = tuple("group_name" if n == "group" else n for n in keywords
+                    if n not in _STATE_ARGS)
+
+    def typed(name: str) -> str:
+        if name == "group_name":
+            return "str? group_name"
+        hint = hints.get(name)
+        if hint not in _SCHEMA_TYPES:
+            raise TypeError(f"forge_dist.ops.{op}: argument {name!r} has type {hint!r}, which "
+                            f"custom_ops cannot pass (known: {list(_SCHEMA_TYPES.values())})")
+        return f"{_SCHEMA_TYPES[hint]} {name}"
+    schema = "(" + ", ".join(typed(n) for n in tensors + _STATE_ARGS + options) + \
+        ") -> (Tensor, Tensor)"
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    return _Signature(op, tensors, options, defaults, schema)
+
+
+def _eager(op: str, tensors: Dict[str, Optional[Tensor]], kw: Dict[str, Any]):
+    """The public op on ``tensors`` with the custom op's keyword arguments ``kw``."""
+    kw = dict(kw)
+    kw["group"] = resolve_group(kw.pop("group_name"))
+    return getattr(attention, op)(**tensors, **kw)
+
+
+def _forward(op: str, tensors: Dict[str, Optional[Tensor]],
+             kw: Dict[str, Any]) -> Tuple[Tensor, Tensor]:
     with torch.no_grad():
-        o, final = _eager(op, tensors, initial_state, cu_seqlens, scale, output_final_state,
-                          gname, strategy, flag)
+        o, final = _eager(op, tensors, kw)
     if final is None:
         final = o.new_empty((0,), dtype=torch.float32)
     o, final = o.contiguous(), final.contiguous()  # the shape functions promise contiguous
     # custom ops may not return (views of) their inputs
-    inputs = [x for x in list(tensors) + [initial_state] if x is not None]
+    inputs = [x for x in list(tensors.values()) + [kw["initial_state"]] if x is not None]
     ptrs = {x.untyped_storage().data_ptr() for x in inputs}
     o = o.clone() if o.untyped_storage().data_ptr() in ptrs else o
     final = final.clone() if final.untyped_storage().data_ptr() in ptrs else final
@@ -127,20 +174,28 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _fake(op, out_shape, rows, state_dims, dtype, device, output_final_state):
-    o = torch.empty(out_shape, dtype=dtype, device=device)
-    if output_final_state:
-        final = torch.empty((rows,) + tuple(state_dims), dtype=_state_dtype(dtype), device=device)
+def _output_like(op: str, tensors: Dict[str, Optional[Tensor]]) -> Tensor:
+    """The input whose shape the output takes (``v``; ``x`` for a vector state)."""
+    return tensors["x"] if registry.get(op).vector_state else tensors["v"]
+
+
+def _fake(op: str, tensors: Dict[str, Optional[Tensor]], kw: Dict[str, Any]):
+    """FakeTensor outputs: ``o`` shaped like :func:`_output_like` in the first input's dtype,
+    the final state ``[N, H, K, V]`` (``[N, D]``) or empty."""
+    first, like = next(iter(tensors.values())), _output_like(op, tensors)
+    o = torch.empty(like.shape, dtype=first.dtype, device=first.device)
+    if not kw["output_final_state"]:
+        return o, torch.empty((0,), dtype=torch.float32, device=first.device)
+    cu_seqlens = kw["cu_seqlens"]
+    rows = first.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if registry.get(op).vector_state:
+        dims = (like.shape[-1],)
     else:
-        final = torch.empty((0,), dtype=torch.float32, device=device)
-    return o, final
+        dims = (first.shape[2], first.shape[3], like.shape[-1])
+    return o, torch.empty((rows,) + dims, dtype=_state_dtype(first.dtype), device=first.device)
 
 
-def _rows(B: int, cu_seqlens: Optional[Tensor]) -> int:
-    return B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-
-
-# ---------------------------------------------------------------------------- backward op
+# ---------------------------------------------------------------------------- backward
 @contextlib.contextmanager
 def _autograd_dispatch():
     """Autograd on inside a custom op's kernel.
@@ -161,21 +216,18 @@ def _autograd_dispatch():
             torch._C._dispatch_tls_set_dispatch_key_excluded(k, was)
 
 
-@torch.library.custom_op("forge_dist::sp_backward", mutates_args=())
-def _sp_backward(op: str, tensors: List[Optional[Tensor]], initial_state: Optional[Tensor],
-                 cu_seqlens: Optional[Tensor], scale: Optional[float],
-                 output_final_state: bool, group_name: Optional[str], strategy: str,
-                 flag: bool, needs: List[bool], grad_o: Tensor,
-                 grad_final: Optional[Tensor]) -> List[Tensor]:
-    """Gradients for ``tensors + [initial_state]`` (an empty tensor where not needed)."""
-    all_in = list(tensors) + [initial_state]
+def _backward(op: str, tensors: Dict[str, Optional[Tensor]], kw: Dict[str, Any],
+              needs: Sequence[bool], grad_o: Tensor,
+              grad_final: Optional[Tensor]) -> List[Tensor]:
+    """Gradients for the tensor inputs and ``initial_state`` (an empty tensor where not
+    needed): the eager op recomputed on detached leaves, then autograd."""
+    all_in = list(tensors.values()) + [kw["initial_state"]]
     leaves = [None if (x is None or not need) else x.detach().requires_grad_(True)
               for x, need in zip(all_in, needs)]
     args = [leaf if leaf is not None else (None if x is None else x.detach())
             for x, leaf in zip(all_in, leaves)]
     with _autograd_dispatch():
-        o, final = _eager(op, args[:-1], args[-1], cu_seqlens, scale, output_final_state,
-                          group_name, strategy, flag)
+        o, final = _eager(op, dict(zip(tensors, args[:-1])), dict(kw, initial_state=args[-1]))
         outs, grads = [o], [grad_o]
         if final is not None and grad_final is not None and grad_final.numel():
             outs.append(final)
@@ -195,190 +247,83 @@ def _sp_backward(op: str, tensors: List[Optional[Tensor]], initial_state: Option
     return result
 
 
-@_sp_backward.register_fake
-def _sp_backward_fake(op, tensors, initial_state, cu_seqlens, scale, output_final_state,
-                      group_name, strategy, flag, needs, grad_o, grad_final):
-    all_in = list(tensors) + [initial_state]
+def _backward_fake(tensors: Dict[str, Optional[Tensor]], kw: Dict[str, Any],
+                   needs: Sequence[bool], grad_o: Tensor) -> List[Tensor]:
+    all_in = list(tensors.values()) + [kw["initial_state"]]
     return [torch.empty((0,), dtype=torch.float32, device=grad_o.device)
             if (x is None or not need) else torch.empty(x.shape, dtype=x.dtype, device=x.device)
             for x, need in zip(all_in, needs)]
 
 
-def _register_autograd(custom, op: str, n_tensors: int, has_scale: bool, has_flag: bool):
-    """Backward for ``custom`` whose args are ``(*tensors, initial_state, cu_seqlens,
-    [scale], output_final_state, group_name, strategy, [flag])``."""
+# ------------------------------------------------------------------- one op per variant
+def _register(op: str):
+    """Define ``forge_dist::<op>`` and ``forge_dist::<op>_backward`` from the public op's
+    signature, with the shape functions and the autograd formula; return the wrapper with
+    the public op's signature."""
+    sig = _signature(op)
+    n_in = len(sig.tensors)
+    args_schema = sig.schema[1:sig.schema.index(") -> ")]
 
-    def unpack(inputs):
-        tensors = list(inputs[:n_tensors])
-        rest = list(inputs[n_tensors:])
-        initial_state, cu_seqlens = rest[0], rest[1]
-        i = 2
-        scale = None
-        if has_scale:
-            scale, i = rest[2], 3
-        output_final_state, gname, strategy = rest[i], rest[i + 1], rest[i + 2]
-        flag = rest[i + 3] if has_flag else False
-        return tensors, initial_state, cu_seqlens, scale, output_final_state, gname, strategy, flag
+    def forward(*args):
+        return _forward(op, *sig.named(args))
+
+    def backward_op(*args):
+        *fwd, needs, grad_o, grad_final = args
+        return _backward(op, *sig.named(fwd), needs, grad_o, grad_final)
+
+    custom = torch.library.custom_op(f"forge_dist::{op}", forward, mutates_args=(),
+                                     schema=sig.schema)
+    custom.register_fake(lambda *args: _fake(op, *sig.named(args)))
+    grad = torch.library.custom_op(
+        f"forge_dist::{op}_backward", backward_op, mutates_args=(),
+        schema=f"({args_schema}, bool[] needs, Tensor grad_o, Tensor? grad_final) -> Tensor[]")
+    grad.register_fake(lambda *args: _backward_fake(*sig.named(args[:-3]), args[-3], args[-2]))
 
     def setup_context(ctx, inputs, output):
-        (tensors, initial_state, cu_seqlens, scale, ofs, gname, strategy,
-         flag) = unpack(inputs)
-        ctx.save_for_backward(*[x for x in tensors + [initial_state, cu_seqlens]
-                                if x is not None])
-        ctx.present = [x is not None for x in tensors + [initial_state, cu_seqlens]]
-        ctx.meta = (scale, ofs, gname, strategy, flag)
+        ctx.present = [x is not None for x in inputs[:n_in + 2]]
+        ctx.save_for_backward(*[x for x in inputs[:n_in + 2] if x is not None])
+        ctx.options = inputs[n_in + 2:]
 
     def backward(ctx, grad_o, grad_final):
         saved = iter(ctx.saved_tensors)
-        vals = [next(saved) if p else None for p in ctx.present]
-        tensors, initial_state, cu_seqlens = vals[:n_tensors], vals[-2], vals[-1]
-        scale, ofs, gname, strategy, flag = ctx.meta
-        needs = list(ctx.needs_input_grad[:n_tensors + 1])
+        fwd = [next(saved) if p else None for p in ctx.present] + list(ctx.options)
+        needs = list(ctx.needs_input_grad[:n_in + 1])  # the tensors and initial_state
         if not any(needs):
             return (None,) * len(ctx.needs_input_grad)
+        tensors, kw = sig.named(fwd)
         if grad_o is None:  # (materialised by autograd; kept for safety)
-            ref = vals[0] if op == "hgrn" else vals[2]
-            grad_o = torch.zeros(ref.shape, dtype=vals[0].dtype, device=ref.device)
-        grads = torch.ops.forge_dist.sp_backward(
-            op, tensors, initial_state, cu_seqlens, scale, ofs, gname, strategy, flag, needs,
-            grad_o, grad_final if ofs else None)
+            like = _output_like(op, tensors)
+            grad_o = torch.zeros(like.shape, dtype=fwd[0].dtype, device=like.device)
+        grads = grad(*fwd, needs, grad_o, grad_final if kw["output_final_state"] else None)
         out = [g if need else None for g, need in zip(grads, needs)]
         return tuple(out) + (None,) * (len(ctx.needs_input_grad) - len(out))
 
     custom.register_autograd(backward, setup_context=setup_context)
+    public = getattr(attention, op)
+    positional = sig.tensors
+
+    @functools.wraps(public)
+    def wrapper(*args, **kwargs):
+        if len(args) > len(positional):
+            raise TypeError(f"{op}() takes {len(positional)} positional arguments "
+                            f"({', '.join(positional)}) but {len(args)} were given")
+        a = dict(sig.defaults)
+        a.update(zip(positional, args))
+        unknown = set(kwargs) - set(positional) - set(sig.defaults)
+        if unknown:
+            raise TypeError(f"{op}() got unexpected keyword arguments {sorted(unknown)}")
+        a.update(kwargs)
+        missing = [n for n in positional if n not in a]
+        if missing:
+            raise TypeError(f"{op}() missing required arguments {missing}")
+        o, final = custom(*sig.args(a))
+        return o, (final if a["output_final_state"] else None)
+
+    wrapper.__doc__ = f":func:`forge_dist.ops.{op}` as the custom op ``forge_dist::{op}``."
+    return wrapper
 
 
-# ------------------------------------------------------------------------------ the five ops
-@torch.library.custom_op("forge_dist::linear_attn", mutates_args=())
-def _linear_attn(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor],
-                 cu_seqlens: Optional[Tensor], scale: Optional[float],
-                 output_final_state: bool, group_name: Optional[str],
-                 strategy: str) -> Tuple[Tensor, Tensor]:
-    return _forward("linear_attn", [q, k, v], initial_state, cu_seqlens, scale,
-                    output_final_state, group_name, strategy)
-
-
-@_linear_attn.register_fake
-def _(q, k, v, initial_state, cu_seqlens, scale, output_final_state, group_name, strategy):
-    B, T, H, K = q.shape
-    return _fake("linear_attn", v.shape, _rows(B, cu_seqlens), (H, K, v.shape[-1]), q.dtype,
-                 q.device, output_final_state)
-
-
-@torch.library.custom_op("forge_dist::simple_gla", mutates_args=())
-def _simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor],
-                initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-                scale: Optional[float], output_final_state: bool, group_name: Optional[str],
-                strategy: str) -> Tuple[Tensor, Tensor]:
-    return _forward("simple_gla", [q, k, v, g, g_gamma], initial_state, cu_seqlens, scale,
-                    output_final_state, group_name, strategy)
-
-
-@_simple_gla.register_fake
-def _(q, k, v, g, g_gamma, initial_state, cu_seqlens, scale, output_final_state, group_name,
-      strategy):
-    B, T, H, K = q.shape
-    return _fake("simple_gla", v.shape, _rows(B, cu_seqlens), (H, K, v.shape[-1]), q.dtype,
-                 q.device, output_final_state)
-
-
-@torch.library.custom_op("forge_dist::gla", mutates_args=())
-def _gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial_state: Optional[Tensor],
-         cu_seqlens: Optional[Tensor], scale: Optional[float], output_final_state: bool,
-         group_name: Optional[str], strategy: str) -> Tuple[Tensor, Tensor]:
-    return _forward("gla", [q, k, v, g], initial_state, cu_seqlens, scale, output_final_state,
-                    group_name, strategy)
-
-
-@_gla.register_fake
-def _(q, k, v, g, initial_state, cu_seqlens, scale, output_final_state, group_name, strategy):
-    B, T, H, K = q.shape
-    return _fake("gla", v.shape, _rows(B, cu_seqlens), (H, K, v.shape[-1]), q.dtype, q.device,
-                 output_final_state)
-
-
-@torch.library.custom_op("forge_dist::gated_delta_rule", mutates_args=())
-def _gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Tensor,
-                      initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-                      scale: Optional[float], output_final_state: bool,
-                      group_name: Optional[str], strategy: str,
-                      use_qk_l2norm_in_kernel: bool) -> Tuple[Tensor, Tensor]:
-    return _forward("gated_delta_rule", [q, k, v, g, beta], initial_state, cu_seqlens, scale,
-                    output_final_state, group_name, strategy, use_qk_l2norm_in_kernel)
-
-
-@_gated_delta_rule.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, group_name,
-      strategy, use_qk_l2norm_in_kernel):
-    B, T, H, K = q.shape
-    return _fake("gated_delta_rule", v.shape, _rows(B, cu_seqlens), (H, K, v.shape[-1]),
-                 q.dtype, q.device, output_final_state)
-
-
-@torch.library.custom_op("forge_dist::hgrn", mutates_args=())
-def _hgrn(x: Tensor, g: Tensor, initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-          output_final_state: bool, group_name: Optional[str],
-          strategy: str) -> Tuple[Tensor, Tensor]:
-    return _forward("hgrn", [x, g], initial_state, cu_seqlens, None, output_final_state,
-                    group_name, strategy)
-
-
-@_hgrn.register_fake
-def _(x, g, initial_state, cu_seqlens, output_final_state, group_name, strategy):
-    B, T, D = x.shape
-    return _fake("hgrn", x.shape, _rows(B, cu_seqlens), (D,), x.dtype, x.device,
-                 output_final_state)
-
-
-_register_autograd(_linear_attn, "linear_attn", 3, True, False)
-_register_autograd(_simple_gla, "simple_gla", 5, True, False)
-_register_autograd(_gla, "gla", 4, True, False)
-_register_autograd(_gated_delta_rule, "gated_delta_rule", 5, True, True)
-_register_autograd(_hgrn, "hgrn", 2, False, False)
-
-
-# ---------------------------------------------------------- wrappers with the ops' signatures
-def _ret(o, final, output_final_state):
-    return o, (final if output_final_state else None)
-
-
-def linear_attn(q, k, v, *, scale=None, initial_state=None, output_final_state=False,
-                cu_seqlens=None, group=None, strategy="auto"):
-    """:func:`forge_dist.ops.linear_attn` as the custom op ``forge_dist::linear_attn``."""
-    o, f = torch.ops.forge_dist.linear_attn(q, k, v, initial_state, cu_seqlens, scale,
-                                            output_final_state, group_name(group), strategy)
-    return _ret(o, f, output_final_state)
-
-
-def simple_gla(q, k, v, g=None, g_gamma=None, *, scale=None, initial_state=None,
-               output_final_state=False, cu_seqlens=None, group=None, strategy="auto"):
-    """:func:`forge_dist.ops.simple_gla` as the custom op ``forge_dist::simple_gla``."""
-    o, f = torch.ops.forge_dist.simple_gla(q, k, v, g, g_gamma, initial_state, cu_seqlens, scale,
-                                           output_final_state, group_name(group), strategy)
-    return _ret(o, f, output_final_state)
-
-
-def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
-        cu_seqlens=None, group=None, strategy="auto"):
-    """:func:`forge_dist.ops.gla` as the custom op ``forge_dist::gla``."""
-    o, f = torch.ops.forge_dist.gla(q, k, v, g, initial_state, cu_seqlens, scale,
-                                    output_final_state, group_name(group), strategy)
-    return _ret(o, f, output_final_state)
-
-
-def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                     output_final_state=False, cu_seqlens=None,
-                     use_qk_l2norm_in_kernel=False, group=None, strategy="auto"):
-    """:func:`forge_dist.ops.gated_delta_rule` as the custom op ``forge_dist::gated_delta_rule``."""
-    o, f = torch.ops.forge_dist.gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens,
-                                                 scale, output_final_state, group_name(group),
-                                                 strategy, use_qk_l2norm_in_kernel)
-    return _ret(o, f, output_final_state)
-
-
-def hgrn(x, g, *, initial_state=None, output_final_state=False, cu_seqlens=None, group=None,
-         strategy="auto"):
-    """:func:`forge_dist.ops.hgrn` as the custom op ``forge_dist::hgrn``."""
-    o, f = torch.ops.forge_dist.hgrn(x, g, initial_state, cu_seqlens, output_final_state,
-                                     group_name(group), strategy)
-    return _ret(o, f, output_final_state)
+# every registered variant, under its own name (forge_dist.ops.custom_ops.gla, ...)
+for _op in registry.names():
+    globals()[_op] = _register(_op)
+del _op

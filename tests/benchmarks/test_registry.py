@@ -38,7 +38,7 @@ def test_inputs_have_the_documented_shapes_and_run(op):
     B, T, H, K, V = SHAPE.B, 16, SHAPE.H, SHAPE.K, SHAPE.V
     want = {"q": (B, T, H, K), "k": (B, T, H, K), "v": (B, T, H, V), "beta": (B, T, H),
             "x": (B, T, SHAPE.D)}
-    gate = {"head": (B, T, H), "key": (B, T, H, K), "channel": (B, T, SHAPE.D)}
+    gate = {"head": (B, T, H), "channel": (B, T, H, K), "feature": (B, T, SHAPE.D)}
     assert set(inp) == set(registry.spec(op).args)
     for name, t in inp.items():
         assert tuple(t.shape) == (gate[registry.spec(op).gate] if name == "g" else want[name])

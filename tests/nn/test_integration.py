@@ -11,6 +11,7 @@ from forge_dist import nn as fnn
 from forge_dist import ops
 from forge_dist.nn import patch
 from forge_dist.ops import custom_ops as C
+from forge_dist.variants import registry
 from tests.sp.distributed import run_world
 
 from .helpers import make_layer, rel_err, stand_in, sum_ranks
@@ -35,8 +36,7 @@ def _op_inputs(name, B=2, T=8, H=2, K=4, V=3):
     return qkv + extra[name], kw, r(B, H, K, V)
 
 
-@pytest.mark.parametrize("name", ["linear_attn", "simple_gla", "gla", "gated_delta_rule",
-                                  "hgrn"])
+@pytest.mark.parametrize("name", registry.names())
 def test_custom_op_matches_eager_and_compiles_fullgraph(name):
     args, kw, init = _op_inputs(name)
     kw.update(initial_state=init, output_final_state=True)
@@ -53,6 +53,23 @@ def test_custom_op_matches_eager_and_compiles_fullgraph(name):
         for a, b in zip(got, ref):
             assert a.shape == b.shape and a.dtype == b.dtype
             assert rel_err(a, b) < 1e-13
+
+
+def test_custom_op_wrappers_take_the_public_signature():
+    """The wrappers are built from the public ops' signatures: same parameters, and a
+    wrong call is refused naming what is wrong (not passed on to the schema)."""
+    import inspect
+    for name in registry.names():
+        assert inspect.signature(getattr(C, name)) == inspect.signature(getattr(ops, name))
+    q, k, v = (torch.randn(1, 4, 1, 2, dtype=F64) for _ in range(3))
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['sacle'\\]"):
+        C.linear_attn(q, k, v, sacle=0.5)
+    with pytest.raises(TypeError, match="takes 3 positional arguments"):
+        C.linear_attn(q, k, v, q)
+    with pytest.raises(TypeError, match=r"missing required arguments \['v'\]"):
+        C.linear_attn(q, k)
+    o, final = C.linear_attn(q, k, v=v, scale=0.5)
+    assert final is None and rel_err(o, ops.linear_attn(q, k, v, scale=0.5)[0]) < 1e-14
 
 
 def test_custom_op_fake_shapes_with_cu_seqlens():
