@@ -60,6 +60,8 @@
 #   bash scaling_benchmarks/device_batch.sh scan4     # 4 GPUs: the log-depth scan beside the chains,
 #                                                     #   weak scaling fwd + fwdbwd (~8 min)
 #   bash scaling_benchmarks/device_batch.sh layers    # 1 GPU: every layer against FLA's, per-kernel times (~9 min)
+#   bash scaling_benchmarks/device_batch.sh hier4     # 4 GPUs as two simulated nodes of 2: the GPU checks of
+#                                                     #   scan and hier, weak scaling fwd of every pass (~9 min)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -80,7 +82,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -94,6 +96,11 @@ step() {  # step NAME SECONDS COMMAND...
   echo "== $name (limit ${limit}s)" | tee -a "$OUT/batch.log"
   timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   echo "== $name rc=${PIPESTATUS[0]}" | tee -a "$OUT/batch.log"
+}
+
+reap() {  # workers that a timed-out step left behind (torchrun starts its own sessions)
+  pkill -9 -f "tests/comm/multigpu_worker.py|tests/sp/kernel_path_worker.py|torch.distributed.run|weak_scaling.py" 2>/dev/null
+  sleep 2
 }
 
 mg_runs() {  # the multigpu suite of the robustness issue's item 9, runs MG_FIRST..MG_RUNS in a row
@@ -208,7 +215,22 @@ case "$stage" in
         -p no:cacheprovider --durations=20 -m gpu tests/kernels > /dev/null ) &
     ( export CUDA_VISIBLE_DEVICES=3; step gpu_rest "${GPU_LIMIT:-540}" python3 -m pytest -v \
         -p no:cacheprovider --durations=20 -m gpu tests --ignore=tests/kernels > /dev/null ) &
-    wait ;;
+    wait
+    reap ;;
+  hier4)  # the scaling issue: hier on two simulated nodes of 2 GPUs (FORGE_DIST_RANKS_PER_NODE),
+    # its GPU checks and scan's at 4 ranks, then weak scaling beside the chain, scan and lasp2
+    reap
+    checks=available,no_host_sync_hier
+    for k in identity scalar diagonal dense; do checks+=,scan_chains_$k,hier_chains_$k; done
+    for o in simple_gla gated_delta_rule; do checks+=,scan_op_$o,hier_op_$o; done
+    step hier4_checks 260 env FORGE_MG_WORLD=4 FORGE_DIST_RANKS_PER_NODE=2 FORGE_MG_CHECKS=$checks \
+      python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py
+    reap
+    export FORGE_DIST_RANKS_PER_NODE=2
+    ws hier4_16k 120 4 simple_gla fwd 1 16384 b1h32-16k-hier forge,serial,lasp2,scan,hier
+    ws hier4_gdn 120 4 gated_delta_rule fwd 1 32768 b1h32-32k-gdn-hier forge,scan,hier
+    unset FORGE_DIST_RANKS_PER_NODE
+    reap ;;
   layers-sp)  # the layers' issue: each layer with forge on 2 GPUs against its shard alone
     # (LAYERS, default all; the 2026-11-27 file ran gdn,gla,simple_gla,hgrn with --repeats 10)
     step layers_sp 420 torchrun --nproc-per-node 2 scaling_benchmarks/layers.py --sp \

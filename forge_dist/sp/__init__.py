@@ -1,10 +1,10 @@
 """Sequence-parallel strategies for the inter-rank phase (docs/design.md section 3).
 
-Importing this package registers ``serial``, ``pipelined``, ``lasp2`` and ``scan`` (log-depth,
-:mod:`forge_dist.sp.scan`), and ``forge`` (GPU-initiated NVSHMEM puts,
+Importing this package registers ``serial``, ``pipelined``, ``lasp2``, ``scan`` (log-depth,
+:mod:`forge_dist.sp.scan`), ``hier`` (the scan laid out by node, :mod:`forge_dist.sp.hier`) and ``forge`` (GPU-initiated NVSHMEM puts,
 :mod:`forge_dist.sp.forge`) where Triton is installed.
 """
-from . import lasp2, pipelined, scan, serial  # noqa: F401  (registration)
+from . import hier, lasp2, pipelined, scan, serial  # noqa: F401  (registration)
 from .base import Strategy, names, register, resolve, state_pass
 from .p2p import StatePassTimeout
 

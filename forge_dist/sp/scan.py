@@ -49,11 +49,13 @@ def _m_shape(kind: Kind, like: Tensor) -> Optional[Tuple[int, ...]]:
             Kind.DENSE: (B, H, K, K)}[kind]
 
 
-def _exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: int,
-                    exchange) -> Tensor:
+def exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: int,
+                   exchange, with_M: bool = False):
     """The ``d`` of the composition of the maps at positions ``0 .. pos - 1`` (zeros at
     position 0), this rank holding position ``pos``'s map ``(M, d)``; ``M`` ``None`` is read
-    as the identity (and where no later map reads it).
+    as the identity (and where no later map reads it).  ``with_M``: return ``(M, d)`` of that
+    composition instead (``M`` ``None``: the identity, at position 0 or for the identity
+    kind).
 
     ``exchange(k, src, dst, M, d)``: round ``k``'s transfers, this rank's ``(M, d)`` to
     position ``dst`` (if ``< size``) and ``(M, d)`` from position ``src`` (if ``>= 0``),
@@ -82,10 +84,11 @@ def _exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: 
                 incl_d = tr.combine(kind, incl_M, r_d, incl_d)
                 incl_M = tr.compose(kind, incl_M, r_M)
         dist, k = dist * 2, k + 1
-    return torch.zeros_like(d) if acc_d is None else acc_d
+    acc_d = torch.zeros_like(d) if acc_d is None else acc_d
+    return (acc_M, acc_d) if with_M else acc_d
 
 
-def _host_exchange(group, rank_at: Callable[[int], int], stamp: Stamp, what: str, size: int):
+def host_exchange(group, rank_at: Callable[[int], int], stamp: Stamp, what: str, size: int):
     """A round as one batch of host point-to-point transfers of ``[d | M | trailer]``."""
     def exchange(k, src, dst, M, d):
         n_d = d.numel()
@@ -105,37 +108,46 @@ def _host_exchange(group, rank_at: Callable[[int], int], stamp: Stamp, what: str
     return exchange
 
 
-def _device_exchange(group, rank_at: Callable[[int], int], word: int, direction: str,
-                     size: int):
-    """A round as forge's kernel in its send-first mode, one launch per tensor and one
-    channel per round, tensor and direction (see the module docstring)."""
+def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int) -> Tensor:
+    """``held`` to group rank ``dst`` and what group rank ``src`` sent on channel ``key``
+    (``-1``: none; both ``-1``: only the channel is allocated, a collective every rank makes),
+    by forge's kernel in its send-first mode.  ``held``: ``[B, H, K, V]``."""
     from . import forge
 
     where = forge._where(group)
+    into = torch.empty_like(held)
+    if src < 0 and dst < 0:
+        forge._channel(where, key, held, Kind.IDENTITY)
+    else:
+        forge._run_chain(where, key, Kind.IDENTITY, None, None, held, into, None,
+                         forge._SRC_RECV if src >= 0 else forge._SRC_ZERO, dst >= 0, src, dst,
+                         transpose=False, word=word, send_first=True)
+    return into
 
-    def move(key, held, src, dst):
-        into = torch.empty_like(held)
-        if src < 0 and dst >= size:  # idle this round: its channel is allocated all the
-            forge._channel(where, key, held, Kind.IDENTITY)  # same (a collective)
-        else:
-            forge._run_chain(where, key, Kind.IDENTITY, None, None, held, into, None,
-                             forge._SRC_RECV if src >= 0 else forge._SRC_ZERO, dst < size,
-                             rank_at(src) if src >= 0 else -1,
-                             rank_at(dst) if dst < size else -1, transpose=False, word=word,
-                             send_first=True)
-        return into
 
+def as_state(M: Tensor) -> Tensor:
+    """A transition as a ``[B, H, K, V]`` state for :func:`device_move` (V = 1 or K)."""
+    return M.reshape(*M.shape, *(1,) * (4 - M.dim())).contiguous()
+
+
+def device_exchange(group, rank_at: Callable[[int], int], word: int, channel: str,
+                    size: int):
+    """A round as forge's kernel in its send-first mode, one launch per tensor and one
+    channel per round and tensor (``f"{channel}{k}"``, ``...-M``; see the module docstring).
+    A rank idle in a round still allocates its channels (a collective)."""
     def exchange(k, src, dst, M, d):
-        r_d = move(f"scan{k}-{direction}", d.contiguous(), src, dst)
+        src_rank = rank_at(src) if src >= 0 else -1
+        dst_rank = rank_at(dst) if dst < size else -1
+        r_d = device_move(group, f"{channel}{k}", d.contiguous(), src_rank, dst_rank, word)
         r_M = None
-        if M is not None:  # the kernel moves [B, H, K, V] states: M as one, V = 1 or K
-            m4 = M.reshape(*M.shape, *(1,) * (4 - M.dim())).contiguous()
-            r_M = move(f"scan{k}-{direction}-M", m4, src, dst).view_as(M)
+        if M is not None:
+            r_M = device_move(group, f"{channel}{k}-M", as_state(M), src_rank, dst_rank,
+                              word).view_as(M)
         return None if src < 0 else (r_M, r_d)
     return exchange
 
 
-def _on_device(group, like: Tensor) -> bool:
+def on_device(group, like: Tensor) -> bool:
     """Whether forge's transport runs the rounds here (see the module docstring)."""
     choice = os.environ.get("FORGE_DIST_SCAN_ROUNDS", "auto")
     if choice not in ("auto", "host"):
@@ -162,12 +174,13 @@ class Scan(Strategy):
 
     @staticmethod
     def _scan(kind, M, d, pos, size, rank_at, group, word, direction, what):
-        if _on_device(group, d):
-            return _exclusive_scan(kind, M, d, pos, size,
-                                   _device_exchange(group, rank_at, word, direction, size))
+        if on_device(group, d):
+            return exclusive_scan(kind, M, d, pos, size,
+                                  device_exchange(group, rank_at, word, f"scan-{direction}-",
+                                                  size))
         stamp = Stamp(group, word, d)
-        out = _exclusive_scan(kind, M, d, pos, size,
-                              _host_exchange(group, rank_at, stamp, what, size))
+        out = exclusive_scan(kind, M, d, pos, size,
+                             host_exchange(group, rank_at, stamp, what, size))
         stamp.done()
         return out
 

@@ -20,6 +20,8 @@ out of step between ranks):
   ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation fails the check;
 * ``scan_chains_<kind>``, ``scan_op_<name>``, ``no_host_sync_scan``: the same for the
   log-depth strategy (its GPU-initiated rounds), apart so that its failure stands alone;
+* ``hier_chains_<kind>``, ``hier_op_<name>``, ``no_host_sync_hier``: the same for the scan
+  laid out by node, with two simulated nodes (``FORGE_DIST_RANKS_PER_NODE``);
 * ``signature_on_device``: two signatures agreed, then the ranks pass different ones (no
   host collective runs): the receiving rank's output is NaN and ``sp.flush()`` raises an
   error naming the argument and both values;
@@ -447,6 +449,15 @@ def main():
         for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
             run(f"scan_op_{name}", op_check, name, group, device, strategies=("scan",))
         run("no_host_sync_scan", no_host_sync, group, device, "scan")
+        # the scan laid out by node: two "nodes" of this machine's ranks (of one rank each
+        # on 2 GPUs), so every step runs (the layout decides speed only)
+        os.environ.setdefault("FORGE_DIST_RANKS_PER_NODE", str(max(1, dist.get_world_size(group) // 2)))
+        for kind in Kind:
+            run(f"hier_chains_{kind.value}", chain_check, kind, group, device,
+                strategies=("hier",))
+        for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
+            run(f"hier_op_{name}", op_check, name, group, device, strategies=("hier",))
+        run("no_host_sync_hier", no_host_sync, group, device, "hier")
         dist.barrier(group)
         run("signature_on_device", signature_on_device, group, device)
         dist.barrier(group)

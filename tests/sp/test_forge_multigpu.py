@@ -15,7 +15,10 @@ CHECKS = ["available", "chains_identity", "chains_scalar", "chains_diagonal", "c
           "signature_on_device", "timeout",
           "scan_chains_identity", "scan_chains_scalar", "scan_chains_diagonal", "scan_chains_dense",
           "scan_op_linear_attn", "scan_op_simple_gla", "scan_op_gla", "scan_op_gated_delta_rule",
-          "scan_op_hgrn", "no_host_sync_scan"]
+          "scan_op_hgrn", "no_host_sync_scan",
+          "hier_chains_identity", "hier_chains_scalar", "hier_chains_diagonal", "hier_chains_dense",
+          "hier_op_linear_attn", "hier_op_simple_gla", "hier_op_gla", "hier_op_gated_delta_rule",
+          "hier_op_hgrn", "no_host_sync_hier"]
 WORLD = int(os.environ.get("FORGE_MG_WORLD", "2"))  # ranks, one GPU each (4 on a 4-GPU machine)
 
 

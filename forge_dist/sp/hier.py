@@ -1,0 +1,245 @@
+"""``hier``: the log-depth scan laid out by node, so that few rounds leave a node.
+
+The ranks of one node (a run of consecutive group ranks whose processes share a node,
+:func:`nodes`) hold consecutive shards.  A rank's incoming state is its node's incoming state
+carried through the shards of its node before it, so the pass splits in three:
+
+1. **in the node** (NVLink): the exclusive scan of :mod:`.scan` over the node's maps gives
+   each rank ``A_r``, the composition of the node's maps before its own (``M`` and ``d``);
+2. **across nodes**: the last rank of each node composes its own map onto ``A_r`` (the
+   node's total) and scans the totals with the other nodes' last ranks, which gives the
+   state entering its node;
+3. **back into the node**: that rank puts the state to each other rank of its node, which
+   applies ``A_r`` to it.  The first node's incoming state is the start itself (rank 0 folds
+   ``S0`` into its map, as in :mod:`.scan`), so it skips steps 2-3.
+
+A rank's path is ``ceil(log2 L) + ceil(log2 N) + 1`` rounds for ``N`` nodes of ``L`` ranks, of
+which ``ceil(log2 N)`` cross nodes (``scan`` over all ranks crosses nodes in every round once
+``P > L``).  The backward chain runs the same way from the last rank, over the transposed
+maps.  Rounds are GPU-initiated where :mod:`.scan`'s are (forge's kernel in its send-first
+mode), batched host point-to-point transfers elsewhere.
+
+The layout only decides speed, never the result: any partition into runs of consecutive
+ranks gives the same states.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from ..variants import transitions as tr
+from ..variants.transitions import Kind
+from . import p2p
+from .agreement import TRAILER, Stamp
+from .base import Strategy, register
+from .scan import (as_state, device_exchange, device_move, exclusive_scan, host_exchange,
+                   on_device)
+
+
+# ------------------------------------------------------------------------------- layout
+def node_of_this_process(env=None) -> int:
+    """This process's node: ``FORGE_DIST_NODE`` if set; else ``RANK //
+    FORGE_DIST_RANKS_PER_NODE`` if that is set (nodes laid out by hand, or simulated on one
+    machine); else the launcher's: torchrun's ``GROUP_RANK``, slurm's ``SLURM_NODEID``,
+    ``RANK // LOCAL_WORLD_SIZE``; else 0."""
+    env = os.environ if env is None else env
+
+    def number(key: str) -> Optional[int]:
+        text = env.get(key, "").strip()
+        if not text:
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{key}: expected a whole number, got {env[key]!r}") from None
+    node = number("FORGE_DIST_NODE")
+    if node is not None:
+        return node
+    per_node, rank = number("FORGE_DIST_RANKS_PER_NODE"), number("RANK")
+    if per_node is not None:
+        if per_node < 1 or rank is None:
+            raise ValueError(f"FORGE_DIST_RANKS_PER_NODE: expected a count >= 1 with RANK set, "
+                             f"got {env['FORGE_DIST_RANKS_PER_NODE']!r} (RANK="
+                             f"{env.get('RANK')!r})")
+        return rank // per_node
+    for key in ("GROUP_RANK", "SLURM_NODEID"):
+        node = number(key)
+        if node is not None:
+            return node
+    local = number("LOCAL_WORLD_SIZE")
+    if rank is not None and local:
+        return rank // local
+    return 0
+
+
+def runs(node_ids: List[int]) -> List[List[int]]:
+    """Group ranks in runs of consecutive ranks on one node (``[[0, 1], [2, 3]]``)."""
+    out: List[List[int]] = []
+    for r, node in enumerate(node_ids):
+        if out and node_ids[out[-1][-1]] == node:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
+_NODES: Dict[object, List[List[int]]] = {}
+
+
+def nodes(group) -> List[List[int]]:
+    """The group's ranks by node (:func:`runs` of every rank's
+    :func:`node_of_this_process`); one all-gather per group, then cached."""
+    key = getattr(group, "group_name", None) or id(group)
+    if key not in _NODES:
+        _NODES[key] = runs([int(n) for n in p2p.all_gather_object(
+            node_of_this_process(), group, "the ranks' nodes (hier)")])
+    return _NODES[key]
+
+
+def forget(group=None) -> None:
+    """Drop the cached layout (of ``group``, or all)."""
+    if group is None:
+        _NODES.clear()
+    else:
+        _NODES.pop(getattr(group, "group_name", None) or id(group), None)
+
+
+# ----------------------------------------------------------------------------- the pass
+class _Route:
+    """This rank's place in the three steps for one direction.
+
+    ``members``: its node's group ranks in pass order; ``pos``: its index there;
+    ``leaders``: each node's last rank in pass order (the node's total is there);
+    ``node_pos``: its node's index in pass order."""
+
+    def __init__(self, layout: List[List[int]], rank: int, reverse: bool):
+        order = [list(reversed(m)) for m in reversed(layout)] if reverse else layout
+        self.node_pos = next(i for i, m in enumerate(order) if rank in m)
+        self.members = order[self.node_pos]
+        self.pos = self.members.index(rank)
+        self.leaders = [m[-1] for m in order]
+        self.widest = max(len(m) for m in layout)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.pos == len(self.members) - 1
+
+
+def _channels(group, route: _Route, d: Tensor, m_like: Optional[Tensor], direction: str):
+    """Every channel of the device rounds, allocated in one order on every rank (allocation
+    is a collective; ranks use different subsets of them)."""
+    for k in range(math.ceil(math.log2(route.widest))):
+        for like, tag in ((d, ""), (m_like, "-M")):
+            if like is not None:
+                device_move(group, f"hier-{direction}-in{k}{tag}", like, -1, -1, 0)
+    for k in range(math.ceil(math.log2(len(route.leaders)))):
+        for like, tag in ((d, ""), (m_like, "-M")):
+            if like is not None:
+                device_move(group, f"hier-{direction}-x{k}{tag}", like, -1, -1, 0)
+    for j in range(1, route.widest):
+        device_move(group, f"hier-{direction}-out{j}", d, -1, -1, 0)
+
+
+def _incoming(kind: Kind, M: Optional[Tensor], d: Tensor, route: _Route, group, word: int,
+              direction: str, what: str) -> Tensor:
+    """The ``d`` of the composition of every map before this rank's in pass order
+    (``M`` ``None``: the identity)."""
+    device = on_device(group, d)
+    stamp = None
+    if device:
+        m_like = None if kind is Kind.IDENTITY else as_state(_zeros_M(kind, d))
+        _channels(group, route, d, m_like, direction)
+
+        def exchange(members, channel):
+            return device_exchange(group, lambda p: members[p], word, channel, len(members))
+    else:
+        stamp = Stamp(group, word, d)
+
+        def exchange(members, channel):
+            return host_exchange(group, lambda p: members[p], stamp, what, len(members))
+    # 1. in the node: A = the composition of the node's maps before this rank's
+    A_M, A_d = exclusive_scan(kind, M, d, route.pos, len(route.members),
+                              exchange(route.members, f"hier-{direction}-in"), with_M=True)
+    # 2. the nodes' last ranks: each node's total (this rank's map after A), scanned across
+    # the nodes; the first node's leader only sends (its node starts from zero)
+    S_node = None
+    if route.is_leader and len(route.leaders) > 1:
+        total_d = tr.combine(kind, M, A_d, d)
+        total_M = tr.compose(kind, M, A_M)
+        S_node = exclusive_scan(kind, total_M, total_d, route.node_pos, len(route.leaders),
+                                exchange(route.leaders, f"hier-{direction}-x"))
+    if route.node_pos == 0:  # S0 is folded into rank 0's map: the first node starts at zero
+        S_in = A_d
+    else:
+        # 3. the leader puts the state entering the node to the node's other ranks, which
+        # carry it through A
+        S_node = _share(S_node, d, route, group, word, direction, stamp, what, device)
+        S_in = tr.combine(kind, A_M, S_node, A_d)
+    if stamp is not None:
+        stamp.done()
+    return S_in
+
+
+def _zeros_M(kind: Kind, like: Tensor) -> Tensor:
+    """A transition of ``kind`` for states shaped like ``like [B, H, K, V]`` (zeros)."""
+    B, H, K, _ = like.shape
+    shape = {Kind.SCALAR: (B, H), Kind.DIAGONAL: (B, H, K), Kind.DENSE: (B, H, K, K)}[kind]
+    return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+
+def _share(S_node: Optional[Tensor], like: Tensor, route: _Route, group, word: int,
+           direction: str, stamp: Optional[Stamp], what: str, device: bool) -> Tensor:
+    """Step 3: the node's last rank sends ``S_node`` to the node's other ranks; every rank
+    returns it."""
+    last = len(route.members) - 1
+    if device:
+        if route.is_leader:
+            for j in range(1, last + 1):  # channel j: to the rank j places before the leader
+                device_move(group, f"hier-{direction}-out{j}", S_node.contiguous(), -1,
+                            route.members[last - j], word)
+            return S_node
+        return device_move(group, f"hier-{direction}-out{last - route.pos}", like.contiguous(),
+                           route.members[last], -1, word)
+    if route.is_leader:
+        out = stamp.send(S_node)
+        for j in range(1, last + 1):
+            p2p.exchange(out, route.members[last - j], None, -1, group, what)
+        return S_node
+    payload = torch.empty(like.numel() + TRAILER, dtype=like.dtype, device=like.device)
+    p2p.exchange(None, -1, payload, route.members[last], group, what)
+    return stamp.receive(payload, route.members[last], like)
+
+
+class Hier(Strategy):
+    """The scan in the node, across the nodes' last ranks, then back into the node; see the
+    module docstring."""
+
+    name = "hier"
+
+    def forward_chain(self, kind, M, delta, S0, group, word=0):
+        rank, size = p2p.rank_and_size(group)
+        if size == 1:
+            return S0, None
+        if 0 < rank < size - 1 and M is None and kind is not Kind.IDENTITY:
+            raise ValueError(f"hier: rank {rank} needs its transition M ({kind.value})")
+        d = tr.combine(kind, M, S0, delta) if rank == 0 else delta
+        route = _Route(nodes(group), rank, reverse=False)
+        S_in = _incoming(kind, M, d, route, group, word, "fwd", "the incoming state (hier)")
+        return (S0 if rank == 0 else S_in), None
+
+    def backward_chain(self, kind, M, grad_in, group, saved, word=0):
+        rank, size = p2p.rank_and_size(group)
+        if size == 1:
+            return torch.zeros_like(grad_in), grad_in.clone()
+        Mt = M.transpose(-1, -2) if (kind is Kind.DENSE and M is not None) else M
+        route = _Route(nodes(group), rank, reverse=True)
+        lam_next = _incoming(kind, Mt, grad_in, route, group, word, "bwd",
+                             "the state gradient (hier)")
+        return lam_next, grad_in + tr.apply_transposed(kind, M, lam_next)
+
+
+register(Hier())

@@ -1,0 +1,149 @@
+"""The scan laid out by node (``hier``).
+
+Nodes are simulated on one machine: each rank sets ``FORGE_DIST_NODE`` before its first call
+(what torchrun's ``GROUP_RANK`` or slurm's ``SLURM_NODEID`` give on a real job).  Checked:
+the layout's parsing; the batched host rounds at 6 and 8 gloo ranks in even and uneven
+layouts against the fp64 recurrence (every op, dense and packed, outputs and every gradient);
+that only the nodes' last ranks exchange across nodes, ``ceil(log2 N)`` times each way; and
+the GPU-initiated rounds over the simulated transport with concurrent jittered ranks.
+"""
+import math
+
+import pytest
+import torch
+
+from forge_dist.selftest import OPS, run_case, tolerance
+from forge_dist.sp import hier
+
+from .distributed import run_world
+from .test_scan import DEVICE_ENV, HOST
+
+
+def test_runs_group_consecutive_ranks_of_one_node():
+    assert hier.runs([0, 0, 1, 1, 1, 2]) == [[0, 1], [2, 3, 4], [5]]
+    # a node that comes back later is a run of its own (the layout never changes a result)
+    assert hier.runs([0, 1, 0]) == [[0], [1], [2]]
+
+
+def test_node_of_this_process_reads_the_launchers():
+    assert hier.node_of_this_process({}) == 0
+    assert hier.node_of_this_process({"RANK": "5", "LOCAL_WORLD_SIZE": "2"}) == 2
+    assert hier.node_of_this_process({"GROUP_RANK": "3", "RANK": "5",
+                                      "LOCAL_WORLD_SIZE": "2"}) == 3
+    assert hier.node_of_this_process({"SLURM_NODEID": "1"}) == 1
+    assert hier.node_of_this_process({"FORGE_DIST_NODE": "4", "GROUP_RANK": "3"}) == 4
+    assert hier.node_of_this_process({"FORGE_DIST_RANKS_PER_NODE": "2", "RANK": "5",
+                                      "GROUP_RANK": "0"}) == 2
+    with pytest.raises(ValueError, match=r"FORGE_DIST_NODE: expected a whole number, got 'a'"):
+        hier.node_of_this_process({"FORGE_DIST_NODE": "a"})
+    with pytest.raises(ValueError, match=r"FORGE_DIST_RANKS_PER_NODE: expected a count >= 1 "
+                                         r"with RANK set, got '0'"):
+        hier.node_of_this_process({"FORGE_DIST_RANKS_PER_NODE": "0", "RANK": "1"})
+
+
+def _place(group, layout):
+    """Put this rank on its node of ``layout`` (node sizes in rank order)."""
+    import os
+
+    import torch.distributed as dist
+
+    node_ids = [n for n, size in enumerate(layout) for _ in range(size)]
+    os.environ["FORGE_DIST_NODE"] = str(node_ids[dist.get_rank(group)])
+    hier.forget()
+
+
+def _errors(group, layout, ops, layouts, T_local):
+    _place(group, layout)
+    return {"nodes": hier.nodes(group),
+            "rows": [run_case(op, "hier", torch.float64, varlen, group=group,
+                              T_local=T_local).as_dict()
+                     for op in ops for varlen in layouts]}
+
+
+def _check(out, layout, n_rows):
+    assert [len(m) for m in out["nodes"]] == list(layout)
+    assert len(out["rows"]) == n_rows
+    for row in out["rows"]:
+        bad = {k: v for k, v in row["errors"].items() if not v <= tolerance(torch.float64)}
+        assert not bad, (row["op"], row["varlen"], bad)
+        assert {"o", "final_state", "d_initial_state"} <= set(row["errors"])
+
+
+@pytest.mark.parametrize("layout,ops", [
+    ((2, 2, 2), OPS),
+    ((1, 3, 2, 2), ("simple_gla", "gated_delta_rule")),
+], ids=["3x2", "1-3-2-2"])
+def test_hier_matches_the_recurrence(layout, ops):
+    out = run_world(sum(layout), _errors, layout, ops, (False, True), 12, env=HOST)
+    _check(out, layout, 2 * len(ops))
+
+
+def _rounds(group, layout):
+    """Per rank: host exchanges with a peer on another node, forward and backward."""
+    import torch.distributed as dist
+
+    from forge_dist import ops
+    from forge_dist.sp import p2p
+
+    _place(group, layout)
+    node_of = {r: n for n, m in enumerate(hier.nodes(group)) for r in m}
+    rank = dist.get_rank(group)
+    across = []
+    real_exchange = p2p.exchange
+
+    def exchange(send, dst, recv_buf, src, *args, **kwargs):
+        across.append(sum(1 for peer in (dst, src) if peer >= 0 and node_of[peer] != node_of[rank]))
+        return real_exchange(send, dst, recv_buf, src, *args, **kwargs)
+    p2p.exchange = exchange
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(1, 8, 2, 4, generator=gen, dtype=torch.float64,
+                               requires_grad=True) for _ in range(3))
+        g = torch.nn.functional.logsigmoid(torch.randn(1, 8, 2, generator=gen,
+                                                       dtype=torch.float64))
+        o, _ = ops.simple_gla(q, k, v, g, group=group, strategy="hier")
+        fwd = sum(1 for n in across if n)
+        o.sum().backward()
+    finally:
+        p2p.exchange = real_exchange
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, (fwd, sum(1 for n in across if n) - fwd), group=group)
+    return out
+
+
+def test_only_the_nodes_last_ranks_cross_nodes_in_log2_N_rounds():
+    layout = (2, 2, 2, 2)
+    per_rank = run_world(8, _rounds, layout, env=HOST)
+    rounds = math.ceil(math.log2(len(layout)))
+    for rank, (fwd, bwd) in enumerate(per_rank):
+        # forward: the last rank of each node; backward (reversed): the first
+        assert fwd == (rounds if rank % 2 == 1 else 0), (rank, fwd)
+        assert bwd == (rounds if rank % 2 == 0 else 0), (rank, bwd)
+
+
+def _device_errors(group, layout):
+    from forge_dist.sp import forge, p2p
+
+    launches, exchanges = [0], [0]
+    real_chain, real_exchange = forge._run_chain, p2p.exchange
+
+    def chain(*args, **kwargs):
+        launches[0] += kwargs.get("send_first", False)
+        return real_chain(*args, **kwargs)
+
+    def exchange(*args, **kwargs):
+        exchanges[0] += 1
+        return real_exchange(*args, **kwargs)
+    forge._run_chain, p2p.exchange = chain, exchange
+    try:
+        out = _errors(group, layout, OPS, (False, True), 12)
+    finally:
+        forge._run_chain, p2p.exchange = real_chain, real_exchange
+    return dict(out, send_first_launches=launches[0], host_exchanges=exchanges[0])
+
+
+def test_gpu_initiated_rounds_over_the_simulated_transport():
+    layout = (2, 3)
+    out = run_world(sum(layout), _device_errors, layout, env=DEVICE_ENV)
+    assert out["send_first_launches"] > 0 and out["host_exchanges"] == 0, out
+    _check(out, layout, 2 * len(OPS))
