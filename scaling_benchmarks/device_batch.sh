@@ -61,7 +61,8 @@
 #                                                     #   weak scaling fwd + fwdbwd (~8 min)
 #   bash scaling_benchmarks/device_batch.sh layers    # 1 GPU: every layer against FLA's, per-kernel times (~9 min)
 #   bash scaling_benchmarks/device_batch.sh hier4     # 4 GPUs as two simulated nodes of 2: the GPU checks of
-#                                                     #   scan and hier, weak scaling fwd of every pass (~9 min)
+#                                                     #   scan and hier, weak scaling beside forge (~9 min)
+#   bash scaling_benchmarks/device_batch.sh hier2     # the same on 2 GPUs as two nodes of 1 (~9 min)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -82,7 +83,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -217,18 +218,20 @@ case "$stage" in
         -p no:cacheprovider --durations=20 -m gpu tests --ignore=tests/kernels > /dev/null ) &
     wait
     reap ;;
-  hier4)  # the scaling issue: hier on two simulated nodes of 2 GPUs (FORGE_DIST_RANKS_PER_NODE),
-    # its GPU checks and scan's at 4 ranks, then weak scaling beside the chain, scan and lasp2
+  hier4|hier2)  # the scaling issue: hier on two simulated nodes (FORGE_DIST_RANKS_PER_NODE): its
+    # GPU checks and scan's, then weak scaling beside the chain, scan and lasp2
+    P=${stage#hier}
     reap
     checks=available,no_host_sync_hier
     for k in identity scalar diagonal dense; do checks+=,scan_chains_$k,hier_chains_$k; done
     for o in simple_gla gated_delta_rule; do checks+=,scan_op_$o,hier_op_$o; done
-    step hier4_checks 260 env FORGE_MG_WORLD=4 FORGE_DIST_RANKS_PER_NODE=2 FORGE_MG_CHECKS=$checks \
-      python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py
+    step hier${P}_checks 260 env FORGE_MG_WORLD=$P FORGE_DIST_RANKS_PER_NODE=$((P / 2)) \
+      FORGE_MG_CHECKS=$checks python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py
     reap
-    export FORGE_DIST_RANKS_PER_NODE=2
-    ws hier4_16k 120 4 simple_gla fwd 1 16384 b1h32-16k-hier forge,serial,lasp2,scan,hier
-    ws hier4_gdn 120 4 gated_delta_rule fwd 1 32768 b1h32-32k-gdn-hier forge,scan,hier
+    export FORGE_DIST_RANKS_PER_NODE=$((P / 2))
+    ws hier${P}_16k 110 $P simple_gla fwd 1 16384 b1h32-16k-hier forge,serial,lasp2,scan,hier
+    ws hier${P}_gdn 100 $P gated_delta_rule fwd 1 32768 b1h32-32k-gdn-hier forge,scan,hier
+    ws hier${P}_bwd 100 $P simple_gla fwdbwd 1 32768 b1h32-32k-fwdbwd-hier forge,scan,hier
     unset FORGE_DIST_RANKS_PER_NODE
     reap ;;
   layers-sp)  # the layers' issue: each layer with forge on 2 GPUs against its shard alone
