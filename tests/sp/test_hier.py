@@ -147,3 +147,42 @@ def test_gpu_initiated_rounds_over_the_simulated_transport():
     out = run_world(sum(layout), _device_errors, layout, env=DEVICE_ENV)
     assert out["send_first_launches"] > 0 and out["host_exchanges"] == 0, out
     _check(out, layout, 2 * len(OPS))
+
+
+def test_two_node_launch_on_one_machine(tmp_path):
+    """``launch/torchrun.sh --nnodes 2`` run twice here (a local c10d rendezvous, gloo): the
+    ranks read two nodes of two from torchrun's environment (``GROUP_RANK``), and ``hier``
+    matches the recurrence over them."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from forge_dist.selftest import free_port
+    from tests.torchrun_workers import ROOT, launch_env
+
+    env = dict(launch_env(), PYTHON=sys.executable, FORGE_DIST_TIMEOUT="120")
+    env.pop("FORGE_DIST_NODE", None)
+    env.pop("FORGE_DIST_RANKS_PER_NODE", None)
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(
+        ["bash", str(ROOT / "launch" / "torchrun.sh"), "--nnodes", "2", "--node-rank", str(n),
+         "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-node-test",
+         str(ROOT / "tests" / "sp" / "two_node_worker.py"), str(tmp_path)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True) for n in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:  # torchrun and its workers, whatever state they are in
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    for r in range(4):
+        rep = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rep["env"]["LOCAL_WORLD_SIZE"] == "2" and rep["env"]["WORLD_SIZE"] == "4"
+        assert rep["nodes"] == [[0, 1], [2, 3]], rep
+        assert len(rep["cases"]) == 4 and all(c["ok"] for c in rep["cases"]), rep["cases"]
