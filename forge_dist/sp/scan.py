@@ -33,6 +33,7 @@ import os
 from typing import Callable, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..variants import transitions as tr
@@ -109,7 +110,7 @@ def _device_exchange(group, rank_at: Callable[[int], int], word: int, direction:
                      size: int):
     """A round as forge's kernel in its send-first mode, one launch per tensor and one
     channel per round, tensor and direction (see the module docstring)."""
-    from . import forge
+    from . import forge  # optional: forge needs Triton (_on_device found it importable)
 
     where = forge._where(group)
 
@@ -143,11 +144,9 @@ def _on_device(group, like: Tensor) -> bool:
     if choice == "host":
         return False
     try:
-        from . import forge
+        from . import forge  # optional: forge needs Triton
     except Exception:  # noqa: BLE001 - no Triton: the host rounds
         return False
-    import torch.distributed as dist
-
     if isinstance(group, forge.chan.SimRank):
         return False  # the one-process simulation runs ranks in order: no concurrent rounds
     if like.is_cuda:
