@@ -7,8 +7,14 @@ import sys
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tqdm import tqdm
 
-from . import __version__
+from . import __version__, selftest, sp
+from .comm import nvshmem
+from .comm_env import set_launch_defaults
+from .runtime.compile_cli import main as compile_main
 
 # Printed by ``forge-dist --help``: plain text, no markup.
 USAGE = """\
@@ -29,10 +35,6 @@ commands:
 
 
 def _demo_worker(rank, world, port, backend, cases, queue):
-    import torch.distributed as dist
-
-    from . import selftest
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = "cpu"
     if backend == "nccl":
@@ -55,8 +57,6 @@ def _demo_worker(rank, world, port, backend, cases, queue):
 
 def demo(argv: Optional[List[str]] = None) -> int:
     """Run the cross-check matrix; returns the process exit code (1 if any check fails)."""
-    from . import selftest, sp
-
     p = argparse.ArgumentParser(
         prog="forge-dist demo",
         description="Run every op with every strategy across a small world, forward and "
@@ -98,12 +98,7 @@ def demo(argv: Optional[List[str]] = None) -> int:
     cases = [(o, s, d, vl) for o in ops_ for s in strategies for d in dtypes
              for vl in (False, True)]
 
-    import torch.multiprocessing as mp
-    from tqdm import tqdm
-
     if backend == "nccl":
-        from .comm_env import set_launch_defaults
-
         set_launch_defaults()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -149,13 +144,11 @@ def demo(argv: Optional[List[str]] = None) -> int:
 
 def info(argv: Optional[List[str]] = None) -> int:
     """Print versions, devices, links, NVSHMEM availability and the registered strategies."""
-    from . import sp
-
     argparse.ArgumentParser(prog="forge-dist info", description=info.__doc__).parse_args(argv)
     lines = [f"forge_dist {__version__}", f"python {sys.version.split()[0]}",
              f"torch {torch.__version__}"]
     try:
-        import triton
+        import triton  # optional: the gpu extra
 
         lines.append(f"triton {triton.__version__}")
     except ImportError:
@@ -172,16 +165,12 @@ def info(argv: Optional[List[str]] = None) -> int:
     else:
         lines.append("cuda: not available")
     try:
-        from .comm import nvshmem
-
         reason = nvshmem.unavailable_reason()
         lines.append("nvshmem: " + ("usable through torch symmetric memory" if reason is None
                                     else f"unavailable ({reason})") +
                      f"; inter-node transport {nvshmem.remote_transport()}")
     except Exception as err:  # noqa: BLE001 - info must never fail on a broken extra
         lines.append(f"nvshmem: unavailable ({err})")
-    import torch.distributed as dist
-
     lines.append("torch.distributed: " + ("available" if dist.is_available() else "missing") +
                  f", nccl={'yes' if dist.is_available() and dist.is_nccl_available() else 'no'}"
                  f", gloo={'yes' if dist.is_available() and dist.is_gloo_available() else 'no'}")
@@ -200,8 +189,6 @@ def info(argv: Optional[List[str]] = None) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     def compile_(args):
-        from .runtime.compile_cli import main as compile_main
-
         return compile_main(args)
     commands = {"demo": demo, "info": info, "compile": compile_}
     if not argv or argv[0] in ("-h", "--help"):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import shutil
@@ -203,7 +204,7 @@ def detect(env: Optional[Mapping[str, str]] = None, *, use_mpi4py: bool = True) 
 
 def _mpi4py_comm():
     try:
-        from mpi4py import MPI  # noqa: WPS433 - optional dependency (extra "mpi")
+        from mpi4py import MPI  # noqa: WPS433  (optional: mpi4py, the extra "mpi")
     except Exception:  # noqa: BLE001 - absent or broken MPI: not our launcher
         return None
     return MPI.COMM_WORLD
@@ -245,15 +246,16 @@ def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 600.0,
     gets a process group (so code paths match), on a free loopback port if none was given.
     ``timeout_s`` bounds collectives (NCCL's watchdog aborts a hung job after it).
     """
+    # lazy: slurm/common.sh loads this file by path, with the standard library only
     import torch
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: as above
 
-    from .comm_env import set_launch_defaults
+    from .comm_env import set_launch_defaults  # lazy: as above (no package when by path)
 
     set_launch_defaults()
     info = detect()
     if info.world_size == 1 and "MASTER_PORT" not in os.environ:
-        from .selftest import free_port
+        from .selftest import free_port  # lazy: this file loads by path (slurm/common.sh)
 
         info.master_port = free_port()
     export(info)
@@ -275,7 +277,7 @@ def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 600.0,
 def init_device_world(*, cpu: bool, timeout_s: float):
     """:func:`init_distributed` for a benchmark rank: NCCL and this rank's GPU unless ``cpu``
     is asked for or no GPU is visible, else gloo on the CPU.  Returns ``(info, device)``."""
-    import torch
+    import torch  # lazy: this file loads by path, stdlib only (slurm/common.sh)
 
     use_cuda = not cpu and torch.cuda.is_available()
     info = init_distributed("nccl" if use_cuda else "gloo", timeout_s=timeout_s,
@@ -295,8 +297,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     fields = asdict(info)
     fields["node_rank"] = info.node_rank
     if args.json:
-        import json
-
         print(json.dumps(fields))
     else:
         print("\n".join(f"{k}={v}" for k, v in fields.items()))

@@ -22,13 +22,15 @@ a launch captured in a CUDA graph replays with a new epoch each time.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from . import NVSHMEM, SIM
+from . import NVSHMEM, SIM, nvshmem
 
 ERR_RECV_TIMEOUT, ERR_CREDIT_TIMEOUT, ERR_UPSTREAM, ERR_AHEAD, ERR_SIGNATURE = 1, 2, 3, 4, 5
 ERR_WORDS = 6  # length of the error record
@@ -178,10 +180,6 @@ class Channel:
 def make_nvshmem_channel(n_tiles: int, tile_elems: int, dtype: torch.dtype,
                          device: torch.device, group) -> Channel:
     """Allocate a channel's symmetric buffers (collective over every rank, same order)."""
-    import torch.distributed as dist
-
-    from . import nvshmem
-
     recv = nvshmem.symmetric_empty((n_tiles, tile_elems), dtype, device, group)
     send = nvshmem.symmetric_empty((n_tiles, tile_elems), dtype, device, group)
     sigs = nvshmem.symmetric_empty((2, n_tiles), torch.int64, device, group)
@@ -201,8 +199,6 @@ def make_shared_sim_channel(key: str, n_tiles: int, tile_elems: int, dtype: torc
     lays out its buffers, so a rank reaches a peer's copy at ``+ (pe - me) * stride`` as in
     one process -- but the ranks now run at the same time, as on GPUs.  ``key`` names the
     channel uniquely on the machine; ``barrier()`` synchronises the group (collective)."""
-    import tempfile
-
     folder = os.environ.get("FORGE_DIST_SIM_DIR") or (
         "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     paths = {part: os.path.join(folder, f"forge_dist_{key}_{part}")

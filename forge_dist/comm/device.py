@@ -45,6 +45,7 @@ def _load_bridge():
     """PyTorch's NVSHMEM device bridge, or :class:`_NoNvshmem` where it is missing.  The
     only place (with comm.nvshmem) that touches that private module."""
     try:
+        # lazy: the bridge pulls in torch's inductor and dynamo (see _nv below)
         from torch.distributed._symmetric_memory import _nvshmem_triton as bridge
     except Exception:  # noqa: BLE001 - old torch
         return _NoNvshmem

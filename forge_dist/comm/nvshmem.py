@@ -37,11 +37,11 @@ def unavailable_reason() -> Optional[str]:
     if not torch.cuda.is_available():
         return "CUDA is not available"
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (optional: the gpu extra)
     except ImportError:
         return "Triton is not installed"
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
+    try:  # optional: torch's private NVSHMEM modules (the bridge pulls in inductor, ~1 s)
+        from torch.distributed import _symmetric_memory as symm_mem  # optional: see above
         from torch.distributed._symmetric_memory import _nvshmem_triton as nv
     except Exception as err:  # noqa: BLE001
         return f"this torch has no NVSHMEM Triton bridge ({err})"
@@ -63,6 +63,7 @@ def _ensure_backend() -> None:
     global _BACKEND_SET
     if _BACKEND_SET:
         return
+    # lazy: private torch module, kept out of `import forge_dist.ops` (test_import_cost)
     from torch.distributed import _symmetric_memory as symm_mem
 
     # get_backend reports the default ("CUDA") before any allocation, so just ask for
@@ -85,6 +86,7 @@ def _ensure_backend() -> None:
 
 def symmetric_empty(shape, dtype: torch.dtype, device: torch.device, group) -> torch.Tensor:
     """A symmetric tensor (collective: every rank calls it with the same arguments)."""
+    # lazy: private torch module, kept out of `import forge_dist.ops` (test_import_cost)
     from torch.distributed import _symmetric_memory as symm_mem
 
     _ensure_backend()
@@ -114,6 +116,7 @@ _keep: list = []
 def wrap(jit_fn):
     """``requires_nvshmem(jit_fn)``: the kernel links NVSHMEM's bitcode and its CUDA module
     is initialised for NVSHMEM after compilation."""
+    # lazy: the bridge pulls in torch's inductor, dynamo and Triton (~1 s on a CPU machine)
     from torch.distributed._symmetric_memory import _nvshmem_triton as nv
 
     return nv.requires_nvshmem(jit_fn)

@@ -38,6 +38,7 @@ from ..variants.transitions import Kind
 from . import analysis, executor, generated, lowering
 from .trace import (MATRIX_DIMS, VECTOR_DIMS, DSLError, ShapeContext, propagate,
                     shape_text, trace_phase)
+from .validate import check_numerically
 
 RESERVED = ("state", "chunk_state", "scale")
 COMBINE = {Kind.IDENTITY: "add (K*V per head)", Kind.SCALAR: "scale + add (K*V per head)",
@@ -154,8 +155,6 @@ class Variant:
         # decay_mode(0) is this argument as it comes (``... + chunk_state``), or None
         self.decay_offset = analysis.offset_parameter(self.decay, dec.dependent)
         self.merge_linear = mer.linear
-        from .validate import check_numerically
-
         check_numerically(self)
 
     # -- info ---------------------------------------------------------------------------------

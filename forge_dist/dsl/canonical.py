@@ -105,7 +105,7 @@ class _Canon:
         if n.op not in ("call_function", "call_method"):
             return n
         if "dsl_op" not in n.meta:
-            from .trace import op_name
+            from .trace import op_name  # lazy: dsl.trace imports this module
 
             n.meta["dsl_op"] = op_name(n)
         new = self.rewrite(n)

@@ -284,7 +284,7 @@ def grad_source(chain: List[fx.Node]) -> Optional[str]:
 
 def _jit(kind: str, args: str, body: str) -> Tuple[Callable, str]:
     """The jitted function ``forge_<kind>_<hash>(<args>)`` of ``body`` (one per source)."""
-    import triton
+    import triton  # optional: the gpu extra (callers check _have_triton)
     import triton.language as tl
 
     digest = hashlib.sha256(f"{kind}({args})\n{body}".encode()).hexdigest()[:16]
@@ -304,7 +304,7 @@ def _jit(kind: str, args: str, body: str) -> Tuple[Callable, str]:
 
 def _have_triton() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (optional: the gpu extra)
     except ImportError:  # no kernels to run the maps
         return False
     return True

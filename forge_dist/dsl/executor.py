@@ -23,6 +23,7 @@ from torch import Tensor
 from ..variants import chunked as ck
 from ..variants.base import SegmentSummary
 from ..variants.transitions import Kind
+from .generated import eager_graphs
 
 
 def chunk_inputs(compiled, part: Dict[str, Tensor], lo: int, hi: int, C: int,
@@ -92,8 +93,6 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
         graphs: the :class:`~.generated.Graphs` to run (default the traced graph modules;
             the generated path passes their compiled forms).
     """
-    from .generated import eager_graphs
-
     graphs = graphs or eager_graphs(compiled)
     first = part[compiled.input_names[0]]
     dtype = ck.compute_dtype(first)

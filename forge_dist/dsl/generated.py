@@ -24,6 +24,7 @@ import torch
 
 from ..variants import chunked as ck
 from .placement import use_kernels
+from .scan import scan_chunks
 
 TEMPLATE, GENERATED, EXECUTOR = "template", "generated", "executor"
 
@@ -57,7 +58,6 @@ def compiled_graphs(v, backend: str = "inductor") -> Graphs:
     ``backend`` other than Inductor only to test the wiring on a CPU machine."""
     def build(gm):
         return torch.compile(gm, backend=backend, dynamic=True)
-    from .scan import scan_chunks
 
     g = eager_graphs(v)
     return Graphs(*(build(f) for f in (g.chunk, g.decay, g.merge, g.decay_linear,

@@ -44,6 +44,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .. import kernels
+from ..kernels import MAPPABLE
+from ..kernels.prologue import ElementwisePrologue, kernel_prologue
+from ..kernels.work import InputMap
+from ..ops import planned
+from ..ops.runner import needs_grad
+from ..variants import decay_attention, delta_rule, vector_state
 from . import codegen
 from .placement import use_kernels
 from .roles import assignments, describe_roles, hint, is_delta_rule, is_vector, template_for
@@ -154,8 +161,6 @@ class Lowering:
         """How role ``role``'s prologue runs: ``fused`` into the template's kernels, a
         generated ``Triton kernel`` before them (:mod:`forge_dist.kernels.prologue`), or
         ``PyTorch`` ops."""
-        from ..kernels.prologue import ElementwisePrologue
-
         if role in self.fused:
             return "fused"
         if isinstance(self.prologues.get(role), ElementwisePrologue):
@@ -185,8 +190,6 @@ class Lowering:
         return out
 
     def make_work(self, part, scale: float, need_M: bool, *, out_dtype=None):
-        from .. import kernels
-
         s = scale if self.scale_mode == "user" else 1.0
         return kernels.make_work(self.template, self._template_inputs(part), s, need_M,
                                  out_dtype=out_dtype, maps=self.fused)
@@ -196,9 +199,6 @@ class Lowering:
         one GPU; with gradients for the hgrn template only) on the prologue outputs, or
         ``None`` when the call is not eligible.  ``initial_state`` and the returned state in
         the ops' layouts."""
-        from ..ops import planned
-        from ..ops.runner import needs_grad
-
         if (not is_vector(self.template) or self.fused) and needs_grad(inputs, initial_state):
             # matrix-state gradients, and hgrn's with a fused prologue (its planned backward
             # takes the mapped gates): the runner (skip the prologue here)
@@ -256,10 +256,6 @@ def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool) -> 
     """The validated lowering with its prologues as generated Triton: fused into the
     template's kernels (``fuse``, inputs it can map) or one elementwise kernel per input
     for prologues of at least :data:`PROLOGUE_KERNEL_MIN_OPS` ops."""
-    from ..kernels import MAPPABLE
-    from ..kernels.work import InputMap
-    from ..kernels.prologue import kernel_prologue
-
     for r, dag in dags.items():
         got = (codegen.triton_map(dag) if fuse and r in MAPPABLE.get(low.template, ())
                else None)
@@ -311,8 +307,6 @@ def _run_user(v, probes):
 def _reference(template: str, mapped: Dict[str, torch.Tensor], scale: float):
     """The PyTorch chunk form each Triton template is tested against (and that the kernels'
     backward is checked with)."""
-    from ..variants import decay_attention, delta_rule, vector_state
-
     if is_vector(template):
         return vector_state.summarize(mapped["x"], mapped["g"], need_transition=False,
                                       chunk_size=4)

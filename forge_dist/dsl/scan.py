@@ -18,13 +18,14 @@ from torch import Tensor
 
 from ..variants import chunked as ck
 from ..variants.transitions import Kind
+from .placement import use_kernels
 
 BLOCK = 512
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    import triton
+    import triton  # optional: the gpu extra (eligible() checks it)
     import triton.language as tl
 
     @triton.jit
@@ -59,12 +60,10 @@ def eligible(kind: Kind, M_c: Optional[Tensor], dS_c: Tensor,
              S0: Optional[Tensor]) -> bool:
     """The kernel can run this scan: not dense, fp32, a device Triton runs on, and no
     gradient asked of any operand."""
-    from .placement import use_kernels
-
     if kind is Kind.DENSE or dS_c.dtype != torch.float32 or not use_kernels(dS_c.device):
         return False
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (optional: the gpu extra)
     except ImportError:
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad

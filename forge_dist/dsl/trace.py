@@ -13,6 +13,7 @@ tracer turns into an extra graph output.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .canonical import canonicalise
 
@@ -210,8 +212,6 @@ class ShapeContext:
     """
 
     def __init__(self, dims: Dict[str, int]):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         self.dims = dims
         self.by_hint = {v: k for k, v in dims.items()}
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -266,8 +266,6 @@ def propagate(phase: Phase, ctx: ShapeContext, args: Dict[str, object]) -> objec
     if missing:
         raise DSLError(f"{phase.name}: parameter(s) {missing} are neither inputs of the variant "
                        f"nor available here (known: {sorted(args)})")
-    import logging
-
     log = logging.getLogger("torch._subclasses.fake_tensor")
     level = log.level
     log.setLevel(logging.CRITICAL)  # its meta-kernel failures are re-raised as DSLError here

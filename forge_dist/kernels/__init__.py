@@ -29,6 +29,7 @@ pattern modules (the eager functions launch the same records, :mod:`.walker_laun
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ import torch
 from ..variants import registry
 from ..variants.transitions import Kind
 from .compat import HAVE_TRITON, interpreting
+from .ir import Program
 
 MAX_HEAD_DIM = 256
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -358,10 +360,6 @@ def state_grad_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
     if spec is None or spec.vector_state:
         raise ValueError(f"state_grad_program: expected one of {matrix_variants()}, "
                          f"got {variant!r}")
-    import dataclasses
-
-    from .ir import Program
-
     if gated is None:
         gated = spec.gate is not None
     full = backward_program(variant, B=B, T=T, H=H, K=K, V=V, dtype=dtype, has_h0=True,

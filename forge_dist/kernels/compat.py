@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -34,7 +35,7 @@ def _interpreter_numpy_shim() -> None:
     them, which numpy >= 2.4 refuses ("only 0-dimensional arrays ...").  Read the element
     instead.  Only touches the interpreter, only when it is in use."""
     try:
-        from triton.runtime import interpreter as _it
+        from triton.runtime import interpreter as _it  # optional: the gpu extra
     except ImportError:  # pragma: no cover
         return
     orig = getattr(_it, "_patch_lang_tensor", None)
@@ -57,7 +58,7 @@ def interpreter_bf16_dot(create_dot):
     """Triton 3.6's interpreter multiplies bf16 tensors as their raw uint16 bits; this wraps
     its ``InterpreterBuilder.create_dot`` so that bf16 operands are widened to fp32 first (the
     GPU needs nothing).  Opt-in, for the checks that run bf16 kernels on the CPU."""
-    import numpy as np
+    # optional: the gpu extra (and `import triton` does not load its interpreter)
     from triton.runtime import interpreter as it
 
     def create_dot_widened(self, a, b, d, input_precision, max_num_imprecise_acc):

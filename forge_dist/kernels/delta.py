@@ -613,7 +613,7 @@ class DeltaRuleWork(TritonWork):
 
     # Triton backward (kernels/delta_backward.py) -----------------------------------------
     def _finish_bwd(self, S_in, tensors, do, dht):
-        from .delta_backward import delta_rule_backward
+        from .delta_backward import delta_rule_backward  # lazy: it imports this module
 
         q, k, v, g, beta = (ensure(t) for t in tensors)
         dq, dk, dv, dg, dbeta, dS = delta_rule_backward(q, k, v, g, beta, S_in, do, dht,
@@ -624,7 +624,7 @@ class DeltaRuleWork(TritonWork):
         """``delta`` is the end state from a zero start and ``M`` the end state of the same
         walk from ``I`` with no values; the state's columns are independent, so both run as
         one backward over the values ``[v | 0]`` from ``[0 | I]``."""
-        from .delta_backward import delta_rule_backward
+        from .delta_backward import delta_rule_backward  # lazy: it imports this module
 
         q, k, v, g, beta = (ensure(t) for t in tensors)
         B, T, H, K = k.shape

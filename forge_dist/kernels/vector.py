@@ -371,6 +371,6 @@ class VectorDecayWork(DecayAttentionWork):
     @staticmethod
     def chunk_backward(*args):
         """The Triton chunk backward (:func:`.vector_backward.vector_decay_backward`)."""
-        from .vector_backward import vector_decay_backward
+        from .vector_backward import vector_decay_backward  # lazy: it imports this module
 
         return vector_decay_backward(*args)

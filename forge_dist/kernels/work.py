@@ -323,6 +323,7 @@ class DecayAttentionWork(TritonWork):
         ``None`` for them: autograd still holds them for the consumer of k, v, g, which runs
         only after both nodes, and it skips a ``[B, T, H, K]`` sum per tensor (~1.5 ms of
         a rank's 13 ms at 4 x 32K tokens, ``results/sp_profile_*``)."""
+        # lazy: backward-only Triton kernels, kept out of `import forge_dist.ops`
         from .summary_backward import accumulable, decay_summary_backward_triton
 
         q, k, v, g = tensors

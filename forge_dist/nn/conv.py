@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels.short_conv import MAX_WIDTH, l2norm_supported, short_conv, short_conv_step
 from .fused import use_fused
 from .halo import halo_exchange
 from .shard import positions
@@ -63,8 +64,6 @@ class ShortConvolution(nn.Conv1d):
         B, T, D = x.shape
         W = self.kernel_size[0] - 1
         if self._fused(x, l2norm_head_dim):
-            from ..kernels.short_conv import short_conv
-
             # without a group there is no halo: the kernel reads zeros before the first token
             halo = None if group is None else halo_exchange(x, W, group)
             pos = None if cu_seqlens is None else positions(T, group, cu_seqlens, x.device)
@@ -93,8 +92,6 @@ class ShortConvolution(nn.Conv1d):
         """Whether the Triton kernels run this call (a float input on a device they take)."""
         if not (x.is_floating_point() and use_fused(x.device)):
             return False
-        from ..kernels.short_conv import MAX_WIDTH, l2norm_supported
-
         return self.kernel_size[0] <= MAX_WIDTH and (
             l2norm_head_dim is None or l2norm_supported(x.shape[-1], l2norm_head_dim))
 
@@ -116,8 +113,6 @@ class ShortConvolution(nn.Conv1d):
             raise ValueError(f"cache: expected [B, D, K] = {[x2.shape[0], self.hidden_size, K]},"
                              f" got {list(cache.shape)}")
         if self._fused(x2) and cache.is_contiguous():
-            from ..kernels.short_conv import short_conv_step
-
             return short_conv_step(x2, cache, self.weight, self.bias,
                                    self.activation).reshape(shape)
         cache.copy_(torch.cat([cache[:, :, 1:], x2[:, :, None].to(cache.dtype)], dim=-1))

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
+from ..kernels.gates import gdn_gates, hgrn_gates, logsigmoid_gate
 from ..ops import custom_ops
 from .cache import CacheCall
 from .fused import use_fused
@@ -65,8 +66,6 @@ def _logsigmoid_gate(x: Tensor, normalizer: float, clamp_min: Optional[float] = 
     """``max(logsigmoid(x) / normalizer, clamp_min)`` in fp32 (fp64 for fp64): one fused
     kernel where the Triton kernels run, else PyTorch ops."""
     if use_fused(x.device):
-        from ..kernels.gates import logsigmoid_gate
-
         return logsigmoid_gate(x, normalizer, clamp_min)
     g = F.logsigmoid(x.to(_wide(x))) / normalizer
     return g if clamp_min is None else torch.clamp_min(g, clamp_min)
@@ -583,8 +582,6 @@ class HGRNAttention(SPMixin):
             i, f = call.conv(self.i_conv1d, i), call.conv(self.f_conv1d, f)
         wide = _wide(x)
         if use_fused(x.device):
-            from ..kernels.gates import hgrn_gates
-
             # one fused pass over both projections
             i, f = hgrn_gates(i, f, lower_bound if self.layer_idx else None)
         else:
@@ -683,8 +680,6 @@ class GatedDeltaNet(SPMixin):
         v = _heads(v, self.head_v_dim)
         wide = _wide(x)
         if use_fused(x.device):
-            from ..kernels.gates import gdn_gates
-
             g, beta = gdn_gates(self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias,
                                 2.0 if self.allow_neg_eigval else 1.0)
         else:

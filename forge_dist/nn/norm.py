@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels.gated_norm import gated_rms_norm
 from .fused import use_fused
 
 
@@ -119,8 +120,6 @@ def _rms_norm(x: Tensor, g: Optional[Tensor], weight: Optional[Tensor],
     """``x [..., D]`` (and ``g`` of the same shape) through the fused kernels or
     :class:`_RMSNormFn`."""
     if use_fused(x.device):
-        from ..kernels.gated_norm import gated_rms_norm
-
         with torch.autocast(x.device.type, enabled=False):
             return gated_rms_norm(x, g, weight, bias, eps, activation)
     shape = x.shape
@@ -196,8 +195,6 @@ class RMSNormGated(nn.Module):
     def forward(self, x: Tensor, z: Optional[Tensor] = None) -> Tensor:
         """``x, z [..., D]`` -> ``[..., D]`` in the dtype of ``x``."""
         if use_fused(x.device):
-            from ..kernels.gated_norm import gated_rms_norm
-
             if z is not None and z.shape != x.shape:
                 z = z.expand(x.shape)
             with torch.autocast(x.device.type, enabled=False):

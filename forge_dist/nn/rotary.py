@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..kernels.rotary import rotary
 from .fused import use_fused
 
 
@@ -39,8 +40,6 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: Tensor, pos: Tensor) -> Tensor:
         """``x [B, T, H, D]``, ``pos [T]`` -> rotated ``x``."""
         if use_fused(x.device):
-            from ..kernels.rotary import rotary
-
             return rotary(x, pos, self.inv_freq)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         ang = pos.to(wide)[:, None] * self.inv_freq.to(wide)[None, :]  # [T, dim/2]

@@ -14,8 +14,10 @@ import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from .. import sp
 from ..sp import agreement, p2p, phases
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -153,8 +155,6 @@ def initial_state(state, shape: Sequence[int], device: torch.device) -> Optional
 def strategy(name) -> None:
     """``name`` is a registered sequence-parallel strategy (checked on every call, also on
     one GPU where none runs, so that a typo fails the same way everywhere)."""
-    from .. import sp
-
     if not isinstance(name, str) or name not in sp.names():
         raise ValueError(f"strategy: expected one of {sp.names()}, got {name!r}")
 
@@ -266,8 +266,6 @@ def finite(stage: str, tensors: List[Tuple[str, Optional[Tensor]]], grp, device:
     mine = _first_nonfinite(tensors, resets)
     rows = [[rank] + mine]
     if size > 1:
-        import torch.distributed as dist
-
         sig_device = device if dist.get_backend(grp) == "nccl" else torch.device("cpu")
         gathered = p2p.all_gather(torch.tensor([rank] + mine, dtype=torch.int64,
                                                device=sig_device), grp,

@@ -79,6 +79,7 @@ def resolve_group(name: Optional[str]):
     """Inverse of :func:`group_name`: the live process group registered under ``name``."""
     if name is None:
         return None
+    # lazy: private c10d API, absent where torch.distributed is not available
     from torch.distributed.distributed_c10d import _resolve_process_group
     return _resolve_process_group(name)
 

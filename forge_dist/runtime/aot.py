@@ -100,7 +100,7 @@ def interpreting() -> bool:
 
 def versions(target: str) -> Dict[str, Any]:
     """The header a cache must match: format, triton, torch, target (and ptxas, recorded)."""
-    import triton
+    import triton  # optional: the gpu extra
 
     head = {"format": FORMAT, "triton": triton.__version__, "torch": torch.__version__,
             "target": target_name(target)}
@@ -110,7 +110,7 @@ def versions(target: str) -> Dict[str, Any]:
 def ptxas_version(target: str = "cuda:90") -> Optional[str]:
     """Version of the ptxas Triton would use for ``target`` (``None``: not available)."""
     try:
-        from triton.backends.nvidia.compiler import get_ptxas
+        from triton.backends.nvidia.compiler import get_ptxas  # optional: the gpu extra
 
         tool = get_ptxas(parse_target(target)[1])
         return str(tool.version) if tool.path and os.path.exists(tool.path) else None
@@ -178,7 +178,7 @@ def _matrix_lengths() -> Tuple[int, int]:
     """Sequence lengths whose programs cover every kernel a matrix-state plan can launch:
     short simple_gla inputs sum the scalar gates in the walks, long ones launch a gate sum
     first (``kernels.walker.sum_gates_in_walk``); nothing else in a spec depends on T."""
-    from ..kernels import walker  # its kernels cost ~13 ms to import: only AOT builds read this
+    from ..kernels import walker  # lazy: its kernels cost ~13 ms; only AOT builds read this
 
     return 256, walker.SUM_GATES_IN_WALK_MAX_TOKENS + 256
 
@@ -225,8 +225,8 @@ def source_hash(kernel: str) -> str:
 
 
 def _compile_one(spec: KernelSpec, target: str):
-    import triton
-    from triton.backends.compiler import GPUTarget
+    import triton  # optional: the gpu extra (AOT builds only)
+    from triton.backends.compiler import GPUTarget  # optional: as above
     from triton.compiler import ASTSource, make_backend
 
     fn = resolve_kernel(spec.kernel)

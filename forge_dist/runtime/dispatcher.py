@@ -32,6 +32,8 @@ import struct
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 # (struct code, size) of each Triton signature type as the kernel ABI sees it.  fp16/bf16
 # scalars travel as their 16-bit storage (Triton packs them so); pointers are 64-bit.
 _SCALAR = {"i1": ("b", 1), "i8": ("b", 1), "i16": ("h", 2), "i32": ("i", 4), "i64": ("q", 8),
@@ -175,9 +177,9 @@ class BindingsDriver:
 
     def __init__(self):
         try:
-            from cuda.bindings import driver as cu
+            from cuda.bindings import driver as cu  # optional: cuda-python (the gpu extra)
         except ImportError:  # cuda-python < 12.6 spells it cuda.cuda
-            from cuda import cuda as cu  # type: ignore
+            from cuda import cuda as cu  # type: ignore  # optional: cuda-python < 12.6
         self.cu = cu
         self._ok = cu.CUresult.CUDA_SUCCESS
         self._streams: Dict[int, Any] = {}
@@ -261,8 +263,6 @@ def current_stream_fn(device_index: int) -> Callable[[], int]:
     Uses ``torch._C._cuda_getCurrentRawStream`` (what Triton's own launcher calls, cheap)
     when present, else the public ``torch.cuda.current_stream(...).cuda_stream``.
     """
-    import torch
-
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
         return lambda: raw(device_index)

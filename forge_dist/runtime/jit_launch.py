@@ -36,7 +36,7 @@ _KNOBS: Any = None  # triton.knobs, imported on first use (an import statement p
 def _launch_hook_installed() -> bool:
     global _KNOBS
     if _KNOBS is None:
-        from triton import knobs
+        from triton import knobs  # optional: the gpu extra
 
         _KNOBS = knobs
     hook = _KNOBS.runtime.launch_enter_hook  # Triton 3.6: a HookChain, empty by default

@@ -5,6 +5,7 @@ Importing this package registers ``serial``, ``pipelined``, ``lasp2``, ``scan`` 
 :mod:`forge_dist.sp.forge`) where Triton is installed.
 """
 from . import hier, lasp2, pipelined, scan, serial  # noqa: F401  (registration)
+from .agreement import forget, poll_flags
 from .base import Strategy, names, register, resolve, state_pass
 from .p2p import StatePassTimeout
 
@@ -24,8 +25,6 @@ def flush(wait: bool = True) -> None:
     other arguments (found on the device, where that call's output became NaN) is raised by
     the next call on the same group, or here.  ``wait=False`` only reads errors already
     visible without waiting for the device."""
-    from .agreement import poll_flags
-
     if forge is not None:
         forge.flush(wait=wait)
     poll_flags(wait=wait)
@@ -39,8 +38,6 @@ def reset(group=None) -> None:
     call.  After any other error (a timeout, a dead peer, an exception on one rank only) the
     group may hold half-done collectives: make a new process group on every rank instead
     (README, "Sequence parallelism")."""
-    from .agreement import forget
-
     if forge is not None:
         forge.reset(group)
     forget(group)

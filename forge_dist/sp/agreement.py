@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.channel import SignatureMismatch  # raised here and by the channels alike
@@ -72,6 +73,7 @@ def _decode(word: int):
         return word
     global _SEEDED
     if not _SEEDED:
+        # lazy: the sp package imports this module before it defines names
         from . import names  # every strategy name and dtype: what peers pass
         for value in list(names()) + list(GATE_NAMES.values()) + [
                 getattr(torch, n) for n in dir(torch)
@@ -162,8 +164,6 @@ def forget(group=None) -> None:
 
 
 def _signature_device(group, device: torch.device) -> torch.device:
-    import torch.distributed as dist
-
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 

@@ -14,9 +14,11 @@ so that ``dL/d dS_r = lam(r+1)``, ``dL/dM_r = lam(r+1) S_in(r)^T`` (reduced by k
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..variants import transitions as tr
@@ -149,15 +151,11 @@ def _forge_for_auto(device, group) -> bool:
     simulated transport, for tests), a group that is the whole job, and one node
     (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as torchrun and the launchers of
     ``forge_dist.launch_env`` set them)."""
-    import os
-
     if torch.device(device).type != "cuda" or group is None:
         return False
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
     if local is None or local != world:
         return False
-    import torch.distributed as dist
-
     return dist.is_initialized() and dist.get_world_size(group) == dist.get_world_size()
 
 

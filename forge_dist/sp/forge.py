@@ -34,16 +34,20 @@ buffers, which is a collective over NVSHMEM's world.
 from __future__ import annotations
 
 import os
+import random
+import time
 import weakref
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from .. import comm
 from ..comm import channel as chan
 from ..comm import device as dev
+from ..comm import nvshmem
 from ..variants.transitions import Kind
 from . import agreement, p2p
 from .agreement import TRAILER
@@ -249,8 +253,6 @@ def _kernel(transport: int):
     if transport == comm.SIM:
         return _forge_chain_kernel
     if _NVSHMEM_KERNEL is None:
-        from ..comm import nvshmem
-
         _NVSHMEM_KERNEL = nvshmem.wrap(_forge_chain_kernel)
     return _NVSHMEM_KERNEL
 
@@ -290,8 +292,6 @@ class _Where:
             self.transport = comm.SIM
             self.pe = lambda r: r
         else:
-            import torch.distributed as dist
-
             self.sim = None
             self.rank, self.size = p2p.rank_and_size(group)
             if dist.get_backend(group) == "gloo":
@@ -300,8 +300,6 @@ class _Where:
                 self.pe = lambda r: r
             else:
                 self.transport = comm.NVSHMEM
-                from ..comm import nvshmem
-
                 self.pe = lambda r: nvshmem.global_rank(self.group, r)
         # weak: the cache of these (_WHERE) must not keep a destroyed group alive until the
         # interpreter exits, where gloo's teardown aborts the process
@@ -336,9 +334,6 @@ def _jitter() -> None:
     tests see the ranks interleave in many orders (an ordering bug then fails a test)."""
     raw = os.environ.get("FORGE_DIST_SIM_JITTER_MS")
     if raw:
-        import random
-        import time
-
         time.sleep(random.random() * float(raw) / 1000)
 
 
@@ -578,8 +573,6 @@ class Forge(Strategy):
             return (f"forge needs CUDA tensors (NVSHMEM puts from the GPU), got {device}; "
                     f"on the CPU it runs the simulated transport under Triton's interpreter "
                     f"(TRITON_INTERPRET=1 before importing forge_dist)")
-        from ..comm import nvshmem
-
         return nvshmem.unavailable_reason()
 
     def forward_chain(self, kind, M, delta, S0, group, word=0):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pickle
 import socket
 import threading
 import time
@@ -232,8 +233,6 @@ def all_gather_object(obj, group, what: str = "objects") -> list:
     Two bounded all-gathers (the pickles' lengths, then the padded pickles), unlike
     ``torch.distributed.all_gather_object``, whose wait is the group's own timeout (30
     minutes by default) and whose failure names no rank."""
-    import pickle
-
     rank_and_size(group)
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend(group) == "nccl" else torch.device("cpu"))
@@ -370,7 +369,7 @@ class _Roster:
     @classmethod
     def enrol(cls, group, rank: int, size: int) -> Optional["_Roster"]:
         try:
-            from torch.distributed import distributed_c10d
+            from torch.distributed import distributed_c10d  # optional: private c10d API
 
             store = distributed_c10d._get_process_group_store(group)
             epoch = store.add(f"{_KEY}/epoch/{rank}", 1)

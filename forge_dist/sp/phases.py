@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator, Optional, Tuple
 
+import torch
+
 Hook = Callable[[str, bool], None]
 
 # None while nothing listens (the fast path reads only this); else the listeners in order
@@ -100,8 +102,6 @@ def listen(hook: Hook) -> Iterator[Hook]:
 def profiler_ranges(prefix: str = "forge_dist::") -> Iterator[None]:
     """Inside the block, each phase is also a ``torch.profiler.record_function`` range named
     ``<prefix><phase>`` (visible in ``torch.profiler`` traces and, through NVTX, in Nsight)."""
-    import torch
-
     open_ranges = {}
 
     def hook(name: str, begin: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import env_positive_int
 from ..variants import transitions as tr
 from . import p2p
 from .agreement import TRAILER, Stamp
@@ -19,8 +20,6 @@ from .base import Strategy, register
 
 def n_tiles() -> int:
     """Tiles per state, from ``FORGE_DIST_PIPELINE_TILES`` (a positive integer, default 4)."""
-    from ..config import env_positive_int
-
     return env_positive_int("FORGE_DIST_PIPELINE_TILES", 4)
 
 

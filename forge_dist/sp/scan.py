@@ -33,6 +33,7 @@ import os
 from typing import Callable, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..variants import transitions as tr
@@ -64,9 +65,9 @@ def exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: i
     incl_M, incl_d = M, d
     acc_M: Optional[Tensor] = None
     acc_d: Optional[Tensor] = None
-    dist, k = 1, 0
-    while dist < size:
-        src, dst = pos - dist, pos + dist
+    span, k = 1, 0
+    while span < size:
+        src, dst = pos - span, pos + span
         sent_M = None
         if m_shape is not None:  # an aggregate whose M no rank reads (position 0): zeros
             sent_M = (torch.zeros(m_shape, dtype=d.dtype, device=d.device) if incl_M is None
@@ -80,10 +81,10 @@ def exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: i
             else:
                 acc_d = tr.combine(kind, acc_M, r_d, acc_d)
                 acc_M = tr.compose(kind, acc_M, r_M)
-            if pos + 2 * dist < size:  # incl is sent again in a later round
+            if pos + 2 * span < size:  # incl is sent again in a later round
                 incl_d = tr.combine(kind, incl_M, r_d, incl_d)
                 incl_M = tr.compose(kind, incl_M, r_M)
-        dist, k = dist * 2, k + 1
+        span, k = span * 2, k + 1
     acc_d = torch.zeros_like(d) if acc_d is None else acc_d
     return (acc_M, acc_d) if with_M else acc_d
 
@@ -112,7 +113,7 @@ def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int) ->
     """``held`` to group rank ``dst`` and what group rank ``src`` sent on channel ``key``
     (``-1``: none; both ``-1``: only the channel is allocated, a collective every rank makes),
     by forge's kernel in its send-first mode.  ``held``: ``[B, H, K, V]``."""
-    from . import forge
+    from . import forge  # optional: forge needs Triton (on_device found it importable)
 
     where = forge._where(group)
     into = torch.empty_like(held)
@@ -155,11 +156,9 @@ def on_device(group, like: Tensor) -> bool:
     if choice == "host":
         return False
     try:
-        from . import forge
+        from . import forge  # optional: forge needs Triton
     except Exception:  # noqa: BLE001 - no Triton: the host rounds
         return False
-    import torch.distributed as dist
-
     if isinstance(group, forge.chan.SimRank):
         return False  # the one-process simulation runs ranks in order: no concurrent rounds
     if like.is_cuda:
