@@ -114,7 +114,7 @@ mg_runs() {  # the multigpu suite of the robustness issue's item 9, runs MG_FIRS
 ws() {  # ws NAME SECONDS RANKS OP MODE B TOKENS TAG [STRATEGIES]: one weak-scaling step
   step "$1" "$2" torchrun --nproc-per-node "$3" scaling_benchmarks/weak_scaling.py --set B="$6" \
     --set tokens_per_gpu="$7" --set state_pass=false --ops "$4" --modes "$5" \
-    --strategies "${9:-forge,serial,lasp2}" --tag "$8" --out "$OUT"
+    --strategies "${9:-forge,serial,lasp2}" --tag "$8" --out "$OUT" ${WS_EXTRA:-}
 }
 
 for stage in "$@"; do
@@ -225,13 +225,15 @@ case "$stage" in
     checks=available,no_host_sync_hier
     for k in identity scalar diagonal dense; do checks+=,scan_chains_$k,hier_chains_$k; done
     for o in simple_gla gated_delta_rule; do checks+=,scan_op_$o,hier_op_$o; done
-    step hier${P}_checks 260 env FORGE_MG_WORLD=$P FORGE_DIST_RANKS_PER_NODE=$((P / 2)) \
+    step hier${P}_checks "${CHECKS_LIMIT:-260}" env FORGE_MG_WORLD=$P FORGE_DIST_RANKS_PER_NODE=$((P / 2)) \
       FORGE_MG_CHECKS=$checks python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py
     reap
     export FORGE_DIST_RANKS_PER_NODE=$((P / 2))
-    ws hier${P}_16k 110 $P simple_gla fwd 1 16384 b1h32-16k-hier forge,serial,lasp2,scan,hier
-    ws hier${P}_gdn 100 $P gated_delta_rule fwd 1 32768 b1h32-32k-gdn-hier forge,scan,hier
-    ws hier${P}_bwd 100 $P simple_gla fwdbwd 1 32768 b1h32-32k-fwdbwd-hier forge,scan,hier
+    ws hier${P}_16k 110 $P simple_gla fwd 1 16384 b1h32-16k-hier${TAG_SUFFIX:-} ${WS_STRATEGIES:-forge,serial,lasp2,scan,hier}
+    WS_EXTRA="--set fla_cp=false" ws hier${P}_gdn 100 $P gated_delta_rule fwd 1 32768 \
+      b1h32-32k-gdn-hier${TAG_SUFFIX:-} forge,scan,hier
+    [ "${HIER_BWD:-1}" = 1 ] && ws hier${P}_bwd 100 $P simple_gla fwdbwd 1 32768 \
+      b1h32-32k-fwdbwd-hier${TAG_SUFFIX:-} forge,scan,hier
     unset FORGE_DIST_RANKS_PER_NODE
     reap ;;
   layers-sp)  # the layers' issue: each layer with forge on 2 GPUs against its shard alone

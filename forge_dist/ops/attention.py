@@ -65,7 +65,9 @@ def _prepare(spec: VariantSpec, *, B, T, dims, device, dtype, initial_state, sta
                          f"{cu_seqlens.device}")
     rows = B if cu is None else len(cu) - 1
     checks.initial_state(initial_state, (rows,) + tuple(state_rows_dims), device)
-    strat = sp.resolve(strategy, device, group) if size > 1 else None
+    # auto prices the passes by the state the chain carries: [B, H, K, V] (hgrn [B, 1, D, 1])
+    state = (B, 1, state_rows_dims[0], 1) if spec.vector_state else (B,) + tuple(state_rows_dims)
+    strat = sp.resolve(strategy, device, group, kind=spec.kind, state=state) if size > 1 else None
     if size == 1:
         return cu, strat, 0
     fields = agreement.op_fields(spec.name, B=B, T=T, dims=dims, dtype=dtype,

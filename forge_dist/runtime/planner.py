@@ -152,8 +152,8 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         # which runs between them and the output walks (its last launch)
         summary = "none"
         if size > 1:
-            strategy_name, strategy_obj = sp_setup.resolve_strategy(strategy, simulated, device,
-                                                                    group)
+            strategy_name, strategy_obj = sp_setup.resolve_strategy(
+                strategy, simulated, device, group, kind=spec.kind, state=(B, H, K, V))
             if rank < size - 1:
                 summary = sp_setup.summary_form(op, rank, initial_state, train, strategy_obj)
         elif train:

@@ -40,9 +40,11 @@ def summary_form(op: str, rank: int, initial_state: bool, train: bool, strategy_
     return "folded" if train else strategy_obj.plan_summary
 
 
-def resolve_strategy(strategy: str, simulated: bool, device: torch.device, group=None):
+def resolve_strategy(strategy: str, simulated: bool, device: torch.device, group=None, *,
+                     kind=None, state=None):
     """``(name, strategy object)`` of a sequence-parallel plan's ``strategy`` argument on
-    ``group``."""
+    ``group`` (``kind`` and the state's ``(B, H, K, V)`` price ``auto``'s choice, as the ops
+    do)."""
     if simulated:
         if strategy not in ("auto", "forge"):
             raise PlanError(f"strategy={strategy!r}: a SimRank group runs only 'forge' (the "
@@ -51,7 +53,7 @@ def resolve_strategy(strategy: str, simulated: bool, device: torch.device, group
     if strategy not in sp.names():
         raise PlanError(f"strategy: expected one of {sp.names()}, got {strategy!r}")
     try:
-        obj = sp.resolve(strategy, device, group)
+        obj = sp.resolve(strategy, device, group, kind=kind, state=state)
     except (ValueError, RuntimeError) as err:
         raise PlanError(str(err)) from None
     return obj.name, obj

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..variants import transitions as tr
 from ..variants.transitions import Kind
-from . import p2p, phases
+from . import choice, layout, p2p, phases
 
 
 class Strategy:
@@ -115,19 +115,23 @@ def names() -> list[str]:
     return sorted(_REGISTRY) + ["auto"]
 
 
-def resolve(name: str, device: torch.device, group=None) -> Strategy:
+def resolve(name: str, device: torch.device, group=None, *, kind: Optional[Kind] = None,
+            state: Optional[Tuple[int, int, int, int]] = None) -> Strategy:
     """The strategy called ``name`` (``group``: the call's process group, read by ``auto``).
 
-    ``"auto"`` picks ``forge`` for CUDA tensors when ``group`` is the whole job and the job
-    runs on one node where NVSHMEM runs (the fastest strategy, or within noise of the
-    fastest, in every measured 2- and 4-GPU cell, forward and forward + backward:
-    docs/performance.md), else ``lasp2`` (then
+    ``"auto"``, for CUDA tensors where ``group`` is the whole job and NVSHMEM runs: the
+    GPU-initiated pass that :func:`forge_dist.sp.choice.pick` predicts fastest for the
+    group's layout by node (:func:`forge_dist.sp.layout.nodes`), the transition ``kind`` and
+    the ``state`` shape ``(B, H, K, V)``: the chain (``forge``) on a node of up to about 8
+    GPUs, ``hier`` across nodes (without ``kind`` and ``state``: ``forge`` on one node).  On one
+    node forge is the fastest strategy, or within noise of the fastest, in every measured
+    2- and 4-GPU cell (docs/performance.md); across nodes the choice rests on the model's
+    stated network parameters, not on a measurement.  Elsewhere ``lasp2`` (then
     ``serial``).  Not for a subgroup: forge's symmetric buffers are allocated by a
     collective over every process of the job, which the ranks outside the group (other
-    data-parallel replicas, with other shapes, or pipeline stages) would not join.  Not
-    across nodes: the puts would cross the network, which is not measured yet.  Every rank
-    resolves the same name (the agreed signature holds it, so a rank that resolved another
-    fails with a clear error).
+    data-parallel replicas, with other shapes, or pipeline stages) would not join.  Every
+    rank resolves the same name (the agreed signature holds it, so a rank that resolved
+    another fails with a clear error).
     """
     if not isinstance(name, str) or (name != "auto" and name not in _REGISTRY):
         raise ValueError(f"strategy: expected one of {names()}, got {name!r}")
@@ -135,6 +139,11 @@ def resolve(name: str, device: torch.device, group=None) -> Strategy:
         for candidate in AUTO_ORDER:
             if candidate == "forge" and not _forge_for_auto(device, group):
                 continue
+            if candidate == "forge" and kind is not None and state is not None:
+                candidate, _ = choice.pick(layout.nodes(group), kind, *state)
+            elif candidate == "forge" and os.environ.get("LOCAL_WORLD_SIZE") != \
+                    os.environ.get("WORLD_SIZE"):
+                continue  # across nodes, unpriced: the chain's puts would cross the network
             strat = _REGISTRY.get(candidate)
             if strat is not None and strat.available(device) is None:
                 return strat
@@ -147,14 +156,9 @@ def resolve(name: str, device: torch.device, group=None) -> Strategy:
 
 
 def _forge_for_auto(device, group) -> bool:
-    """Whether ``auto`` may pick forge: CUDA tensors (on the CPU forge runs only the
-    simulated transport, for tests), a group that is the whole job, and one node
-    (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as torchrun and the launchers of
-    ``forge_dist.launch_env`` set them)."""
+    """Whether ``auto`` may pick a GPU-initiated pass: CUDA tensors (on the CPU forge runs
+    only the simulated transport, for tests) and a group that is the whole job."""
     if torch.device(device).type != "cuda" or group is None:
-        return False
-    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-    if local is None or local != world:
         return False
     return dist.is_initialized() and dist.get_world_size(group) == dist.get_world_size()
 

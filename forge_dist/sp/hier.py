@@ -1,7 +1,7 @@
 """``hier``: the log-depth scan laid out by node, so that few rounds leave a node.
 
 The ranks of one node (a run of consecutive group ranks whose processes share a node,
-:func:`nodes`) hold consecutive shards.  A rank's incoming state is its node's incoming state
+:func:`forge_dist.sp.layout.nodes`) hold consecutive shards.  A rank's incoming state is its node's incoming state
 carried through the shards of its node before it, so the pass splits in three:
 
 1. **in the node** (NVLink): the exclusive scan of :mod:`.scan` over the node's maps gives
@@ -25,8 +25,7 @@ ranks gives the same states.
 from __future__ import annotations
 
 import math
-import os
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -36,76 +35,9 @@ from ..variants.transitions import Kind
 from . import p2p
 from .agreement import TRAILER, Stamp
 from .base import Strategy, register
+from .layout import nodes
 from .scan import (as_state, device_exchange, device_move, exclusive_scan, host_exchange,
                    on_device)
-
-
-# ------------------------------------------------------------------------------- layout
-def node_of_this_process(env=None) -> int:
-    """This process's node: ``FORGE_DIST_NODE`` if set; else ``RANK //
-    FORGE_DIST_RANKS_PER_NODE`` if that is set (nodes laid out by hand, or simulated on one
-    machine); else the launcher's: torchrun's ``GROUP_RANK``, slurm's ``SLURM_NODEID``,
-    ``RANK // LOCAL_WORLD_SIZE``; else 0."""
-    env = os.environ if env is None else env
-
-    def number(key: str) -> Optional[int]:
-        text = env.get(key, "").strip()
-        if not text:
-            return None
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{key}: expected a whole number, got {env[key]!r}") from None
-    node = number("FORGE_DIST_NODE")
-    if node is not None:
-        return node
-    per_node, rank = number("FORGE_DIST_RANKS_PER_NODE"), number("RANK")
-    if per_node is not None:
-        if per_node < 1 or rank is None:
-            raise ValueError(f"FORGE_DIST_RANKS_PER_NODE: expected a count >= 1 with RANK set, "
-                             f"got {env['FORGE_DIST_RANKS_PER_NODE']!r} (RANK="
-                             f"{env.get('RANK')!r})")
-        return rank // per_node
-    for key in ("GROUP_RANK", "SLURM_NODEID"):
-        node = number(key)
-        if node is not None:
-            return node
-    local = number("LOCAL_WORLD_SIZE")
-    if rank is not None and local:
-        return rank // local
-    return 0
-
-
-def runs(node_ids: List[int]) -> List[List[int]]:
-    """Group ranks in runs of consecutive ranks on one node (``[[0, 1], [2, 3]]``)."""
-    out: List[List[int]] = []
-    for r, node in enumerate(node_ids):
-        if out and node_ids[out[-1][-1]] == node:
-            out[-1].append(r)
-        else:
-            out.append([r])
-    return out
-
-
-_NODES: Dict[object, List[List[int]]] = {}
-
-
-def nodes(group) -> List[List[int]]:
-    """The group's ranks by node (:func:`runs` of every rank's
-    :func:`node_of_this_process`); one all-gather per group, then cached."""
-    key = getattr(group, "group_name", None) or id(group)
-    if key not in _NODES:
-        _NODES[key] = runs([int(n) for n in p2p.all_gather_object(
-            node_of_this_process(), group, "the ranks' nodes (hier)")])
-    return _NODES[key]
-
-
-def forget(group=None) -> None:
-    """Drop the cached layout (of ``group``, or all)."""
-    if group is None:
-        _NODES.clear()
-    else:
-        _NODES.pop(getattr(group, "group_name", None) or id(group), None)
 
 
 # ----------------------------------------------------------------------------- the pass

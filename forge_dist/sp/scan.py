@@ -29,6 +29,7 @@ same value).
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable, Optional, Tuple
 
@@ -58,21 +59,28 @@ def exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: i
     composition instead (``M`` ``None``: the identity, at position 0 or for the identity
     kind).
 
-    ``exchange(k, src, dst, M, d)``: round ``k``'s transfers, this rank's ``(M, d)`` to
-    position ``dst`` (if ``< size``) and ``(M, d)`` from position ``src`` (if ``>= 0``),
-    returned (``None`` when nothing arrives); ``M`` is ``None`` for the identity kind."""
+    ``exchange(k, src, dst, M, d, m_shape, recv_M)``: round ``k``'s transfers, this rank's
+    ``d`` (and ``M`` unless ``None``) to position ``dst`` (if ``< size``) and ``(M, d)`` from
+    position ``src`` (if ``>= 0``), returned (``None`` when nothing arrives; its ``M``
+    ``None`` unless ``recv_M``); ``m_shape``: the kind's transition shape (``None`` for the
+    identity).  A transition travels only to a position
+    that reads it later (it composes another arrival or sends again, or ``with_M``): the
+    last round, and every round at two ranks, carries the state alone."""
     m_shape = _m_shape(kind, d)
     incl_M, incl_d = M, d
     acc_M: Optional[Tensor] = None
     acc_d: Optional[Tensor] = None
     span, k = 1, 0
+
+    def reads_M(p: int) -> bool:  # position p composes what it gets this round later on
+        return m_shape is not None and (with_M or p - 2 * span >= 0 or p + 2 * span < size)
     while span < size:
         src, dst = pos - span, pos + span
         sent_M = None
-        if m_shape is not None:  # an aggregate whose M no rank reads (position 0): zeros
-            sent_M = (torch.zeros(m_shape, dtype=d.dtype, device=d.device) if incl_M is None
-                      else incl_M.to(d.dtype))
-        got = exchange(k, src, dst, sent_M, incl_d)
+        if dst < size and reads_M(dst):  # an aggregate whose M no rank reads (position 0):
+            sent_M = (torch.zeros(m_shape, dtype=d.dtype, device=d.device)  # zeros
+                      if incl_M is None else incl_M.to(d.dtype))
+        got = exchange(k, src, dst, sent_M, incl_d, m_shape, src >= 0 and reads_M(pos))
         if got is not None:
             r_M, r_d = got
             # what arrived comes before what this rank holds: x -> held(arrived(x))
@@ -91,9 +99,9 @@ def exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: i
 
 def host_exchange(group, rank_at: Callable[[int], int], stamp: Stamp, what: str, size: int):
     """A round as one batch of host point-to-point transfers of ``[d | M | trailer]``."""
-    def exchange(k, src, dst, M, d):
+    def exchange(k, src, dst, M, d, m_shape, recv_M):
         n_d = d.numel()
-        n_m = 0 if M is None else M.numel()
+        n_m = math.prod(m_shape) if recv_M else 0
         payload = out = None
         if src >= 0:
             payload = torch.empty(n_d + n_m + TRAILER, dtype=d.dtype, device=d.device)
@@ -105,7 +113,7 @@ def host_exchange(group, rank_at: Callable[[int], int], stamp: Stamp, what: str,
         if payload is None:
             return None
         got = stamp.receive(payload, rank_at(src), payload[:-TRAILER])
-        return (None if M is None else got[n_d:].view_as(M)), got[:n_d].view_as(d)
+        return (got[n_d:].view(m_shape) if recv_M else None), got[:n_d].view_as(d)
     return exchange
 
 
@@ -136,14 +144,17 @@ def device_exchange(group, rank_at: Callable[[int], int], word: int, channel: st
     """A round as forge's kernel in its send-first mode, one launch per tensor and one
     channel per round and tensor (``f"{channel}{k}"``, ``...-M``; see the module docstring).
     A rank idle in a round still allocates its channels (a collective)."""
-    def exchange(k, src, dst, M, d):
+    def exchange(k, src, dst, M, d, m_shape, recv_M):
         src_rank = rank_at(src) if src >= 0 else -1
         dst_rank = rank_at(dst) if dst < size else -1
         r_d = device_move(group, f"{channel}{k}", d.contiguous(), src_rank, dst_rank, word)
         r_M = None
-        if M is not None:
-            r_M = device_move(group, f"{channel}{k}-M", as_state(M), src_rank, dst_rank,
-                              word).view_as(M)
+        if m_shape is not None:  # every rank reaches the M channel (its allocation is a
+            # collective), moving M only where it travels this round
+            held = as_state(M if M is not None else d.new_zeros(m_shape))
+            moved = device_move(group, f"{channel}{k}-M", held, src_rank if recv_M else -1,
+                                dst_rank if M is not None else -1, word)
+            r_M = moved.view(m_shape) if recv_M else None
         return None if src < 0 else (r_M, r_d)
     return exchange
 

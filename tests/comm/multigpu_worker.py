@@ -43,6 +43,7 @@ import torch.distributed as dist
 from forge_dist import ops, sp
 from forge_dist.comm import nvshmem
 from forge_dist.sp import forge, lasp2, serial  # noqa: F401
+from forge_dist.sp import layout as sp_layout
 from forge_dist.sp.p2p import StatePassTimeout
 from forge_dist.variants import transitions as tr
 from forge_dist.variants.transitions import Kind
@@ -452,6 +453,7 @@ def main():
         # the scan laid out by node: two "nodes" of this machine's ranks (of one rank each
         # on 2 GPUs), so every step runs (the layout decides speed only)
         os.environ.setdefault("FORGE_DIST_RANKS_PER_NODE", str(max(1, dist.get_world_size(group) // 2)))
+        sp_layout.forget()  # read again on every rank (auto may have read one node before)
         for kind in Kind:
             run(f"hier_chains_{kind.value}", chain_check, kind, group, device,
                 strategies=("hier",))

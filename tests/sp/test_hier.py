@@ -2,7 +2,7 @@
 
 Nodes are simulated on one machine: each rank sets ``FORGE_DIST_NODE`` before its first call
 (what torchrun's ``GROUP_RANK`` or slurm's ``SLURM_NODEID`` give on a real job).  Checked:
-the layout's parsing; the batched host rounds at 6 and 8 gloo ranks in even and uneven
+the batched host rounds at 6 and 8 gloo ranks in even and uneven
 layouts against the fp64 recurrence (every op, dense and packed, outputs and every gradient);
 that only the nodes' last ranks exchange across nodes, ``ceil(log2 N)`` times each way; and
 the GPU-initiated rounds over the simulated transport with concurrent jittered ranks.
@@ -13,32 +13,10 @@ import pytest
 import torch
 
 from forge_dist.selftest import OPS, run_case, tolerance
-from forge_dist.sp import hier
+from forge_dist.sp import layout as sp_layout
 
 from .distributed import run_world
 from .test_scan import DEVICE_ENV, HOST
-
-
-def test_runs_group_consecutive_ranks_of_one_node():
-    assert hier.runs([0, 0, 1, 1, 1, 2]) == [[0, 1], [2, 3, 4], [5]]
-    # a node that comes back later is a run of its own (the layout never changes a result)
-    assert hier.runs([0, 1, 0]) == [[0], [1], [2]]
-
-
-def test_node_of_this_process_reads_the_launchers():
-    assert hier.node_of_this_process({}) == 0
-    assert hier.node_of_this_process({"RANK": "5", "LOCAL_WORLD_SIZE": "2"}) == 2
-    assert hier.node_of_this_process({"GROUP_RANK": "3", "RANK": "5",
-                                      "LOCAL_WORLD_SIZE": "2"}) == 3
-    assert hier.node_of_this_process({"SLURM_NODEID": "1"}) == 1
-    assert hier.node_of_this_process({"FORGE_DIST_NODE": "4", "GROUP_RANK": "3"}) == 4
-    assert hier.node_of_this_process({"FORGE_DIST_RANKS_PER_NODE": "2", "RANK": "5",
-                                      "GROUP_RANK": "0"}) == 2
-    with pytest.raises(ValueError, match=r"FORGE_DIST_NODE: expected a whole number, got 'a'"):
-        hier.node_of_this_process({"FORGE_DIST_NODE": "a"})
-    with pytest.raises(ValueError, match=r"FORGE_DIST_RANKS_PER_NODE: expected a count >= 1 "
-                                         r"with RANK set, got '0'"):
-        hier.node_of_this_process({"FORGE_DIST_RANKS_PER_NODE": "0", "RANK": "1"})
 
 
 def _place(group, layout):
@@ -49,12 +27,12 @@ def _place(group, layout):
 
     node_ids = [n for n, size in enumerate(layout) for _ in range(size)]
     os.environ["FORGE_DIST_NODE"] = str(node_ids[dist.get_rank(group)])
-    hier.forget()
+    sp_layout.forget()
 
 
 def _errors(group, layout, ops, layouts, T_local):
     _place(group, layout)
-    return {"nodes": hier.nodes(group),
+    return {"nodes": sp_layout.nodes(group),
             "rows": [run_case(op, "hier", torch.float64, varlen, group=group,
                               T_local=T_local).as_dict()
                      for op in ops for varlen in layouts]}
@@ -86,7 +64,7 @@ def _rounds(group, layout):
     from forge_dist.sp import p2p
 
     _place(group, layout)
-    node_of = {r: n for n, m in enumerate(hier.nodes(group)) for r in m}
+    node_of = {r: n for n, m in enumerate(sp_layout.nodes(group)) for r in m}
     rank = dist.get_rank(group)
     across = []
     real_exchange = p2p.exchange

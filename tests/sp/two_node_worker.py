@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from forge_dist.selftest import run_case, tolerance
-from forge_dist.sp import hier
+from forge_dist.sp import layout
 
 
 def main(out_dir: str) -> None:
@@ -18,7 +18,7 @@ def main(out_dir: str) -> None:
     rank = dist.get_rank()
     report = {"env": {k: os.environ.get(k) for k in ("RANK", "GROUP_RANK", "LOCAL_RANK",
                                                      "LOCAL_WORLD_SIZE", "WORLD_SIZE")},
-              "nodes": hier.nodes(dist.group.WORLD), "cases": []}
+              "nodes": layout.nodes(dist.group.WORLD), "cases": []}
     for strategy in ("hier", "scan"):
         for op in ("simple_gla", "gated_delta_rule"):
             res = run_case(op, strategy, torch.float64, True, group=dist.group.WORLD,

@@ -1,0 +1,79 @@
+"""Which node each rank of a group runs on, read from the launcher's environment.
+
+:func:`nodes` gives the group's ranks by node (runs of consecutive ranks), which ``hier`` lays
+its rounds out by and ``auto`` prices (:mod:`.choice`).  The layout never changes a result,
+only which rounds cross nodes.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+from . import p2p
+
+
+def node_of_this_process(env=None) -> int:
+    """This process's node: ``FORGE_DIST_NODE`` if set; else ``RANK //
+    FORGE_DIST_RANKS_PER_NODE`` if that is set (nodes laid out by hand, or simulated on one
+    machine); else the launcher's: torchrun's ``GROUP_RANK``, slurm's ``SLURM_NODEID``,
+    ``RANK // LOCAL_WORLD_SIZE``; else 0."""
+    env = os.environ if env is None else env
+
+    def number(key: str) -> Optional[int]:
+        text = env.get(key, "").strip()
+        if not text:
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{key}: expected a whole number, got {env[key]!r}") from None
+    node = number("FORGE_DIST_NODE")
+    if node is not None:
+        return node
+    per_node, rank = number("FORGE_DIST_RANKS_PER_NODE"), number("RANK")
+    if per_node is not None:
+        if per_node < 1 or rank is None:
+            raise ValueError(f"FORGE_DIST_RANKS_PER_NODE: expected a count >= 1 with RANK set, "
+                             f"got {env['FORGE_DIST_RANKS_PER_NODE']!r} (RANK="
+                             f"{env.get('RANK')!r})")
+        return rank // per_node
+    for key in ("GROUP_RANK", "SLURM_NODEID"):
+        node = number(key)
+        if node is not None:
+            return node
+    local = number("LOCAL_WORLD_SIZE")
+    if rank is not None and local:
+        return rank // local
+    return 0
+
+
+def runs(node_ids: List[int]) -> List[List[int]]:
+    """Group ranks in runs of consecutive ranks on one node (``[[0, 1], [2, 3]]``)."""
+    out: List[List[int]] = []
+    for r, node in enumerate(node_ids):
+        if out and node_ids[out[-1][-1]] == node:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
+_NODES: Dict[object, List[List[int]]] = {}
+
+
+def nodes(group) -> List[List[int]]:
+    """The group's ranks by node (:func:`runs` of every rank's
+    :func:`node_of_this_process`); one all-gather per group, then cached."""
+    key = getattr(group, "group_name", None) or id(group)
+    if key not in _NODES:
+        _NODES[key] = runs([int(n) for n in p2p.all_gather_object(
+            node_of_this_process(), group, "the ranks' nodes (hier)")])
+    return _NODES[key]
+
+
+def forget(group=None) -> None:
+    """Drop the cached layout (of ``group``, or all)."""
+    if group is None:
+        _NODES.clear()
+    else:
+        _NODES.pop(getattr(group, "group_name", None) or id(group), None)
