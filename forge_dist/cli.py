@@ -15,6 +15,8 @@ from . import __version__, selftest, sp
 from .comm import nvshmem
 from .comm_env import set_launch_defaults
 from .runtime.compile_cli import main as compile_main
+from .sp import choice, layout
+from .variants.transitions import Kind
 
 # Printed by ``forge-dist --help``: plain text, no markup.
 USAGE = """\
@@ -180,10 +182,29 @@ def info(argv: Optional[List[str]] = None) -> int:
         if key in os.environ:
             lines.append(f"env {key}={os.environ[key]}")
     lines.append(f"strategies: {', '.join(sp.names())}")
+    lines += _auto_lines()
     if sp.FORGE_IMPORT_ERROR:
         lines.append(f"forge strategy unavailable: {sp.FORGE_IMPORT_ERROR}")
     print("\n".join(lines))
     return 0
+
+
+def _auto_lines() -> List[str]:
+    """This process's node and what ``auto`` picks on CUDA for this job's layout (from the
+    launcher's WORLD_SIZE and LOCAL_WORLD_SIZE; without a launcher, 8 and 64 GPUs in nodes of
+    8), per transition kind, for a state of B=1, H=32, K=V=128."""
+    lines = [f"node of this process (hier, auto): {layout.node_of_this_process()}"]
+    world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    jobs = ([(int(world), int(local) if local.isdigit() else int(world))]
+            if world.isdigit() else [(8, 8), (64, 8)])
+    for P, L in jobs:
+        nodes = [list(range(i, min(P, i + L))) for i in range(0, P, L)]
+        picks = []
+        for kind in Kind:
+            best, times = choice.pick(nodes, kind, 1, 32, 128, 128)
+            picks.append(f"{kind.value} {best} ({', '.join(f'{s} {t:.0f}' for s, t in times.items())} us)")
+        lines.append(f"auto on CUDA, {P} ranks in nodes of {L}: " + "; ".join(picks))
+    return lines
 
 
 def main(argv: Optional[List[str]] = None) -> int:

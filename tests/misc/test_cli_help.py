@@ -29,3 +29,20 @@ def test_demo_help_documents_every_option(capsys):
                           ("--cpu", "gloo")):
         assert option in out and words in out, option
     assert "`" not in out
+
+
+def test_info_reports_the_node_and_autos_pick_for_the_jobs_layout(capsys, monkeypatch):
+    """``forge-dist info`` says which node this process is on and what ``auto`` picks for the
+    job the launcher describes (the scaling issue: its choice is reported)."""
+    from forge_dist import cli
+
+    for key in ("FORGE_DIST_NODE", "FORGE_DIST_RANKS_PER_NODE", "GROUP_RANK", "SLURM_NODEID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "9")
+    assert cli.info([]) == 0
+    out = capsys.readouterr().out
+    assert "node of this process (hier, auto): 1" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("auto on CUDA, 16 ranks"))
+    assert "scalar hier (" in line and "dense " in line
