@@ -58,7 +58,8 @@ single-GPU plans of forward calls on CUDA) gets no breakdown.
 * ``ms`` -- end-to-end time of one ``ops.<op>(..., group=WORLD, strategy=...)`` call
   (``fwdbwd``: the call plus ``o.backward(grad)``), taken per repeat as the maximum over
   ranks (a training step waits for its slowest rank), then the median over repeats;
-  ``ms_min`` is the minimum over repeats of the same per-repeat maximum.
+  ``ms_min`` is the minimum over repeats of the same per-repeat maximum.  A row of
+  ``strategy == "auto"`` names in ``chosen`` the strategy auto ran for that op.
 * ``breakdown`` -- of the critical rank (largest median ``ms``), taken from that rank's
   median repeat so that ``local_ms + comm_ms + merge_ms`` equals its time; ``per_rank`` has
   every rank's median repeat.
@@ -722,6 +723,8 @@ class Bench:
                 if res is not None:
                     row = self._row(op, pass_, "forge_dist", strategy, self.size,
                                     T * self.size, res, "op")
+                    if strategy == "auto":  # what auto ran (the ops resolve it the same way)
+                        row["chosen"] = self._auto_choice(op)
                     base = ideal.get((op, pass_, "forge_dist"))
                     if base:
                         row["ideal_ms"], row["vs_ideal"] = base, res["ms"] / base
@@ -792,6 +795,13 @@ class Bench:
         row["breakdown"] = None  # the whole row is the communicating phase
         return row
 
+    def _auto_choice(self, op: str) -> str:
+        from forge_dist import sp
+        from forge_dist.variants import registry as variants
+
+        return sp.resolve("auto", self.device, self.group, kind=variants.get(op).kind,
+                          state=state_dims(op, self.cfg)).name
+
     def _fla_reason(self) -> Optional[str]:
         if self.device.type != "cuda":
             return "FLA context parallelism needs CUDA"
@@ -817,7 +827,7 @@ def strategy_status(names: List[str], device) -> Dict[str, Optional[str]]:
     forge_reason = load_forge() if "forge" in names else None
     status = {}
     for name in names:
-        if name not in sp.names() or name == "auto":
+        if name not in sp.names():
             status[name] = (forge_reason if name == "forge" and forge_reason
                             else f"strategy {name!r} is not registered ({sp.names()})")
             continue

@@ -197,7 +197,7 @@ def pieces(tmp_path_factory):
     path = next(out.glob("weak_scaling_*_pieces_ws2.json"))
     first = json.loads(path.read_text())
     second = subprocess.run(_cmd(out, "--ops", "linear_attn", "--modes", "fwd",
-                                 "--strategies", "serial,lasp2"),
+                                 "--strategies", "serial,lasp2,auto"),
                             capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
     assert second.returncode == 0, second.stderr[-3000:]
     assert sorted(out.glob("weak_scaling_*.json")) == [path]
@@ -223,8 +223,11 @@ def test_ops_strategies_modes_restrict_and_a_second_run_merges(pieces):
     mine = [r for r in res["rows"] if r["run"] == 1]
     assert {r["op"] for r in mine} == {"linear_attn"} and {r["pass"] for r in mine} == {"fwd"}
     assert {(r["measure"], r["strategy"]) for r in mine} == {
-        ("ideal", "ideal"), ("op", "serial"), ("op", "lasp2"), ("state_pass", "serial"),
-        ("state_pass", "lasp2")}
+        ("ideal", "ideal"), ("op", "serial"), ("op", "lasp2"), ("op", "auto"),
+        ("state_pass", "serial"), ("state_pass", "lasp2"), ("state_pass", "auto")}
+    # an auto row says what auto ran (on the CPU: lasp2)
+    assert [r.get("chosen") for r in mine if r["strategy"] == "auto" and r["measure"] == "op"] \
+        == ["lasp2"]
     assert [r["ops"] for r in res["runs"]] == [["simple_gla"], ["linear_attn"]]
     assert res["runs"][1]["complete"] is True and res["runs"][1]["commit"] == "test"
     assert res["config"]["ops"] == ["simple_gla", "linear_attn"]
