@@ -25,7 +25,7 @@ ranks gives the same states.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Set
 
 import torch
 from torch import Tensor
@@ -61,9 +61,20 @@ class _Route:
         return self.pos == len(self.members) - 1
 
 
+_ALLOCATED: Set[tuple] = set()
+
+
 def _channels(group, route: _Route, d: Tensor, m_like: Optional[Tensor], direction: str):
     """Every channel of the device rounds, allocated in one order on every rank (allocation
-    is a collective; ranks use different subsets of them)."""
+    is a collective; ranks use different subsets of them); once per group, layout, state
+    shape and forge reset."""
+    from . import forge  # optional: forge needs Triton (on_device found it importable)
+
+    key = (getattr(group, "group_name", None) or id(group), direction, route.widest,
+           len(route.leaders), tuple(d.shape), d.dtype, str(d.device),
+           None if m_like is None else tuple(m_like.shape), forge._RESETS)
+    if key in _ALLOCATED:
+        return
     for k in range(math.ceil(math.log2(route.widest))):
         for like, tag in ((d, ""), (m_like, "-M")):
             if like is not None:
@@ -74,6 +85,7 @@ def _channels(group, route: _Route, d: Tensor, m_like: Optional[Tensor], directi
                 device_move(group, f"hier-{direction}-x{k}{tag}", like, -1, -1, 0)
     for j in range(1, route.widest):
         device_move(group, f"hier-{direction}-out{j}", d, -1, -1, 0)
+    _ALLOCATED.add(key)
 
 
 def _incoming(kind: Kind, M: Optional[Tensor], d: Tensor, route: _Route, group, word: int,
