@@ -646,9 +646,11 @@ def test_delta_rule_sequence_parallel_plans_over_gloo():
     summary.  Against the op on the whole sequence in one process."""
     from tests.sp.distributed import run_world
 
-    cases = [(s, gated, with_h0) for s in ("forge", "serial", "lasp2", "pipelined")
-             for gated, with_h0 in ((True, True), (True, False), (False, True))]
-    cases += [("forge", False, False), ("lasp2", False, False), ("scan", True, True),
+    # every program form (with and without g and h0) under forge and lasp2; the other
+    # strategies differ only in the pass, which runs the same program: one or two forms each
+    forms = ((True, True), (True, False), (False, True), (False, False))
+    cases = [(s, gated, with_h0) for s in ("forge", "lasp2") for gated, with_h0 in forms]
+    cases += [("serial", True, True), ("pipelined", True, False), ("scan", True, True),
               ("scan", False, False)]
     everyone = run_world(3, _sp_delta_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
