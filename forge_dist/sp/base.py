@@ -140,7 +140,8 @@ def resolve(name: str, device: torch.device, group=None, *, kind: Optional[Kind]
             if candidate == "forge" and not _forge_for_auto(device, group):
                 continue
             if candidate == "forge" and kind is not None and state is not None:
-                candidate, _ = choice.pick(layout.nodes(group), kind, *state)
+                candidate = layout.cached(group, ("auto", kind, tuple(state)),
+                                          lambda nodes: choice.pick(nodes, kind, *state)[0])
             elif candidate == "forge" and os.environ.get("LOCAL_WORLD_SIZE") != \
                     os.environ.get("WORLD_SIZE"):
                 continue  # across nodes, unpriced: the chain's puts would cross the network

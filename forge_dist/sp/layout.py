@@ -59,6 +59,7 @@ def runs(node_ids: List[int]) -> List[List[int]]:
 
 
 _NODES: Dict[object, List[List[int]]] = {}
+_PICKS: Dict[tuple, str] = {}
 
 
 def nodes(group) -> List[List[int]]:
@@ -71,9 +72,22 @@ def nodes(group) -> List[List[int]]:
     return _NODES[key]
 
 
+def cached(group, what: tuple, compute) -> str:
+    """``compute(nodes(group))`` for ``what`` (e.g. auto's pick for one kind and state),
+    kept with the group's layout (one model evaluation per group, layout and ``what``)."""
+    key = (getattr(group, "group_name", None) or id(group),) + what
+    if key not in _PICKS:
+        _PICKS[key] = compute(nodes(group))
+    return _PICKS[key]
+
+
 def forget(group=None) -> None:
-    """Drop the cached layout (of ``group``, or all)."""
+    """Drop the cached layout (of ``group``, or all) and what was computed from it."""
     if group is None:
         _NODES.clear()
+        _PICKS.clear()
     else:
-        _NODES.pop(getattr(group, "group_name", None) or id(group), None)
+        name = getattr(group, "group_name", None) or id(group)
+        _NODES.pop(name, None)
+        for key in [k for k in _PICKS if k[0] == name]:
+            del _PICKS[key]
