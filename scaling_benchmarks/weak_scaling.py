@@ -773,7 +773,8 @@ class Bench:
         def factory():
             kind, M, delta, S0 = synthetic_summary(op, self.cfg, self.device, self.rank,
                                                    self.size, grad)
-            strat = sp.resolve(strategy, self.device)
+            strat = sp.resolve(strategy, self.device, self.group, kind=kind,
+                               state=state_dims(op, self.cfg))
             upstream = torch.randn_like(delta)
             tensors = {"delta": delta} if M is None else {"delta": delta, "M": M}
 
@@ -793,6 +794,8 @@ class Bench:
         row.update(us=res["ms"] * 1e3, state_mib=sizes["state"] / 2 ** 20,
                    transition_mib=sizes["transition"] / 2 ** 20, kind=op_kind(op).value)
         row["breakdown"] = None  # the whole row is the communicating phase
+        if strategy == "auto":
+            row["chosen"] = self._auto_choice(op)
         return row
 
     def _auto_choice(self, op: str) -> str:

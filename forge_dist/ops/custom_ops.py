@@ -313,6 +313,9 @@ def _register(op: str):
         unknown = set(kwargs) - set(positional) - set(sig.defaults)
         if unknown:
             raise TypeError(f"{op}() got unexpected keyword arguments {sorted(unknown)}")
+        twice = set(kwargs) & set(positional[:len(args)])
+        if twice:
+            raise TypeError(f"{op}() got multiple values for arguments {sorted(twice)}")
         a.update(kwargs)
         missing = [n for n in positional if n not in a]
         if missing:

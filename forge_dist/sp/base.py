@@ -122,8 +122,11 @@ def resolve(name: str, device: torch.device, group=None, *, kind: Optional[Kind]
     ``"auto"``, for CUDA tensors where ``group`` is the whole job and NVSHMEM runs: the
     GPU-initiated pass that :func:`forge_dist.sp.choice.pick` predicts fastest for the
     group's layout by node (:func:`forge_dist.sp.layout.nodes`), the transition ``kind`` and
-    the ``state`` shape ``(B, H, K, V)``: the chain (``forge``) on a node of up to about 8
-    GPUs, ``hier`` across nodes (without ``kind`` and ``state``: ``forge`` on one node).  On one
+    the ``state`` shape ``(B, H, K, V)``.  At B=1, H=32, K=V=128 that is the chain
+    (``forge``) on one node of 8 and on two nodes of 4, ``scan`` on one node of 16 (and at
+    B=4 on one of 8), ``hier`` from 2 nodes of 8 (the dense transition: from 4 nodes); without
+    ``kind`` and ``state`` (the DSL's path), ``forge`` where ``LOCAL_WORLD_SIZE`` equals
+    ``WORLD_SIZE``.  On one
     node forge is the fastest strategy, or within noise of the fastest, in every measured
     2- and 4-GPU cell (docs/performance.md); across nodes the choice rests on the model's
     stated network parameters, not on a measurement.  Elsewhere ``lasp2`` (then
@@ -137,14 +140,18 @@ def resolve(name: str, device: torch.device, group=None, *, kind: Optional[Kind]
         raise ValueError(f"strategy: expected one of {names()}, got {name!r}")
     if name == "auto":
         for candidate in AUTO_ORDER:
-            if candidate == "forge" and not _forge_for_auto(device, group):
-                continue
-            if candidate == "forge" and kind is not None and state is not None:
-                candidate = layout.cached(group, ("auto", kind, tuple(state)),
-                                          lambda nodes: choice.pick(nodes, kind, *state)[0])
-            elif candidate == "forge" and os.environ.get("LOCAL_WORLD_SIZE") != \
-                    os.environ.get("WORLD_SIZE"):
-                continue  # across nodes, unpriced: the chain's puts would cross the network
+            if candidate == "forge":
+                forge = _REGISTRY.get("forge")
+                if (forge is None or forge.available(device) is not None
+                        or not _forge_for_auto(device, group)):
+                    continue  # no GPU-initiated pass here (scan and hier would run host rounds)
+                if kind is not None and state is not None:
+                    candidate = layout.cached(group, ("auto", kind, tuple(state)),
+                                              lambda nodes: choice.pick(nodes, kind, *state)[0])
+                else:
+                    local = os.environ.get("LOCAL_WORLD_SIZE")
+                    if local is None or local != os.environ.get("WORLD_SIZE"):
+                        continue  # unpriced and maybe across nodes: the puts' network
             strat = _REGISTRY.get(candidate)
             if strat is not None and strat.available(device) is None:
                 return strat

@@ -37,7 +37,7 @@ from .agreement import TRAILER, Stamp
 from .base import Strategy, register
 from .layout import nodes
 from .scan import (as_state, device_exchange, device_move, exclusive_scan, host_exchange,
-                   on_device)
+                   on_device, transition_shape)
 
 
 # ----------------------------------------------------------------------------- the pass
@@ -64,27 +64,32 @@ class _Route:
 _ALLOCATED: Set[tuple] = set()
 
 
-def _channels(group, route: _Route, d: Tensor, m_like: Optional[Tensor], direction: str):
+def _channels(group, route: _Route, d: Tensor, kind: Kind, direction: str):
     """Every channel of the device rounds, allocated in one order on every rank (allocation
     is a collective; ranks use different subsets of them); once per group, layout, state
     shape and forge reset."""
     from . import forge  # optional: forge needs Triton (on_device found it importable)
 
+    m_shape = transition_shape(kind, d)
     key = (getattr(group, "group_name", None) or id(group), direction, route.widest,
-           len(route.leaders), tuple(d.shape), d.dtype, str(d.device),
-           None if m_like is None else tuple(m_like.shape), forge._RESETS)
+           len(route.leaders), tuple(d.shape), d.dtype, str(d.device), m_shape,
+           forge._RESETS)
     if key in _ALLOCATED:
         return
+    capturing = d.is_cuda and torch.cuda.is_current_stream_capturing()
+    m_like = None if m_shape is None else as_state(d.new_zeros(m_shape))
     for k in range(math.ceil(math.log2(route.widest))):
         for like, tag in ((d, ""), (m_like, "-M")):
             if like is not None:
-                device_move(group, f"hier-{direction}-in{k}{tag}", like, -1, -1, 0)
+                device_move(group, f"hier-{direction}-in{k}{tag}", like, -1, -1, 0,
+                            allocate=not capturing)
     for k in range(math.ceil(math.log2(len(route.leaders)))):
         for like, tag in ((d, ""), (m_like, "-M")):
             if like is not None:
-                device_move(group, f"hier-{direction}-x{k}{tag}", like, -1, -1, 0)
+                device_move(group, f"hier-{direction}-x{k}{tag}", like, -1, -1, 0,
+                            allocate=not capturing)
     for j in range(1, route.widest):
-        device_move(group, f"hier-{direction}-out{j}", d, -1, -1, 0)
+        device_move(group, f"hier-{direction}-out{j}", d, -1, -1, 0, allocate=not capturing)
     _ALLOCATED.add(key)
 
 
@@ -95,8 +100,7 @@ def _incoming(kind: Kind, M: Optional[Tensor], d: Tensor, route: _Route, group, 
     device = on_device(group, d)
     stamp = None
     if device:
-        m_like = None if kind is Kind.IDENTITY else as_state(_zeros_M(kind, d))
-        _channels(group, route, d, m_like, direction)
+        _channels(group, route, d, kind, direction)
 
         def exchange(members, channel):
             return device_exchange(group, lambda p: members[p], word, channel, len(members))
@@ -126,13 +130,6 @@ def _incoming(kind: Kind, M: Optional[Tensor], d: Tensor, route: _Route, group, 
     if stamp is not None:
         stamp.done()
     return S_in
-
-
-def _zeros_M(kind: Kind, like: Tensor) -> Tensor:
-    """A transition of ``kind`` for states shaped like ``like [B, H, K, V]`` (zeros)."""
-    B, H, K, _ = like.shape
-    shape = {Kind.SCALAR: (B, H), Kind.DIAGONAL: (B, H, K), Kind.DENSE: (B, H, K, K)}[kind]
-    return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
 
 def _share(S_node: Optional[Tensor], like: Tensor, route: _Route, group, word: int,

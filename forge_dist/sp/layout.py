@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional
 
+import torch
+
 from . import p2p
 
 
@@ -67,6 +69,11 @@ def nodes(group) -> List[List[int]]:
     :func:`node_of_this_process`); one all-gather per group, then cached."""
     key = getattr(group, "group_name", None) or id(group)
     if key not in _NODES:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the ranks' nodes are agreed by a collective on the first sequence-parallel "
+                "call with strategy 'hier' or 'auto', which cannot run inside a CUDA graph "
+                "capture; make one call eagerly (a warm-up step) on every rank before capturing")
         _NODES[key] = runs([int(n) for n in p2p.all_gather_object(
             node_of_this_process(), group, "the ranks' nodes (hier)")])
     return _NODES[key]

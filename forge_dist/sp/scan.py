@@ -44,7 +44,7 @@ from .agreement import TRAILER, Stamp
 from .base import Strategy, register
 
 
-def _m_shape(kind: Kind, like: Tensor) -> Optional[Tuple[int, ...]]:
+def transition_shape(kind: Kind, like: Tensor) -> Optional[Tuple[int, ...]]:
     """The shape of a transition for states shaped like ``like [B, H, K, V]``."""
     B, H, K, _ = like.shape
     return {Kind.IDENTITY: None, Kind.SCALAR: (B, H), Kind.DIAGONAL: (B, H, K),
@@ -66,7 +66,7 @@ def exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: i
     identity).  A transition travels only to a position
     that reads it later (it composes another arrival or sends again, or ``with_M``): the
     last round, and every round at two ranks, carries the state alone."""
-    m_shape = _m_shape(kind, d)
+    m_shape = transition_shape(kind, d)
     incl_M, incl_d = M, d
     acc_M: Optional[Tensor] = None
     acc_d: Optional[Tensor] = None
@@ -117,7 +117,8 @@ def host_exchange(group, rank_at: Callable[[int], int], stamp: Stamp, what: str,
     return exchange
 
 
-def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int) -> Tensor:
+def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int,
+                allocate: bool = True) -> Tensor:
     """``held`` to group rank ``dst`` and what group rank ``src`` sent on channel ``key``
     (``-1``: none; both ``-1``: only the channel is allocated, a collective every rank makes),
     by forge's kernel in its send-first mode.  ``held``: ``[B, H, K, V]``."""
@@ -125,8 +126,8 @@ def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int) ->
 
     where = forge._where(group)
     into = torch.empty_like(held)
-    if src < 0 and dst < 0:
-        forge._channel(where, key, held, Kind.IDENTITY)
+    if src < 0 and dst < 0:  # (inside a CUDA graph capture: raises, naming the warm-up call)
+        forge._channel(where, key, held, Kind.IDENTITY, allocate=allocate)
     else:
         forge._run_chain(where, key, Kind.IDENTITY, None, None, held, into, None,
                          forge._SRC_RECV if src >= 0 else forge._SRC_ZERO, dst >= 0, src, dst,

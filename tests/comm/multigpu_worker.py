@@ -450,8 +450,9 @@ def main():
         for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
             run(f"scan_op_{name}", op_check, name, group, device, strategies=("scan",))
         run("no_host_sync_scan", no_host_sync, group, device, "scan")
-        # the scan laid out by node: two "nodes" of this machine's ranks (of one rank each
-        # on 2 GPUs), so every step runs (the layout decides speed only)
+        # the scan laid out by node: two "nodes" of this machine's ranks.  On 2 GPUs (nodes of
+        # one rank) only the round across nodes runs; the rounds in a node and the hand-back
+        # into it need nodes of 2 or more (FORGE_MG_WORLD=4)
         os.environ.setdefault("FORGE_DIST_RANKS_PER_NODE", str(max(1, dist.get_world_size(group) // 2)))
         sp_layout.forget()  # read again on every rank (auto may have read one node before)
         for kind in Kind:

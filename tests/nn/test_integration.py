@@ -64,6 +64,8 @@ def test_custom_op_wrappers_take_the_public_signature():
     q, k, v = (torch.randn(1, 4, 1, 2, dtype=F64) for _ in range(3))
     with pytest.raises(TypeError, match="unexpected keyword arguments \\['sacle'\\]"):
         C.linear_attn(q, k, v, sacle=0.5)
+    with pytest.raises(TypeError, match=r"multiple values for arguments \['q'\]"):
+        C.linear_attn(q, k, v, q=k)
     with pytest.raises(TypeError, match="takes 3 positional arguments"):
         C.linear_attn(q, k, v, q)
     with pytest.raises(TypeError, match=r"missing required arguments \['v'\]"):

@@ -1,7 +1,7 @@
 """A rank of a two-"node" CPU launch (tests/sp/test_hier.py): ``launch/torchrun.sh --nnodes 2``
 started twice on one machine with a local c10d rendezvous.  Checks that the layout read from
-torchrun's environment is two nodes of ``LOCAL_WORLD_SIZE`` ranks, and that ``hier`` (and
-``auto``, and ``scan``) match the fp64 recurrence there; writes ``<out>/rank<r>.json``."""
+torchrun's environment is two nodes of ``LOCAL_WORLD_SIZE`` ranks, and that ``hier`` and
+``scan`` match the fp64 recurrence there; writes ``<out>/rank<r>.json``."""
 import json
 import os
 import sys
