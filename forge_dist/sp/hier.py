@@ -34,10 +34,10 @@ from ..variants import transitions as tr
 from ..variants.transitions import Kind
 from . import p2p
 from .agreement import TRAILER, Stamp
-from .base import Strategy, register
+from .base import register
 from .layout import nodes
-from .scan import (as_state, device_exchange, device_move, exclusive_scan, host_exchange,
-                   on_device, transition_shape)
+from .scan import (Scan, as_state, device_exchange, device_move, exclusive_scan,
+                   host_exchange, on_device, transition_shape)
 
 
 # ----------------------------------------------------------------------------- the pass
@@ -155,32 +155,16 @@ def _share(S_node: Optional[Tensor], like: Tensor, route: _Route, group, word: i
     return stamp.receive(payload, route.members[last], like)
 
 
-class Hier(Strategy):
+class Hier(Scan):
     """The scan in the node, across the nodes' last ranks, then back into the node; see the
-    module docstring."""
+    module docstring.  The chains are :class:`~.scan.Scan`'s (the backward from the last
+    rank over the transposed maps); only the prefix is laid out by node."""
 
     name = "hier"
 
-    def forward_chain(self, kind, M, delta, S0, group, word=0):
-        rank, size = p2p.rank_and_size(group)
-        if size == 1:
-            return S0, None
-        if 0 < rank < size - 1 and M is None and kind is not Kind.IDENTITY:
-            raise ValueError(f"hier: rank {rank} needs its transition M ({kind.value})")
-        d = tr.combine(kind, M, S0, delta) if rank == 0 else delta
-        route = _Route(nodes(group), rank, reverse=False)
-        S_in = _incoming(kind, M, d, route, group, word, "fwd", "the incoming state (hier)")
-        return (S0 if rank == 0 else S_in), None
-
-    def backward_chain(self, kind, M, grad_in, group, saved, word=0):
-        rank, size = p2p.rank_and_size(group)
-        if size == 1:
-            return torch.zeros_like(grad_in), grad_in.clone()
-        Mt = M.transpose(-1, -2) if (kind is Kind.DENSE and M is not None) else M
-        route = _Route(nodes(group), rank, reverse=True)
-        lam_next = _incoming(kind, Mt, grad_in, route, group, word, "bwd",
-                             "the state gradient (hier)")
-        return lam_next, grad_in + tr.apply_transposed(kind, M, lam_next)
+    def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what):
+        route = _Route(nodes(group), rank_at(pos), reverse=direction == "bwd")
+        return _incoming(kind, M, d, route, group, word, direction, what)
 
 
 register(Hier())

@@ -183,8 +183,8 @@ class Scan(Strategy):
 
     name = "scan"
 
-    @staticmethod
-    def _scan(kind, M, d, pos, size, rank_at, group, word, direction, what):
+    def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what):
+        """The exclusive prefix at position ``pos`` of ``size`` (group rank ``rank_at(p)``)."""
         if on_device(group, d):
             return exclusive_scan(kind, M, d, pos, size,
                                   device_exchange(group, rank_at, word, f"scan-{direction}-",
@@ -200,11 +200,11 @@ class Scan(Strategy):
         if size == 1:
             return S0, None
         if 0 < rank < size - 1 and M is None and kind is not Kind.IDENTITY:
-            raise ValueError(f"scan: rank {rank} needs its transition M ({kind.value})")
+            raise ValueError(f"{self.name}: rank {rank} needs its transition M ({kind.value})")
         # rank 0 folds S0 into its map; then every prefix starts from zero
         d = tr.combine(kind, M, S0, delta) if rank == 0 else delta
         S_in = self._scan(kind, M, d, rank, size, lambda p: p, group, word, "fwd",
-                          "the incoming state (scan)")
+                          f"the incoming state ({self.name})")
         return (S0 if rank == 0 else S_in), None
 
     def backward_chain(self, kind, M, grad_in, group, saved, word=0):
@@ -215,7 +215,7 @@ class Scan(Strategy):
         Mt = M.transpose(-1, -2) if (kind is Kind.DENSE and M is not None) else M
         lam_next = self._scan(kind, Mt, grad_in, size - 1 - rank, size,
                               lambda p: size - 1 - p, group, word, "bwd",
-                              "the state gradient (scan)")
+                              f"the state gradient ({self.name})")
         return lam_next, grad_in + tr.apply_transposed(kind, M, lam_next)
 
 

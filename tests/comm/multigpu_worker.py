@@ -443,24 +443,20 @@ def main():
         run("back_to_back", back_to_back, group, device)
         for strategy in ("forge", "lasp2", "serial", "pipelined"):
             run(f"no_host_sync_{strategy}", no_host_sync, group, device, strategy)
-        # the log-depth strategy: its own cases, so that a failure of it stands apart
-        for kind in Kind:
-            run(f"scan_chains_{kind.value}", chain_check, kind, group, device,
-                strategies=("scan",))
-        for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
-            run(f"scan_op_{name}", op_check, name, group, device, strategies=("scan",))
-        run("no_host_sync_scan", no_host_sync, group, device, "scan")
-        # the scan laid out by node: two "nodes" of this machine's ranks.  On 2 GPUs (nodes of
+        # the log-depth strategies: their own cases, so that a failure of one stands apart.
+        # hier lays its rounds out on two "nodes" of this machine's ranks: on 2 GPUs (nodes of
         # one rank) only the round across nodes runs; the rounds in a node and the hand-back
         # into it need nodes of 2 or more (FORGE_MG_WORLD=4)
         os.environ.setdefault("FORGE_DIST_RANKS_PER_NODE", str(max(1, dist.get_world_size(group) // 2)))
         sp_layout.forget()  # read again on every rank (auto may have read one node before)
-        for kind in Kind:
-            run(f"hier_chains_{kind.value}", chain_check, kind, group, device,
-                strategies=("hier",))
-        for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
-            run(f"hier_op_{name}", op_check, name, group, device, strategies=("hier",))
-        run("no_host_sync_hier", no_host_sync, group, device, "hier")
+        for strategy in ("scan", "hier"):
+            for kind in Kind:
+                run(f"{strategy}_chains_{kind.value}", chain_check, kind, group, device,
+                    strategies=(strategy,))
+            for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
+                run(f"{strategy}_op_{name}", op_check, name, group, device,
+                    strategies=(strategy,))
+            run(f"no_host_sync_{strategy}", no_host_sync, group, device, strategy)
         dist.barrier(group)
         run("signature_on_device", signature_on_device, group, device)
         dist.barrier(group)

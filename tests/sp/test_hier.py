@@ -16,7 +16,7 @@ from forge_dist.selftest import OPS, run_case, tolerance
 from forge_dist.sp import layout as sp_layout
 
 from .distributed import run_world
-from .test_scan import DEVICE_ENV, HOST
+from .test_scan import DEVICE_ENV, HOST, counting_transfers
 
 
 def _place(group, layout):
@@ -100,24 +100,9 @@ def test_only_the_nodes_last_ranks_cross_nodes_in_log2_N_rounds():
 
 
 def _device_errors(group, layout):
-    from forge_dist.sp import forge, p2p
-
-    launches, exchanges = [0], [0]
-    real_chain, real_exchange = forge._run_chain, p2p.exchange
-
-    def chain(*args, **kwargs):
-        launches[0] += kwargs.get("send_first", False)
-        return real_chain(*args, **kwargs)
-
-    def exchange(*args, **kwargs):
-        exchanges[0] += 1
-        return real_exchange(*args, **kwargs)
-    forge._run_chain, p2p.exchange = chain, exchange
-    try:
-        out = _errors(group, layout, OPS, (False, True), 12)
-    finally:
-        forge._run_chain, p2p.exchange = real_chain, real_exchange
-    return dict(out, send_first_launches=launches[0], host_exchanges=exchanges[0])
+    out, launches, exchanges = counting_transfers(
+        lambda: _errors(group, layout, OPS, (False, True), 12))
+    return dict(out, send_first_launches=launches, host_exchanges=exchanges)
 
 
 def test_gpu_initiated_rounds_over_the_simulated_transport():

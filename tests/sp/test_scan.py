@@ -93,7 +93,9 @@ def test_every_rank_launches_log2_P_device_rounds_each_way(world):
 
 
 
-def _device_errors(group):
+def counting_transfers(run):
+    """``(run(), forge kernel launches in send-first mode, host point-to-point exchanges)``
+    on this rank (what took the GPU-initiated rounds and what went through the host)."""
     from forge_dist.sp import forge, p2p
 
     launches, exchanges = [0], [0]
@@ -108,10 +110,16 @@ def _device_errors(group):
         return real_exchange(*args, **kwargs)
     forge._run_chain, p2p.exchange = chain, exchange
     try:
-        rows = _errors(group, OPS, (False, True), 16)
+        out = run()
     finally:
         forge._run_chain, p2p.exchange = real_chain, real_exchange
-    return {"rows": rows, "send_first_launches": launches[0], "host_exchanges": exchanges[0]}
+    return out, launches[0], exchanges[0]
+
+
+def _device_errors(group):
+    rows, launches, exchanges = counting_transfers(
+        lambda: _errors(group, OPS, (False, True), 16))
+    return {"rows": rows, "send_first_launches": launches, "host_exchanges": exchanges}
 
 
 @pytest.mark.parametrize("world", [3, 5])
