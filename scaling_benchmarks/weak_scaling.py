@@ -133,8 +133,10 @@ DEFAULTS: Dict[str, Any] = {
     "ops": list(OPS),
     "strategies": list(STRATEGIES),
     "passes": list(PASSES),
-    "warmup": 2,
-    "repeats": 5,
+    # short calls (0.5 ms at 16K tokens) spread by up to 30 % between rows of one run with
+    # 2 + 5 (docs/performance.md, "The log-depth passes on GPUs"): more of both
+    "warmup": 3,
+    "repeats": 15,
     "ideal": True,              # time the single-GPU shard (the ideal line)
     "state_pass": True,         # time sp.state_pass alone per op kind
     "fla_cp": True,             # FLA 0.6.0 context parallelism for gated_delta_rule
