@@ -173,8 +173,6 @@ def test_registered_and_on_the_cpu_only_under_the_interpreter():
 
 
 def test_auto_picks_forge_for_cuda_tensors_on_one_node(monkeypatch):
-    from forge_dist.sp import base
-
     import torch.distributed as dist
 
     cuda = torch.device("cuda", 0)
@@ -192,10 +190,22 @@ def test_auto_picks_forge_for_cuda_tensors_on_one_node(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes: the puts would cross the network
     assert sp.resolve("auto", cuda, world).name == "lasp2"
     monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a launch that does not say
-    assert not base._forge_for_auto(cuda, world)
+    assert sp.resolve("auto", cuda, world).name == "lasp2"
+    # priced by the cost model (sp/choice.py) for the group's layout, kind and state
+    from forge_dist.sp import layout
+    from forge_dist.variants.transitions import Kind as K
+
+    state = (1, 32, 128, 128)
+    for nodes, want in (([[0, 1, 2, 3]], "forge"), ([[0], [1], [2], [3]], "scan")):
+        layout.forget()
+        monkeypatch.setattr(layout, "nodes", lambda group, nodes=nodes: nodes)
+        assert sp.resolve("auto", cuda, world, kind=K.SCALAR, state=state).name == want
+    layout.forget()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(STRAT, "available", lambda device: "no NVSHMEM here")
     assert sp.resolve("auto", cuda, world).name == "lasp2"
+    # nor scan or hier (their rounds would go through the host, which the model does not price)
+    assert sp.resolve("auto", cuda, world, kind=K.SCALAR, state=state).name == "lasp2"
 
 
 def test_bad_inputs():
