@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CI only: the launchers the scaling issue runs for real (tests/benchmarks/test_launchers.py):
 # a one-node slurm (munge, slurmctld and slurmd on this host, as root, no systemd) and Open MPI,
-# with mpi4py in the test venv.  Prints what it could not set up and exits 0 either way: the
-# tests then fail where FORGE_DIST_REQUIRE_LAUNCHERS=1 (CI) names the missing piece.
+# with mpi4py in the test venv.  Exits 0 when all of it runs (.ci/run then makes the tests
+# required: FORGE_DIST_REQUIRE_LAUNCHERS=1), else prints what is missing and exits 1 (a host
+# that cannot install Debian packages as root: the tests skip, saying why).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=/tmp/forge_dist_launchers.log
@@ -51,10 +52,19 @@ PartitionName=ci Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe
 CONF
   pgrep -x slurmctld >/dev/null || slurmctld >> "$log" 2>&1 || say "slurmctld did not start"
   pgrep -x slurmd >/dev/null || slurmd >> "$log" 2>&1 || say "slurmd did not start"
-  for _ in $(seq 30); do sinfo -h -o %t 2>/dev/null | grep -q idle && break; sleep 1; done
-  sinfo -h -o "%P %t %D" 2>/dev/null | sed 's/^/launchers: slurm partition /'
+  for _ in $(seq 30); do timeout 5 sinfo -h -o %t 2>/dev/null | grep -q idle && break; sleep 1; done
+  timeout 10 sinfo -h -o "%P %t %D" 2>/dev/null | sed 's/^/launchers: slurm partition /'
 fi
 
 # mpi4py in the venv the README's test command creates next (it keeps an existing venv)
 python3 -m venv .venv && .venv/bin/pip install -q "mpi4py>=3.1" >> "$log" 2>&1 || say "mpi4py did not install"
-exit 0
+
+missing=()
+timeout 20 sinfo -h -o %t 2>/dev/null | grep -qE "idle|mix" || missing+=("a running slurm")
+command -v mpirun >/dev/null || missing+=("mpirun")
+.venv/bin/python -c "import mpi4py" 2>/dev/null || missing+=("mpi4py")
+if [ ${#missing[@]} -gt 0 ]; then
+  say "not set up: ${missing[*]} (see $log)"
+  exit 1
+fi
+say "slurm and Open MPI are up"

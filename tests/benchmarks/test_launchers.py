@@ -159,7 +159,11 @@ def _launcher_missing(*commands: str) -> str:
     fails instead of skipping."""
     missing = [c for c in commands if shutil.which(c) is None]
     if not missing and "sinfo" in commands:
-        up = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
+        try:
+            up = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
+                                timeout=30)
+        except subprocess.TimeoutExpired:
+            up = subprocess.CompletedProcess([], 1, "", "sinfo did not answer in 30 s")
         if up.returncode != 0 or "idle" not in up.stdout and "mix" not in up.stdout:
             missing.append(f"a running slurm (sinfo: {up.stdout.strip() or up.stderr.strip()})")
     if not missing and "mpirun" in commands:
