@@ -145,9 +145,11 @@ def resolve(name: str, device: torch.device, group=None, *, kind: Optional[Kind]
                 if (forge is None or forge.available(device) is not None
                         or not _forge_for_auto(device, group)):
                     continue  # no GPU-initiated pass here (scan and hier would run host rounds)
-                if kind is not None and state is not None:
-                    candidate = layout.cached(group, ("auto", kind, tuple(state)),
-                                              lambda nodes: choice.pick(nodes, kind, *state)[0])
+                if kind is not None and state is not None:  # forge's transport runs: so do
+                    # scan's and hier's rounds (their availability is forge's)
+                    return _REGISTRY[layout.cached(
+                        group, ("auto", kind, tuple(state)),
+                        lambda nodes: choice.pick(nodes, kind, *state)[0])]
                 else:
                     local = os.environ.get("LOCAL_WORLD_SIZE")
                     if local is None or local != os.environ.get("WORLD_SIZE"):

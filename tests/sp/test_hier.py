@@ -16,7 +16,7 @@ from forge_dist.selftest import OPS, run_case, tolerance
 from forge_dist.sp import layout as sp_layout
 
 from .distributed import run_world
-from .test_scan import DEVICE_ENV, HOST, counting_transfers
+from .test_scan import DEVICE_ENV, HOST, counting_transfers, small_simple_gla
 
 
 def _place(group, layout):
@@ -60,7 +60,6 @@ def _rounds(group, layout):
     """Per rank: host exchanges with a peer on another node, forward and backward."""
     import torch.distributed as dist
 
-    from forge_dist import ops
     from forge_dist.sp import p2p
 
     _place(group, layout)
@@ -74,12 +73,7 @@ def _rounds(group, layout):
         return real_exchange(send, dst, recv_buf, src, *args, **kwargs)
     p2p.exchange = exchange
     try:
-        gen = torch.Generator().manual_seed(rank)
-        q, k, v = (torch.randn(1, 8, 2, 4, generator=gen, dtype=torch.float64,
-                               requires_grad=True) for _ in range(3))
-        g = torch.nn.functional.logsigmoid(torch.randn(1, 8, 2, generator=gen,
-                                                       dtype=torch.float64))
-        o, _ = ops.simple_gla(q, k, v, g, group=group, strategy="hier")
+        o = small_simple_gla(group, "hier")
         fwd = sum(1 for n in across if n)
         o.sum().backward()
     finally:

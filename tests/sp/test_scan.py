@@ -42,10 +42,20 @@ def test_scan_matches_the_recurrence(world, ops, layouts, T_local):
         assert {"o", "final_state", "d_initial_state"} <= set(row["errors"])
 
 
+def small_simple_gla(group, strategy: str):
+    """This rank's ``o`` of a small fp64 simple_gla call (q, k, v require grad)."""
+    from forge_dist import ops
+
+    gen = torch.Generator().manual_seed(torch.distributed.get_rank(group))
+    q, k, v = (torch.randn(1, 8, 2, 4, generator=gen, dtype=torch.float64,
+                           requires_grad=True) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 8, 2, generator=gen, dtype=torch.float64))
+    return ops.simple_gla(q, k, v, g, group=group, strategy=strategy)[0]
+
+
 def _rounds(group):
     import torch.distributed as dist
 
-    from forge_dist import ops
     from forge_dist.sp import forge, p2p
 
     host, device = [], []
@@ -61,13 +71,7 @@ def _rounds(group):
         return real_chain(*args, **kwargs)
     p2p.exchange, forge._run_chain = exchange, chain
     try:
-        rank = dist.get_rank(group)
-        gen = torch.Generator().manual_seed(rank)
-        q, k, v = (torch.randn(1, 8, 2, 4, generator=gen, dtype=torch.float64,
-                               requires_grad=True) for _ in range(3))
-        g = torch.nn.functional.logsigmoid(torch.randn(1, 8, 2, generator=gen,
-                                                       dtype=torch.float64))
-        o, _ = ops.simple_gla(q, k, v, g, group=group, strategy="scan")
+        o = small_simple_gla(group, "scan")
         fwd = (len(host), len(device))
         o.sum().backward()
     finally:
