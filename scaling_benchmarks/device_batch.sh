@@ -65,6 +65,8 @@
 #   bash scaling_benchmarks/device_batch.sh hier2     # the same on 2 GPUs as two nodes of 1 (~9 min)
 #   bash scaling_benchmarks/device_batch.sh scanprof  # 2 GPUs: where a 16K call's time goes under
 #                                                     #   forge, scan and hier (host profile) (~4 min)
+#   bash scaling_benchmarks/device_batch.sh prof16k   # 2 GPUs: forge's 16K forward per rank (Chrome traces,
+#                                                     #   host profile), then the 16K cell (~5 min)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -85,7 +87,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -253,6 +255,14 @@ case "$stage" in
     FORGE_DIST_RANKS_PER_NODE=1 step scanprof 240 torchrun --nproc-per-node 2 \
       scaling_benchmarks/sp_profile.py --op simple_gla --tokens 16384 \
       --strategies forge,scan,hier --host-profile 200 --out "$OUT"
+    reap ;;
+  prof16k)  # the scaling issue: forge's 16K forward is 1.29-1.41x its shard on H100s and
+    # 1.05-1.35x on H200s from run to run: each rank's kernels in time (traces), then the cell
+    reap
+    step prof16k 200 torchrun --nproc-per-node 2 scaling_benchmarks/sp_profile.py --op simple_gla \
+      --tokens 16384 --strategies forge --trace --host-profile 100 --out "$OUT"
+    reap
+    ws prof16k_ws 150 2 simple_gla fwd 1 16384 b1h32-16k-prof forge,serial,lasp2,auto
     reap ;;
   layers)  # every layer against FLA's on one GPU, with the per-kernel breakdown of ours
     step layers 560 python3 scaling_benchmarks/layers.py --kernels 5 --out "$OUT" ;;
