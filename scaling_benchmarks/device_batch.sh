@@ -216,10 +216,13 @@ case "$stage" in
   verify4)  # a 4-GPU machine: the multigpu suite on one pair while the other two cards run the
     # gpu suite (the two jobs share nothing: separate processes, ports and NVSHMEM worlds)
     ( export CUDA_VISIBLE_DEVICES=0,1; mg_runs > /dev/null ) &
+    # (card 2 starts with the GPU numerics, hard resets among them, then the kernels)
     ( export CUDA_VISIBLE_DEVICES=2; step gpu_kernels "${GPU_LIMIT:-540}" python3 -m pytest -v \
-        -p no:cacheprovider --durations=20 -m gpu tests/kernels > /dev/null ) &
+        -p no:cacheprovider --durations=20 -m gpu tests/robustness/test_numerics_gpu.py \
+        tests/kernels > /dev/null ) &
     ( export CUDA_VISIBLE_DEVICES=3; step gpu_rest "${GPU_LIMIT:-540}" python3 -m pytest -v \
-        -p no:cacheprovider --durations=20 -m gpu tests --ignore=tests/kernels > /dev/null ) &
+        -p no:cacheprovider --durations=20 -m gpu tests --ignore=tests/kernels \
+        --deselect tests/robustness/test_numerics_gpu.py > /dev/null ) &
     wait
     reap ;;
   hier4|hier2)  # the scaling issue: hier on two simulated nodes (FORGE_DIST_RANKS_PER_NODE): its
