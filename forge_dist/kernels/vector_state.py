@@ -29,6 +29,8 @@ the segments in reverse order, then every segment's walk from its incoming carry
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from typing import Any, Dict, Optional
@@ -345,14 +347,27 @@ def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True, n_seg: int = 1, m
         consts = {n: v for n, v in ln.constexprs if n not in ("BT", "BD")}
         _hgrn_tuned[lambda meta: (triton.cdiv(D, meta["BD"]), B, 1)](**call, **consts)
         return o, ht
-    prog = forward_program(B=B, T=T, D=D, dtype=x.dtype, has_h0=h0 is not None,
-                           store_o=store_o, n_seg=n_seg, maps=maps)
+    if maps is None:
+        prog = _eager_program(B, T, D, x.dtype, h0 is not None, store_o, n_seg)
+    else:
+        prog = forward_program(B=B, T=T, D=D, dtype=x.dtype, has_h0=h0 is not None,
+                               store_o=store_o, n_seg=n_seg, maps=maps)
     for name, buf in prog.buffers.items():
         if buf.role == "workspace":
             tensors[name] = torch.empty(buf.shape, dtype=buf.dtype, device=x.device)
     for ln in prog.launches:
         _launch(ln, tensors)
     return o, ht
+
+
+@functools.lru_cache(maxsize=64)
+def _eager_program(B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool, store_o: bool,
+                   n_seg: int) -> Program:
+    """:func:`forward_program` of :func:`hgrn_forward`, kept per shape: building it (the
+    schedule, buffers and launch records) is about 20 us of Python, which a short eager call
+    (the sequence-parallel runner's, ``shard_call``'s) paid every time.  Read only."""
+    return forward_program(B=B, T=T, D=D, dtype=dtype, has_h0=has_h0, store_o=store_o,
+                           n_seg=n_seg)
 
 
 def forward_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
