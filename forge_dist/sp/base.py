@@ -81,6 +81,15 @@ def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Te
     saved)``, ``M`` this rank's shard transition
     (``None`` for the identity kind and on the last rank) and ``saved`` what
     :meth:`Strategy.backward_chain` takes."""
+    M, delta = folded_summary(kind, summaries, S0, group)
+    S_in, saved = strategy.forward_chain(kind, M, delta, S0, group, word)
+    return S_in, M, saved
+
+
+def folded_summary(kind: Kind, summaries: Dict[str, Tensor], S0: Tensor, group
+                   ) -> Tuple[Optional[Tensor], Tensor]:
+    """``(M, delta)`` of this rank's shard from a plan program's folded summary (see
+    :func:`folded_forward_chain`); the last rank's is ``(None, S0)``: nobody reads it."""
     rank, size = p2p.rank_and_size(group)
     M = None
     if rank < size - 1:
@@ -96,8 +105,7 @@ def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Te
             M = (total[..., 0] if kind is Kind.SCALAR else total).exp()
     else:  # the last rank: nobody reads its carry
         delta = S0
-    S_in, saved = strategy.forward_chain(kind, M, delta, S0, group, word)
-    return S_in, M, saved
+    return M, delta
 
 
 _REGISTRY: Dict[str, Strategy] = {}

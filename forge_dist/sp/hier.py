@@ -94,16 +94,18 @@ def _channels(group, route: _Route, d: Tensor, kind: Kind, direction: str):
 
 
 def _incoming(kind: Kind, M: Optional[Tensor], d: Tensor, route: _Route, group, word: int,
-              direction: str, what: str) -> Tensor:
+              direction: str, what: str, keep: Optional[dict] = None) -> Tensor:
     """The ``d`` of the composition of every map before this rank's in pass order
-    (``M`` ``None``: the identity)."""
+    (``M`` ``None``: the identity); ``keep``: a forward plan's dict for the device rounds'
+    buffers and launches (:func:`.scan.device_move`)."""
     device = on_device(group, d)
     stamp = None
     if device:
         _channels(group, route, d, kind, direction)
 
         def exchange(members, channel):
-            return device_exchange(group, lambda p: members[p], word, channel, len(members))
+            return device_exchange(group, lambda p: members[p], word, channel, len(members),
+                                   keep)
     else:
         stamp = Stamp(group, word, d)
 
@@ -125,7 +127,7 @@ def _incoming(kind: Kind, M: Optional[Tensor], d: Tensor, route: _Route, group, 
     else:
         # 3. the leader puts the state entering the node to the node's other ranks, which
         # carry it through A
-        S_node = _share(S_node, d, route, group, word, direction, stamp, what, device)
+        S_node = _share(S_node, d, route, group, word, direction, stamp, what, device, keep)
         S_in = tr.combine(kind, A_M, S_node, A_d)
     if stamp is not None:
         stamp.done()
@@ -133,18 +135,19 @@ def _incoming(kind: Kind, M: Optional[Tensor], d: Tensor, route: _Route, group, 
 
 
 def _share(S_node: Optional[Tensor], like: Tensor, route: _Route, group, word: int,
-           direction: str, stamp: Optional[Stamp], what: str, device: bool) -> Tensor:
+           direction: str, stamp: Optional[Stamp], what: str, device: bool,
+           keep: Optional[dict] = None) -> Tensor:
     """Step 3: the node's last rank sends ``S_node`` to the node's other ranks; every rank
     returns it."""
     last = len(route.members) - 1
     if device:
         if route.is_leader:
             for j in range(1, last + 1):  # channel j: to the rank j places before the leader
-                device_move(group, f"hier-{direction}-out{j}", S_node.contiguous(), -1,
-                            route.members[last - j], word)
+                device_move(group, f"hier-{direction}-out{j}", S_node, -1,
+                            route.members[last - j], word, keep=keep)
             return S_node
-        return device_move(group, f"hier-{direction}-out{last - route.pos}", like.contiguous(),
-                           route.members[last], -1, word)
+        return device_move(group, f"hier-{direction}-out{last - route.pos}", like,
+                           route.members[last], -1, word, keep=keep)
     if route.is_leader:
         out = stamp.send(S_node)
         for j in range(1, last + 1):
@@ -162,9 +165,9 @@ class Hier(Scan):
 
     name = "hier"
 
-    def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what):
+    def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None):
         route = _Route(nodes(group), rank_at(pos), reverse=direction == "bwd")
-        return _incoming(kind, M, d, route, group, word, direction, what)
+        return _incoming(kind, M, d, route, group, word, direction, what, keep)
 
 
 register(Hier())

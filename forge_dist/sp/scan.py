@@ -41,7 +41,7 @@ from ..variants import transitions as tr
 from ..variants.transitions import Kind
 from . import p2p
 from .agreement import TRAILER, Stamp
-from .base import Strategy, register
+from .base import Strategy, folded_summary, register
 
 
 def transition_shape(kind: Kind, like: Tensor) -> Optional[Tuple[int, ...]]:
@@ -117,21 +117,77 @@ def host_exchange(group, rank_at: Callable[[int], int], stamp: Stamp, what: str,
     return exchange
 
 
-def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int,
-                allocate: bool = True) -> Tensor:
-    """``held`` to group rank ``dst`` and what group rank ``src`` sent on channel ``key``
-    (``-1``: none; both ``-1``: only the channel is allocated, a collective every rank makes),
-    by forge's kernel in its send-first mode.  ``held``: ``[B, H, K, V]``."""
+class _KeptMove:
+    """One round's move in a sequence-parallel plan (whose rounds, peers and word never
+    change between calls): its own send and receive buffers, and the compiled kernel kept
+    after its first GPU call (``forge._Relaunch``), so a repeated call costs a copy into the
+    send buffer and a relaunch: no allocation, no Triton binding."""
+
+    def __init__(self, held: Tensor):
+        self.sent = torch.empty_like(held, memory_format=torch.contiguous_format)
+        self.into = torch.empty_like(self.sent)
+        self.launch = None
+
+    def fits(self, held: Tensor) -> bool:
+        return held.shape == self.sent.shape and held.dtype == self.sent.dtype
+
+    def __call__(self, group, key: str, held: Tensor, src: int, dst: int, word: int) -> Tensor:
+        if dst >= 0:
+            self.sent.copy_(held)
+        if self.launch is not None and self.launch.usable(None):
+            self.launch(None)
+        else:
+            spot: dict = {}
+            _launch_move(group, key, self.sent, self.into, src, dst, word, spot)
+            self.launch = spot.get("launch")
+        return self.into
+
+
+def _launch_move(group, key: str, held: Tensor, into: Tensor, src: int, dst: int, word: int,
+                 keep: Optional[dict] = None) -> None:
     from . import forge  # optional: forge needs Triton (on_device found it importable)
 
-    where = forge._where(group)
-    into = torch.empty_like(held)
-    if src < 0 and dst < 0:  # (inside a CUDA graph capture: raises, naming the warm-up call)
-        forge._channel(where, key, held, Kind.IDENTITY, allocate=allocate)
-    else:
-        forge._run_chain(where, key, Kind.IDENTITY, None, None, held, into, None,
-                         forge._SRC_RECV if src >= 0 else forge._SRC_ZERO, dst >= 0, src, dst,
-                         transpose=False, word=word, send_first=True)
+    forge._run_chain(forge._where(group), key, Kind.IDENTITY, None, None, held, into, None,
+                     forge._SRC_RECV if src >= 0 else forge._SRC_ZERO, dst >= 0, src, dst,
+                     transpose=False, word=word, send_first=True, keep=keep)
+
+
+def _allocated(keep: Optional[dict], key: str) -> bool:
+    """Whether a plan's earlier call allocated channel ``key`` for a round that moves
+    nothing on it, with no forge reset since (a reset drops every channel, and the next
+    allocation is a collective every rank must join again)."""
+    if keep is None or key not in keep:
+        return False
+    from . import forge  # optional: forge needs Triton (on_device found it importable)
+
+    return keep[key] == forge._RESETS
+
+
+def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int,
+                allocate: bool = True, keep: Optional[dict] = None) -> Tensor:
+    """``held`` to group rank ``dst`` and what group rank ``src`` sent on channel ``key``
+    (``-1``: none; both ``-1``: only the channel is allocated, a collective every rank makes,
+    and ``held`` comes back), by forge's kernel in its send-first mode.  ``held``:
+    ``[B, H, K, V]``.
+
+    ``keep``: a sequence-parallel plan's dict, where the move keeps its buffers and launch
+    (:class:`_KeptMove`, under ``key``); what it returns is then its kept receive buffer,
+    which the plan's next call rewrites (stream-ordered after this call's readers)."""
+    if src < 0 and dst < 0:
+        if not _allocated(keep, key):
+            from . import forge  # (inside a CUDA graph capture: raises, naming the warm-up call)
+
+            forge._channel(forge._where(group), key, held, Kind.IDENTITY, allocate=allocate)
+            if keep is not None:  # a later call of the plan skips it, until a forge reset
+                keep[key] = forge._RESETS
+        return held
+    if keep is not None:
+        kept = keep.get(key)
+        if not isinstance(kept, _KeptMove) or not kept.fits(held):
+            kept = keep[key] = _KeptMove(held)
+        return kept(group, key, held, src, dst, word)
+    into = torch.empty_like(held, memory_format=torch.contiguous_format)
+    _launch_move(group, key, held.contiguous(), into, src, dst, word)
     return into
 
 
@@ -141,20 +197,23 @@ def as_state(M: Tensor) -> Tensor:
 
 
 def device_exchange(group, rank_at: Callable[[int], int], word: int, channel: str,
-                    size: int):
+                    size: int, keep: Optional[dict] = None):
     """A round as forge's kernel in its send-first mode, one launch per tensor and one
     channel per round and tensor (``f"{channel}{k}"``, ``...-M``; see the module docstring).
-    A rank idle in a round still allocates its channels (a collective)."""
+    A rank idle in a round still allocates its channels (a collective).  ``keep``: a plan's
+    dict for the moves' buffers and launches (:func:`device_move`)."""
     def exchange(k, src, dst, M, d, m_shape, recv_M):
         src_rank = rank_at(src) if src >= 0 else -1
         dst_rank = rank_at(dst) if dst < size else -1
-        r_d = device_move(group, f"{channel}{k}", d.contiguous(), src_rank, dst_rank, word)
+        r_d = device_move(group, f"{channel}{k}", d, src_rank, dst_rank, word, keep=keep)
         r_M = None
-        if m_shape is not None:  # every rank reaches the M channel (its allocation is a
-            # collective), moving M only where it travels this round
+        key = f"{channel}{k}-M"
+        # every rank reaches the M channel (its allocation is a collective), moving M only
+        # where it travels this round; a plan's later calls skip a channel that moves nothing
+        if m_shape is not None and (recv_M or M is not None or not _allocated(keep, key)):
             held = as_state(M if M is not None else d.new_zeros(m_shape))
-            moved = device_move(group, f"{channel}{k}-M", held, src_rank if recv_M else -1,
-                                dst_rank if M is not None else -1, word)
+            moved = device_move(group, key, held, src_rank if recv_M else -1,
+                                dst_rank if M is not None else -1, word, keep=keep)
             r_M = moved.view(m_shape) if recv_M else None
         return None if src < 0 else (r_M, r_d)
     return exchange
@@ -183,19 +242,27 @@ class Scan(Strategy):
 
     name = "scan"
 
-    def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what):
-        """The exclusive prefix at position ``pos`` of ``size`` (group rank ``rank_at(p)``)."""
+    def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None):
+        """The exclusive prefix at position ``pos`` of ``size`` (group rank ``rank_at(p)``);
+        ``keep``: a forward plan's dict for the device rounds' buffers and launches."""
         if on_device(group, d):
             return exclusive_scan(kind, M, d, pos, size,
                                   device_exchange(group, rank_at, word, f"scan-{direction}-",
-                                                  size))
+                                                  size, keep))
         stamp = Stamp(group, word, d)
         out = exclusive_scan(kind, M, d, pos, size,
                              host_exchange(group, rank_at, stamp, what, size))
         stamp.done()
         return out
 
-    def forward_chain(self, kind, M, delta, S0, group, word=0):
+    def plan_forward(self, kind, summaries, S0, S_in, group, word=0, keep=None):
+        """As :meth:`.base.Strategy.plan_forward`, the device rounds kept in the plan's
+        ``keep`` (:func:`device_move`): the result may be a kept buffer, read by this call's
+        output walks before the next call's rounds rewrite it."""
+        M, delta = folded_summary(kind, summaries, S0, group)
+        return self.forward_chain(kind, M, delta, S0, group, word, keep=keep)[0]
+
+    def forward_chain(self, kind, M, delta, S0, group, word=0, keep=None):
         rank, size = p2p.rank_and_size(group)
         if size == 1:
             return S0, None
@@ -204,7 +271,7 @@ class Scan(Strategy):
         # rank 0 folds S0 into its map; then every prefix starts from zero
         d = tr.combine(kind, M, S0, delta) if rank == 0 else delta
         S_in = self._scan(kind, M, d, rank, size, lambda p: p, group, word, "fwd",
-                          f"the incoming state ({self.name})")
+                          f"the incoming state ({self.name})", keep)
         return (S0 if rank == 0 else S_in), None
 
     def backward_chain(self, kind, M, grad_in, group, saved, word=0):

@@ -519,6 +519,15 @@ def _rank_error(p, inp, h0, ref_o, ref_h, rank: int, P: int, Tl: int) -> float:
     return max(err, _rel(ht, ref_h)) if rank == P - 1 else err
 
 
+def _kept_moves(p) -> dict:
+    """The device rounds a scan or hier plan keeps (``sp/scan.py``'s ``_KeptMove``): channel
+    -> the identities of its send and receive buffers."""
+    from forge_dist.sp.scan import _KeptMove
+
+    return {k: (id(v.sent), id(v.into)) for k, v in p._pass_keep.items()
+            if isinstance(v, _KeptMove)}
+
+
 def _sp_plans_world(group, ops_and_strategies):
     """Every rank plans its shard and runs three calls (fresh data each, so forge's epochs
     advance); returns each (op, strategy)'s largest relative error against one process."""
@@ -530,6 +539,11 @@ def _sp_plans_world(group, ops_and_strategies):
     Tl = 48  # not a multiple of the chunk: the last chunk is partial on every rank
     errors = {}
     for op, strategy, execution, gated in ops_and_strategies:
+        if strategy == "hier":  # nodes [0, 1] and [2] (as test_hier.py places its ranks)
+            from forge_dist.sp import layout
+
+            os.environ["FORGE_DIST_NODE"] = str(int(rank == 2))
+            layout.forget()
         # 16-token chunks: three per shard, so a decoupled run has two segments
         p = plan(op, B=B, T=Tl, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
                  group=group, strategy=strategy, initial_state=rank == 0,
@@ -544,6 +558,11 @@ def _sp_plans_world(group, ops_and_strategies):
             ref_o, ref_h = getattr(ops, op)(*[inp[n] for n in p.input_names], initial_state=h0,
                                             output_final_state=True)
             worst = max(worst, _rank_error(p, inp, h0, ref_o, ref_h, rank, P, Tl))
+            if step == 0:
+                kept = _kept_moves(p)
+        if strategy in ("scan", "hier"):
+            # the rounds kept their buffers from the first call on: later calls reuse them
+            assert kept and _kept_moves(p) == kept, (rank, strategy, kept, _kept_moves(p))
         errors[f"{op}{'-ungated' if gated is False else ''}/{strategy}/{execution}"] = worst
     sp.flush()
     everyone = [None] * P
@@ -563,6 +582,7 @@ def test_sequence_parallel_plans_of_every_strategy_over_gloo():
              for s in ("forge", "serial", "lasp2", "pipelined") for e in (None, "decoupled")]
     cases += [(op, "scan", None, gated) for op, gated in (("linear_attn", None),
                                                           ("simple_gla", True), ("gla", None))]
+    cases += [("simple_gla", "hier", None, True)]
     everyone = run_world(3, _sp_plans_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
                               "FORGE_DIST_TIMEOUT": "120"})
