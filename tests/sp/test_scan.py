@@ -34,7 +34,9 @@ def _errors(group, ops, layouts, T_local):
     (16, OPS, (False, True), 8),
 ], ids=["world5", "world8", "world16"])
 def test_scan_matches_the_recurrence(world, ops, layouts, T_local):
-    rows = run_world(world, _errors, ops, layouts, T_local, env=HOST)
+    rows, rounds = run_world(world, _errors_and_rounds, ops, layouts, T_local, env=HOST)
+    for (fwd, _), (bwd, _) in rounds:  # every rank: ceil(log2 P) host rounds each way
+        assert fwd == bwd == math.ceil(math.log2(world))
     assert len(rows) == len(ops) * len(layouts)
     for row in rows:
         bad = {k: v for k, v in row["errors"].items() if not v <= tolerance(torch.float64)}
@@ -82,7 +84,11 @@ def _rounds(group):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def _errors_and_rounds(group, ops, layouts, T_local):
+    return _errors(group, ops, layouts, T_local), _rounds(group)
+
+
+@pytest.mark.parametrize("world", [2, 3])  # (5, 8 and 16: in test_scan_matches_the_recurrence)
 def test_every_rank_takes_ceil_log2_P_host_rounds_each_way(world):
     for (fwd, _), (bwd, _) in run_world(world, _rounds, env=HOST):
         assert fwd == bwd == math.ceil(math.log2(world))
