@@ -250,11 +250,12 @@ def forward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0:
     """Program of one segment forward (or, ``store_o=False``, its summary) of ``variant``,
     built by its pattern module's ``forward_program``.
 
-    ``summary`` (matrix states, :func:`sp_summary_variants`): ``"none"``, ``"segments"``
-    or ``"folded"`` (the delta rule: ``"state"`` or ``"folded"``), what a sequence-parallel
+    ``summary`` (:func:`sp_summary_variants`): ``"none"``, ``"segments"``
+    or ``"folded"`` (the delta rule: ``"state"`` or ``"folded"``; hgrn: ``"folded"``, or
+    ``"incoming"`` on the last rank), what a sequence-parallel
     rank keeps besides its outputs (:func:`.walker_launches.walk_launches`,
-    :func:`.delta.forward_program`): the program's last launch is then the output walks,
-    and the state pass goes before it.
+    :func:`.delta.forward_program`, :func:`.vector_state.forward_program`): the program's
+    last launch is then the output walks, and the state pass goes before it.
 
     Matrix state: inputs ``q, k`` (``dtype``, ``[B, T, H, K]``), ``v`` (``[B, T, H, V]``),
     ``g`` (``gate_dtype``, default fp32; by the variant's gate shape), ``beta``
@@ -273,7 +274,7 @@ def forward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0:
     if spec.vector_state:
         return module.forward_program(B=B, T=T, D=D, dtype=dtype, has_h0=has_h0,
                                       store_o=store_o, tiles=tiles, gate_dtype=gate_dtype,
-                                      execution=execution, maps=maps)
+                                      execution=execution, maps=maps, summary=summary)
     if summary != "none" and variant not in sp_summary_variants():
         raise ValueError(f"summary={summary!r}: {variant} has no sequence-parallel summary "
                          f"program (those of {sp_summary_variants()} only)")
@@ -293,10 +294,11 @@ def forward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0:
 
 
 def sp_summary_variants() -> tuple:
-    """The matrix-state variants whose forward programs keep a sequence-parallel summary
-    (``summary=``): every one (the delta rule's dense transition from a walk of its own,
-    :func:`.delta.forward_program`)."""
-    return matrix_variants()
+    """The variants whose forward programs keep a sequence-parallel summary (``summary=``):
+    every one (the delta rule's dense transition from a walk of its own,
+    :func:`.delta.forward_program`; hgrn's from its segment scan,
+    :func:`.vector_state.forward_program`)."""
+    return variants()
 
 
 def sp_train_variants() -> tuple:

@@ -374,13 +374,29 @@ def forward_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
                     store_o: bool = True, tiles: Optional[dict] = None,
                     gate_dtype: Optional[torch.dtype] = None, execution: Optional[str] = None,
                     n_seg: Optional[int] = None,
-                    maps: Optional[Dict[str, Any]] = None) -> Program:
+                    maps: Optional[Dict[str, Any]] = None, summary: str = "none") -> Program:
     """The launches of one hgrn segment as a :class:`~.ir.Program`: inputs ``x [B, T, D]``,
     ``g [B, T, D]`` (``gate_dtype``, default ``dtype``), ``h0 [B, D]`` fp32; outputs ``o
     [B, T, D]`` and ``ht [B, D]`` fp32.  One walk, or (decoupled) the segments' walks, the
     scan over segments and the output walks, with workspaces ``hs, gt [n_seg, B, D]``.
     ``n_seg`` fixes the segment count, else the scheduler picks it (``execution``);
-    ``tiles`` overrides entries of :data:`FUSED_CONFIG`; ``maps``: fused prologues of x, g."""
+    ``tiles`` overrides entries of :data:`FUSED_CONFIG`; ``maps``: fused prologues of x, g.
+
+    A sequence-parallel rank's program (``summary``, as the matrix patterns': the state pass
+    runs before its last launch, which reads ``h0``, the incoming state):
+
+    * ``"folded"`` (a rank before the last): the segments' walks from zero, the scan of their
+      end states from zero into the shard's state ``delta [B, 1, D, 1]`` and the log decay
+      to each segment's start ``cg [n_seg + 1, B, 1, D]`` (row ``n_seg``: the shard's
+      transition, in the runtime layout of :mod:`forge_dist.sp`), then the output walks,
+      which carry ``h0`` into each segment's start through ``cg``; decoupled even for one
+      segment, whose summary the pass reads;
+    * ``"incoming"`` (the last rank): the same where the scheduler splits the shard, else
+      the one walk from ``h0``.
+    """
+    if summary not in ("none", "folded", "incoming"):
+        raise ValueError(f"summary: expected 'none', 'folded' or 'incoming' for hgrn, got "
+                         f"{summary!r}")
     cfg = dict(FUSED_CONFIG, **(tiles or {}))
     bufs = {"x": Buffer((B, T, D), dtype, "input"),
             "g": Buffer((B, T, D), gate_dtype or dtype, "input"),
@@ -401,6 +417,8 @@ def forward_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
     common = dict(B=B, T=T, D=D, seg=seg, n=n_seg, cfg=cfg, maps=maps)
     h0 = "h0" if has_h0 else None
     o = "o" if store_o else None
+    if summary == "folded" or (summary == "incoming" and n_seg > 1):
+        return _folded_program(bufs, common, h0, o, notes)
     if n_seg == 1:
         launches = [walk_launch(h0=h0, o=o, ht="ht", gt=None, **common)]
         return Program(launches, bufs, scheduler.FUSED, notes)
@@ -412,6 +430,25 @@ def forward_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,
     if store_o:
         launches.append(walk_launch(h0="hs", o="o", ht="hs", gt=None, **common))
     return Program(launches, bufs, scheduler.DECOUPLED, notes)
+
+
+def _folded_program(bufs: dict, common: dict, h0: Optional[str], o: Optional[str],
+                    notes: list) -> Program:
+    """:func:`forward_program`'s ``"folded"`` form (its docstring): the launches of
+    :func:`hgrn_summarize` and then of :func:`hgrn_outputs`."""
+    B, D, n_seg, cfg = common["B"], common["D"], common["n"], common["cfg"]
+    bufs["hs"] = Buffer((n_seg, B, D), torch.float32, "workspace")
+    bufs["gt"] = Buffer((n_seg, B, D), torch.float32, "workspace")
+    bufs["delta"] = Buffer((B, 1, D, 1), torch.float32, "workspace")
+    bufs["cg"] = Buffer((n_seg + 1, B, 1, D), torch.float32, "workspace")
+    launches = [walk_launch(h0=None, o=None, ht="hs", gt="gt", **common),
+                scan_launch(hs="hs", gt="gt", h0=None, ht="delta", cg="cg", n_seg=n_seg, B=B,
+                            D=D, BD=cfg["BD"], num_warps=cfg["num_warps"]),
+                # hs now holds each segment's start from zero
+                walk_launch(h0="hs", o=o, ht="ht", gt=None, s_in=h0, cg=h0 and "cg",
+                            ht_last=True, **common)]
+    return Program(launches, bufs, scheduler.DECOUPLED,
+                   notes + [f"sequence-parallel summary over {n_seg} segment(s)"])
 
 
 def _segments(T: int, BT: int, n_seg: int):

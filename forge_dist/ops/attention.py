@@ -302,10 +302,11 @@ def hgrn(x: Tensor, g: Tensor, *, initial_state: Optional[Tensor] = None,
     checks.tensor("g", g, [B, T, D])
     device = checks.same_device({"x": x, "g": g, "initial_state": initial_state})
     checks.strategy(strategy)
+    checks.group(group)
     short = planned.hgrn_call(x, g, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                               group=group, use_kernels=_use_kernels(device),
-                              front_key=front_key)
+                              front_key=front_key, strategy=strategy)
     if short is not None:
         return short
     cu, strat, word = _prepare(HGRN, B=B, T=T, dims={"D": D}, device=device, dtype=x.dtype,

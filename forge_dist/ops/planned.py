@@ -400,22 +400,25 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
 
 
 def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seqlens, group,
-              use_kernels: bool, maps: Optional[dict] = None, front_key=None
-              ) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+              use_kernels: bool, maps: Optional[dict] = None, front_key=None,
+              strategy: str = "auto") -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """As :func:`matrix_call`, for ``hgrn`` (``x, g [B, T, D]``, state ``[B, D]``); with
-    ``maps``, forward only (the planned backward takes the mapped gates)."""
+    ``maps``, forward only (the planned backward takes the mapped gates).  With a group,
+    forward calls only: its training across ranks is :mod:`.shard_call`'s."""
     B, T, D = x.shape
     if x.dtype not in _DTYPES or g.dtype != x.dtype:
         return None
     inputs = {"x": x, "g": g}
+    train = needs_grad(inputs, initial_state)
     if not _eligible(inputs, initial_state, (B, D), group, cu_seqlens, use_kernels,
-                     grads=not maps):
+                     grads=not maps, sp_plan=not maps and not train):
         return None
+    kw = {} if group is None else {"group": group, "strategy": strategy}
     p = _plan("hgrn", initial_state, output_final_state, maps, B=B, T=T, D=D, dtype=x.dtype,
-              gate_dtype=g.dtype, device=x.device)
+              gate_dtype=g.dtype, device=x.device, **kw)
     if p is None:
         return None
-    if needs_grad(inputs, initial_state):
+    if train:
         return _train(p, (x, g), initial_state, front_key)
     try:
         out = p.run(x, g, initial_state=initial_state)

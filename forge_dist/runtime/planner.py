@@ -116,7 +116,7 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
     if size > 1 and op not in sp_variants():
         raise PlanError(f"group: sequence-parallel plans cover {sp_variants()}; use "
                         f"forge_dist.ops.{op} for {op} across ranks")
-    if train and size > 1 and op not in kernels.sp_train_variants():
+    if train and size > 1 and op not in sp_setup.sp_train_variants():
         raise PlanError(f"train: sequence-parallel training plans cover "
                         f"{kernels.sp_train_variants()}; forge_dist.ops.{op} trains {op} "
                         "across ranks")
@@ -132,9 +132,18 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         gdt = gate_dtype or dtype
         if set(maps) - {"x", "g"}:
             raise PlanError(f"maps: {op} maps x and g, got {sorted(maps)}")
+        gated = True  # its transition is the gate's decay
+        # across ranks: the state [B, D] passes in the runtime layout [B, 1, D, 1]
+        H, K, V = 1, D, 1
+        summary = "none"
+        if size > 1:
+            strategy_name, strategy_obj = sp_setup.resolve_strategy(
+                strategy, simulated, device, group, kind=spec.kind, state=(B, 1, D, 1))
+            summary = "folded" if rank < size - 1 else "incoming"
         prog = kernels.forward_program(op, B=B, T=T, D=D, dtype=dtype,
-                                       has_h0=initial_state, tiles=tiles, gate_dtype=gdt,
-                                       execution=execution, maps=maps)
+                                       has_h0=initial_state or rank > 0, tiles=tiles,
+                                       gate_dtype=gdt, execution=execution, maps=maps,
+                                       summary=summary)
         names = list(spec.inputs)
         state_shape = (B, D)
         out_shape = (B, T, D)
@@ -213,7 +222,8 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         p._ht_scratch = torch.empty(p.ht_shape, dtype=torch.float32, device=device)
     if size > 1:
         p.strategy, p.strategy_obj = strategy_name, strategy_obj
-        sp_setup.setup(p, simulated, B, T, H, K, V, dtype, gated)
+        sp_setup.setup(p, simulated, B, T, H, K, V, dtype, gated,
+                       dims={"D": D} if spec.vector_state else None)
     fast = fastpath.specialise(p)
     if fast is not None:
         p.run = fast  # straight-line checks and launches; the general path on any miss

@@ -18,8 +18,8 @@ from .plan import Plan, PlanError
 
 
 def sp_variants() -> Tuple[str, ...]:
-    """The ops with sequence-parallel plans: every matrix-state op (training plans:
-    :func:`forge_dist.kernels.sp_train_variants`)."""
+    """The ops with sequence-parallel plans: every op (training plans:
+    :func:`sp_train_variants`)."""
     return kernels.sp_summary_variants()
 
 
@@ -59,9 +59,11 @@ def resolve_strategy(strategy: str, simulated: bool, device: torch.device, group
     return obj.name, obj
 
 
-def setup(p: Plan, simulated: bool, B, T, H, K, V, dtype, gated) -> None:
+def setup(p: Plan, simulated: bool, B, T, H, K, V, dtype, gated, dims=None) -> None:
     """State workspaces, forge channels and the cross-rank agreement check of a
-    sequence-parallel plan ``p`` (its strategy already set, :func:`resolve_strategy`)."""
+    sequence-parallel plan ``p`` (its strategy already set, :func:`resolve_strategy`);
+    the state is ``[B, H, K, V]`` (hgrn: ``[B, 1, D, 1]``, its ``dims`` ``{"D": D}`` as the
+    op names them)."""
     p.s_in = torch.zeros(B, H, K, V, dtype=torch.float32, device=p.device)
     p.zeros = torch.zeros(B, H, K, V, dtype=torch.float32, device=p.device)
     if (Kind(p.kind) is Kind.DENSE and p.rank < p.size - 1
@@ -77,12 +79,14 @@ def setup(p: Plan, simulated: bool, B, T, H, K, V, dtype, gated) -> None:
         kind = registry.get(p.op).kind
         # as the ops name them: none, g, g per channel; the delta rule's "g, beta" or "beta"
         names = agreement.GATE_NAMES
-        if kind is Kind.DENSE:
+        if registry.get(p.op).vector_state:
+            gates = names[5]
+        elif kind is Kind.DENSE:
             gates = names[3] if gated else names[4]
         else:
             gates = names[0] if kind is Kind.IDENTITY or not gated else (
                 names[2] if kind is Kind.DIAGONAL else names[1])
-        fields = agreement.op_fields(p.op, B=B, T=T, dims={"H": H, "K": K, "V": V},
+        fields = agreement.op_fields(p.op, B=B, T=T, dims=dims or {"H": H, "K": K, "V": V},
                                      dtype=dtype, strategy=p.strategy, gates=gates,
                                      offsets=0, grad=p.train)
         _, p.word = agreement.agree(p.group, p.device, fields)

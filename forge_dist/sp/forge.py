@@ -614,8 +614,11 @@ class Forge(Strategy):
             M, d = summaries.get("M"), summaries["delta"]
             if M is None and rank > 0:
                 raise ValueError(f"forge: rank {rank} needs its transition M (dense)")
-        elif not last:
+        elif not last and "hs" in summaries and "delta" not in summaries:
             fold = (summaries["hs"], summaries.get("gt"))
+        elif not last:  # a folded summary (hgrn's): delta and the shard's log decay cg[-1],
+            # folded as one segment
+            fold = (summaries["delta"][None], summaries["cg"][-1:])
         _run_chain(where, "fwd", kind, M, S0 if rank == 0 else None, d,
                    None if rank == 0 else S_in, None,
                    _SRC_FIRST if rank == 0 else _SRC_RECV, not last,

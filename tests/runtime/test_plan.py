@@ -338,6 +338,34 @@ def test_sequence_parallel_sim_forge(op, P):
         assert _rel(outs[-1][1], ref_h) < 1e-5
 
 
+@pytest.mark.parametrize("execution", [None, "decoupled"])
+def test_sequence_parallel_sim_forge_hgrn(execution):
+    """hgrn's per-rank plans over the simulated transport (3 ranks, ranks in chain order):
+    a rank before the last walks its segments, scans them from zero into its summary and
+    passes it (forge folds it as one segment) before its output walks, which carry the
+    incoming state in; the last rank walks from it once, or decoupled the same way."""
+    P, Tl, D = 3, 48, 40
+    world = SimWorld(P)
+    plans = [plan("hgrn", B=B, T=Tl, D=D, dtype=torch.float32, device="cpu", group=world[r],
+                  strategy="forge", initial_state=(r == 0), output_final_state=True,
+                  execution=execution, tiles={"BT": 16}) for r in range(P)]
+    d, last = plans[0].describe(), plans[-1].describe()
+    assert [x["kernel"] for x in d["launches"]] == ["hgrn", "hgrn_scan", "hgrn"]
+    assert d["state_pass_before"] == 2 and d["launches"][-1]["constexprs"]["HAS_SIN"]
+    want_last = ["hgrn"] if execution is None else ["hgrn", "hgrn_scan", "hgrn"]
+    assert [x["kernel"] for x in last["launches"]] == want_last
+    assert last["state_pass_before"] == len(want_last) - 1
+    for step in range(3):
+        inp = _inputs("hgrn", T=P * Tl, seed=step)
+        h0 = torch.randn(B, D, generator=torch.Generator().manual_seed(10 + step))
+        ref_o, ref_h = ops.hgrn(inp["x"], inp["g"], initial_state=h0, output_final_state=True)
+        outs = [plans[r].run(*[inp[n][:, r * Tl:(r + 1) * Tl].contiguous() for n in ("x", "g")],
+                             initial_state=h0 if r == 0 else None) for r in range(P)]
+        o = torch.cat([x[0] for x in outs], dim=1)
+        assert _rel(o, ref_o) < 1e-5, (step, _rel(o, ref_o))
+        assert _rel(outs[-1][1], ref_h) < 1e-5
+
+
 def test_validation_errors():
     inp = _inputs("simple_gla")
     p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu")
@@ -544,8 +572,9 @@ def _sp_plans_world(group, ops_and_strategies):
 
             os.environ["FORGE_DIST_NODE"] = str(int(rank == 2))
             layout.forget()
-        # 16-token chunks: three per shard, so a decoupled run has two segments
-        p = plan(op, B=B, T=Tl, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+        # 16-token chunks (hgrn: blocks): three per shard, so a decoupled run has two segments
+        dims = dict(D=40) if op == "hgrn" else dict(H=H, K=K, V=V)
+        p = plan(op, B=B, T=Tl, **dims, dtype=torch.float32, device="cpu",
                  group=group, strategy=strategy, initial_state=rank == 0,
                  output_final_state=True, execution=execution, tiles={"BT": 16},
                  gated=gated)
@@ -554,12 +583,28 @@ def _sp_plans_world(group, ops_and_strategies):
             inp = _inputs(op, T=P * Tl, seed=step)
             if gated is False:
                 inp.pop("g", None)
-            h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(10 + step))
+            h0 = torch.randn(*((B, 40) if op == "hgrn" else (B, H, K, V)),
+                             generator=torch.Generator().manual_seed(10 + step))
             ref_o, ref_h = getattr(ops, op)(*[inp[n] for n in p.input_names], initial_state=h0,
                                             output_final_state=True)
             worst = max(worst, _rank_error(p, inp, h0, ref_o, ref_h, rank, P, Tl))
             if step == 0:
                 kept = _kept_moves(p)
+            if step == 0 and op == "hgrn" and execution is None:
+                # the op's forward with a group takes such a plan, twice (the second call
+                # from its signature), as the matrix-state ops do
+                cache.clear()
+                mine = slice(rank * Tl, (rank + 1) * Tl)
+                os.environ["FORGE_DIST_KERNELS"] = "triton"  # the kernels on CPU tensors
+                with torch.no_grad():
+                    for _ in range(2):
+                        o_op, _ = ops.hgrn(inp["x"][:, mine].contiguous(),
+                                           inp["g"][:, mine].contiguous(),
+                                           initial_state=h0 if rank == 0 else None,
+                                           group=group, strategy=strategy)
+                        worst = max(worst, _rel(o_op, ref_o[:, mine]))
+                del os.environ["FORGE_DIST_KERNELS"]
+                assert cache.stats()["size"] == 1, cache.stats()
         if strategy in ("scan", "hier"):
             # the rounds kept their buffers from the first call on: later calls reuse them
             assert kept and _kept_moves(p) == kept, (rank, strategy, kept, _kept_moves(p))
@@ -583,6 +628,10 @@ def test_sequence_parallel_plans_of_every_strategy_over_gloo():
     cases += [(op, "scan", None, gated) for op, gated in (("linear_attn", None),
                                                           ("simple_gla", True), ("gla", None))]
     cases += [("simple_gla", "hier", None, True)]
+    # hgrn: its folded summary under forge's kernel (one segment's fold) and a baseline,
+    # one segment and two
+    cases += [("hgrn", "forge", None, None), ("hgrn", "forge", "decoupled", None),
+              ("hgrn", "lasp2", "decoupled", None)]
     everyone = run_world(3, _sp_plans_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
                               "FORGE_DIST_TIMEOUT": "120"})
