@@ -67,6 +67,8 @@
 #                                                     #   forge, scan and hier (host profile) (~4 min)
 #   bash scaling_benchmarks/device_batch.sh prof16k   # 2 GPUs: forge's 16K forward per rank (Chrome traces,
 #                                                     #   host profile), then the 16K cell (~5 min)
+#   bash scaling_benchmarks/device_batch.sh keptplans # 2 GPUs: hgrn's sequence-parallel plan and scan's kept
+#                                                     #   rounds: GPU checks, then hgrn fwd / 16K scan cells (~8 min)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -87,7 +89,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -266,6 +268,16 @@ case "$stage" in
       --tokens 16384 --strategies forge --trace --host-profile 100 --out "$OUT"
     reap
     ws prof16k_ws 150 2 simple_gla fwd 1 16384 b1h32-16k-prof forge,serial,lasp2,auto
+    reap ;;
+  keptplans)  # the scaling issue (2026-11-27, fifth session): hgrn's forward with a group on
+    # its plan, scan's and hier's plans keeping their rounds; their GPU checks, then the cells
+    reap
+    step keptplans_checks "${CHECKS_LIMIT:-260}" env FORGE_MG_CHECKS=available,plans,op_hgrn,no_host_sync_forge,no_host_sync_scan,scan_op_simple_gla,hier_op_simple_gla,no_host_sync_hier \
+      python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py
+    reap
+    ws keptplans_hgrn 100 2 hgrn fwd 1 32768 b1h32-32k-hgrn-plan forge,serial,lasp2,scan
+    FORGE_DIST_RANKS_PER_NODE=1 ws keptplans_16k 110 2 simple_gla fwd 1 16384 b1h32-16k-kept \
+      forge,lasp2,scan,hier
     reap ;;
   layers)  # every layer against FLA's on one GPU, with the per-kernel breakdown of ours
     step layers 560 python3 scaling_benchmarks/layers.py --kernels 5 --out "$OUT" ;;

@@ -113,9 +113,6 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         if not (backend == "static" and dispatcher is not None):
             raise PlanError(f"backend={backend!r}: tensors on {device} need CUDA, or "
                             "TRITON_INTERPRET=1 set before Triton is imported")
-    if size > 1 and op not in sp_variants():
-        raise PlanError(f"group: sequence-parallel plans cover {sp_variants()}; use "
-                        f"forge_dist.ops.{op} for {op} across ranks")
     if train and size > 1 and op not in sp_setup.sp_train_variants():
         raise PlanError(f"train: sequence-parallel training plans cover "
                         f"{kernels.sp_train_variants()}; forge_dist.ops.{op} trains {op} "

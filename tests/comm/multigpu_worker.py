@@ -222,6 +222,22 @@ def plan_check(group, device):
                 outs[strategy] = o
                 errs[f"{name}/{execution}/{strategy}"] = rel(o, ref)
             errs[f"{name}/{execution}/forge-vs-serial"] = rel(outs["forge"], outs["serial"])
+    # hgrn (its folded summary; the last rank walks once, or decoupled as the others)
+    full = op_inputs("hgrn", B, T_local * P, H, D, 13, device)
+    mine = slice(r * T_local, (r + 1) * T_local)
+    with torch.no_grad():
+        ref, _ = call_op("hgrn", full)
+    for execution in (None, "decoupled"):
+        outs = {}
+        for strategy in ("forge", "serial", "lasp2", "scan"):
+            p = plan("hgrn", B=B, T=T_local, D=H * D, dtype=torch.float32, device=device,
+                     group=group, strategy=strategy, execution=execution)
+            for _ in range(3):
+                o, _ = p.run(full["x"][:, mine].contiguous(), full["g"][:, mine].contiguous())
+            torch.cuda.synchronize()
+            outs[strategy] = o
+            errs[f"hgrn/{execution}/{strategy}"] = rel(o, ref[:, mine])
+        errs[f"hgrn/{execution}/forge-vs-serial"] = rel(outs["forge"], outs["serial"])
     # bf16, against the op in bf16 on one GPU
     full = op_inputs("simple_gla", B, T_local * P, H, D, 12, device)
     full = {n: (t.bfloat16() if n != "g" else t) for n, t in full.items()}

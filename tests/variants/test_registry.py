@@ -19,7 +19,8 @@ def test_every_registered_variant_has_its_op_and_kernels():
         assert (spec.gate is None) == ("g" not in spec.inputs), name
     assert kernels.variants() == registry.names()
     assert aot.DEFAULTS["variants"] == list(registry.names())
-    assert sp_setup.sp_variants() == ("linear_attn", "simple_gla", "gla", "gated_delta_rule")
+    assert sp_setup.sp_variants() == ("linear_attn", "simple_gla", "gla", "gated_delta_rule",
+                                      "hgrn")
     assert sp_setup.sp_train_variants() == ("linear_attn", "simple_gla", "gla")
     with pytest.raises(KeyError, match="unknown variant 'softmax'"):
         registry.get("softmax")
