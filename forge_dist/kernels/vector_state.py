@@ -348,7 +348,8 @@ def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True, n_seg: int = 1, m
         _hgrn_tuned[lambda meta: (triton.cdiv(D, meta["BD"]), B, 1)](**call, **consts)
         return o, ht
     if maps is None:
-        prog = _eager_program(B, T, D, x.dtype, h0 is not None, store_o, n_seg)
+        prog = _eager_program(B, T, D, x.dtype, h0 is not None, store_o, n_seg,
+                              tuple(FUSED_CONFIG.items()))
     else:
         prog = forward_program(B=B, T=T, D=D, dtype=x.dtype, has_h0=h0 is not None,
                                store_o=store_o, n_seg=n_seg, maps=maps)
@@ -362,12 +363,13 @@ def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True, n_seg: int = 1, m
 
 @functools.lru_cache(maxsize=64)
 def _eager_program(B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool, store_o: bool,
-                   n_seg: int) -> Program:
-    """:func:`forward_program` of :func:`hgrn_forward`, kept per shape: building it (the
-    schedule, buffers and launch records) is about 20 us of Python, which a short eager call
-    (the sequence-parallel runner's, ``shard_call``'s) paid every time.  Read only."""
+                   n_seg: int, config: tuple) -> Program:
+    """:func:`forward_program` of :func:`hgrn_forward`, kept per shape and tile config
+    (``FUSED_CONFIG``'s items, which tuning or a test may change): building it (the buffers
+    and launch records) is 10-17 us of Python, which a short eager call (the
+    sequence-parallel runner's, ``shard_call``'s) paid every time.  Read only."""
     return forward_program(B=B, T=T, D=D, dtype=dtype, has_h0=has_h0, store_o=store_o,
-                           n_seg=n_seg)
+                           n_seg=n_seg, tiles=dict(config))
 
 
 def forward_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool,

@@ -13,11 +13,13 @@ few launches instead of the runner's autograd: at T = 1K-2K on an H100 one forwa
 took 1.5-2.7 ms through the runner and 0.48-1.2 ms planned, against 0.09-0.82 ms of GPU time
 (``scaling_benchmarks/results/train_overhead_*_s28-front.json``).
 
-With a group, the ops with sequence-parallel plans (:func:`forge_dist.runtime.sp_setup.
-sp_variants`) take the same path: a forward runs the rank's plan, and a call with gradients
-its training run and backward (:mod:`forge_dist.runtime.sp_train`).
+With a group, every op (:func:`forge_dist.runtime.sp_setup.sp_variants`) takes the same
+path for a forward: it runs the rank's plan; a call with gradients of the ops with training
+plans (:func:`~forge_dist.runtime.sp_setup.sp_train_variants`) runs the plan's training run
+and backward (:mod:`forge_dist.runtime.sp_train`).
 
-Anything else (the other ops with a group, varlen, fp16 and fp64 inputs, non-contiguous
+Anything else (training calls with a group of the delta rule and hgrn, which
+:mod:`.shard_call` runs, varlen, fp16 and fp64 inputs, non-contiguous
 tensors, the DSL's fused prologues with gradients, ``FORGE_DIST_CHECK_FINITE=1``, head dims
 outside the kernels' range) takes the general path, as does a call the planner refuses.  Plans are
 cached per CUDA stream and per thread (a plan's workspaces and launch parameter buffers are
@@ -155,8 +157,9 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
             (:func:`forge_dist.runtime.sp_setup.sp_variants`), forward calls only.  A repeated
             call then runs its plan with no collective and no host synchronisation: the
             ranks agreed on the signature when the plan was made, and the signature word
-            travels with the state (:mod:`forge_dist.sp.agreement`).  With gradients, the
-            plan's training run (:mod:`forge_dist.runtime.sp_train`).
+            travels with the state (:mod:`forge_dist.sp.agreement`).  With gradients (the
+            ops with training plans), the plan's training run
+            (:mod:`forge_dist.runtime.sp_train`).
     """
     if _compiling():  # torch.compile / export trace the full path, as they always did
         return None, None

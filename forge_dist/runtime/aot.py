@@ -142,6 +142,15 @@ def enumerate_specs(cfg: Dict[str, Any]) -> List[KernelSpec]:
                                                        dtype=dtype, has_h0=h0,
                                                        store_o=store_o, execution=mode)
                                 out.update((s.key, s) for s in prog.specs())
+                                if store_o and cfg["sequence_parallel"]:
+                                    # a rank's plan: the folded summary (before the last
+                                    # rank), the incoming state (every rank but rank 0)
+                                    for summary, has_in in (("folded", h0), ("folded", True),
+                                                            ("incoming", True)):
+                                        prog = forward_program(
+                                            variant, B=1, T=256, D=int(D), dtype=dtype,
+                                            has_h0=has_in, execution=mode, summary=summary)
+                                        out.update((s.key, s) for s in prog.specs())
                                 if not (store_o and cfg.get("backward", True)):
                                     continue
                                 for has_dht in (False, True):

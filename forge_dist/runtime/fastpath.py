@@ -204,9 +204,10 @@ def specialise(plan) -> Optional[Callable]:
         env.update(PASS=plan.strategy_obj.plan_forward, KIND=Kind(plan.kind),
                    WS=exe.workspaces, S_IN=plan.s_in, GROUP=plan.group, WORD=plan.word,
                    KEEP=plan._pass_keep, ZEROS=plan.zeros, STATE_PASS=phases.STATE_PASS)
-        start = ("initial_state.view(S_SHAPE)" if plan.rank == 0 and plan.initial_state
-                 else "ZEROS")  # (hgrn's [B, D] state passes as [B, 1, D, 1])
-        env["S_SHAPE"] = tuple(plan.zeros.shape)
+        start = "initial_state" if plan.rank == 0 and plan.initial_state else "ZEROS"
+        if start != "ZEROS" and tuple(plan.state_shape) != tuple(plan.zeros.shape):
+            start = "initial_state.view(S_SHAPE)"  # hgrn's [B, D] passes as [B, 1, D, 1]
+            env["S_SHAPE"] = tuple(plan.zeros.shape)
         body.append("    with STATE_PASS:")
         body.append(f"        S_in = PASS(KIND, WS, {start}, S_IN, GROUP, WORD, KEEP)")
         if plan.rank > 0:

@@ -362,9 +362,9 @@ class Plan:
         tensors["o"], tensors["ht"] = o, ht
         exe, split = self.finish_exec, self.sp_split
         exe.run_range(tensors, 0, split)
-        # (hgrn's [B, D] state passes as [B, 1, D, 1], the layout of forge_dist.sp)
-        S0 = (h0.view(self.zeros.shape) if h0 is not None else self.zeros) if rank == 0 \
-            else self.zeros
+        S0 = (h0 if h0 is not None else self.zeros) if rank == 0 else self.zeros
+        if S0.dim() != 4:  # hgrn's [B, D] state passes as [B, 1, D, 1] (forge_dist.sp's layout)
+            S0 = S0.view(self.zeros.shape)
         # a training plan's program keeps the folded summary whatever the strategy
         plan_forward = (Strategy.plan_forward.__get__(self.strategy_obj) if self.train
                         else self.strategy_obj.plan_forward)

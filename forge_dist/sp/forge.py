@@ -596,7 +596,8 @@ class Forge(Strategy):
         ``M S0 + delta``, a middle rank receives into ``S_in`` and sends on, the last rank
         only receives.  ``summaries``: ``hs`` and (gated) ``gt``, the program's segment
         summaries, folded into ``(M, delta)`` by the kernel (the delta rule: ``delta`` and
-        ``M``, read as they are).  ``keep``: the plan's dict
+        ``M``, read as they are; a folded summary, hgrn's: ``delta`` and the log decays
+        ``cg``, whose last row is the shard's, folded as one segment).  ``keep``: the plan's dict
         for the launch kept after the first call (:class:`_Relaunch`)."""
         relaunch = keep.get("launch") if keep is not None else None
         if relaunch is not None:
@@ -614,11 +615,11 @@ class Forge(Strategy):
             M, d = summaries.get("M"), summaries["delta"]
             if M is None and rank > 0:
                 raise ValueError(f"forge: rank {rank} needs its transition M (dense)")
-        elif not last and "hs" in summaries and "delta" not in summaries:
-            fold = (summaries["hs"], summaries.get("gt"))
-        elif not last:  # a folded summary (hgrn's): delta and the shard's log decay cg[-1],
-            # folded as one segment
+        elif not last and "delta" in summaries and "cg" in summaries:
+            # a folded summary (hgrn's): the shard's state and its log decay, as one segment
             fold = (summaries["delta"][None], summaries["cg"][-1:])
+        elif not last:
+            fold = (summaries["hs"], summaries.get("gt"))
         _run_chain(where, "fwd", kind, M, S0 if rank == 0 else None, d,
                    None if rank == 0 else S_in, None,
                    _SRC_FIRST if rank == 0 else _SRC_RECV, not last,

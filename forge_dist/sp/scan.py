@@ -211,7 +211,11 @@ def device_exchange(group, rank_at: Callable[[int], int], word: int, channel: st
         # every rank reaches the M channel (its allocation is a collective), moving M only
         # where it travels this round; a plan's later calls skip a channel that moves nothing
         if m_shape is not None and (recv_M or M is not None or not _allocated(keep, key)):
-            held = as_state(M if M is not None else d.new_zeros(m_shape))
+            kept = keep.get(key) if keep is not None else None
+            if M is None and isinstance(kept, _KeptMove):
+                held = kept.sent  # receive only: the shape is all a kept move reads
+            else:
+                held = as_state(M if M is not None else d.new_zeros(m_shape))
             moved = device_move(group, key, held, src_rank if recv_M else -1,
                                 dst_rank if M is not None else -1, word, keep=keep)
             r_M = moved.view(m_shape) if recv_M else None

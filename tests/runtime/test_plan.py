@@ -609,6 +609,9 @@ def _sp_plans_world(group, ops_and_strategies):
         if strategy in ("scan", "hier"):
             # the rounds kept their buffers from the first call on: later calls reuse them
             assert kept and _kept_moves(p) == kept, (rank, strategy, kept, _kept_moves(p))
+        if strategy == "hier":
+            del os.environ["FORGE_DIST_NODE"]
+            layout.forget()
         errors[f"{op}{'-ungated' if gated is False else ''}/{strategy}/{execution}"] = worst
     sp.flush()
     everyone = [None] * P
@@ -632,7 +635,7 @@ def test_sequence_parallel_plans_of_every_strategy_over_gloo():
     # hgrn: its folded summary under forge's kernel (one segment's fold) and a baseline,
     # one segment and two
     cases += [("hgrn", "forge", None, None), ("hgrn", "forge", "decoupled", None),
-              ("hgrn", "lasp2", "decoupled", None)]
+              ("hgrn", "lasp2", "decoupled", None), ("hgrn", "scan", None, None)]
     everyone = run_world(3, _sp_plans_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
                               "FORGE_DIST_TIMEOUT": "120"})
