@@ -175,8 +175,9 @@ def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int,
     which the plan's next call rewrites (stream-ordered after this call's readers)."""
     if src < 0 and dst < 0:
         if not _allocated(keep, key):
-            from . import forge  # (inside a CUDA graph capture: raises, naming the warm-up call)
+            from . import forge  # optional: forge needs Triton
 
+            # (inside a CUDA graph capture the allocation raises, naming the warm-up call)
             forge._channel(forge._where(group), key, held, Kind.IDENTITY, allocate=allocate)
             if keep is not None:  # a later call of the plan skips it, until a forge reset
                 keep[key] = forge._RESETS
