@@ -67,7 +67,11 @@ def forward(p, tensors: Dict[str, Tensor], h0: Optional[Tensor], o: Tensor
     S0 = (h0 if h0 is not None else p.zeros) if rank == 0 else p.zeros
     with phases.STATE_PASS:
         S_in, M, saved = folded_forward_chain(p.strategy_obj, Kind(p.kind), exe.workspaces, S0,
-                                              p.group, p.word)
+                                              p.group, p.word, p._pass_keep)
+    if rank > 0 and p._pass_keep:
+        # a strategy's kept buffer (scan's rounds) is rewritten by the plan's next forward,
+        # which may come before this run's backward (two layers on one plan)
+        S_in = S_in.clone()
     if rank > 0 or h0 is not None:
         tensors["h0"] = S_in
     exe.run_range(tensors, split, len(exe.program.launches))
@@ -156,8 +160,10 @@ def backward(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tensor], kep
             lam_own = p.zeros
         _run_part(walk, given, p.device)  # the chunk states: no lam(r+1) needed
     with phases.BACKWARD_CHAIN:  # 2. lam(r+1) in, lam(r) out
+        # (lam_next may be a kept buffer of the strategy: read in step 3, before any other
+        # backward of this plan)
         lam_next, _ = p.strategy_obj.backward_chain(Kind(p.kind), kept.M, lam_own, p.group,
-                                                    kept.saved, p.word)
+                                                    kept.saved, p.word, p._pass_keep)
     if not last:  # 3. the rest of the backward, with the gradient of the shard's end state
         given["dht"] = lam_next if dht is None else lam_next + dht
     _run_part(rest, given, p.device)

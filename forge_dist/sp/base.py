@@ -36,20 +36,24 @@ class Strategy:
         return None
 
     def forward_chain(self, kind: Kind, M: Optional[Tensor], delta: Tensor, S0: Tensor,
-                      group, word: int = 0) -> Tuple[Tensor, Any]:
+                      group, word: int = 0, keep: Optional[dict] = None) -> Tuple[Tensor, Any]:
         """Return ``(S_in(r), saved)``; rank 0's ``S_in`` is ``S0``.
 
         ``M`` is ``None`` for the identity kind and may be ``None`` on the last rank, whose
         transition no other rank reads.  ``saved`` is handed back to :meth:`backward_chain`.
         ``word`` is the call's signature word (:mod:`forge_dist.sp.agreement`): it travels
         with the state, and a rank whose peer sent another word returns NaN and records an
-        error that the next call (or :func:`forge_dist.sp.flush`) raises.
+        error that the next call (or :func:`forge_dist.sp.flush`) raises.  ``keep``: a
+        plan's dict, where a strategy may keep buffers and launches from call to call (then
+        ``S_in`` may be such a buffer, valid until the plan's next call); the others ignore it.
         """
         raise NotImplementedError
 
     def backward_chain(self, kind: Kind, M: Optional[Tensor], grad_in: Tensor, group,
-                       saved: Any, word: int = 0) -> Tuple[Tensor, Tensor]:
-        """Given ``g_r`` return ``(lam(r+1), lam(r))`` (``lam(P) = 0``)."""
+                       saved: Any, word: int = 0, keep: Optional[dict] = None
+                       ) -> Tuple[Tensor, Tensor]:
+        """Given ``g_r`` return ``(lam(r+1), lam(r))`` (``lam(P) = 0``); ``keep`` as in
+        :meth:`forward_chain` (``lam(r+1)`` may be a kept buffer)."""
         raise NotImplementedError
 
     # What a sequence-parallel plan's forward program keeps for :meth:`plan_forward`
@@ -74,15 +78,15 @@ class Strategy:
 
 
 def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Tensor],
-                         S0: Tensor, group, word: int = 0
+                         S0: Tensor, group, word: int = 0, keep: Optional[dict] = None
                          ) -> Tuple[Tensor, Optional[Tensor], Any]:
     """``strategy``'s forward chain on a plan program's folded summary (``summary="folded"``:
     ``delta`` and, gated, ``cg``; the delta rule's ``delta`` and ``M``): ``(S_in, M,
     saved)``, ``M`` this rank's shard transition
     (``None`` for the identity kind and on the last rank) and ``saved`` what
-    :meth:`Strategy.backward_chain` takes."""
+    :meth:`Strategy.backward_chain` takes; ``keep`` as in :meth:`Strategy.forward_chain`."""
     M, delta = folded_summary(kind, summaries, S0, group)
-    S_in, saved = strategy.forward_chain(kind, M, delta, S0, group, word)
+    S_in, saved = strategy.forward_chain(kind, M, delta, S0, group, word, keep)
     return S_in, M, saved
 
 

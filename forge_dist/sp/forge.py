@@ -575,7 +575,7 @@ class Forge(Strategy):
                     f"(TRITON_INTERPRET=1 before importing forge_dist)")
         return nvshmem.unavailable_reason()
 
-    def forward_chain(self, kind, M, delta, S0, group, word=0):
+    def forward_chain(self, kind, M, delta, S0, group, word=0, keep=None):
         where = _where(group)
         rank, size = where.rank, where.size
         if size == 1:
@@ -627,7 +627,7 @@ class Forge(Strategy):
                    keep=keep)
         return S0 if rank == 0 else S_in
 
-    def backward_chain(self, kind, M, grad_in, group, saved, word=0):
+    def backward_chain(self, kind, M, grad_in, group, saved, word=0, keep=None):
         where = _where(group)
         rank, size = where.rank, where.size
         lam_next = torch.empty_like(grad_in, memory_format=torch.contiguous_format)

@@ -29,7 +29,7 @@ class Lasp2(Strategy):
 
     name = "lasp2"
 
-    def forward_chain(self, kind, M, delta, S0, group, word=0):
+    def forward_chain(self, kind, M, delta, S0, group, word=0, keep=None):
         rank, size = p2p.rank_and_size(group)
         stamp = Stamp(group, word, delta)
         if M is None and kind is not Kind.IDENTITY:  # the last rank's M is never read
@@ -55,7 +55,7 @@ class Lasp2(Strategy):
         Ms = [None if kind is Kind.IDENTITY else g[n:].view_as(M) for g in gathered]
         return S, Ms
 
-    def backward_chain(self, kind, M, grad_in, group, saved, word=0):
+    def backward_chain(self, kind, M, grad_in, group, saved, word=0, keep=None):
         rank, size = p2p.rank_and_size(group)
         Ms = saved
         grads = p2p.all_gather(grad_in, group, "the state gradients (lasp2's all-gather)")

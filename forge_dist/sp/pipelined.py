@@ -60,7 +60,7 @@ class Pipelined(Strategy):
 
     name = "pipelined"
 
-    def forward_chain(self, kind, M, delta, S0, group, word=0):
+    def forward_chain(self, kind, M, delta, S0, group, word=0, keep=None):
         rank, size = p2p.rank_and_size(group)
 
         def combine(ks, vs, S_tile):
@@ -71,7 +71,7 @@ class Pipelined(Strategy):
                      Stamp(group, word, delta))
         return S_in, None
 
-    def backward_chain(self, kind, M, grad_in, group, saved, word=0):
+    def backward_chain(self, kind, M, grad_in, group, saved, word=0, keep=None):
         rank, size = p2p.rank_and_size(group)
 
         def combine(ks, vs, lam_tile):

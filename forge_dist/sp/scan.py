@@ -249,7 +249,7 @@ class Scan(Strategy):
 
     def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None):
         """The exclusive prefix at position ``pos`` of ``size`` (group rank ``rank_at(p)``);
-        ``keep``: a forward plan's dict for the device rounds' buffers and launches."""
+        ``keep``: a plan's dict for the device rounds' buffers and launches."""
         if on_device(group, d):
             return exclusive_scan(kind, M, d, pos, size,
                                   device_exchange(group, rank_at, word, f"scan-{direction}-",
@@ -279,7 +279,7 @@ class Scan(Strategy):
                           f"the incoming state ({self.name})", keep)
         return (S0 if rank == 0 else S_in), None
 
-    def backward_chain(self, kind, M, grad_in, group, saved, word=0):
+    def backward_chain(self, kind, M, grad_in, group, saved, word=0, keep=None):
         rank, size = p2p.rank_and_size(group)
         if size == 1:
             return torch.zeros_like(grad_in), grad_in.clone()
@@ -287,7 +287,7 @@ class Scan(Strategy):
         Mt = M.transpose(-1, -2) if (kind is Kind.DENSE and M is not None) else M
         lam_next = self._scan(kind, Mt, grad_in, size - 1 - rank, size,
                               lambda p: size - 1 - p, group, word, "bwd",
-                              f"the state gradient ({self.name})")
+                              f"the state gradient ({self.name})", keep)
         return lam_next, grad_in + tr.apply_transposed(kind, M, lam_next)
 
 

@@ -14,7 +14,7 @@ class Serial(Strategy):
 
     name = "serial"
 
-    def forward_chain(self, kind, M, delta, S0, group, word=0):
+    def forward_chain(self, kind, M, delta, S0, group, word=0, keep=None):
         rank, size = p2p.rank_and_size(group)
         stamp = Stamp(group, word, delta)
         if rank == 0:
@@ -30,7 +30,7 @@ class Serial(Strategy):
         stamp.done()
         return S_in, None
 
-    def backward_chain(self, kind, M, grad_in, group, saved, word=0):
+    def backward_chain(self, kind, M, grad_in, group, saved, word=0, keep=None):
         rank, size = p2p.rank_and_size(group)
         if rank == size - 1:
             lam_next = torch.zeros_like(grad_in)

@@ -25,6 +25,28 @@ def _inputs(op, T, seed, gated=True):
     return d
 
 
+def _two_layers(op, gated, strategy, group, rank, P, mine) -> float:
+    """The largest relative difference between the gradients of two calls whose backwards
+    ran after both forwards and those of the same calls each followed by its backward."""
+    from forge_dist import ops
+
+    def call(seed):
+        x = {n: t[:, mine].float().contiguous().requires_grad_(True)
+             for n, t in _inputs(op, P * TL, seed=seed, gated=gated).items()}
+        o, _ = getattr(ops, op)(*x.values(), group=group, strategy=strategy)
+        return x, (o * (1 + seed)).sum()
+    alone = []
+    for seed in (5, 6):
+        x, loss = call(seed)
+        loss.backward()
+        alone.append(x)
+    (xa, la), (xb, lb) = call(5), call(6)
+    lb.backward()
+    la.backward()
+    return max(float((x[n].grad - y[n].grad).norm() / y[n].grad.norm())
+               for x, y in zip((xa, xb), alone) for n in x)
+
+
 def _train_world(group, cases):
     """Every rank runs three training calls per case (one with an initial state and every
     rank's final state in the loss, then twice the usual call, the second on its cached
@@ -55,6 +77,10 @@ def _train_world(group, cases):
                                    twice=strategy == "serial")
             planned &= type(o_r.grad_fn).__name__ == "_PlannedSequenceParallelBackward"
             worst = max(worst, *errors(ref, rank, P, TL, o_r, ht_r, x, s0))
+            if strategy == "scan" and step == 2:
+                # two calls on one plan before either backward (two layers of one shape):
+                # the first backward must see its own incoming state, not the second's
+                worst = max(worst, _two_layers(op, gated, strategy, group, rank, P, mine))
         report[f"{op}{'' if gated else '-ungated'}/{strategy}"] = [worst, planned]
     sp.flush()
     everyone = [None] * P
@@ -64,7 +90,8 @@ def _train_world(group, cases):
 
 def test_training_plans_of_every_strategy_match_fp64_over_gloo():
     """3 concurrent ranks (forge through the simulated transport with random delays):
-    every strategy, linear_attn, simple_gla with and without its gate, gla; the gradients
+    every chain strategy, linear_attn, simple_gla with and without its gate, gla (scan: the
+    two gated ops); the gradients
     of the initial state (rank 0) and of every rank's returned final state flow through the
     reverse chain; serial's calls run their backward twice (``retain_graph``)."""
     from tests.sp.distributed import run_world
@@ -72,6 +99,8 @@ def test_training_plans_of_every_strategy_match_fp64_over_gloo():
     cases = [(op, s, gated) for op, gated in (("linear_attn", True), ("simple_gla", True),
                                               ("simple_gla", False), ("gla", True))
              for s in ("forge", "serial", "lasp2", "pipelined")]
+    # scan keeps its rounds' buffers in the plan, forward and backward (sp/scan.py)
+    cases += [("simple_gla", "scan", True), ("gla", "scan", True)]
     everyone = run_world(3, _train_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_KERNELS": "triton",
                               "FORGE_DIST_SIM_JITTER_MS": "3", "FORGE_DIST_TIMEOUT": "120"})
