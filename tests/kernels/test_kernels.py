@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from forge_dist import kernels  # noqa: E402
-from forge_dist.kernels import scheduler  # noqa: E402
+from forge_dist.kernels import scheduler, vector_state  # noqa: E402
 from forge_dist.selftest import call_reference  # noqa: E402
 from forge_dist.variants import transitions as tr  # noqa: E402
 
@@ -325,7 +325,8 @@ def test_segments_forward_and_summary(monkeypatch, variant, n_seg):
     final state and the SP summary all equal the fp64 recurrence."""
     monkeypatch.setenv("FORGE_DIST_SEGMENTS", str(n_seg))
     # 5 chunks of 64, the last ragged; hgrn (8-token blocks, slow under the interpreter):
-    # 13 blocks, so 5 segments of 3 blocks, the last ragged too
+    # 13 blocks, so 5 segments of 3 blocks, the last ragged too, 64 channels a program
+    monkeypatch.setitem(vector_state.FUSED_CONFIG, "BD", 64)
     inp = make(variant, 2, 300 if variant != "hgrn" else 100, 2, 32, 24, seed=7)
     h0 = torch.randn(state_shape(variant, inp), device=DEV)
     work = kernels.make_work(variant, inp, None, True)

@@ -338,7 +338,7 @@ def test_sequence_parallel_sim_forge(op, P):
         assert _rel(outs[-1][1], ref_h) < 1e-5
 
 
-@pytest.mark.parametrize("execution", [None, "decoupled"])
+@pytest.mark.parametrize("execution", ["fused", "decoupled"])
 def test_sequence_parallel_sim_forge_hgrn(execution):
     """hgrn's per-rank plans over the simulated transport (3 ranks, ranks in chain order):
     a rank before the last walks its segments, scans them from zero into its summary and
@@ -348,11 +348,11 @@ def test_sequence_parallel_sim_forge_hgrn(execution):
     world = SimWorld(P)
     plans = [plan("hgrn", B=B, T=Tl, D=D, dtype=torch.float32, device="cpu", group=world[r],
                   strategy="forge", initial_state=(r == 0), output_final_state=True,
-                  execution=execution, tiles={"BT": 16}) for r in range(P)]
+                  execution=execution, tiles={"BT": 16, "BD": 64}) for r in range(P)]
     d, last = plans[0].describe(), plans[-1].describe()
     assert [x["kernel"] for x in d["launches"]] == ["hgrn", "hgrn_scan", "hgrn"]
     assert d["state_pass_before"] == 2 and d["launches"][-1]["constexprs"]["HAS_SIN"]
-    want_last = ["hgrn"] if execution is None else ["hgrn", "hgrn_scan", "hgrn"]
+    want_last = ["hgrn"] if execution == "fused" else ["hgrn", "hgrn_scan", "hgrn"]
     assert [x["kernel"] for x in last["launches"]] == want_last
     assert last["state_pass_before"] == len(want_last) - 1
     for step in range(3):
@@ -575,9 +575,11 @@ def _sp_plans_world(group, ops_and_strategies):
             layout.forget()
         # 16-token chunks (hgrn: blocks): three per shard, so a decoupled run has two segments
         dims = dict(D=40) if op == "hgrn" else dict(H=H, K=K, V=V)
+        # (hgrn: 64 channels a program, not 256, for the interpreter's sake)
+        tiles = {"BT": 16, "BD": 64} if op == "hgrn" else {"BT": 16}
         p = plan(op, B=B, T=Tl, **dims, dtype=torch.float32, device="cpu",
                  group=group, strategy=strategy, initial_state=rank == 0,
-                 output_final_state=True, execution=execution, tiles={"BT": 16},
+                 output_final_state=True, execution=execution, tiles=tiles,
                  gated=gated)
         worst = 0.0
         for step in range(3):
@@ -591,7 +593,7 @@ def _sp_plans_world(group, ops_and_strategies):
             worst = max(worst, _rank_error(p, inp, h0, ref_o, ref_h, rank, P, Tl))
             if step == 0:
                 kept = _kept_moves(p)
-            if step == 0 and op == "hgrn" and execution is None:
+            if step == 0 and op == "hgrn" and strategy == "forge":
                 # the op's forward with a group takes such a plan, twice (the second call
                 # from its signature), as the matrix-state ops do
                 cache.clear()
@@ -632,10 +634,10 @@ def test_sequence_parallel_plans_of_every_strategy_over_gloo():
     cases += [(op, "scan", None, gated) for op, gated in (("linear_attn", None),
                                                           ("simple_gla", True), ("gla", None))]
     cases += [("simple_gla", "hier", None, True)]
-    # hgrn: its folded summary under forge's kernel (one segment's fold) and a baseline,
-    # one segment and two
-    cases += [("hgrn", "forge", None, None), ("hgrn", "forge", "decoupled", None),
-              ("hgrn", "lasp2", "decoupled", None), ("hgrn", "scan", None, None)]
+    # hgrn: its folded summary under forge's kernel (one segment; the last rank's one walk),
+    # a baseline and scan over two segments (forge's decoupled form: test_..._sim_forge_hgrn)
+    cases += [("hgrn", "forge", "fused", None), ("hgrn", "lasp2", "decoupled", None),
+              ("hgrn", "scan", "decoupled", None)]
     everyone = run_world(3, _sp_plans_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
                               "FORGE_DIST_TIMEOUT": "120"})
