@@ -71,9 +71,10 @@ class Strategy:
         gated, ``cg [n_seg + 1, B, H, K]`` (row ``n_seg``: the shard's summed log decay).
         ``S0``: rank 0's start; zeros on the other ranks (and rank 0 without an initial
         state).  ``S_in``: a buffer this rank may fill with its incoming state (rank > 0);
-        returns the incoming state (``S0`` on rank 0).
+        returns the incoming state (``S0`` on rank 0).  ``keep``: the plan's dict, as in
+        :meth:`forward_chain`.
         """
-        out, _, _ = folded_forward_chain(self, kind, summaries, S0, group, word)
+        out, _, _ = folded_forward_chain(self, kind, summaries, S0, group, word, keep)
         return out
 
 
@@ -85,15 +86,6 @@ def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Te
     saved)``, ``M`` this rank's shard transition
     (``None`` for the identity kind and on the last rank) and ``saved`` what
     :meth:`Strategy.backward_chain` takes; ``keep`` as in :meth:`Strategy.forward_chain`."""
-    M, delta = folded_summary(kind, summaries, S0, group)
-    S_in, saved = strategy.forward_chain(kind, M, delta, S0, group, word, keep)
-    return S_in, M, saved
-
-
-def folded_summary(kind: Kind, summaries: Dict[str, Tensor], S0: Tensor, group
-                   ) -> Tuple[Optional[Tensor], Tensor]:
-    """``(M, delta)`` of this rank's shard from a plan program's folded summary (see
-    :func:`folded_forward_chain`); the last rank's is ``(None, S0)``: nobody reads it."""
     rank, size = p2p.rank_and_size(group)
     M = None
     if rank < size - 1:
@@ -109,7 +101,8 @@ def folded_summary(kind: Kind, summaries: Dict[str, Tensor], S0: Tensor, group
             M = (total[..., 0] if kind is Kind.SCALAR else total).exp()
     else:  # the last rank: nobody reads its carry
         delta = S0
-    return M, delta
+    S_in, saved = strategy.forward_chain(kind, M, delta, S0, group, word, keep)
+    return S_in, M, saved
 
 
 _REGISTRY: Dict[str, Strategy] = {}

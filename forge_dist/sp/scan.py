@@ -41,7 +41,7 @@ from ..variants import transitions as tr
 from ..variants.transitions import Kind
 from . import p2p
 from .agreement import TRAILER, Stamp
-from .base import Strategy, folded_summary, register
+from .base import Strategy, register
 
 
 def transition_shape(kind: Kind, like: Tensor) -> Optional[Tuple[int, ...]]:
@@ -259,13 +259,6 @@ class Scan(Strategy):
                              host_exchange(group, rank_at, stamp, what, size))
         stamp.done()
         return out
-
-    def plan_forward(self, kind, summaries, S0, S_in, group, word=0, keep=None):
-        """As :meth:`.base.Strategy.plan_forward`, the device rounds kept in the plan's
-        ``keep`` (:func:`device_move`): the result may be a kept buffer, read by this call's
-        output walks before the next call's rounds rewrite it."""
-        M, delta = folded_summary(kind, summaries, S0, group)
-        return self.forward_chain(kind, M, delta, S0, group, word, keep=keep)[0]
 
     def forward_chain(self, kind, M, delta, S0, group, word=0, keep=None):
         rank, size = p2p.rank_and_size(group)
