@@ -69,6 +69,8 @@
 #                                                     #   host profile), then the 16K cell (~5 min)
 #   bash scaling_benchmarks/device_batch.sh keptplans # 2 GPUs: hgrn's sequence-parallel plan and scan's kept
 #                                                     #   rounds: GPU checks, then hgrn fwd / 16K scan cells (~8 min)
+#   NAME=x LIMIT=300 PYTEST_ARGS="-m gpu tests/nn" bash scaling_benchmarks/device_batch.sh pytest
+#                                                     # any pytest selection as one step
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -89,7 +91,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -275,10 +277,14 @@ case "$stage" in
     step keptplans_checks "${CHECKS_LIMIT:-260}" env FORGE_MG_CHECKS=available,plans,op_hgrn,no_host_sync_forge,no_host_sync_scan,scan_op_simple_gla,hier_op_simple_gla,no_host_sync_hier \
       python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py
     reap
+    [ "${KEPT_WS:-1}" = 1 ] || continue  # KEPT_WS=0: the checks alone
     ws keptplans_hgrn 100 2 hgrn fwd 1 32768 b1h32-32k-hgrn-plan forge,serial,lasp2,scan
     FORGE_DIST_RANKS_PER_NODE=1 ws keptplans_16k 110 2 simple_gla fwd 1 16384 b1h32-16k-kept \
       forge,lasp2,scan,hier
     reap ;;
+  pytest)  # one pytest selection (PYTEST_ARGS) as a step named NAME, LIMIT seconds
+    step "${NAME:-pytest}" "${LIMIT:-300}" python3 -m pytest -v -p no:cacheprovider --durations=20 \
+      ${PYTEST_ARGS:?PYTEST_ARGS names the tests} ;;
   layers)  # every layer against FLA's on one GPU, with the per-kernel breakdown of ours
     step layers 560 python3 scaling_benchmarks/layers.py --kernels 5 --out "$OUT" ;;
   tests)
