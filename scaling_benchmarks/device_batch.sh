@@ -69,6 +69,8 @@
 #                                                     #   host profile), then the 16K cell (~5 min)
 #   bash scaling_benchmarks/device_batch.sh keptplans # 2 GPUs: hgrn's sequence-parallel plan and scan's kept
 #                                                     #   rounds: GPU checks, then hgrn fwd / 16K scan cells (~8 min)
+#   bash scaling_benchmarks/device_batch.sh lo-base   # 1 GPU: launch_overhead at BASE, then here (~4 min)
+#   bash scaling_benchmarks/device_batch.sh sd-base   # 1 GPU: single_device (SD_T) at BASE, then here (~4 min)
 #   NAME=x LIMIT=300 PYTEST_ARGS="-m gpu tests/nn" bash scaling_benchmarks/device_batch.sh pytest
 #                                                     # any pytest selection as one step
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
@@ -91,7 +93,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -107,7 +109,9 @@ step() {  # step NAME SECONDS COMMAND...
   echo "== $name rc=${PIPESTATUS[0]}" | tee -a "$OUT/batch.log"
 }
 
-reap() {  # workers that a timed-out step left behind (torchrun starts its own sessions)
+reap() {  # workers that a timed-out step left behind (torchrun starts its own sessions);
+  # REAP=0 where another job runs on the other cards (pkill does not know whose workers they are)
+  [ "${REAP:-1}" = 1 ] || return 0
   pkill -9 -f "tests/comm/multigpu_worker.py|tests/sp/kernel_path_worker.py|torch.distributed.run|weak_scaling.py" 2>/dev/null
   sleep 2
 }
@@ -274,7 +278,7 @@ case "$stage" in
   keptplans)  # the scaling issue (2026-11-27, fifth session): hgrn's forward with a group on
     # its plan, scan's and hier's plans keeping their rounds; their GPU checks, then the cells
     reap
-    step keptplans_checks "${CHECKS_LIMIT:-260}" env FORGE_MG_CHECKS=available,plans,op_hgrn,no_host_sync_forge,no_host_sync_scan,scan_op_simple_gla,hier_op_simple_gla,no_host_sync_hier \
+    [ "${KEPT_CHECKS:-1}" = 1 ] && step keptplans_checks "${CHECKS_LIMIT:-260}" env FORGE_MG_CHECKS=available,plans,op_hgrn,no_host_sync_forge,no_host_sync_scan,scan_op_simple_gla,hier_op_simple_gla,no_host_sync_hier \
       python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py
     reap
     [ "${KEPT_WS:-1}" = 1 ] || continue  # KEPT_WS=0: the checks alone
@@ -282,6 +286,22 @@ case "$stage" in
     FORGE_DIST_RANKS_PER_NODE=1 ws keptplans_16k 110 2 simple_gla fwd 1 16384 b1h32-16k-kept \
       forge,lasp2,scan,hier
     reap ;;
+  lo-base|sd-base)  # the architecture issue's no-regression check on this card: launch_overhead
+    # (lo-base) or single_device (sd-base, SD_T) at BASE (./_base), then here; tags TAG-base / TAG-head
+    t=${TAG:-rerun}
+    if [ "$stage" = lo-base ]; then
+      step lo_base 110 env PYTHONPATH="$PWD/_base:/tmp/site" FORGE_DIST_COMMIT="${BASE_COMMIT:-base}" \
+        python3 _base/scaling_benchmarks/launch_overhead.py --repeats 3 --cache-dir /tmp/aot_base \
+        --out "$OUT" --tag "$t-base"
+      step lo_head 110 python3 scaling_benchmarks/launch_overhead.py --repeats 3 \
+        --cache-dir /tmp/aot_head --out "$OUT" --tag "$t-head"
+    else
+      sd_args=(--T "${SD_T:-4096,16384}" --no-dsl --sweep "" --impls forge_dist/auto,ops)
+      step sd_base 120 env PYTHONPATH="$PWD/_base:/tmp/site" FORGE_DIST_COMMIT="${BASE_COMMIT:-base}" \
+        python3 _base/scaling_benchmarks/single_device.py "${sd_args[@]}" --out "$OUT" --tag "$t-base"
+      step sd_head 120 python3 scaling_benchmarks/single_device.py "${sd_args[@]}" --out "$OUT" \
+        --tag "$t-head"
+    fi ;;
   pytest)  # one pytest selection (PYTEST_ARGS) as a step named NAME, LIMIT seconds
     step "${NAME:-pytest}" "${LIMIT:-300}" python3 -m pytest -v -p no:cacheprovider --durations=20 \
       ${PYTEST_ARGS:?PYTEST_ARGS names the tests} ;;
