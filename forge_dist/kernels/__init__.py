@@ -119,12 +119,18 @@ def _module(name: str):
     return importlib.import_module(f"{__name__}.{name}")
 
 
+_WORK_CLASSES: dict = {}  # variant -> its work class (looked up per eager call)
+
+
 def _work_class(variant: str):
-    spec = _spec(variant)
-    if spec is None:
-        return None
-    pattern = PATTERNS[spec.pattern]
-    return getattr(_module(pattern.module), pattern.work)
+    cls = _WORK_CLASSES.get(variant)
+    if cls is None:
+        spec = _spec(variant)
+        if spec is None:
+            return None
+        pattern = PATTERNS[spec.pattern]
+        cls = _WORK_CLASSES[variant] = getattr(_module(pattern.module), pattern.work)
+    return cls
 
 
 def mappable(variant: str) -> tuple:
@@ -205,8 +211,8 @@ def make_work(variant: str, inputs: Dict[str, Optional[torch.Tensor]], scale: Op
             kernels read the raw inputs and map every tile they load (inputs of
             :func:`mappable` only).
     """
-    maps = {n: m for n, m in (maps or {}).items() if m is not None}
-    extra = set(maps) - set(mappable(variant))
+    maps = {n: m for n, m in maps.items() if m is not None} if maps else {}
+    extra = set(maps) - set(mappable(variant)) if maps else ()
     if extra:
         raise ValueError(f"make_work: maps: {variant} fuses prologues of "
                          f"{mappable(variant)} only, got {sorted(extra)}")

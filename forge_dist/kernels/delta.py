@@ -17,6 +17,8 @@ for the fp32 option); fp32 inputs use fp32 operands with 3xTF32 dots.
 """
 from __future__ import annotations
 
+import functools
+
 import os
 from typing import Any, Dict, List, Optional
 
@@ -374,6 +376,15 @@ def wy_launch_records(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dt
                                                    prec=prec, cfg=cfg, store_a=store_a)]
 
 
+@functools.lru_cache(maxsize=64)
+def _wy_records(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, gated: bool,
+                prec: str, store_a: bool, config: tuple) -> tuple:
+    """:func:`wy_launch_records` for :func:`wy`, kept per shape and ``WY_CONFIG``'s items
+    (an eager call built them every time: about 5 us of Python).  Read only."""
+    return tuple(wy_launch_records(B, T, H, K, V, dtype=dtype, gated=gated, prec=prec,
+                                   cfg=dict(config), store_a=store_a))
+
+
 def wy_kernel_specs(K: int = 128, V: int = 128, *, H: int = 32, dtype=torch.bfloat16,
                     gated: bool = True, prec: str = None, store_x: bool = False,
                     store_a: bool = False) -> list:
@@ -414,8 +425,8 @@ def wy(k, v, g, beta, *, BT: int, prec: str, dtype, store_x: bool = False, q=Non
     a = None if q is None else torch.empty(B, T, H, BT, dtype=q.dtype, device=k.device)
     tensors = {"k": k, "v": v, "beta": beta, "w": w, "u": u, "xs": xs}
     tensors.update((n, t) for n, t in (("g", g), ("q", q), ("a", a)) if t is not None)
-    for ln in wy_launch_records(B, T, H, K, V, dtype=k.dtype, gated=g is not None, prec=prec,
-                                store_a=q is not None):
+    for ln in _wy_records(B, T, H, K, V, k.dtype, g is not None, prec, q is not None,
+                          tuple(WY_CONFIG.items())):
         run_launch(ln, tensors, _wy_kernel)
     if store_x:
         return w, u, xs

@@ -347,7 +347,7 @@ def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True, n_seg: int = 1, m
         consts = {n: v for n, v in ln.constexprs if n not in ("BT", "BD")}
         _hgrn_tuned[lambda meta: (triton.cdiv(D, meta["BD"]), B, 1)](**call, **consts)
         return o, ht
-    if maps is None:
+    if not maps:  # (the works pass {} for no prologues)
         prog = _eager_program(B, T, D, x.dtype, h0 is not None, store_o, n_seg,
                               tuple(FUSED_CONFIG.items()))
     else:

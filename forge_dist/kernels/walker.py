@@ -486,6 +486,34 @@ def _run_walker(ln, tensors: Dict[str, Tensor], cfg: dict) -> None:
         run_launch(ln, tensors, _gate_cumsum_kernel)
 
 
+# walk()'s launch records per call shape: building them (walk_launches) is about 10 us of
+# Python per eager call, which host-bound calls of a few K tokens pay in full
+_SCHEDULES: Dict[tuple, tuple] = {}
+
+
+def _walk_schedule(present: tuple, B: int, T: int, H: int, K: int, V: int, gate: int,
+                   scale: float, cfg: dict, prec: str, n_seg: int, maps, raw_gates: bool):
+    """``(launches, workspaces)`` of :func:`.walker_launches.walk_launches` for the
+    tensors named in ``present`` (every other input absent); kept per shape unless ``maps``
+    (prologue functions, identified by object) are given."""
+    key = None if maps else (present, B, T, H, K, V, gate, float(scale), prec, n_seg,
+                             tuple(cfg.items()), raw_gates)
+    hit = _SCHEDULES.get(key) if key is not None else None
+    if hit is None:
+        names = {n: (n if n in present else None)
+                 for n in ("q", "k", "v", "g", "w", "h0", "o", "ht", "a", "hc", "vn")}
+        workspaces: Dict[str, Buffer] = {}
+        launches = walk_launches(workspaces, **names, B=B, T=T, H=H, K=K, V=V, gate=gate,
+                                 scale=scale, cfg=cfg, prec=prec, n_seg=n_seg, maps=maps,
+                                 raw_gates=raw_gates)
+        hit = (tuple(launches), tuple(workspaces.items()))
+        if key is not None:
+            if len(_SCHEDULES) >= 256:  # shapes of a long-running process: start over
+                _SCHEDULES.clear()
+            _SCHEDULES[key] = hit
+    return hit
+
+
 def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optional[Tensor] = None,
          gate: int = 0, w: Optional[Tensor] = None, h0: Optional[Tensor] = None,
          scale: float = 1.0, V: Optional[int] = None, out_dtype=torch.float32,
@@ -558,12 +586,9 @@ def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optio
     given = dict(q=q, k=k, v=v, g=g, w=w, h0=h0, o=o, ht=ht, a=a, hc=chunk_states,
                  vn=walked_v)
     tensors = {name: t for name, t in given.items() if t is not None}
-    names = {name: (name if t is not None else None) for name, t in given.items()}
-    workspaces: Dict[str, Buffer] = {}
-    launches = walk_launches(workspaces, **names, B=B, T=T, H=H, K=K, V=V, gate=gate,
-                             scale=scale, cfg=cfg, prec=prec, n_seg=n_seg, maps=maps,
-                             raw_gates=raw_gates)
-    for name, buf in workspaces.items():  # the decoupled schedule's segment states
+    launches, workspaces = _walk_schedule(tuple(tensors), B, T, H, K, V, gate, scale, cfg,
+                                          prec, n_seg, maps, raw_gates)
+    for name, buf in workspaces:  # the decoupled schedule's segment states
         tensors[name] = torch.empty(buf.shape, dtype=buf.dtype, device=k.device)
     for ln in launches:
         _run_walker(ln, tensors, cfg)

@@ -95,6 +95,34 @@ def test_forward_matches_reference(variant, execution, shape):
     assert o.dtype == torch.float32 and ht.dtype == torch.float32
 
 
+@pytest.mark.parametrize("variant,cache", [
+    ("simple_gla", "walk"), ("gated_delta_rule", "wy"), ("hgrn", "program")])
+def test_a_repeated_eager_call_reuses_its_launch_records(variant, cache):
+    """The eager path (the runner's and shard_call's work objects) builds its launch records
+    once per shape: the walk's schedule, the delta rule's WY launches, hgrn's program.  (hgrn's
+    cache was never hit while the works passed ``maps={}`` and it looked for ``None``.)  A
+    second call with other tensors of the same shape still gives the reference's result."""
+    from forge_dist.kernels import delta, walker
+
+    def hits():
+        if cache == "walk":
+            return len(walker._SCHEDULES), sum(map(id, walker._SCHEDULES.values()))
+        info = (delta._wy_records if cache == "wy" else vector_state._eager_program).cache_info()
+        return info.currsize, info.hits
+
+    for seed in (0, 1):
+        inp = make(variant, 1, 40, 2, 16, 16, seed=seed)
+        if seed == 1:
+            before = hits()
+        o = kernels.make_work(op_name(variant), inp, None, False).finish(None)[0]
+        assert rel(o, reference(variant, inp, None)[0]) <= 1e-4
+    after = hits()
+    if cache == "walk":  # kept after the first call, no new schedule, the same records
+        assert before[0] > 0 and after == before, (before, after)
+    else:  # nothing new kept, one more hit
+        assert after == (before[0], before[1] + 1), (before, after)
+
+
 @pytest.mark.parametrize("execution", ["fused", "decoupled"])
 @pytest.mark.parametrize("tokens_limit", [0, 10 ** 9], ids=["gate-sum-launch", "sum-in-walk"])
 def test_scalar_gate_sum_in_walk_or_before(monkeypatch, execution, tokens_limit):
