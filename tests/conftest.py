@@ -22,3 +22,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and n_gpus < 2:
             item.add_marker(skip_multi)
+
+
+def pytest_runtest_logreport(report):
+    """``FORGE_DIST_TEST_INSTAFAIL=1`` (the device batches set it): a failure's traceback is
+    printed when it happens, not in the summary, which a step killed at its time limit never
+    reaches (2026-11-27: a GPU test's failure was lost twice that way)."""
+    if report.failed and os.environ.get("FORGE_DIST_TEST_INSTAFAIL") == "1":
+        print(f"\n==== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n",
+              flush=True)
