@@ -19,11 +19,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..variants import delta_rule
 from .compat import HAVE_TRITON, tl, triton
 
 MAX_WIDTH = 4
-#: the L2 normalisation's floor on the norm (``forge_dist.ops.gated_delta_rule``'s)
-L2_EPS = 1e-6
+#: the L2 normalisation's epsilon, inside the root (``variants.delta_rule.l2_normalize``)
+L2_EPS = delta_rule.L2_EPS
 #: token and channel tile of one program
 BLOCK_T, BLOCK_D = 64, 128
 
@@ -80,9 +81,9 @@ if HAVE_TRITON:
                    HAS_BIAS, HAS_POS, ACC, BT, BD)
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
-        if L2NORM:
+        if L2NORM:  # acc / sqrt(|acc|^2 + eps), FLA's form
             eps = tl.full([BT], _EPS, ACC)  # a float literal would be fp32 in fp64 math
-            acc = acc / tl.maximum(tl.sqrt(tl.sum(acc * acc, axis=1)), eps)[:, None]
+            acc = acc / tl.sqrt(tl.sum(acc * acc, axis=1) + eps)[:, None]
         off = (b.to(tl.int64) * T + rows.to(tl.int64))[:, None] * D + cols[None, :]
         tl.store(y + off, acc.to(y.dtype.element_ty),
                  mask=(rows < T)[:, None] & mask_d[None, :])
@@ -115,13 +116,11 @@ if HAVE_TRITON:
                 act = pre * sg
             else:
                 act = pre
-            if L2NORM:  # n = act / max(|act|, eps): back through the normalisation first
-                nrm = tl.sqrt(tl.sum(act * act, axis=1))
+            if L2NORM:  # n = act * r, r = (|act|^2 + eps)^-1/2: dact = r (dn - n (dn . n))
                 eps = tl.full([BT], _EPS, ACC)  # a float literal would be fp32 in fp64 math
-                den = tl.maximum(nrm, eps)
+                den = tl.sqrt(tl.sum(act * act, axis=1) + eps)
                 n = act / den[:, None]
-                g = tl.where((nrm > eps)[:, None],
-                             g - n * tl.sum(g * n, axis=1)[:, None], g) / den[:, None]
+                g = (g - n * tl.sum(g * n, axis=1)[:, None]) / den[:, None]
             if SILU:
                 g = g * sg * (1.0 + pre * (1.0 - sg))
             if HAS_POS:

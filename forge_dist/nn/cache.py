@@ -30,6 +30,7 @@ from torch import Tensor
 
 from .. import ops
 from ..sp import p2p
+from ..variants.delta_rule import l2_normalize
 from . import decode
 
 
@@ -159,9 +160,7 @@ class CacheCall:
             cached = cached[len(self.conv_states)] if isinstance(cached, (tuple, list)) else cached
             y, state = conv_step(conv, x, cached)
             if l2norm_head_dim is not None:
-                heads = y.unflatten(-1, (-1, l2norm_head_dim))
-                wide = heads if heads.dtype == torch.float64 else heads.float()
-                y = F.normalize(wide, dim=-1, eps=1e-6).to(y.dtype).flatten(-2)
+                y = l2_normalize(y.unflatten(-1, (-1, l2norm_head_dim))).flatten(-2)
         else:
             y = conv(x, cu_seqlens=self.cu_seqlens, group=self.group,
                      l2norm_head_dim=l2norm_head_dim)

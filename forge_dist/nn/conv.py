@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.short_conv import MAX_WIDTH, l2norm_supported, short_conv, short_conv_step
+from ..variants.delta_rule import l2_normalize
 from .fused import use_fused
 from .halo import halo_exchange
 from .shard import positions
@@ -73,7 +74,7 @@ class ShortConvolution(nn.Conv1d):
         if l2norm_head_dim is None:
             return y
         heads = y.reshape(B, T, D // l2norm_head_dim, l2norm_head_dim)
-        return (heads / heads.norm(dim=-1, keepdim=True).clamp_min(1e-6)).reshape(B, T, D)
+        return l2_normalize(heads).reshape(B, T, D)
 
     def _torch_forward(self, x: Tensor, cu_seqlens: Optional[Tensor], group) -> Tensor:
         B, T, D = x.shape
@@ -103,7 +104,7 @@ class ShortConvolution(nn.Conv1d):
         if l2norm_head_dim is None:
             return y
         heads = y.reshape(*y.shape[:-1], y.shape[-1] // l2norm_head_dim, l2norm_head_dim)
-        return (heads / heads.norm(dim=-1, keepdim=True).clamp_min(1e-6)).reshape(y.shape)
+        return l2_normalize(heads).reshape(y.shape)
 
     def _step(self, x: Tensor, cache: Tensor) -> Tensor:
         shape = x.shape

@@ -14,6 +14,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..variants.delta_rule import l2_normalize
+
 
 def _wide(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -63,8 +65,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
                      use_qk_l2norm_in_kernel=False, **_):
     wide = _wide(q)
     if use_qk_l2norm_in_kernel:
-        q = q.to(wide) / q.to(wide).norm(dim=-1, keepdim=True).clamp_min(1e-6)
-        k = k.to(wide) / k.to(wide).norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        q, k = l2_normalize(q.to(wide)), l2_normalize(k.to(wide))
     decay = None if g is None else g[:, 0].to(wide).exp()[..., None, None]
     o, S = _matrix_step(q, k, v, initial_state, scale, decay=decay,
                         beta=beta[:, 0].to(wide))

@@ -266,9 +266,8 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta:
         checks.tensor("g", g, [B, T, H])
     checks.tensor("beta", beta, [B, T, H])
     if use_qk_l2norm_in_kernel:
-        q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-        k = checks.tensor("k", k, [B, T, H, K])
-        k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        q = delta_rule.l2_normalize(q)
+        k = delta_rule.l2_normalize(checks.tensor("k", k, [B, T, H, K]))
 
     def summarize(p, s, need_M):
         return delta_rule.summarize(p["q"], p["k"], p["v"], p["g"], p["beta"], s,

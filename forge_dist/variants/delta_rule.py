@@ -21,6 +21,18 @@ from . import chunked as ck
 from .base import SegmentSummary
 from .transitions import Kind
 
+#: the key normalisation's epsilon, inside the root as FLA's (``use_qk_l2norm_in_kernel``)
+L2_EPS = 1e-6
+
+
+def l2_normalize(x: Tensor, eps: float = L2_EPS) -> Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension, computed in fp32 (fp64 for fp64
+    inputs) and returned in ``x``'s dtype: FLA's form, which its GatedDeltaNet layers and
+    ``use_qk_l2norm_in_kernel`` use (``x / max(|x|, eps)`` differs by about
+    ``eps / (2 |x|^2)`` relative, 1.6e-3 in a freshly initialised layer's outputs)."""
+    wide = x if x.dtype == torch.float64 else x.float()
+    return (wide * torch.rsqrt((wide * wide).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
 
 def summarize(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Tensor, scale: float,
               *, need_transition: bool, chunk_size: int = 32) -> SegmentSummary:

@@ -96,8 +96,9 @@ def gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
     """
     scale = _default_scale(q, scale)
     if use_qk_l2norm_in_kernel:
-        q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-        k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        # FLA's form, spelled out here (the reference does not call the ops' helper)
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
 
     def step(S, b, t):
         if g is not None:

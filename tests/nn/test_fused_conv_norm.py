@@ -78,21 +78,26 @@ def test_short_conv_matches_torch_path(K, bias, act, halo, packed):
 
 @pytest.mark.parametrize("act", ["silu", None])
 def test_short_conv_fused_l2norm(act):
-    """``l2norm_head_dim`` normalises every head after the activation like the gated delta
-    rule's ``q / max(|q|, 1e-6)``; an all-zero head takes the floor branch."""
+    """``l2norm_head_dim`` normalises every head after the activation as FLA's GatedDeltaNet
+    does, ``y / sqrt(|y|^2 + 1e-6)``: an all-zero head stays zero, and a head with
+    ``|y|^2`` near the epsilon is scaled by about 1/sqrt(2) (``y / max(|y|, eps)``, the form
+    used before, made it a unit vector)."""
     torch.manual_seed(1)
     B, T, D, hd = 2, 40, 64, 32
     m = ShortConvolution(D, 4, activation=act).double()
     x = torch.randn(B, T, D, dtype=F64)
     x[0, :, :hd] = 0  # batch 0, head 0: zero input, zero output (silu(0) = 0)
+    x[1, :, hd:] *= 1e-4  # batch 1, head 1: |y|^2 of the order of the epsilon
     x.requires_grad_()
     h = torch.randn(B, 3, D, dtype=F64)
     h[0, :, :hd] = 0
     h.requires_grad_()
     got = short_conv(x, m.weight, None, h, None, act, l2norm_head_dim=hd)
     y = m._local(x, h, None).reshape(B, T, D // hd, hd)
-    want = (y / y.norm(dim=-1, keepdim=True).clamp_min(1e-6)).reshape(B, T, D)
+    want = (y / torch.sqrt((y * y).sum(-1, keepdim=True) + 1e-6)).reshape(B, T, D)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    small = got.detach().reshape(B, T, D // hd, hd)[1, 3:, 1].norm(dim=-1)  # past the halo
+    assert small.max() < 0.9, small.max()  # not unit vectors
     up = torch.randn_like(want)
     _assert_same(_grads(got, [x, m.weight, h], up), _grads(want, [x, m.weight, h], up))
 

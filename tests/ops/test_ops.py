@@ -70,6 +70,23 @@ def test_gated_delta_rule_l2norm_flag():
            ref.gated_delta_rule_ref(q, k, v, g, beta, **kw), 1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_l2norm_flag_is_flas_form_for_small_keys(dtype):
+    """``use_qk_l2norm_in_kernel`` normalises as FLA's kernels do, ``x / sqrt(|x|^2 + 1e-6)``
+    (FLA's l2norm and fused_recurrent): where ``|k|^2`` is of the order of the epsilon, as
+    in a freshly initialised GatedDeltaNet, ``x / max(|x|, 1e-6)`` gave other outputs."""
+    q, k, v, g, _, beta, _ = _inputs(1, 24, 2, 8, 4)
+    q, k = q * 1e-3, k * 1e-3  # |x|^2 about 8e-6
+    qf = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    kf = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    want = ref.gated_delta_rule_ref(qf, kf, v, g, beta)[0]
+    unit = ref.gated_delta_rule_ref(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta)[0]
+    assert rel_err(unit, want) > 0.05  # the two forms differ here
+    got = ops.gated_delta_rule(*(t.to(dtype) for t in (q, k, v, g, beta)),
+                               use_qk_l2norm_in_kernel=True)[0]
+    assert rel_err(got.double(), want) < (1e-10 if dtype == torch.float64 else 1e-5)
+
+
 @pytest.mark.parametrize("T", [1, 17, 300])
 def test_hgrn(T):
     gen = torch.Generator().manual_seed(T)
