@@ -248,8 +248,9 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta:
             Inf/NaN (``FORGE_DIST_CHECK_FINITE=1`` names the first one).
         g: ``[B, T, H]`` log decays, or ``None`` for DeltaNet.
         beta: ``[B, T, H]`` write strengths in ``[0, 1]`` (FLA's layers take a sigmoid).
-        use_qk_l2norm_in_kernel: L2-normalise q and k over the head dimension first (FLA's
-            flag of the same name).
+        use_qk_l2norm_in_kernel: L2-normalise q and k over the head dimension first, as
+            FLA's flag of the same name does: ``x / sqrt(|x|^2 + 1e-6)``
+            (:func:`forge_dist.variants.delta_rule.l2_normalize`).
     """
     front_key = None
     if not use_qk_l2norm_in_kernel:
