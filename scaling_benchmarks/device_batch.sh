@@ -71,6 +71,8 @@
 #                                                     #   rounds: GPU checks, then hgrn fwd / 16K scan cells (~8 min)
 #   bash scaling_benchmarks/device_batch.sh lo-base   # 1 GPU: launch_overhead at BASE, then here (~4 min)
 #   bash scaling_benchmarks/device_batch.sh sd-base   # 1 GPU: single_device (SD_T) at BASE, then here (~4 min)
+#   OP=hgrn TOKENS=32768 bash scaling_benchmarks/device_batch.sh spprof # 2 GPUs: traces and host
+#                                                     #   profile of one op's sequence-parallel call (~4 min)
 #   NAME=x LIMIT=300 PYTEST_ARGS="-m gpu tests/nn" bash scaling_benchmarks/device_batch.sh pytest
 #                                                     # any pytest selection as one step
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
@@ -93,7 +95,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 
@@ -302,6 +304,13 @@ case "$stage" in
       step sd_head 120 python3 scaling_benchmarks/single_device.py "${sd_args[@]}" --out "$OUT" \
         --tag "$t-head"
     fi ;;
+  spprof)  # 2 GPUs: one op's sequence-parallel call per rank (Chrome traces, host profile):
+    # OP (simple_gla), TOKENS (16384), STRATEGIES (forge), e.g. OP=hgrn TOKENS=32768
+    reap
+    step spprof_${OP:-simple_gla} 240 torchrun --nproc-per-node 2 scaling_benchmarks/sp_profile.py \
+      --op "${OP:-simple_gla}" --tokens "${TOKENS:-16384}" --strategies "${STRATEGIES:-forge}" \
+      --trace --host-profile 100 --out "$OUT"
+    reap ;;
   pytest)  # one pytest selection (PYTEST_ARGS) as a step named NAME, LIMIT seconds
     step "${NAME:-pytest}" "${LIMIT:-300}" python3 -m pytest -v -p no:cacheprovider --durations=20 \
       ${PYTEST_ARGS:?PYTEST_ARGS names the tests} ;;
