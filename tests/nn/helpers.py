@@ -71,3 +71,43 @@ def sum_ranks(x: torch.Tensor, group) -> torch.Tensor:
     y = x.clone()
     dist.all_reduce(y, group=group)
     return y
+
+
+def fla_model_configs(hidden: int, vocab: int, small: bool = False) -> dict:
+    """name -> ``(FLA model class, config)`` of a two-layer FLA model of every patchable
+    layer type (skips the test without FLA's model package); ``small``: the head sizes of
+    the CPU test (FLA's kernels through Triton's interpreter)."""
+    import pytest
+    M = pytest.importorskip("fla.models")
+    common = dict(hidden_size=hidden, num_hidden_layers=2, vocab_size=vocab)
+    hd = 32 if small else 64
+    return {
+        "gdn": (M.GatedDeltaNetForCausalLM,
+                M.GatedDeltaNetConfig(head_dim=hd, num_heads=2 if small else 6, expand_v=2,
+                                      **common)),
+        "gla": (M.GLAForCausalLM, M.GLAConfig(num_heads=2 if small else 4, **common)),
+        "gla_conv_gqa": (M.GLAForCausalLM, M.GLAConfig(num_heads=4, num_kv_heads=2,
+                                                       use_short_conv=True, **common)),
+        "hgrn": (M.HGRNForCausalLM, M.HGRNConfig(**common)),
+        "hgrn_conv": (M.HGRNForCausalLM, M.HGRNConfig(use_short_conv=True, **common)),
+        "retnet": (M.RetNetForCausalLM, M.RetNetConfig(num_heads=2 if small else 4, **common)),
+        # n_groups=1: FLA's PyTorch fallback (used without mamba_ssm) tiles the B/C groups
+        # over the heads in its prefill but interleaves them in its decoding step
+        "mamba2": (M.Mamba2ForCausalLM,
+                   M.Mamba2Config(head_dim=hd, num_heads=8 if small else 16,
+                                  state_size=16 if small else 64, n_groups=1, **common)),
+        "linear_attn": (M.LinearAttentionForCausalLM,
+                        M.LinearAttentionConfig(num_heads=2 if small else 4, **common)),
+    }
+
+
+def fla_cache_states(cache) -> dict:
+    """``{(layer, kind, i): tensor}`` of an FLA cache: recurrent states, convolution tails."""
+    out = {}
+    for layer, state in enumerate(cache):
+        out[(layer, "recurrent", 0)] = state["recurrent_state"]
+        convs = state["conv_state"]
+        if convs is not None:
+            for i, c in enumerate(convs if isinstance(convs, (tuple, list)) else (convs,)):
+                out[(layer, "conv", i)] = c
+    return out

@@ -18,28 +18,13 @@ import torch
 
 from forge_dist import nn as fnn
 
-from .helpers import rel_err
+from .helpers import fla_cache_states, fla_model_configs, rel_err
 
 HIDDEN, VOCAB, T, B = 128, 100, 48, 2
 
 
 def _configs():
-    M = pytest.importorskip("fla.models")
-    common = dict(hidden_size=HIDDEN, num_hidden_layers=2, vocab_size=VOCAB)
-    return {
-        "gdn": (M.GatedDeltaNetForCausalLM,
-                M.GatedDeltaNetConfig(head_dim=32, num_heads=2, expand_v=2, **common)),
-        "gla": (M.GLAForCausalLM, M.GLAConfig(num_heads=2, **common)),
-        "gla_conv_gqa": (M.GLAForCausalLM, M.GLAConfig(num_heads=4, num_kv_heads=2,
-                                                       use_short_conv=True, **common)),
-        "hgrn_conv": (M.HGRNForCausalLM, M.HGRNConfig(use_short_conv=True, **common)),
-        "retnet": (M.RetNetForCausalLM, M.RetNetConfig(num_heads=2, **common)),
-        "mamba2": (M.Mamba2ForCausalLM,
-                   M.Mamba2Config(head_dim=32, num_heads=8, state_size=16, n_groups=1,
-                                  **common)),
-        "linear_attn": (M.LinearAttentionForCausalLM,
-                        M.LinearAttentionConfig(num_heads=2, **common)),
-    }
+    return fla_model_configs(HIDDEN, VOCAB, small=True)
 
 
 @pytest.fixture
@@ -59,17 +44,6 @@ def first_config(monkeypatch):
     monkeypatch.setattr(autotuner.Autotuner, "run", run)
 
 
-def _states(cache):
-    out = {}
-    for layer, state in enumerate(cache):
-        out[(layer, "recurrent")] = state["recurrent_state"]
-        convs = state["conv_state"]
-        if convs is not None:
-            for i, c in enumerate(convs if isinstance(convs, (tuple, list)) else (convs,)):
-                out[(layer, "conv", i)] = c
-    return out
-
-
 @pytest.mark.parametrize("name", ["gdn", "gla", "gla_conv_gqa", "hgrn_conv", "retnet",
                                   "mamba2", "linear_attn"])
 @torch.no_grad()
@@ -83,7 +57,7 @@ def test_patched_fla_model_equals_fla_in_fp32(first_config, name):
     ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(1))
     a, b = ref(input_ids=ids), patched(input_ids=ids)
     assert rel_err(b.logits, a.logits) <= 1e-5, rel_err(b.logits, a.logits)
-    sa, sb = _states(a.past_key_values), _states(b.past_key_values)
+    sa, sb = fla_cache_states(a.past_key_values), fla_cache_states(b.past_key_values)
     assert sa.keys() == sb.keys()
     for key in sa:
         assert sa[key].shape == sb[key].shape, key

@@ -14,7 +14,7 @@ import torch
 
 from forge_dist import nn as fnn
 
-from .helpers import rel_err
+from .helpers import fla_cache_states, fla_model_configs, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -22,25 +22,7 @@ HIDDEN, VOCAB, T, B = 512, 1000, 1024, 2
 
 
 def _configs():
-    M = pytest.importorskip("fla.models")
-    common = dict(hidden_size=HIDDEN, num_hidden_layers=2, vocab_size=VOCAB)
-    return {
-        "gdn": (M.GatedDeltaNetForCausalLM,
-                M.GatedDeltaNetConfig(head_dim=64, num_heads=6, expand_v=2, **common)),
-        "gla": (M.GLAForCausalLM, M.GLAConfig(num_heads=4, **common)),
-        "gla_conv_gqa": (M.GLAForCausalLM, M.GLAConfig(num_heads=4, num_kv_heads=2,
-                                                       use_short_conv=True, **common)),
-        "hgrn": (M.HGRNForCausalLM, M.HGRNConfig(**common)),
-        "hgrn_conv": (M.HGRNForCausalLM, M.HGRNConfig(use_short_conv=True, **common)),
-        "retnet": (M.RetNetForCausalLM, M.RetNetConfig(num_heads=4, **common)),
-        # n_groups=1: FLA's PyTorch fallback (used without mamba_ssm) tiles the B/C groups
-        # over the heads in its prefill but interleaves them in its decoding step
-        "mamba2": (M.Mamba2ForCausalLM,
-                   M.Mamba2Config(head_dim=64, num_heads=16, state_size=64, n_groups=1,
-                                  **common)),
-        "linear_attn": (M.LinearAttentionForCausalLM,
-                        M.LinearAttentionConfig(num_heads=4, **common)),
-    }
+    return fla_model_configs(HIDDEN, VOCAB)
 
 
 NAMES = ["gdn", "gla", "gla_conv_gqa", "hgrn", "hgrn_conv", "retnet", "mamba2", "linear_attn"]
@@ -57,16 +39,7 @@ def _pair(name, dtype, group=None, seed=0):
     return ref, patched
 
 
-def _states(cache):
-    """``{(layer, kind, i): tensor}`` of an FLA cache."""
-    out = {}
-    for layer, state in enumerate(cache):
-        out[(layer, "recurrent", 0)] = state["recurrent_state"]
-        convs = state["conv_state"]
-        if convs is not None:
-            for i, c in enumerate(convs if isinstance(convs, (tuple, list)) else (convs,)):
-                out[(layer, "conv", i)] = c
-    return out
+_states = fla_cache_states
 
 
 @pytest.mark.parametrize("name", NAMES)
