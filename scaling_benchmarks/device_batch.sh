@@ -73,8 +73,10 @@
 #   bash scaling_benchmarks/device_batch.sh sd-base   # 1 GPU: single_device (SD_T) at BASE, then here (~4 min)
 #   OP=hgrn TOKENS=32768 bash scaling_benchmarks/device_batch.sh spprof # 2 GPUs: traces and host
 #                                                     #   profile of one op's sequence-parallel call (~4 min)
-#   NAME=x LIMIT=300 PYTEST_ARGS="-m gpu tests/nn" bash scaling_benchmarks/device_batch.sh pytest
+#   NAME=x LIMIT=300 PYTEST_ARGS="-m gpu tests/nn -k 'gdn or gla'" bash scaling_benchmarks/device_batch.sh pytest
 #                                                     # any pytest selection as one step
+#   (REAP=0: leave other jobs' workers alone, for a stage beside another on other cards;
+#    KEPT_CHECKS=0 / KEPT_WS=0: keptplans without its GPU checks / its cells)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -98,6 +100,7 @@ for st in "$@"; do
   case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
+case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
@@ -311,9 +314,11 @@ case "$stage" in
       --op "${OP:-simple_gla}" --tokens "${TOKENS:-16384}" --strategies "${STRATEGIES:-forge}" \
       --trace --host-profile 100 --out "$OUT"
     reap ;;
-  pytest)  # one pytest selection (PYTEST_ARGS) as a step named NAME, LIMIT seconds
+  pytest)  # one pytest selection (PYTEST_ARGS, shell words: quotes group) as a step named
+    # NAME, LIMIT seconds
+    eval "pa=($PYTEST_ARGS)"
     step "${NAME:-pytest}" "${LIMIT:-300}" python3 -m pytest -v -p no:cacheprovider --durations=20 \
-      ${PYTEST_ARGS:?PYTEST_ARGS names the tests} ;;
+      "${pa[@]}" ;;
   layers)  # every layer against FLA's on one GPU, with the per-kernel breakdown of ours
     step layers 560 python3 scaling_benchmarks/layers.py --kernels 5 --out "$OUT" ;;
   tests)

@@ -18,7 +18,6 @@ for the fp32 option); fp32 inputs use fp32 operands with 3xTF32 dots.
 from __future__ import annotations
 
 import functools
-
 import os
 from typing import Any, Dict, List, Optional
 

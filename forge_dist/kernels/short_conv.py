@@ -257,7 +257,7 @@ def short_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
             sequence per batch row).
         activation: ``"silu"``/``"swish"`` or ``None``.
         l2norm_head_dim: L2-normalise every head of this width after the activation
-            (``y / max(|y|, 1e-6)``, the gated delta rule's q/k normalisation); a power of two
+            (``y / sqrt(|y|^2 + 1e-6)``, FLA's q/k normalisation); a power of two
             up to 256 that divides ``D``.
     """
     W = weight.shape[-1]

@@ -59,7 +59,7 @@ class ShortConvolution(nn.Conv1d):
             cu_seqlens: global packed offsets (B=1), or ``None``.
             group: sequence-parallel process group, or ``None``.
             l2norm_head_dim: L2-normalise each head of this many channels of the output
-                (``y / max(|y|, 1e-6)``, the gated delta rule's q/k normalisation), fused into
+                (``y / sqrt(|y|^2 + 1e-6)``, FLA's q/k normalisation), fused into
                 the kernel where it can be.
         """
         B, T, D = x.shape

@@ -123,6 +123,27 @@ def test_a_repeated_eager_call_reuses_its_launch_records(variant, cache):
         assert after == (before[0], before[1] + 1), (before, after)
 
 
+@pytest.mark.parametrize("variant", ["simple_gla", "gated_delta_rule"])
+def test_kept_launch_records_follow_scale_and_tiles(monkeypatch, variant):
+    """The kept records' keys hold what changes a launch: the same shape with another
+    ``scale``, then with another tile config, still gives the reference's outputs."""
+    from forge_dist.kernels import delta
+
+    inp = make(variant, 1, 40, 2, 16, 16)
+    d = {n: (None if t is None else t.double().cpu()) for n, t in inp.items()}
+    for scale in (0.5, 0.25):
+        o = kernels.make_work(op_name(variant), inp, scale, False).finish(None)[0]
+        want = call_reference(variant, d, scale=scale, initial_state=None)[0]
+        assert rel(o, want) <= 1e-4, (scale, rel(o, want))
+    if variant == "gated_delta_rule":
+        monkeypatch.setitem(delta.WY_CONFIG, "fused", not delta.WY_CONFIG["fused"])
+    else:
+        monkeypatch.setenv("FORGE_DIST_EXECUTION", "decoupled")
+    o = kernels.make_work(op_name(variant), inp, 0.5, False).finish(None)[0]
+    want = call_reference(variant, d, scale=0.5, initial_state=None)[0]
+    assert rel(o, want) <= 1e-4, rel(o, want)
+
+
 @pytest.mark.parametrize("execution", ["fused", "decoupled"])
 @pytest.mark.parametrize("tokens_limit", [0, 10 ** 9], ids=["gate-sum-launch", "sum-in-walk"])
 def test_scalar_gate_sum_in_walk_or_before(monkeypatch, execution, tokens_limit):
