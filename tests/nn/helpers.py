@@ -111,3 +111,32 @@ def fla_cache_states(cache) -> dict:
             for i, c in enumerate(convs if isinstance(convs, (tuple, list)) else (convs,)):
                 out[(layer, "conv", i)] = c
     return out
+
+
+def sp_prefill_then_decode(ref, patched, ids: torch.Tensor, group, steps: int) -> list:
+    """``[logit error, cache error, tokens differ]`` of one rank: ``patched`` (its layers
+    on ``group``) prefills this rank's equal share of ``ids [B, T]`` against ``ref`` (FLA's
+    model) on all of it, then both decode ``steps`` greedy tokens from their caches (the
+    patched one from the cache gathered to every rank, starting from the last rank's
+    token).  Call under ``torch.no_grad()``."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    TL = ids.shape[1] // size
+    full = ref(input_ids=ids)
+    out = patched(input_ids=ids[:, rank * TL:(rank + 1) * TL])
+    logit_err = rel_err(out.logits, full.logits[:, rank * TL:(rank + 1) * TL])
+    sa, sb = fla_cache_states(full.past_key_values), fla_cache_states(out.past_key_values)
+    cache_err = max(rel_err(sb[k].float(), sa[k].float()) for k in sa)
+
+    def greedy(model, cache, first):  # FLA's caches update in place: compared above first
+        toks = [first]
+        for _ in range(steps - 1):
+            step = model(input_ids=toks[-1], past_key_values=cache)
+            cache = step.past_key_values
+            toks.append(step.logits[:, -1:].argmax(-1))
+        return torch.cat(toks, 1)
+
+    want = greedy(ref, full.past_key_values, full.logits[:, -1:].argmax(-1))
+    last = out.logits[:, -1:].argmax(-1)
+    dist.broadcast(last, src=size - 1, group=group)  # the last token's logits: last rank
+    got = greedy(patched, out.past_key_values, last)
+    return [logit_err, cache_err, float(not torch.equal(got, want))]

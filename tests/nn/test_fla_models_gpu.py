@@ -14,7 +14,7 @@ import torch
 
 from forge_dist import nn as fnn
 
-from .helpers import fla_cache_states, fla_model_configs, rel_err
+from .helpers import fla_cache_states, fla_model_configs, rel_err, sp_prefill_then_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -88,33 +88,17 @@ def test_patched_fla_model_generates_the_same_tokens(name):
 
 def _sp_prefill_then_decode(group, name, steps):
     """On each of 2 ranks: the patched model prefills its half of the prompt with
-    sequence parallelism; then greedy decoding from the gathered cache on every rank."""
+    sequence parallelism; then greedy decoding from the gathered cache on every rank,
+    against FLA's model decoding greedily from its own cache."""
     import torch.distributed as dist
 
     torch.cuda.set_device(dist.get_rank())
     ref, patched = _pair(name, torch.float32, group=group)
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
     ids = torch.randint(0, VOCAB, (B, 512), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(3))
     with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=steps, do_sample=False, pad_token_id=0,
-                            attention_mask=torch.ones_like(ids))[:, 512:]
-        full = ref(input_ids=ids)
-        shard = ids[:, rank * 256:(rank + 1) * 256]
-        out = patched(input_ids=shard)
-        logit_err = rel_err(out.logits, full.logits[:, rank * 256:(rank + 1) * 256])
-        sa, sb = _states(full.past_key_values), _states(out.past_key_values)
-        cache_err = max(rel_err(sb[k].float(), sa[k].float()) for k in sa)
-        last = out.logits[:, -1:].argmax(-1)
-        dist.broadcast(last, src=size - 1, group=group)  # the last token's logits: last rank
-        cache, toks = out.past_key_values, [last]
-        for _ in range(steps - 1):
-            step = patched(input_ids=toks[-1], past_key_values=cache)
-            cache = step.past_key_values
-            toks.append(step.logits[:, -1:].argmax(-1))
-        got = torch.cat(toks, 1)
-    errs = torch.tensor([logit_err, cache_err, float(not torch.equal(got, want))],
-                        device="cuda", dtype=torch.float64)
+        errs = sp_prefill_then_decode(ref, patched, ids, group, steps)
+    errs = torch.tensor(errs, device="cuda", dtype=torch.float64)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=group)
     return errs.tolist()
 
