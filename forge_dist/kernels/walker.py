@@ -21,6 +21,7 @@ summary kernel (final state from a zero or given start, no outputs).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -486,32 +487,33 @@ def _run_walker(ln, tensors: Dict[str, Tensor], cfg: dict) -> None:
         run_launch(ln, tensors, _gate_cumsum_kernel)
 
 
-# walk()'s launch records per call shape: building them (walk_launches) is about 10 us of
-# Python per eager call, which host-bound calls of a few K tokens pay in full
-_SCHEDULES: Dict[tuple, tuple] = {}
-
-
 def _walk_schedule(present: tuple, B: int, T: int, H: int, K: int, V: int, gate: int,
                    scale: float, cfg: dict, prec: str, n_seg: int, maps, raw_gates: bool):
     """``(launches, workspaces)`` of :func:`.walker_launches.walk_launches` for the
-    tensors named in ``present`` (every other input absent); kept per shape unless ``maps``
-    (prologue functions, identified by object) are given."""
-    key = None if maps else (present, B, T, H, K, V, gate, float(scale), prec, n_seg,
-                             tuple(cfg.items()), raw_gates)
-    hit = _SCHEDULES.get(key) if key is not None else None
-    if hit is None:
-        names = {n: (n if n in present else None)
-                 for n in ("q", "k", "v", "g", "w", "h0", "o", "ht", "a", "hc", "vn")}
-        workspaces: Dict[str, Buffer] = {}
-        launches = walk_launches(workspaces, **names, B=B, T=T, H=H, K=K, V=V, gate=gate,
-                                 scale=scale, cfg=cfg, prec=prec, n_seg=n_seg, maps=maps,
-                                 raw_gates=raw_gates)
-        hit = (tuple(launches), tuple(workspaces.items()))
-        if key is not None:
-            if len(_SCHEDULES) >= 256:  # shapes of a long-running process: start over
-                _SCHEDULES.clear()
-            _SCHEDULES[key] = hit
-    return hit
+    tensors named in ``present`` (every other input absent); kept per shape and tile config
+    unless ``maps`` (prologue functions) are given: building them is about 10 us of Python
+    per eager call, which host-bound calls of a few K tokens pay in full."""
+    if maps:
+        return _build_schedule(present, B, T, H, K, V, gate, scale, cfg, prec, n_seg, maps,
+                               raw_gates)
+    return _kept_schedule(present, B, T, H, K, V, gate, float(scale), tuple(cfg.items()),
+                          prec, n_seg, raw_gates)
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_schedule(present, B, T, H, K, V, gate, scale, config, prec, n_seg, raw_gates):
+    return _build_schedule(present, B, T, H, K, V, gate, scale, dict(config), prec, n_seg,
+                           None, raw_gates)
+
+
+def _build_schedule(present, B, T, H, K, V, gate, scale, cfg, prec, n_seg, maps, raw_gates):
+    names = {n: (n if n in present else None)
+             for n in ("q", "k", "v", "g", "w", "h0", "o", "ht", "a", "hc", "vn")}
+    workspaces: Dict[str, Buffer] = {}
+    launches = walk_launches(workspaces, **names, B=B, T=T, H=H, K=K, V=V, gate=gate,
+                             scale=scale, cfg=cfg, prec=prec, n_seg=n_seg, maps=maps,
+                             raw_gates=raw_gates)
+    return tuple(launches), tuple(workspaces.items())
 
 
 def walk(k: Tensor, v: Optional[Tensor], *, q: Optional[Tensor] = None, g: Optional[Tensor] = None,
