@@ -308,11 +308,12 @@ case "$stage" in
         --tag "$t-head"
     fi ;;
   spprof)  # 2 GPUs: one op's sequence-parallel call per rank (Chrome traces, host profile):
-    # OP (simple_gla), TOKENS (16384), STRATEGIES (forge), e.g. OP=hgrn TOKENS=32768
+    # OP (simple_gla), TOKENS (16384), STRATEGIES (forge), e.g. OP=hgrn TOKENS=32768;
+    # GRAD=1: the call with gradients and its backward (the fwdbwd rows' call)
     reap
-    step spprof_${OP:-simple_gla} 240 torchrun --nproc-per-node 2 scaling_benchmarks/sp_profile.py \
-      --op "${OP:-simple_gla}" --tokens "${TOKENS:-16384}" --strategies "${STRATEGIES:-forge}" \
-      --trace --host-profile 100 --out "$OUT"
+    step spprof_${OP:-simple_gla}${GRAD:+_grad} 240 torchrun --nproc-per-node 2 \
+      scaling_benchmarks/sp_profile.py --op "${OP:-simple_gla}" --tokens "${TOKENS:-16384}" \
+      --strategies "${STRATEGIES:-forge}" ${GRAD:+--grad} --trace --host-profile 100 --out "$OUT"
     reap ;;
   pytest)  # one pytest selection (PYTEST_ARGS, shell words: quotes group) as a step named
     # NAME, LIMIT seconds
