@@ -73,6 +73,8 @@
 #   bash scaling_benchmarks/device_batch.sh sd-base   # 1 GPU: single_device (SD_T) at BASE, then here (~4 min)
 #   OP=hgrn TOKENS=32768 bash scaling_benchmarks/device_batch.sh spprof # 2 GPUs: traces and host
 #                                                     #   profile of one op's sequence-parallel call (~4 min)
+#   OP=hgrn MODE=fwd TOKENS=32768 TAG=t STRATEGIES=forge,serial bash scaling_benchmarks/device_batch.sh wscell
+#                                                     # 2 GPUs: one weak-scaling cell (LIMIT s, B)
 #   NAME=x LIMIT=300 PYTEST_ARGS="-m gpu tests/nn -k 'gdn or gla'" bash scaling_benchmarks/device_batch.sh pytest
 #                                                     # any pytest selection as one step
 #   (REAP=0: leave other jobs' workers alone, for a stage beside another on other cards;
@@ -97,7 +99,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -314,6 +316,12 @@ case "$stage" in
     step spprof_${OP:-simple_gla}${GRAD:+_grad} 240 torchrun --nproc-per-node 2 \
       scaling_benchmarks/sp_profile.py --op "${OP:-simple_gla}" --tokens "${TOKENS:-16384}" \
       --strategies "${STRATEGIES:-forge}" ${GRAD:+--grad} --trace --host-profile 100 --out "$OUT"
+    reap ;;
+  wscell)  # 2 GPUs: one weak-scaling cell, OP MODE (fwd or fwdbwd) B TOKENS TAG STRATEGIES LIMIT,
+    # e.g. OP=hgrn MODE=fwd TOKENS=32768 TAG=b1h32-32k-hgrn
+    reap
+    ws "ws_${OP:-simple_gla}_${MODE:-fwd}" "${LIMIT:-150}" 2 "${OP:-simple_gla}" "${MODE:-fwd}" \
+      "${B:-1}" "${TOKENS:-16384}" "${TAG:-cell}" "${STRATEGIES:-forge,serial,lasp2}"
     reap ;;
   pytest)  # one pytest selection (PYTEST_ARGS, shell words: quotes group) as a step named
     # NAME, LIMIT seconds

@@ -409,7 +409,8 @@ def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seq
     ``maps``, forward only (the planned backward takes the mapped gates).  With a group,
     forward calls only: its training across ranks is :mod:`.shard_call`'s."""
     B, T, D = x.shape
-    if x.dtype not in _DTYPES or g.dtype != x.dtype:
+    # the gates may be kept in fp32 beside bf16 x (the plan's gate_dtype; dg comes in it)
+    if x.dtype not in _DTYPES or g.dtype not in _DTYPES:
         return None
     inputs = {"x": x, "g": g}
     train = needs_grad(inputs, initial_state)

@@ -196,6 +196,40 @@ def op_check(name, group, device, strategies=("forge", "serial", "lasp2")):
     return " ".join(f"{k}={v:.1e}" for k, v in errs.items())
 
 
+def hgrn_mixed_check(group, device):
+    """hgrn with bf16 x and fp32 gates (the benchmarks' inputs; the no-grad calls run the
+    rank's plan, whose gate dtype differs from x's): forward and every gradient of forge,
+    serial and lasp2 against the op on the whole sequence on one GPU, and forge against
+    serial, to bf16 accuracy."""
+    r, P = dist.get_rank(group), dist.get_world_size(group)
+    B, T_local, D = 2, 1000, 256
+    full = op_inputs("hgrn", B, T_local * P, 1, D, 17, device)
+    full["x"] = full["x"].bfloat16()
+    mine = slice(r * T_local, (r + 1) * T_local)
+    w = torch.randn(B, T_local * P, D, generator=torch.Generator().manual_seed(3)).to(device)
+    res = {}
+    for strategy in ("single", "forge", "serial", "lasp2"):
+        kw = {} if strategy == "single" else {"group": group, "strategy": strategy}
+        sl = mine if strategy == "single" else slice(None)
+        inp = {k: (v if strategy == "single" else v[:, mine]).clone() for k, v in full.items()}
+        with torch.no_grad():
+            for _ in range(3):  # the plan's steady state
+                o_ng, _ = call_op("hgrn", inp, **kw)
+        inp = {k: t.requires_grad_(True) for k, t in inp.items()}
+        o, _ = call_op("hgrn", inp, **kw)
+        (o.float() * (w if strategy == "single" else w[:, mine])).sum().backward()
+        torch.cuda.synchronize()
+        if inp["g"].grad.dtype != torch.float32:
+            raise AssertionError(f"{strategy}: dg dtype {inp['g'].grad.dtype}, expected fp32")
+        res[strategy] = [o_ng[:, sl], o[:, sl], inp["x"].grad[:, sl], inp["g"].grad[:, sl]]
+    errs = {s: max(rel(a, b) for a, b in zip(res[s], res["single"]))
+            for s in ("forge", "serial", "lasp2")}
+    errs["forge-vs-serial"] = max(rel(a, b) for a, b in zip(res["forge"], res["serial"]))
+    if max(errs.values()) > 2e-2:
+        raise AssertionError(f"hgrn bf16 x, fp32 g: relative errors {errs}")
+    return " ".join(f"{k}={v:.1e}" for k, v in errs.items())
+
+
 def plan_check(group, device):
     """Sequence-parallel plans (the forward path of no-grad op calls): every strategy and
     schedule against the op on the whole sequence on one GPU, and forge against serial."""
@@ -455,6 +489,7 @@ def main():
         for name in ("linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"):
             run(f"op_{name}", op_check, name, group, device)
         run("plans", plan_check, group, device)
+        run("hgrn_mixed", hgrn_mixed_check, group, device)
         run("plans_delta", plan_delta_check, group, device)
         run("back_to_back", back_to_back, group, device)
         for strategy in ("forge", "lasp2", "serial", "pipelined"):
