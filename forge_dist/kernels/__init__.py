@@ -309,9 +309,10 @@ def sp_summary_variants() -> tuple:
 
 def sp_train_variants() -> tuple:
     """:func:`sp_summary_variants` whose plans also train across ranks
-    (``forge_dist/runtime/sp_train.py``): identity, scalar or diagonal transitions.  The
-    delta rule trains through one autograd node per rank (``forge_dist/ops/shard_call.py``)."""
-    return tuple(n for n in matrix_variants() if registry.get(n).kind is not Kind.DENSE)
+    (``forge_dist/runtime/sp_train.py``): identity, scalar or diagonal transitions, hgrn's
+    among them.  The delta rule trains through one autograd node per rank
+    (``forge_dist/ops/shard_call.py``)."""
+    return tuple(n for n in variants() if registry.get(n).kind is not Kind.DENSE)
 
 
 def backward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0: bool,
@@ -348,10 +349,12 @@ def backward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0
         **{n: optional[n] for n in pattern.backward_takes})
 
 
-def state_grad_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
+def state_grad_program(variant: str, *, B: int, T: int, H: Optional[int] = None,
+                       K: Optional[int] = None, V: Optional[int] = None,
                        dtype: torch.dtype, has_dht: bool, gated: Optional[bool] = None,
                        scale: Optional[float] = None, interp: bool = False, sms: int = 132,
-                       beta_dtype: torch.dtype = torch.float32):
+                       beta_dtype: torch.dtype = torch.float32, D: Optional[int] = None,
+                       n_seg: Optional[int] = None):
     """Program of the gradient of a shard's incoming state through its own outputs (and
     ``dht``, the gradient of its final state): the reverse state walk of
     :func:`backward_program` (after the delta rule's WY factors), storing ``dh0
@@ -362,12 +365,15 @@ def state_grad_program(variant: str, *, B: int, T: int, H: int, K: int, V: int,
     gradient (``forge_dist/runtime/sp_train.py``, ``forge_dist/ops/runner.py``).  Inputs
     as the backward program's, less those the walk does not read (the scalar and vector
     patterns: ``q, do``, gated ``g``; the delta rule: also ``k, v, beta``), ``dht`` with
-    ``has_dht``.  Matrix-state variants.
+    ``has_dht``.  hgrn (``D``, ``n_seg``: its backward's segments): the reverse scan over
+    copies of the segments' gradients (:func:`.vector_state.state_grad_program`).
     """
     spec = _spec(variant)
-    if spec is None or spec.vector_state:
-        raise ValueError(f"state_grad_program: expected one of {matrix_variants()}, "
-                         f"got {variant!r}")
+    if spec is None:
+        raise ValueError(f"state_grad_program: expected one of {variants()}, got {variant!r}")
+    if spec.vector_state:
+        return _module(PATTERNS[spec.pattern].backward_module).state_grad_program(
+            B=B, D=D, n_seg=n_seg, has_dht=has_dht)
     if gated is None:
         gated = spec.gate is not None
     full = backward_program(variant, B=B, T=T, H=H, K=K, V=V, dtype=dtype, has_h0=True,

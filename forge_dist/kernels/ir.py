@@ -162,8 +162,9 @@ class Program:
         """This program cut into programs run one after another, ``groups`` the launch
         indices of each (every launch once; a launch after one it reads from).  A scratch
         buffer used by several parts becomes an output of the first and an input of the
-        rest, which the caller keeps between them.  A sequence-parallel backward runs the
-        reverse chain between two parts."""
+        rest, which the caller keeps between them; so does a workspace (hgrn's segment
+        gradients, which a later part reads), else each part's executor would own its own.
+        A sequence-parallel backward runs the reverse chain between two parts."""
         if sorted(i for g in groups for i in g) != list(range(len(self.launches))):
             raise ValueError(f"parts: expected every launch index once, got {groups}")
         used = [{v for g_i in g for _, kind, v in self.launches[g_i].args if kind == "buf"}
@@ -173,9 +174,10 @@ class Program:
             bufs = {}
             for name in sorted(used[n]):
                 buf = self.buffers[name]
-                if buf.role == "scratch" and any(name in u for u in used[:n]):
+                shared = buf.role in ("scratch", "workspace")
+                if shared and any(name in u for u in used[:n]):
                     buf = Buffer(buf.shape, buf.dtype, "input")
-                elif buf.role == "scratch" and any(name in u for u in used[n + 1:]):
+                elif shared and any(name in u for u in used[n + 1:]):
                     buf = Buffer(buf.shape, buf.dtype, "output")
                 bufs[name] = buf
             out.append(Program([self.launches[i] for i in g], bufs, self.execution,

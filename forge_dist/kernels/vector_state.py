@@ -675,6 +675,23 @@ def backward_program(*, B: int, T: int, D: int, dtype: torch.dtype, has_h0: bool
                    scheduler.DECOUPLED, notes)
 
 
+def state_grad_program(*, B: int, D: int, n_seg: int, has_dht: bool) -> Program:
+    """The reverse scan of :func:`backward_program` alone: the gradient of a shard's
+    incoming state through its own outputs (and ``dht``), a sequence-parallel rank's share
+    of its state gradient (``forge_dist/runtime/sp_train.py``).  Inputs ``cs, gs [n_seg,
+    B, D]`` fp32: copies of the backward's ``cout, gout`` after its first walk (rewritten
+    in place), ``dht [B, D]`` fp32 (``has_dht``); output ``lam [B, D]`` fp32."""
+    f32 = torch.float32
+    bufs = {"cs": Buffer((n_seg, B, D), f32, "input"), "gs": Buffer((n_seg, B, D), f32, "input"),
+            "lam": Buffer((B, D), f32, "output")}
+    if has_dht:
+        bufs["dht"] = Buffer((B, D), f32, "input")
+    scan = scan_launch(hs="cs", gt="gs", h0="dht" if has_dht else None, ht="lam", n_seg=n_seg,
+                       B=B, D=D, BD=BWD_CONFIG["BD"], num_warps=BWD_CONFIG["num_warps"],
+                       reverse=True)
+    return Program([scan], bufs, scheduler.DECOUPLED, [f"state gradient over {n_seg} segments"])
+
+
 def backward_kernel_specs(D: int = 4096, dtype=torch.bfloat16) -> list:
     """The :class:`~forge_dist.kernels.ir.KernelSpec` of the backward's own kernel
     (the reverse walk, with and without the gradients) as the planned backward launches it

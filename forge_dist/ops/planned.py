@@ -18,7 +18,7 @@ path for a forward: it runs the rank's plan; a call with gradients of the ops wi
 plans (:func:`~forge_dist.runtime.sp_setup.sp_train_variants`) runs the plan's training run
 and backward (:mod:`forge_dist.runtime.sp_train`).
 
-Anything else (training calls with a group of the delta rule and hgrn, which
+Anything else (training calls with a group of the delta rule, which
 :mod:`.shard_call` runs, varlen, fp16 and fp64 inputs, non-contiguous
 tensors, the DSL's fused prologues with gradients, ``FORGE_DIST_CHECK_FINITE=1``, head dims
 outside the kernels' range) takes the general path, as does a call the planner refuses.  Plans are
@@ -294,7 +294,7 @@ class _PlannedMatrix(torch.autograd.Function):
 
 
 class _PlannedSequenceParallel(torch.autograd.Function):
-    """A matrix-state op on one rank of a group through a training plan
+    """An op on one rank of a group through a training plan
     (:mod:`forge_dist.runtime.sp_train`): the forward keeps the inputs and the run's
     incoming state and transition; the backward runs the reverse chain and the shard's
     backward program.  Every rank must differentiate its call (the chain crosses ranks)."""
@@ -305,8 +305,10 @@ class _PlannedSequenceParallel(torch.autograd.Function):
         ctx.plan, ctx.kept = p, kept
         ctx.set_materialize_grads(False)
         # rank 0 starts from the caller's initial state: saved through autograd, which then
-        # refuses a backward after the caller changed it in place
-        ctx.save_for_backward(initial_state if p.rank == 0 else None, *inputs)
+        # refuses a backward after the caller changed it in place; hgrn's backward reads its
+        # outputs (its states), saved the same way
+        ctx.save_for_backward(initial_state if p.rank == 0 else None, *inputs,
+                              o if registry.get(p.op).vector_state else None)
         return o, final
 
     @staticmethod
@@ -317,8 +319,10 @@ class _PlannedSequenceParallel(torch.autograd.Function):
               else _plan_ready(do, p.out_dtype))
         if dht is not None:
             dht = _plan_ready(dht, torch.float32)
-        h0, *inputs = ctx.saved_tensors
+        h0, *inputs, h = ctx.saved_tensors
         kept = ctx.kept if h0 is None else dataclasses.replace(ctx.kept, S_in=h0)
+        if h is not None:
+            kept = dataclasses.replace(kept, h=h)
         # the context keeps what it holds: a second backward (retain_graph) runs again
         *grads, dS = p.run_backward_train(*inputs, do, kept=kept, dht=dht,
                                           need_initial_grad=ctx.needs_input_grad[1])
@@ -406,8 +410,8 @@ def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seq
               use_kernels: bool, maps: Optional[dict] = None, front_key=None,
               strategy: str = "auto") -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """As :func:`matrix_call`, for ``hgrn`` (``x, g [B, T, D]``, state ``[B, D]``); with
-    ``maps``, forward only (the planned backward takes the mapped gates).  With a group,
-    forward calls only: its training across ranks is :mod:`.shard_call`'s."""
+    ``maps``, forward only (the planned backward takes the mapped gates).  With a group and
+    gradients, a training plan (:mod:`forge_dist.runtime.sp_train`)."""
     B, T, D = x.shape
     # the gates may be kept in fp32 beside bf16 x (the plan's gate_dtype; dg comes in it)
     if x.dtype not in _DTYPES or g.dtype not in _DTYPES:
@@ -415,9 +419,13 @@ def hgrn_call(x: Tensor, g: Tensor, *, initial_state, output_final_state, cu_seq
     inputs = {"x": x, "g": g}
     train = needs_grad(inputs, initial_state)
     if not _eligible(inputs, initial_state, (B, D), group, cu_seqlens, use_kernels,
-                     grads=not maps, sp_plan=not maps and not train):
+                     grads=not maps, sp_plan=not maps):
         return None
-    kw = {} if group is None else {"group": group, "strategy": strategy}
+    kw = {}
+    if group is not None:
+        if train and _capturing(x.device):  # a captured training step: the general path
+            return None
+        kw = {"group": group, "strategy": strategy, "train": train}
     p = _plan("hgrn", initial_state, output_final_state, maps, B=B, T=T, D=D, dtype=x.dtype,
               gate_dtype=g.dtype, device=x.device, **kw)
     if p is None:

@@ -19,7 +19,7 @@ from .. import kernels
 from ..comm.channel import SimRank
 from ..variants import registry
 from ..variants.transitions import Kind
-from . import fastpath, sp_setup
+from . import fastpath, sp_setup, sp_train
 from .sp_setup import sp_variants
 from .aot import CubinCache, default_cache_dir
 from .dispatcher import Dispatcher
@@ -137,6 +137,12 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
             strategy_name, strategy_obj = sp_setup.resolve_strategy(
                 strategy, simulated, device, group, kind=spec.kind, state=(B, 1, D, 1))
             summary = "folded" if rank < size - 1 else "incoming"
+        elif train:
+            raise PlanError("train: a sequence-parallel plan option (give a group of more "
+                            "than one rank); one-device plans differentiate with run_backward")
+        if train and maps:
+            raise PlanError("train: the backward programs do not differentiate fused "
+                            "prologues (maps); use forge_dist.ops for gradients")
         prog = kernels.forward_program(op, B=B, T=T, D=D, dtype=dtype,
                                        has_h0=initial_state or rank > 0, tiles=tiles,
                                        gate_dtype=gdt, execution=execution, maps=maps,
@@ -219,6 +225,11 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         p._ht_scratch = torch.empty(p.ht_shape, dtype=torch.float32, device=device)
     if size > 1:
         p.strategy, p.strategy_obj = strategy_name, strategy_obj
+        if train and spec.vector_state:
+            try:  # its backward must split around the reverse chain (decoupled)
+                sp_train.vector_backward_program(p, has_dht=True)
+            except ValueError as err:
+                raise PlanError(str(err)) from None
         sp_setup.setup(p, simulated, B, T, H, K, V, dtype, gated,
                        dims={"D": D} if spec.vector_state else None)
     fast = fastpath.specialise(p)

@@ -26,6 +26,13 @@ A rank thus runs the one-device backward of its shard plus one state-gradient wa
 reads q, do and the gates once), and waits only for the chain, never for another rank's
 whole backward.  The general path's backward instead differentiates the summary
 separately, which reads k and v again and writes their gradients twice.
+
+hgrn (a vector state, :func:`_backward_vector`) follows the same three steps on its
+decoupled backward program (each segment's outgoing gradient from a zero start, the
+reverse scan over segments, the walk that writes ``dx, dg``): ``lam_own`` is the scan
+alone on copies of the segments' gradients (the walk before it is the program's own
+first launch, so it costs one small scan), and the last rank's whole ``lam`` is its
+program's scan with the final-state gradient it already has.
 """
 from __future__ import annotations
 
@@ -52,6 +59,9 @@ class Kept:
     S_in: Tensor
     M: Optional[Tensor]
     saved: Any
+    # hgrn: the run's outputs (its states, which its backward reads; set by the caller from
+    # what autograd saved)
+    h: Optional[Tensor] = None
 
 
 def forward(p, tensors: Dict[str, Tensor], h0: Optional[Tensor], o: Tensor
@@ -65,6 +75,8 @@ def forward(p, tensors: Dict[str, Tensor], h0: Optional[Tensor], o: Tensor
     exe, split = p.finish_exec, p.sp_split
     exe.run_range(tensors, 0, split)
     S0 = (h0 if h0 is not None else p.zeros) if rank == 0 else p.zeros
+    if S0.dim() != 4:  # hgrn's [B, D] state passes as [B, 1, D, 1] (forge_dist.sp's layout)
+        S0 = S0.view(p.zeros.shape)
     with phases.STATE_PASS:
         S_in, M, saved = folded_forward_chain(p.strategy_obj, Kind(p.kind), exe.workspaces, S0,
                                               p.group, p.word, p._pass_keep)
@@ -124,12 +136,97 @@ def _run_part(exe: Executor, given: Dict[str, Tensor], device) -> None:
             given[name] = mine[name]
 
 
+def vector_backward_program(p, has_dht: bool):
+    """hgrn's backward program for a training plan's rank: decoupled (the state gradient
+    needs the segments' own gradients before the walk that writes ``dx, dg``), three
+    launches: the segments' walk from zero, the reverse scan, the gradient walk.  Raises
+    ``ValueError`` where the shard is one segment (the planner then refuses the plan)."""
+    B, T, D = p.out_shape
+    prog = kernels.backward_program(p.op, B=B, T=T, D=D, dtype=p.out_dtype,
+                                    gate_dtype=p.dtypes["g"],
+                                    has_h0=p.initial_state or p.rank > 0, has_dht=has_dht,
+                                    execution="decoupled")
+    if len(prog.launches) != 3:
+        raise ValueError(f"train: hgrn's backward of a {T}-token shard is one segment; "
+                         "its training across ranks takes the general path")
+    return prog
+
+
+def _vector_parts(p, has_dht: bool, last: bool) -> Tuple[Executor, Executor]:
+    """:func:`vector_backward_program` cut around the reverse chain: the last rank runs the
+    segments' walk and the scan first (the scan leaves its whole ``lam`` in ``gout[0]``),
+    every other rank the walk alone."""
+    key = ("vector", has_dht, last)
+    parts = p._backward_part_execs.get(key)
+    if parts is None:
+        groups = [[0, 1], [2]] if last else [[0], [1, 2]]
+        parts = p._backward_part_execs[key] = tuple(
+            Executor(part, p.device, p._dispatcher, specialise=True)
+            for part in vector_backward_program(p, has_dht).parts(groups))
+    return parts
+
+
+def _vector_state_grad(p, has_dht: bool) -> Executor:
+    """hgrn's reverse scan alone (:func:`forge_dist.kernels.state_grad_program`): a rank's
+    own share of ``lam(r)`` from copies of its segments' gradients and log decays."""
+    exe = p._state_grad_execs.get(("vector", has_dht))
+    if exe is None:
+        B, T, D = p.out_shape
+        n_seg = vector_backward_program(p, has_dht).buffers["cout"].shape[0]
+        prog = kernels.state_grad_program(p.op, B=B, T=T, D=D, n_seg=n_seg, dtype=p.out_dtype,
+                                          has_dht=has_dht)
+        exe = p._state_grad_execs[("vector", has_dht)] = Executor(prog, p.device, None)
+    return exe
+
+
+def _backward_vector(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tensor],
+                     kept: Kept, need_initial_grad: bool) -> Tuple[Optional[Tensor], ...]:
+    """:func:`backward` for hgrn (state ``[B, D]``, passed as ``[B, 1, D, 1]``)."""
+    rank, last = p.rank, p.rank == p.size - 1
+    B, _, D = p.out_shape
+    t = {"g": given["g"], "h": kept.h, "do": do}
+    if rank > 0 or p.initial_state:
+        t["h0"] = kept.S_in.reshape(B, D)
+    if last:
+        if dht is not None:
+            t["dht"] = dht
+        first, rest = _vector_parts(p, dht is not None, last=True)
+        _run_part(first, t, p.device)
+        # (a copy: the gradient walk after the chain rewrites gout, and a baseline's send
+        # may still be reading it)
+        lam_own = t["gout"][0].clone()
+    else:
+        first, rest = _vector_parts(p, True, last=False)
+        _run_part(first, t, p.device)
+        if rank > 0:  # 1. this shard's own share of lam(r): the scan on copies
+            lam_own = torch.empty(B, D, dtype=torch.float32, device=p.device)
+            own = {"cs": t["cout"].clone(), "gs": t["gout"].clone(), "lam": lam_own}
+            if dht is not None:
+                own["dht"] = dht
+            _vector_state_grad(p, dht is not None)(own)
+        else:  # rank 0 sends nothing back
+            lam_own = p.zeros
+    with phases.BACKWARD_CHAIN:  # 2. lam(r+1) in, lam(r) out
+        lam_next, _ = p.strategy_obj.backward_chain(Kind(p.kind), kept.M,
+                                                    lam_own.view(p.zeros.shape), p.group,
+                                                    kept.saved, p.word, p._pass_keep)
+    if not last:  # 3. the scan and the gradient walk from the end state's whole gradient
+        lam_next = lam_next.reshape(B, D)
+        t["dht"] = lam_next if dht is None else lam_next + dht
+    _run_part(rest, t, p.device)
+    dS0 = (t["cout"][0].clone() if rank == 0 and need_initial_grad and p.initial_state
+           else None)
+    return t["dx"], t["dg"], dS0
+
+
 def backward(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tensor], kept: Kept,
              need_initial_grad: bool) -> Tuple[Optional[Tensor], ...]:
     """Gradients of one :func:`forward` of plan ``p``: those of ``p.input_names``, then the
     initial state's (rank 0 with ``need_initial_grad``, else ``None``).  ``given``: the
     inputs the run took, by name (checked); ``do``: ``o``'s shape and dtype; ``dht``: the
-    gradient of the returned final state (fp32) or ``None``."""
+    gradient of the returned final state (fp32) or ``None``; hgrn: ``kept.h`` its outputs."""
+    if kept.h is not None:
+        return _backward_vector(p, given, do, dht, kept, need_initial_grad)
     rank, size = p.rank, p.size
     last = rank == size - 1
     g = given.get("g")

@@ -1,7 +1,8 @@
 """A rank's sequence-parallel call as one autograd node (forge_dist/ops/shard_call.py): the
-calls with gradients that have no training plan (the delta rule, hgrn, fp16 inputs,
-non-contiguous tensors), on concurrent gloo ranks under Triton's interpreter, against the fp64 recurrence
-in one process: output, final state and every gradient."""
+calls with gradients that have no training plan (the delta rule, fp16 inputs,
+non-contiguous tensors, hgrn's among them), on concurrent gloo ranks under Triton's
+interpreter, against the fp64 recurrence in one process: output, final state and every
+gradient."""
 from __future__ import annotations
 
 import pytest
@@ -68,7 +69,7 @@ def _world(group, cases):
                     continue
                 shard = t[:, mine].to(torch.float32 if n in ("g", "beta") and op != "hgrn"
                                       else dtype)
-                if form == "strided" and n in ("q", "v"):  # a view of a wider tensor
+                if form == "strided" and n in ("q", "v", "x"):  # a view of a wider tensor
                     wide = torch.zeros(*shard.shape[:-1], 2 * shard.shape[-1], dtype=dtype)
                     wide[..., ::2] = shard
                     shard = wide[..., ::2]
@@ -89,7 +90,7 @@ def _world(group, cases):
 def test_shard_calls_match_fp64_over_gloo():
     """3 concurrent ranks (forge through the simulated transport with random delays): the
     delta rule with and without its gate over every strategy, the decay ops' calls that
-    take no plan (fp16, a strided q and v) and hgrn; serial's calls run their backward
+    take no plan (fp16, a strided q and v, hgrn's strided x); serial's calls run their backward
     twice (``retain_graph``)."""
     from tests.sp.distributed import run_world
 
@@ -100,7 +101,7 @@ def test_shard_calls_match_fp64_over_gloo():
                 ("gated_delta_rule", "pipelined", True, "fp32"),
                 ("simple_gla", "forge", True, "fp16"), ("simple_gla", "lasp2", True, "strided"),
                 ("linear_attn", "serial", False, "strided")]
-             + [("hgrn", s, True, "fp32") for s in ("forge", "serial")])
+             + [("hgrn", s, True, "strided") for s in ("forge", "serial")])
     everyone = run_world(3, _world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_KERNELS": "triton",
                               "FORGE_DIST_SIM_JITTER_MS": "3", "FORGE_DIST_TIMEOUT": "120"})

@@ -17,6 +17,8 @@ TL = 80  # tokens per rank: a full and a partial 64-token chunk
 def _inputs(op, T, seed, gated=True):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    if op == "hgrn":  # x, g [B, T, D] with D = K
+        return {"x": r(B, T, K), "g": -torch.rand(B, T, K, generator=g, dtype=torch.float64) * 0.2}
     d = {"q": r(B, T, H, K), "k": r(B, T, H, K) * 0.5, "v": r(B, T, H, V)}
     if op == "simple_gla" and gated:
         d["g"] = -torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.2
@@ -64,7 +66,7 @@ def _train_world(group, cases):
         worst, planned = 0.0, True
         for step in range(3):
             full = _inputs(op, P * TL, seed=step, gated=gated)
-            h0, do, dht = draws(step, B, P * TL, H, K, V)
+            h0, do, dht = draws(step, B, P * TL, H, K, V, vector_state=op == "hgrn")
             if step > 0:  # the usual training call: no initial or final state
                 h0 = dht = None
             ref = reference(op, full, h0, do, dht, P, TL)
@@ -90,8 +92,8 @@ def _train_world(group, cases):
 
 def test_training_plans_of_every_strategy_match_fp64_over_gloo():
     """3 concurrent ranks (forge through the simulated transport with random delays):
-    every chain strategy, linear_attn, simple_gla with and without its gate, gla (scan: the
-    two gated ops); the gradients
+    every chain strategy, linear_attn, simple_gla with and without its gate, gla and hgrn
+    (scan: the gated ops); the gradients
     of the initial state (rank 0) and of every rank's returned final state flow through the
     reverse chain; serial's calls run their backward twice (``retain_graph``)."""
     from tests.sp.distributed import run_world
@@ -101,6 +103,8 @@ def test_training_plans_of_every_strategy_match_fp64_over_gloo():
              for s in ("forge", "serial", "lasp2", "pipelined")]
     # scan keeps its rounds' buffers in the plan, forward and backward (sp/scan.py)
     cases += [("simple_gla", "scan", True), ("gla", "scan", True)]
+    # hgrn (a vector state: the scan of its backward's segments, sp_train._backward_vector)
+    cases += [("hgrn", s, True) for s in ("forge", "serial", "lasp2", "pipelined", "scan")]
     everyone = run_world(3, _train_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_KERNELS": "triton",
                               "FORGE_DIST_SIM_JITTER_MS": "3", "FORGE_DIST_TIMEOUT": "120"})
