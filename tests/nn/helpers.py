@@ -140,3 +140,14 @@ def sp_prefill_then_decode(ref, patched, ids: torch.Tensor, group, steps: int) -
     dist.broadcast(last, src=size - 1, group=group)  # the last token's logits: last rank
     got = greedy(patched, out.past_key_values, last)
     return [logit_err, cache_err, float(not torch.equal(got, want))]
+
+
+def first_config_run(self, *args, **kwargs):
+    """``triton.runtime.autotuner.Autotuner.run`` that takes the first configuration: the
+    same math, compiled once and never timed (a CPU cannot time, and a fresh GPU machine
+    would spend minutes compiling every configuration of FLA's kernels)."""
+    self.best_config = self.configs[0]
+    bound = dict(zip(self.arg_names, args))
+    extra = {k: v for k, v in {**kwargs, **self.best_config.all_kwargs()}.items()
+             if k not in bound}
+    return self.fn.run(*args, **extra)

@@ -18,7 +18,8 @@ import torch
 
 from forge_dist import nn as fnn
 
-from .helpers import fla_cache_states, fla_model_configs, rel_err, sp_prefill_then_decode
+from .helpers import (fla_cache_states, fla_model_configs, first_config_run, rel_err,
+                      sp_prefill_then_decode)
 
 HIDDEN, VOCAB, T, B = 128, 100, 48, 2
 
@@ -27,22 +28,13 @@ def _configs():
     return fla_model_configs(HIDDEN, VOCAB, small=True)
 
 
-def _first_config_run(self, *args, **kwargs):
-    """``Autotuner.run`` that takes the first configuration (no timing on a CPU)."""
-    self.best_config = self.configs[0]
-    bound = dict(zip(self.arg_names, args))
-    extra = {k: v for k, v in {**kwargs, **self.best_config.all_kwargs()}.items()
-             if k not in bound}
-    return self.fn.run(*args, **extra)
-
-
 @pytest.fixture
 def first_config(monkeypatch):
     """FLA's autotuned kernels take their first configuration."""
     if torch.cuda.is_available():
         pytest.skip("the GPU runs test_fla_models_gpu.py")
     autotuner = pytest.importorskip("triton.runtime.autotuner")
-    monkeypatch.setattr(autotuner.Autotuner, "run", _first_config_run)
+    monkeypatch.setattr(autotuner.Autotuner, "run", first_config_run)
 
 
 @pytest.mark.parametrize("name", ["gdn", "gla", "gla_conv_gqa", "hgrn_conv", "retnet",
@@ -84,7 +76,7 @@ def _sp_prefill_then_decode(group, name, steps):
     import torch.distributed as dist
     from triton.runtime import autotuner
 
-    autotuner.Autotuner.run = _first_config_run  # this worker's own Triton
+    autotuner.Autotuner.run = first_config_run  # this worker's own Triton
     cls, cfg = _configs()[name]
     torch.manual_seed(0)
     ref = cls(cfg).float().eval()

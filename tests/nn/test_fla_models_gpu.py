@@ -6,17 +6,31 @@ called as users call it (``model(input_ids=...)``, FLA's config default ``use_ca
 logits and the returned cache (recurrent states, convolution tails) must match the unpatched
 model's, and greedy decoding from the cache must give the unpatched model's tokens.  The
 two-GPU test prefills with sequence parallelism and decodes from the gathered cache.
+
+``FORGE_DIST_TEST_FIRST_CONFIG=1`` holds every autotuned kernel (FLA's and ours) to its
+first configuration: the same math, compiled once instead of timed over each configuration,
+for a time-limited device call on a fresh machine (where the autotuning of FLA's kernels
+took about a minute per model type).
 """
 import copy
+import os
 
 import pytest
 import torch
 
 from forge_dist import nn as fnn
 
-from .helpers import fla_cache_states, fla_model_configs, rel_err, sp_prefill_then_decode
+from .helpers import (fla_cache_states, fla_model_configs, first_config_run, rel_err,
+                      sp_prefill_then_decode)
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _first_config(monkeypatch):
+    if os.environ.get("FORGE_DIST_TEST_FIRST_CONFIG") == "1":
+        from triton.runtime import autotuner
+        monkeypatch.setattr(autotuner.Autotuner, "run", first_config_run)
 
 HIDDEN, VOCAB, T, B = 512, 1000, 1024, 2
 
