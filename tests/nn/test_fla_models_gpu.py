@@ -106,6 +106,9 @@ def _sp_prefill_then_decode(group, name, steps):
     against FLA's model decoding greedily from its own cache."""
     import torch.distributed as dist
 
+    if os.environ.get("FORGE_DIST_TEST_FIRST_CONFIG") == "1":  # this worker's own Triton
+        from triton.runtime import autotuner
+        autotuner.Autotuner.run = first_config_run
     torch.cuda.set_device(dist.get_rank())
     ref, patched = _pair(name, torch.float32, group=group)
     ids = torch.randint(0, VOCAB, (B, 512), device="cuda",
