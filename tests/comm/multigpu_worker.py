@@ -197,10 +197,10 @@ def op_check(name, group, device, strategies=("forge", "serial", "lasp2")):
 
 
 def hgrn_mixed_check(group, device):
-    """hgrn with bf16 x and fp32 gates (the benchmarks' inputs; the no-grad calls run the
-    rank's plan, whose gate dtype differs from x's): forward and every gradient of forge,
-    serial and lasp2 against the op on the whole sequence on one GPU, and forge against
-    serial, to bf16 accuracy."""
+    """hgrn with bf16 x and fp32 gates (the benchmarks' inputs; the calls run the rank's
+    plan and training plan, whose gate dtype differs from x's): forward and every gradient
+    of forge, serial and lasp2 against the op on the whole sequence on one GPU, and forge
+    against serial, to bf16 accuracy."""
     r, P = dist.get_rank(group), dist.get_world_size(group)
     B, T_local, D = 2, 1000, 256
     full = op_inputs("hgrn", B, T_local * P, 1, D, 17, device)
