@@ -117,6 +117,12 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         raise PlanError(f"train: sequence-parallel training plans cover "
                         f"{kernels.sp_train_variants()}; forge_dist.ops.{op} trains {op} "
                         "across ranks")
+    if train and size == 1:
+        raise PlanError("train: a sequence-parallel plan option (give a group of more "
+                        "than one rank); one-device plans differentiate with run_backward")
+    if train and maps:
+        raise PlanError("train: the backward programs do not differentiate fused "
+                        "prologues (maps); use forge_dist.ops for gradients")
     if size > 1 and backend == "torch":
         raise PlanError("backend='torch' plans are single-rank; use forge_dist.ops with a group")
 
@@ -137,12 +143,6 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
             strategy_name, strategy_obj = sp_setup.resolve_strategy(
                 strategy, simulated, device, group, kind=spec.kind, state=(B, 1, D, 1))
             summary = "folded" if rank < size - 1 else "incoming"
-        elif train:
-            raise PlanError("train: a sequence-parallel plan option (give a group of more "
-                            "than one rank); one-device plans differentiate with run_backward")
-        if train and maps:
-            raise PlanError("train: the backward programs do not differentiate fused "
-                            "prologues (maps); use forge_dist.ops for gradients")
         prog = kernels.forward_program(op, B=B, T=T, D=D, dtype=dtype,
                                        has_h0=initial_state or rank > 0, tiles=tiles,
                                        gate_dtype=gdt, execution=execution, maps=maps,
@@ -168,12 +168,6 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
                 strategy, simulated, device, group, kind=spec.kind, state=(B, H, K, V))
             if rank < size - 1:
                 summary = sp_setup.summary_form(op, rank, initial_state, train, strategy_obj)
-        elif train:
-            raise PlanError("train: a sequence-parallel plan option (give a group of more "
-                            "than one rank); one-device plans differentiate with run_backward")
-        if train and maps:
-            raise PlanError("train: the backward programs do not differentiate fused "
-                            "prologues (maps); use forge_dist.ops for gradients")
         try:
             prog = kernels.forward_program(
                 op, B=B, T=T, H=H, K=K, V=V, dtype=dtype, gated=gated,
