@@ -313,9 +313,10 @@ case "$stage" in
     # OP (simple_gla), TOKENS (16384), STRATEGIES (forge), e.g. OP=hgrn TOKENS=32768;
     # GRAD=1: the call with gradients and its backward (the fwdbwd rows' call)
     reap
-    step spprof_${OP:-simple_gla}${GRAD:+_grad} 240 torchrun --nproc-per-node 2 \
+    grad=(); [ "${GRAD:-0}" = 1 ] && grad=(--grad)
+    step "spprof_${OP:-simple_gla}${grad:+_grad}" 240 torchrun --nproc-per-node 2 \
       scaling_benchmarks/sp_profile.py --op "${OP:-simple_gla}" --tokens "${TOKENS:-16384}" \
-      --strategies "${STRATEGIES:-forge}" ${GRAD:+--grad} --trace --host-profile 100 --out "$OUT"
+      --strategies "${STRATEGIES:-forge}" "${grad[@]}" --trace --host-profile 100 --out "$OUT"
     reap ;;
   wscell)  # 2 GPUs: one weak-scaling cell, OP MODE (fwd or fwdbwd) B TOKENS TAG STRATEGIES LIMIT,
     # e.g. OP=hgrn MODE=fwd TOKENS=32768 TAG=b1h32-32k-hgrn

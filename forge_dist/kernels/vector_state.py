@@ -679,8 +679,9 @@ def state_grad_program(*, B: int, D: int, n_seg: int, has_dht: bool) -> Program:
     """The reverse scan of :func:`backward_program` alone: the gradient of a shard's
     incoming state through its own outputs (and ``dht``), a sequence-parallel rank's share
     of its state gradient (``forge_dist/runtime/sp_train.py``).  Inputs ``cs, gs [n_seg,
-    B, D]`` fp32: copies of the backward's ``cout, gout`` after its first walk (rewritten
-    in place), ``dht [B, D]`` fp32 (``has_dht``); output ``lam [B, D]`` fp32."""
+    B, D]`` fp32: the backward's ``cout`` after its first walk, a copy (the scan rewrites
+    it in place), and its ``gout`` (read only), ``dht [B, D]`` fp32 (``has_dht``); output
+    ``lam [B, D]`` fp32."""
     f32 = torch.float32
     bufs = {"cs": Buffer((n_seg, B, D), f32, "input"), "gs": Buffer((n_seg, B, D), f32, "input"),
             "lam": Buffer((B, D), f32, "output")}

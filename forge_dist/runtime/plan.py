@@ -156,13 +156,19 @@ class Plan:
 
         Args:
             tensors: ``(*inputs, do)``: the inputs the run took and the gradient of ``o``.
-            kept: what the run returned for its backward.
+            kept: what the run returned for its backward (hgrn: with ``h``, the run's
+                outputs, set: ``dataclasses.replace(kept, h=o)``).
             dht: the gradient of the returned final state (fp32), or ``None``.
         """
         if len(tensors) != len(self.input_names) + 1:
             raise PlanError(f"run_backward_train: expected {len(self.input_names) + 1} tensors "
                             f"({', '.join(self.input_names)}, do), got {len(tensors)}")
         *inputs, do = tensors
+        if registry.get(self.op).vector_state:
+            if kept.h is None:
+                raise PlanError("run_backward_train: hgrn's backward reads the run's outputs; "
+                                "pass kept=dataclasses.replace(kept, h=o)")
+            self._check("kept.h", kept.h, self.out_shape, self.out_dtype)
         given = self._checked_inputs("run_backward_train", inputs)
         self._check("do", do, self.out_shape, self.out_dtype)
         if dht is not None:

@@ -45,16 +45,19 @@ from torch import Tensor
 from .. import kernels
 from ..sp import phases
 from ..sp.base import folded_forward_chain
+from ..variants import registry
 from ..variants.transitions import Kind
 from .executor import Executor
 
 
 @dataclass
 class Kept:
-    """What a training run keeps for its backward: ``S_in`` ``[B, H, K, V]`` fp32 (the
-    incoming state the output walks started from; rank 0: the initial state or zeros),
-    ``M`` (this rank's shard transition, ``None`` for the identity kind and on the last
-    rank) and the strategy's ``saved``."""
+    """What a training run keeps for its backward: ``S_in`` ``[B, H, K, V]`` fp32 (hgrn:
+    ``[B, 1, D, 1]``; the incoming state the output walks started from; rank 0: the initial
+    state or zeros), ``M`` (this rank's shard transition, ``None`` for the identity kind and
+    on the last rank) and the strategy's ``saved``; hgrn's backward also needs ``h``, the
+    run's outputs, which the caller sets (``dataclasses.replace(kept, h=o)``) from what it
+    saved: :func:`forward` does not keep them, which would tie the outputs to the plan."""
 
     S_in: Tensor
     M: Optional[Tensor]
@@ -200,7 +203,7 @@ def _backward_vector(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tens
         _run_part(first, t, p.device)
         if rank > 0:  # 1. this shard's own share of lam(r): the scan on copies
             lam_own = torch.empty(B, D, dtype=torch.float32, device=p.device)
-            own = {"cs": t["cout"].clone(), "gs": t["gout"].clone(), "lam": lam_own}
+            own = {"cs": t["cout"].clone(), "gs": t["gout"], "lam": lam_own}
             if dht is not None:
                 own["dht"] = dht
             _vector_state_grad(p, dht is not None)(own)
@@ -225,7 +228,7 @@ def backward(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tensor], kep
     initial state's (rank 0 with ``need_initial_grad``, else ``None``).  ``given``: the
     inputs the run took, by name (checked); ``do``: ``o``'s shape and dtype; ``dht``: the
     gradient of the returned final state (fp32) or ``None``; hgrn: ``kept.h`` its outputs."""
-    if kept.h is not None:
+    if registry.get(p.op).vector_state:  # (Plan.run_backward_train checked kept.h)
         return _backward_vector(p, given, do, dht, kept, need_initial_grad)
     rank, size = p.rank, p.size
     last = rank == size - 1

@@ -133,8 +133,9 @@ def op_inputs(name, B, T, H, D, seed, device):
 
     def rn(*s, scale=1.0):
         return (torch.randn(*s, generator=g) * scale).to(device)
-    if name == "hgrn":
-        return {"x": rn(B, T, H * D), "g": -torch.rand(B, T, H * D, generator=g).to(device)}
+    if name == "hgrn":  # slow decays: a rank's state reaches well into the next shard
+        return {"x": rn(B, T, H * D),
+                "g": -0.05 * torch.rand(B, T, H * D, generator=g).to(device)}
     q, k, v = rn(B, T, H, D), rn(B, T, H, D), rn(B, T, H, D)
     if name == "linear_attn":
         return {"q": q, "k": k * 0.1, "v": v}
@@ -205,6 +206,7 @@ def hgrn_mixed_check(group, device):
     B, T_local, D = 2, 1000, 256
     full = op_inputs("hgrn", B, T_local * P, 1, D, 17, device)
     full["x"] = full["x"].bfloat16()
+    full["g"] = full["g"] * 0.02  # decays over the whole shard, not its first tokens
     mine = slice(r * T_local, (r + 1) * T_local)
     w = torch.randn(B, T_local * P, D, generator=torch.Generator().manual_seed(3)).to(device)
     res = {}
@@ -217,6 +219,10 @@ def hgrn_mixed_check(group, device):
                 o_ng, _ = call_op("hgrn", inp, **kw)
         inp = {k: t.requires_grad_(True) for k, t in inp.items()}
         o, _ = call_op("hgrn", inp, **kw)
+        node = type(o.grad_fn).__name__  # the plans ran, not the general path
+        want = "_PlannedHgrnBackward" if strategy == "single" else "_PlannedSequenceParallelBackward"
+        if node != want:
+            raise AssertionError(f"{strategy}: the call ran {node}, expected {want}")
         (o.float() * (w if strategy == "single" else w[:, mine])).sum().backward()
         torch.cuda.synchronize()
         if inp["g"].grad.dtype != torch.float32:
@@ -225,7 +231,7 @@ def hgrn_mixed_check(group, device):
     errs = {s: max(rel(a, b) for a, b in zip(res[s], res["single"]))
             for s in ("forge", "serial", "lasp2")}
     errs["forge-vs-serial"] = max(rel(a, b) for a, b in zip(res["forge"], res["serial"]))
-    if max(errs.values()) > 2e-2:
+    if max(errs.values()) > 2e-2 or errs["forge-vs-serial"] > 1e-3:
         raise AssertionError(f"hgrn bf16 x, fp32 g: relative errors {errs}")
     return " ".join(f"{k}={v:.1e}" for k, v in errs.items())
 

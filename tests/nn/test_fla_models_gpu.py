@@ -87,15 +87,22 @@ def test_patched_fla_model_logits_and_cache(name):
         tok = la[:, -1:].argmax(-1)
 
 
+# fp32 logits along FLA's tokens, patched against FLA's: the models whose kernels take TF32
+# dots agree to ~1e-3 (gdn 1.7e-3, gla 9.0e-4, linear_attn 1.0e-3, retnet 7.4e-4 on an H100,
+# 2026-11-27), the others far closer (gla_conv_gqa 2.9e-5; hgrn, hgrn_conv, mamba2 <= 7.5e-7)
+GENERATE_LOGITS_TOL = {"gla_conv_gqa": 5e-4, "hgrn": 1e-5, "hgrn_conv": 1e-5, "mamba2": 1e-5}
+
+
 @pytest.mark.parametrize("name", NAMES)
 @torch.no_grad()
 def test_patched_fla_model_generates_the_same_tokens(name):
-    """``model.generate`` greedy, in fp32: the same tokens as FLA's model.  Where a row's
-    token differs, both models' logits along FLA's tokens (teacher-forced) must agree, and
-    the first differing step must be a near-tie of FLA's own logits (its top two closer
-    than the two models' logits differ there): fp32 through Triton's TF32 dots is not
-    exact, and a random model's logits tie often enough to flip a greedy token.  The
-    numbers are printed either way."""
+    """``model.generate`` greedy, in fp32: the same tokens as FLA's model.  Both models'
+    logits along FLA's tokens (teacher-forced) must agree (:data:`GENERATE_LOGITS_TOL`), and
+    where a row's token differs, its first differing step must be a near-tie: the patched
+    model's token is FLA's runner-up there, and FLA's margin between the two is within
+    what the two models' logits for those two tokens differ by.
+    fp32 through Triton's TF32 dots is not exact, and a random model's logits tie often
+    enough to flip a greedy token.  The numbers are printed either way."""
     ref, patched = _pair(name, torch.float32)
     P = 256
     ids = torch.randint(0, VOCAB, (B, P), device="cuda",
@@ -112,24 +119,31 @@ def test_patched_fla_model_generates_the_same_tokens(name):
     mask = torch.ones_like(seq)
     err_mask = rel_err(patched(input_ids=seq, attention_mask=mask).logits[:, P - 1:].float(),
                        ref(input_ids=seq, attention_mask=mask).logits[:, P - 1:].float())
-    top2 = la.topk(2, dim=-1).values
-    margin, diff = top2[..., 0] - top2[..., 1], (la - lb).abs().amax(-1)  # [B, steps]
-    ties = []
+    top2 = la.topk(2, dim=-1)
+    ties, bad = [], []
     # (generate stops once every row has ended: a longer run differs inside the shorter one)
     n = min(ga.shape[1], gb.shape[1])
     for row in range(B):
         differ = (ga[row, P:n] != gb[row, P:n]).nonzero()
-        if len(differ):
-            step = int(differ[0])
-            ties.append((row, step, float(margin[row, step]), float(diff[row, step])))
+        if not len(differ):
+            continue
+        step = int(differ[0])
+        a, b = int(ga[row, P + step]), int(gb[row, P + step])
+        margin = float(la[row, step, a] - la[row, step, b])
+        disagree = float((la[row, step, [a, b]] - lb[row, step, [a, b]]).abs().sum())
+        tie = (row, step, margin, disagree)
+        ties.append(tie)
+        if not (int(top2.indices[row, step, 1]) == b and margin <= disagree):
+            bad.append(tie)
     if not ties:
         assert torch.equal(ga, gb), (ga.shape, gb.shape)
     print(f"{name}: logits along FLA's tokens differ by {err:.3g} ({err_mask:.3g} with the "
-          f"attention mask); first differing steps (row, step, FLA's top-two margin, largest "
-          f"logit difference): {ties}")
-    assert max(err, err_mask) <= 5e-3, (f"{name}: logits along FLA's tokens differ by "
-                                        f"{err:.3g}, {err_mask:.3g} with the attention mask")
-    bad = [t for t in ties if not t[2] <= 2 * t[3]]
+          f"attention mask); first differing steps (row, step, FLA's margin between the two "
+          f"tokens, the models' disagreement on it): {ties}")
+    tol = GENERATE_LOGITS_TOL.get(name, 5e-3)
+    assert max(err, err_mask) <= tol, (f"{name}: logits along FLA's tokens differ by "
+                                       f"{err:.3g}, {err_mask:.3g} with the attention mask "
+                                       f"(bound {tol:g})")
     assert not bad, (f"{name}: tokens differ where FLA's logits are no near-tie {bad}\n"
                      f"{ga[:, P:]}\n{gb[:, P:]}")
 
