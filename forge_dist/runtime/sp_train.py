@@ -171,7 +171,7 @@ def _vector_parts(p, has_dht: bool, last: bool) -> Tuple[Executor, Executor]:
 
 def _vector_state_grad(p, has_dht: bool) -> Executor:
     """hgrn's reverse scan alone (:func:`forge_dist.kernels.state_grad_program`): a rank's
-    own share of ``lam(r)`` from copies of its segments' gradients and log decays."""
+    own share of ``lam(r)`` from a copy of its segments' gradients and their log decays."""
     exe = p._state_grad_execs.get(("vector", has_dht))
     if exe is None:
         B, T, D = p.out_shape
@@ -201,7 +201,7 @@ def _backward_vector(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tens
     else:
         first, rest = _vector_parts(p, True, last=False)
         _run_part(first, t, p.device)
-        if rank > 0:  # 1. this shard's own share of lam(r): the scan on copies
+        if rank > 0:  # 1. this shard's own share of lam(r): the scan on a copy
             lam_own = torch.empty(B, D, dtype=torch.float32, device=p.device)
             own = {"cs": t["cout"].clone(), "gs": t["gout"], "lam": lam_own}
             if dht is not None:

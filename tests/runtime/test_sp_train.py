@@ -18,7 +18,8 @@ def _inputs(op, T, seed, gated=True):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     if op == "hgrn":  # x, g [B, T, D] with D = K
-        return {"x": r(B, T, K), "g": -torch.rand(B, T, K, generator=g, dtype=torch.float64) * 0.2}
+        return {"x": r(B, T, K),
+                "g": -torch.rand(B, T, K, generator=g, dtype=torch.float64) * 0.2}
     d = {"q": r(B, T, H, K), "k": r(B, T, H, K) * 0.5, "v": r(B, T, H, V)}
     if op == "simple_gla" and gated:
         d["g"] = -torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.2
@@ -92,8 +93,8 @@ def _train_world(group, cases):
 
 def test_training_plans_of_every_strategy_match_fp64_over_gloo():
     """3 concurrent ranks (forge through the simulated transport with random delays):
-    every chain strategy, linear_attn, simple_gla with and without its gate, gla and hgrn
-    (scan: the gated ops); the gradients
+    every chain strategy for linear_attn, simple_gla with and without its gate and gla,
+    hgrn under forge, serial, lasp2 and scan (scan: the gated ops); the gradients
     of the initial state (rank 0) and of every rank's returned final state flow through the
     reverse chain; serial's calls run their backward twice (``retain_graph``)."""
     from tests.sp.distributed import run_world
