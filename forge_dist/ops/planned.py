@@ -295,9 +295,10 @@ class _PlannedMatrix(torch.autograd.Function):
 
 class _PlannedSequenceParallel(torch.autograd.Function):
     """An op on one rank of a group through a training plan
-    (:mod:`forge_dist.runtime.sp_train`): the forward keeps the inputs and the run's
-    incoming state and transition; the backward runs the reverse chain and the shard's
-    backward program.  Every rank must differentiate its call (the chain crosses ranks)."""
+    (:mod:`forge_dist.runtime.sp_train`): the forward keeps the inputs (hgrn: its gates
+    and outputs) and the run's incoming state and transition; the backward runs the reverse
+    chain and the shard's backward program.  Every rank must differentiate its call (the
+    chain crosses ranks)."""
 
     @staticmethod
     def forward(ctx, p, initial_state, *inputs):
@@ -305,10 +306,10 @@ class _PlannedSequenceParallel(torch.autograd.Function):
         ctx.plan, ctx.kept = p, kept
         ctx.set_materialize_grads(False)
         # rank 0 starts from the caller's initial state: saved through autograd, which then
-        # refuses a backward after the caller changed it in place; hgrn's backward reads its
-        # outputs (its states), saved the same way
-        ctx.save_for_backward(initial_state if p.rank == 0 else None, *inputs,
-                              o if registry.get(p.op).vector_state else None)
+        # refuses a backward after the caller changed it in place.  hgrn's backward reads
+        # its gates and outputs (its states), not x: those are what it keeps
+        kept_tensors = ((inputs[1], o) if registry.get(p.op).vector_state else inputs)
+        ctx.save_for_backward(initial_state if p.rank == 0 else None, *kept_tensors)
         return o, final
 
     @staticmethod
@@ -319,10 +320,8 @@ class _PlannedSequenceParallel(torch.autograd.Function):
               else _plan_ready(do, p.out_dtype))
         if dht is not None:
             dht = _plan_ready(dht, torch.float32)
-        h0, *inputs, h = ctx.saved_tensors
+        h0, *inputs = ctx.saved_tensors
         kept = ctx.kept if h0 is None else dataclasses.replace(ctx.kept, S_in=h0)
-        if h is not None:
-            kept = dataclasses.replace(kept, h=h)
         # the context keeps what it holds: a second backward (retain_graph) runs again
         *grads, dS = p.run_backward_train(*inputs, do, kept=kept, dht=dht,
                                           need_initial_grad=ctx.needs_input_grad[1])

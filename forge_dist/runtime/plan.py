@@ -155,21 +155,25 @@ class Plan:
         inputs in ``input_names`` order, then the initial state's (rank 0, else ``None``).
 
         Args:
-            tensors: ``(*inputs, do)``: the inputs the run took and the gradient of ``o``.
-            kept: what the run returned for its backward (hgrn: with ``h``, the run's
-                outputs, set: ``dataclasses.replace(kept, h=o)``).
+            tensors: ``(*inputs, do)``: the inputs the run took and the gradient of ``o``;
+                hgrn, as :meth:`run_backward`: ``(g, o, do)``, the gates the run took, its
+                outputs (its states, which the backward reads; ``x`` it does not) and their
+                gradient.
+            kept: what the run returned for its backward.
             dht: the gradient of the returned final state (fp32), or ``None``.
         """
-        if len(tensors) != len(self.input_names) + 1:
-            raise PlanError(f"run_backward_train: expected {len(self.input_names) + 1} tensors "
-                            f"({', '.join(self.input_names)}, do), got {len(tensors)}")
+        hgrn = registry.get(self.op).vector_state
+        names = ("g", "o", "do") if hgrn else tuple(self.input_names) + ("do",)
+        if len(tensors) != len(names):
+            raise PlanError(f"run_backward_train: expected {len(names)} tensors "
+                            f"({', '.join(names)}), got {len(tensors)}")
         *inputs, do = tensors
-        if registry.get(self.op).vector_state:
-            if kept.h is None:
-                raise PlanError("run_backward_train: hgrn's backward reads the run's outputs; "
-                                "pass kept=dataclasses.replace(kept, h=o)")
-            self._check("kept.h", kept.h, self.out_shape, self.out_dtype)
-        given = self._checked_inputs("run_backward_train", inputs)
+        if hgrn:
+            self._check("g", inputs[0], self.shapes["g"], self.dtypes["g"])
+            self._check("o", inputs[1], self.out_shape, self.out_dtype)
+            given = {"g": inputs[0], "h": inputs[1]}
+        else:
+            given = self._checked_inputs("run_backward_train", inputs)
         self._check("do", do, self.out_shape, self.out_dtype)
         if dht is not None:
             self._check("dht", dht, self.state_shape, torch.float32)

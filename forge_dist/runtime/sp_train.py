@@ -55,16 +55,11 @@ class Kept:
     """What a training run keeps for its backward: ``S_in`` ``[B, H, K, V]`` fp32 (hgrn:
     ``[B, 1, D, 1]``; the incoming state the output walks started from; rank 0: the initial
     state or zeros), ``M`` (this rank's shard transition, ``None`` for the identity kind and
-    on the last rank) and the strategy's ``saved``; hgrn's backward also needs ``h``, the
-    run's outputs, which the caller sets (``dataclasses.replace(kept, h=o)``) from what it
-    saved: :func:`forward` does not keep them, which would tie the outputs to the plan."""
+    on the last rank) and the strategy's ``saved``."""
 
     S_in: Tensor
     M: Optional[Tensor]
     saved: Any
-    # hgrn: the run's outputs (its states, which its backward reads; set by the caller from
-    # what autograd saved)
-    h: Optional[Tensor] = None
 
 
 def forward(p, tensors: Dict[str, Tensor], h0: Optional[Tensor], o: Tensor
@@ -187,7 +182,7 @@ def _backward_vector(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tens
     """:func:`backward` for hgrn (state ``[B, D]``, passed as ``[B, 1, D, 1]``)."""
     rank, last = p.rank, p.rank == p.size - 1
     B, _, D = p.out_shape
-    t = {"g": given["g"], "h": kept.h, "do": do}
+    t = {"g": given["g"], "h": given["h"], "do": do}
     if rank > 0 or p.initial_state:
         t["h0"] = kept.S_in.reshape(B, D)
     if last:
@@ -227,8 +222,9 @@ def backward(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tensor], kep
     """Gradients of one :func:`forward` of plan ``p``: those of ``p.input_names``, then the
     initial state's (rank 0 with ``need_initial_grad``, else ``None``).  ``given``: the
     inputs the run took, by name (checked); ``do``: ``o``'s shape and dtype; ``dht``: the
-    gradient of the returned final state (fp32) or ``None``; hgrn: ``kept.h`` its outputs."""
-    if registry.get(p.op).vector_state:  # (Plan.run_backward_train checked kept.h)
+    gradient of the returned final state (fp32) or ``None``; hgrn's ``given``: ``g`` and
+    ``h``, the run's outputs (its states)."""
+    if registry.get(p.op).vector_state:
         return _backward_vector(p, given, do, dht, kept, need_initial_grad)
     rank, size = p.rank, p.size
     last = rank == size - 1

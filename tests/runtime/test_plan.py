@@ -419,19 +419,19 @@ def test_plan_errors(kw, msg):
         plan(op, **args)
 
 
-def test_hgrn_training_backward_needs_the_run_outputs():
-    """hgrn's backward reads its run's outputs, which the caller keeps (the ops' autograd
-    node does): a training plan's backward without them says so before it launches."""
+def test_hgrn_training_backward_takes_the_gates_and_outputs():
+    """hgrn's training backward reads its run's gates and outputs (its states), as its
+    one-device run_backward does, not x: misuse is refused before anything launches."""
     from forge_dist.runtime.sp_train import Kept
 
     p = plan("hgrn", B=1, T=64, D=16, dtype=torch.float32, device="cpu",
              group=SimWorld(2)[1], train=True)
-    x, g, do = torch.randn(1, 64, 16), -torch.rand(1, 64, 16), torch.randn(1, 64, 16)
+    g, do = -torch.rand(1, 64, 16), torch.randn(1, 64, 16)
     kept = Kept(S_in=torch.zeros(1, 1, 16, 1), M=None, saved=None)
-    with pytest.raises(PlanError, match="hgrn's backward reads the run's outputs"):
-        p.run_backward_train(x, g, do, kept=kept)
-    with pytest.raises(PlanError, match="kept.h: the plan was made for shape"):
-        p.run_backward_train(x, g, do, kept=Kept(kept.S_in, None, None, h=torch.randn(64)))
+    with pytest.raises(PlanError, match=r"expected 3 tensors \(g, o, do\), got 2"):
+        p.run_backward_train(g, do, kept=kept)
+    with pytest.raises(PlanError, match="o: the plan was made for shape"):
+        p.run_backward_train(g, torch.randn(64), do, kept=kept)
 
 
 def test_describe_reports_choices():
