@@ -72,6 +72,8 @@ single-GPU plans of forward calls on CUDA) gets no breakdown.
   ``merge_ms``: phase 3 of the forward, state-pass exit (world of one: the ``merge``
   edge) to the op's return (readout of the incoming state, final state, output cast).
   ``check_ms`` (extra): the cross-rank argument check inside ``local_ms``.
+* ``path`` -- ``"plan"`` where the measured calls ran on plans (the ops' short path),
+  ``"general"`` where they took the runner (a dtype or shape the plans refuse);
 * ``peak_mib`` -- ``torch.cuda.max_memory_allocated`` over the measurement (reset before
   warmup), MiB, maximum over ranks (``None`` on the CPU).
 * ``ideal_ms`` / rows with ``measure == "ideal"`` -- the same op on the same rank's shard in a
@@ -289,6 +291,22 @@ def make_inputs(op: str, cfg, T: int, device, seed: int, requires_grad: bool):
         for t in inp.values():
             t.requires_grad_(True)
     return inp
+
+
+def _forget_signatures() -> None:
+    from forge_dist.ops import planned
+
+    planned.forget_signatures()
+
+
+def _path_timed() -> str:
+    """Which path the row just measured ran (after :func:`_forget_signatures`): ``"plan"``
+    where its calls ran on a plan (the ops' short path, with or without a group), else
+    ``"general"`` (the runner): a dtype or shape the plans refuse must not pass for a
+    planned number."""
+    from forge_dist.ops import planned
+
+    return "plan" if planned.signatures_on_plans() else "general"
 
 
 def call_op(op: str, inp, *, group, strategy: str):
@@ -711,20 +729,24 @@ class Bench:
                     inp = make_inputs(op, cfg, T, self.device, seed, grad)
                     return _runner(lambda: call_op(op, inp, group=None, strategy="auto"),
                                    inp, pass_)
+                _forget_signatures()
                 res = self.measure(factory, what, single=True)
                 ideal_ok[(op, pass_)] = res is not None
                 if res is not None:
                     ideal[(op, pass_, "forge_dist")] = res["ms"]
                     row = self._row(op, pass_, "forge_dist", "ideal", 1, T, res, "ideal")
+                    row["path"] = _path_timed()
             elif kind == "op":
                 def factory(op=op, pass_=pass_, grad=grad, strategy=strategy):
                     inp = make_inputs(op, cfg, T, self.device, seed, grad)
                     return _runner(lambda: call_op(op, inp, group=self.group,
                                                    strategy=strategy), inp, pass_)
+                _forget_signatures()
                 res = self.measure(factory, what, single=False)
                 if res is not None:
                     row = self._row(op, pass_, "forge_dist", strategy, self.size,
                                     T * self.size, res, "op")
+                    row["path"] = _path_timed()
                     if strategy == "auto":  # what auto ran (the ops resolve it the same way)
                         row["chosen"] = self._auto_choice(op)
                     base = ideal.get((op, pass_, "forge_dist"))

@@ -197,6 +197,18 @@ def front(op: str, tensors: Tuple[Tensor, ...], *, initial_state, output_final_s
         return key, None
 
 
+def signatures_on_plans() -> int:
+    """How many call signatures ran on a plan (and so go straight to it next time) since
+    :func:`forget_signatures`: a benchmark reads it to say which path it timed."""
+    return len(_FRONT)
+
+
+def forget_signatures() -> None:
+    """Drop the remembered signatures (the plans stay cached): each signature's next call
+    takes the full path once, and is remembered again if it runs on a plan."""
+    _FRONT.clear()
+
+
 def _remember(front_key: Optional[Tuple], p) -> None:
     k = getattr(p, "cache_key", None)
     if front_key is not None and k is not None and k[-1] != plan_cache.CAPTURED:

@@ -19,7 +19,7 @@ OPS = ["linear_attn", "simple_gla", "gla", "gated_delta_rule", "hgrn"]
 HEADER = ("benchmark", "device", "world_size", "torch", "triton", "commit", "date", "switches",
           "config", "rows")
 ROW = ("op", "T", "pass", "impl", "ms", "ms_min", "strategy", "world_size", "tokens_per_gpu",
-       "breakdown", "peak_mib", "measure", "per_rank")
+       "breakdown", "peak_mib", "measure", "per_rank", "path")
 
 
 def _run(tmp_path: Path, world: int) -> dict:
@@ -55,6 +55,7 @@ def _check_row(r, world):
     assert r["pass"] in ("fwd", "fwdbwd")
     assert r["peak_mib"] is None  # CPU
     assert len(r["per_rank"]) == world
+    assert r["path"] in ("plan", "general")
 
 
 def test_one_rank_writes_ideal_rows(one_rank):
@@ -255,6 +256,23 @@ def test_plot_of_a_merged_file(pieces, tmp_path):
     png = tmp_path / "merged.png"
     assert ws.main(["--plot", str(pieces["path"]), "--png", str(png)]) == 0
     assert png.stat().st_size > 10_000
+
+
+def test_rows_say_which_path_they_timed(one_rank, tmp_path):
+    """A row names the path its calls ran: the CPU's default (no kernels) is the general
+    path; with the kernels (Triton's interpreter) the ops' calls run on plans.  (A dtype the
+    plans refused once sent every hgrn cell down the general path unnoticed.)"""
+    assert {r["path"] for r in one_rank["rows"]} == {"general"}
+    out = tmp_path / "kernels"
+    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_KERNELS="triton",
+               FORGE_DIST_COMMIT="test")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--world", "1", "--out", str(out),
+         "--set", "warmup=1", "--set", "repeats=2", "--ops", "simple_gla", "--modes", "fwd"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(next(out.glob("weak_scaling_*_ws1.json")).read_text())["rows"]
+    assert rows and {r["path"] for r in rows} == {"plan"}
 
 
 def test_cli_options_set_the_config_keys(tmp_path):
