@@ -73,6 +73,9 @@
 #   bash scaling_benchmarks/device_batch.sh sd-base   # 1 GPU: single_device (SD_T) at BASE, then here (~4 min)
 #   OP=hgrn TOKENS=32768 bash scaling_benchmarks/device_batch.sh spprof # 2 GPUs: traces and host
 #                                                     #   profile of one op's sequence-parallel call (~4 min)
+#   bash scaling_benchmarks/device_batch.sh hgrn-verify # 2 GPUs: hgrn's GPU checks as they stand (~7 min)
+#   bash scaling_benchmarks/device_batch.sh fla-verify  # 2 GPUs: FLA's models, generate and the
+#                                                     #   two-rank prefill, first configurations (~9 min)
 #   OP=hgrn MODE=fwd TOKENS=32768 TAG=t STRATEGIES=forge,serial bash scaling_benchmarks/device_batch.sh wscell
 #                                                     # 2 GPUs: one weak-scaling cell (LIMIT s, B)
 #   NAME=x LIMIT=300 PYTEST_ARGS="-m gpu tests/nn -k 'gdn or gla'" bash scaling_benchmarks/device_batch.sh pytest
@@ -99,7 +102,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -317,6 +320,20 @@ case "$stage" in
     step "spprof_${OP:-simple_gla}${grad:+_grad}" 240 torchrun --nproc-per-node 2 \
       scaling_benchmarks/sp_profile.py --op "${OP:-simple_gla}" --tokens "${TOKENS:-16384}" \
       --strategies "${STRATEGIES:-forge}" "${grad[@]}" --trace --host-profile 100 --out "$OUT"
+    reap ;;
+  hgrn-verify)  # 2 GPUs: the seventh session's GPU checks as they now stand (slow hgrn decays,
+    # the plans' autograd nodes asserted, forge against serial to 1e-3), not yet run
+    reap
+    step hgrn_checks "${CHECKS_LIMIT:-420}" env FORGE_MG_CHECKS=available,hgrn_mixed,op_hgrn,scan_op_hgrn,hier_op_hgrn,no_host_sync_forge \
+      python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py
+    reap ;;
+  fla-verify)  # 2 GPUs: FLA's models, generate's near-tie rule (one card) and the two-rank
+    # prefill then decoding (both cards), every autotuned kernel at its first configuration
+    step fla_generate 240 env FORGE_DIST_TEST_FIRST_CONFIG=1 CUDA_VISIBLE_DEVICES=0 python3 -m pytest \
+      -v -s -p no:cacheprovider -m gpu tests/nn/test_fla_models_gpu.py -k generates
+    reap
+    step fla_sp_prefill 330 env FORGE_DIST_TEST_FIRST_CONFIG=1 python3 -m pytest -v \
+      -p no:cacheprovider -m multigpu tests/nn/test_fla_models_gpu.py
     reap ;;
   wscell)  # 2 GPUs: one weak-scaling cell, OP MODE (fwd or fwdbwd) B TOKENS TAG STRATEGIES LIMIT,
     # e.g. OP=hgrn MODE=fwd TOKENS=32768 TAG=b1h32-32k-hgrn
