@@ -164,13 +164,13 @@ def _vector_parts(p, has_dht: bool, last: bool) -> Tuple[Executor, Executor]:
     return parts
 
 
-def _vector_state_grad(p, has_dht: bool) -> Executor:
-    """hgrn's reverse scan alone (:func:`forge_dist.kernels.state_grad_program`): a rank's
-    own share of ``lam(r)`` from a copy of its segments' gradients and their log decays."""
+def _vector_state_grad(p, has_dht: bool, n_seg: int) -> Executor:
+    """hgrn's reverse scan alone (:func:`forge_dist.kernels.state_grad_program`) over the
+    backward's ``n_seg`` segments: a rank's own share of ``lam(r)`` from a copy of its
+    segments' gradients and their log decays."""
     exe = p._state_grad_execs.get(("vector", has_dht))
     if exe is None:
         B, T, D = p.out_shape
-        n_seg = vector_backward_program(p, has_dht).buffers["cout"].shape[0]
         prog = kernels.state_grad_program(p.op, B=B, T=T, D=D, n_seg=n_seg, dtype=p.out_dtype,
                                           has_dht=has_dht)
         exe = p._state_grad_execs[("vector", has_dht)] = Executor(prog, p.device, None)
@@ -201,7 +201,7 @@ def _backward_vector(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tens
             own = {"cs": t["cout"].clone(), "gs": t["gout"], "lam": lam_own}
             if dht is not None:
                 own["dht"] = dht
-            _vector_state_grad(p, dht is not None)(own)
+            _vector_state_grad(p, dht is not None, t["cout"].shape[0])(own)
         else:  # rank 0 sends nothing back
             lam_own = p.zeros
     with phases.BACKWARD_CHAIN:  # 2. lam(r+1) in, lam(r) out
