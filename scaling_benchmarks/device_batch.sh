@@ -82,6 +82,10 @@
 #                                                     # any pytest selection as one step
 #   (REAP=0: leave other jobs' workers alone, for a stage beside another on other cards;
 #    KEPT_CHECKS=0 / KEPT_WS=0: keptplans without its GPU checks / its cells)
+#   bash scaling_benchmarks/device_batch.sh suite4    # 4 GPUs: every gpu test at one commit, one share
+#                                                     #   per card (~9 min)
+#   bash scaling_benchmarks/device_batch.sh mg4       # 4 GPUs: the multigpu suite on cards 0-1, FLA's
+#                                                     #   two-rank prefill on cards 2-3 (~8 min)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -102,7 +106,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -231,6 +235,22 @@ case "$stage" in
       step dsl_variants 200 python3 -m scaling_benchmarks.dsl_variants --budget-s 170 --out "$OUT" \
         > /dev/null ) &
     wait ;;
+  suite4)  # a 4-GPU machine: every gpu-marked test at one commit, one share per card (the
+    # FLA models at their autotuners' first configurations); mg4 runs the multigpu ones
+    export FORGE_DIST_TEST_FIRST_CONFIG=1
+    g() { step "$1" "${GPU_LIMIT:-560}" python3 -m pytest -v -p no:cacheprovider --durations=15 -m gpu "${@:2}"; }
+    ( export CUDA_VISIBLE_DEVICES=0; g gpu_kernels tests/robustness/test_numerics_gpu.py tests/kernels > /dev/null ) &
+    ( export CUDA_VISIBLE_DEVICES=1; g gpu_nn tests/nn > /dev/null ) &
+    ( export CUDA_VISIBLE_DEVICES=2; g gpu_runtime_ops tests/runtime tests/ops/test_ops_gpu.py > /dev/null ) &
+    ( export CUDA_VISIBLE_DEVICES=3; g gpu_planned_dsl tests/ops/test_planned.py tests/dsl > /dev/null ) &
+    wait ;;
+  mg4)  # a 4-GPU machine: the multigpu suite on cards 0-1 while cards 2-3 run FLA's models'
+    # two-rank prefill then decoding (the two jobs share nothing but the host)
+    ( export CUDA_VISIBLE_DEVICES=0,1; mg_runs > /dev/null ) &
+    ( export CUDA_VISIBLE_DEVICES=2,3; step fla_sp_prefill "${MG_LIMIT:-450}" env FORGE_DIST_TEST_FIRST_CONFIG=1 \
+        python3 -m pytest -v -p no:cacheprovider -m multigpu tests/nn/test_fla_models_gpu.py > /dev/null ) &
+    wait
+    reap ;;
   verify4)  # a 4-GPU machine: the multigpu suite on one pair while the other two cards run the
     # gpu suite (the two jobs share nothing: separate processes, ports and NVSHMEM worlds)
     ( export CUDA_VISIBLE_DEVICES=0,1; mg_runs > /dev/null ) &
@@ -329,7 +349,9 @@ case "$stage" in
     reap ;;
   fla-verify)  # 2 GPUs: FLA's models, generate's near-tie rule (one card) and the two-rank
     # prefill then decoding (both cards), every autotuned kernel at its first configuration
-    step fla_generate 240 env FORGE_DIST_TEST_FIRST_CONFIG=1 CUDA_VISIBLE_DEVICES=0 python3 -m pytest \
+    # (generate on the first visible card)
+    step fla_generate 240 env FORGE_DIST_TEST_FIRST_CONFIG=1 \
+      CUDA_VISIBLE_DEVICES="$(echo "${CUDA_VISIBLE_DEVICES:-0}" | cut -d, -f1)" python3 -m pytest \
       -v -s -p no:cacheprovider -m gpu tests/nn/test_fla_models_gpu.py -k generates
     reap
     step fla_sp_prefill 330 env FORGE_DIST_TEST_FIRST_CONFIG=1 python3 -m pytest -v \
