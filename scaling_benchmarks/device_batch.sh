@@ -86,6 +86,10 @@
 #                                                     #   per card (~9 min)
 #   bash scaling_benchmarks/device_batch.sh mg4       # 4 GPUs: the multigpu suite on cards 0-1, FLA's
 #                                                     #   two-rank prefill on cards 2-3 (~8 min)
+#   bash scaling_benchmarks/device_batch.sh leanscan  # 2 or 4 GPUs: scan's GPU checks, 16K forward under
+#                                                     #   forge, scan, hier, lasp2 at 2 (and 4) ranks (~8 min)
+#   MG_TESTS=f GPU_TESTS=f bash scaling_benchmarks/device_batch.sh leanscan4 # 4 GPUs: leanscan's checks
+#                                                     #   beside the listed tests, then its 2-GPU cell (~9 min)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -106,7 +110,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -286,6 +290,44 @@ case "$stage" in
     step layers_sp 420 torchrun --nproc-per-node 2 scaling_benchmarks/layers.py --sp \
       --layers "${LAYERS:-gdn,gla,retnet,simple_gla,hgrn,linear_attn,mamba2,lightning}" \
       --repeats "${REPEATS:-10}" --out "$OUT" ;;
+  leanscan)  # the scaling issue, after scan's lean first send (rank 0 sends its program's
+    # summary with nothing ahead of it): GPU checks on 2 ranks, then simple_gla's 16K forward
+    # under forge, scan, hier and lasp2 on 2 GPUs (hier as two one-GPU nodes) and, on a
+    # machine of 4, on 4 (two nodes of two) with the chain's serial too
+    reap
+    step leanscan_checks "${CHECKS_LIMIT:-300}" env CUDA_VISIBLE_DEVICES=0,1 \
+      FORGE_MG_CHECKS=available,plans,no_host_sync_scan,no_host_sync_hier,scan_op_simple_gla,hier_op_simple_gla,scan_op_hgrn \
+      python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py
+    reap
+    FORGE_DIST_RANKS_PER_NODE=1 ws leanscan_16k_ws2 150 2 simple_gla fwd 1 16384 \
+      b1h32-16k-leanscan forge,scan,hier,lasp2
+    if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 4 ]; then
+      FORGE_DIST_RANKS_PER_NODE=2 ws leanscan_16k_ws4 180 4 simple_gla fwd 1 16384 \
+        b1h32-16k-leanscan forge,scan,hier,lasp2,serial
+      WS_EXTRA="--set fla_cp=false" ws leanscan_gdn_ws4 150 4 gated_delta_rule fwd 1 32768 \
+        b1h32-32k-gdn-leanscan forge,scan,lasp2
+    fi
+    reap ;;
+  leanscan4)  # a 4-GPU machine: leanscan's GPU checks on cards 2-3 while cards 0-1 run the
+    # multigpu tests named in MG_TESTS (a file of node ids, e.g. what an earlier stage's
+    # limit cut off) and then card 2 the gpu tests in GPU_TESTS; then the 16K cells alone
+    if [ -n "${MG_TESTS:-}" ]; then
+      ( export CUDA_VISIBLE_DEVICES=0,1; step mg_rest "${MG_LIMIT:-330}" python3 -m pytest -v \
+          -p no:cacheprovider --durations=10 $(cat "$MG_TESTS") > /dev/null ) &
+    fi
+    ( export CUDA_VISIBLE_DEVICES=2,3
+      step leanscan_checks "${CHECKS_LIMIT:-240}" env \
+        FORGE_MG_CHECKS=available,plans,no_host_sync_scan,no_host_sync_hier,scan_op_simple_gla,hier_op_simple_gla,scan_op_hgrn \
+        python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py > /dev/null
+      if [ -n "${GPU_TESTS:-}" ]; then
+        CUDA_VISIBLE_DEVICES=2 step gpu_rest "${GPU_LIMIT:-90}" python3 -m pytest -v \
+          -p no:cacheprovider $(cat "$GPU_TESTS") > /dev/null
+      fi ) &
+    wait
+    reap
+    FORGE_DIST_RANKS_PER_NODE=1 ws leanscan_16k_ws2 150 2 simple_gla fwd 1 16384 \
+      b1h32-16k-leanscan forge,scan,hier,lasp2
+    reap ;;
   scan4)  # the scaling issue: scan (log2 P rounds) against the chains and lasp2 at 4 GPUs
     ws scan4_16k 200 4 simple_gla fwd 1 16384 b1h32-16k-scan forge,serial,lasp2,scan
     ws scan4_gdn 200 4 gated_delta_rule fwd 1 32768 b1h32-32k-gdn-scan forge,serial,lasp2,scan

@@ -209,7 +209,8 @@ def specialise(plan) -> Optional[Callable]:
             start = "initial_state.view(S_SHAPE)"  # hgrn's [B, D] passes as [B, 1, D, 1]
             env["S_SHAPE"] = tuple(plan.zeros.shape)
         body.append("    with STATE_PASS:")
-        body.append(f"        S_in = PASS(KIND, WS, {start}, S_IN, GROUP, WORD, KEEP)")
+        body.append(f"        S_in = PASS(KIND, WS, {start}, S_IN, GROUP, WORD, KEEP, "
+                    f"zero_start={plan.rank == 0 and start == 'ZEROS'})")
         if plan.rank > 0:
             body.append("    p_h0 = S_in.data_ptr()")
             ptr_of["h0"] = "p_h0"

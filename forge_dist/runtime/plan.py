@@ -380,7 +380,7 @@ class Plan:
                         else self.strategy_obj.plan_forward)
         with phases.STATE_PASS:
             S_in = plan_forward(Kind(self.kind), exe.workspaces, S0, self.s_in, self.group,
-                                self.word, self._pass_keep)
+                                self.word, self._pass_keep, zero_start=rank == 0 and h0 is None)
         if rank > 0:
             tensors["h0"] = S_in
         elif h0 is not None:

@@ -63,7 +63,7 @@ class Strategy:
 
     def plan_forward(self, kind: Kind, summaries: Dict[str, Tensor], S0: Optional[Tensor],
                      S_in: Tensor, group, word: int = 0,
-                     keep: Optional[Dict[str, Any]] = None) -> Tensor:
+                     keep: Optional[Dict[str, Any]] = None, zero_start: bool = False) -> Tensor:
         """A plan's forward state pass (no autograd): this rank's incoming state.
 
         ``summaries``: the program's workspaces after its summary launches, read on every
@@ -72,7 +72,8 @@ class Strategy:
         ``S0``: rank 0's start; zeros on the other ranks (and rank 0 without an initial
         state).  ``S_in``: a buffer this rank may fill with its incoming state (rank > 0);
         returns the incoming state (``S0`` on rank 0).  ``keep``: the plan's dict, as in
-        :meth:`forward_chain`.
+        :meth:`forward_chain`.  ``zero_start``: ``S0`` is zeros (a plan without an initial
+        state), which a strategy may skip folding in.
         """
         out, _, _ = folded_forward_chain(self, kind, summaries, S0, group, word, keep)
         return out

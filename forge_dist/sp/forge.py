@@ -591,7 +591,8 @@ class Forge(Strategy):
 
     plan_summary = "segments"  # the plan's state pass folds the summaries in the kernel
 
-    def plan_forward(self, kind, summaries, S0, S_in, group, word=0, keep=None):
+    def plan_forward(self, kind, summaries, S0, S_in, group, word=0, keep=None,
+                     zero_start=False):
         """One chain launch per rank (see :meth:`.base.Strategy.plan_forward`): rank 0 sends
         ``M S0 + delta``, a middle rank receives into ``S_in`` and sends on, the last rank
         only receives.  ``summaries``: ``hs`` and (gated) ``gt``, the program's segment

@@ -165,9 +165,16 @@ class Hier(Scan):
 
     name = "hier"
 
-    def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None):
+    def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None,
+              zero_first=True, own=None):
+        # (the prefix of the first position is formed anyway: a first node's leader reads it)
         route = _Route(nodes(group), rank_at(pos), reverse=direction == "bwd")
         return _incoming(kind, M, d, route, group, word, direction, what, keep)
+
+    def _reads_own_transition(self, kind, rank, size):
+        # a node's leader composes its transition into the node's total: every rank past
+        # the first keeps it (rank 0's map comes first, where every prefix starts from zero)
+        return kind is not Kind.IDENTITY and 0 < rank < size - 1
 
 
 register(Hier())

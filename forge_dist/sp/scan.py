@@ -51,11 +51,30 @@ def transition_shape(kind: Kind, like: Tensor) -> Optional[Tuple[int, ...]]:
             Kind.DENSE: (B, H, K, K)}[kind]
 
 
+def reads_own_transition(kind: Kind, pos: int, size: int, with_M: bool = False) -> bool:
+    """Whether :func:`exclusive_scan` at position ``pos`` of ``size`` reads its own map's
+    ``M``: it does where it sends ``M`` to a position that reads it (a round that composes
+    an arrival into what it sends later also sends to such a position).  Position 0's
+    never (every prefix starts from zero), nor the last position's, nor any at two ranks:
+    such a rank need not form its transition."""
+    if kind is Kind.IDENTITY or pos == 0:
+        return False
+    span = 1
+    while span < size:
+        dst = pos + span
+        if dst < size and (with_M or dst - 2 * span >= 0 or dst + 2 * span < size):
+            return True
+        span *= 2
+    return False
+
+
 def exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: int,
-                   exchange, with_M: bool = False):
+                   exchange, with_M: bool = False, zero_first: bool = True):
     """The ``d`` of the composition of the maps at positions ``0 .. pos - 1`` (zeros at
-    position 0), this rank holding position ``pos``'s map ``(M, d)``; ``M`` ``None`` is read
-    as the identity (and where no later map reads it).  ``with_M``: return ``(M, d)`` of that
+    position 0; ``None`` there with ``zero_first=False``, for a caller that does not read
+    it), this rank holding position ``pos``'s map ``(M, d)``; ``M`` ``None`` is read
+    as the identity (and where no later map reads it: :func:`reads_own_transition`).
+    ``with_M``: return ``(M, d)`` of that
     composition instead (``M`` ``None``: the identity, at position 0 or for the identity
     kind).
 
@@ -93,7 +112,8 @@ def exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: i
                 incl_d = tr.combine(kind, incl_M, r_d, incl_d)
                 incl_M = tr.compose(kind, incl_M, r_M)
         span, k = span * 2, k + 1
-    acc_d = torch.zeros_like(d) if acc_d is None else acc_d
+    if acc_d is None and zero_first:
+        acc_d = torch.zeros_like(d)
     return (acc_M, acc_d) if with_M else acc_d
 
 
@@ -121,18 +141,26 @@ class _KeptMove:
     """One round's move in a sequence-parallel plan (whose rounds, peers and word never
     change between calls): its own send and receive buffers, and the compiled kernel kept
     after its first GPU call (``forge._Relaunch``), so a repeated call costs a copy into the
-    send buffer and a relaunch: no allocation, no Triton binding."""
+    send buffer and a relaunch: no allocation, no Triton binding.  ``bound``: ``held`` is a
+    buffer the plan keeps and rewrites every call (its program's summary): the move sends
+    it as it is, with no copy ahead of the send."""
 
-    def __init__(self, held: Tensor):
-        self.sent = torch.empty_like(held, memory_format=torch.contiguous_format)
-        self.into = torch.empty_like(self.sent)
+    def __init__(self, held: Tensor, bound: bool = False):
+        self.bound = bound and held.is_contiguous()
+        self.sent = held if self.bound else torch.empty_like(
+            held, memory_format=torch.contiguous_format)
+        self.into = torch.empty_like(self.sent, memory_format=torch.contiguous_format)
         self.launch = None
 
-    def fits(self, held: Tensor) -> bool:
+    def fits(self, held: Tensor, bound: bool = False) -> bool:
+        if self.bound != (bound and held.is_contiguous()):
+            return False
+        if self.bound and held.data_ptr() != self.sent.data_ptr():
+            return False  # another buffer: the kept launch is bound to the old one
         return held.shape == self.sent.shape and held.dtype == self.sent.dtype
 
     def __call__(self, group, key: str, held: Tensor, src: int, dst: int, word: int) -> Tensor:
-        if dst >= 0:
+        if dst >= 0 and not self.bound:
             self.sent.copy_(held)
         if self.launch is not None and self.launch.usable(None):
             self.launch(None)
@@ -164,7 +192,8 @@ def _allocated(keep: Optional[dict], key: str) -> bool:
 
 
 def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int,
-                allocate: bool = True, keep: Optional[dict] = None) -> Tensor:
+                allocate: bool = True, keep: Optional[dict] = None,
+                bound: bool = False) -> Tensor:
     """``held`` to group rank ``dst`` and what group rank ``src`` sent on channel ``key``
     (``-1``: none; both ``-1``: only the channel is allocated, a collective every rank makes,
     and ``held`` comes back), by forge's kernel in its send-first mode.  ``held``:
@@ -172,7 +201,9 @@ def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int,
 
     ``keep``: a sequence-parallel plan's dict, where the move keeps its buffers and launch
     (:class:`_KeptMove`, under ``key``); what it returns is then its kept receive buffer,
-    which the plan's next call rewrites (stream-ordered after this call's readers)."""
+    which the plan's next call rewrites (stream-ordered after this call's readers);
+    ``bound``: ``held`` is a buffer of the plan's own, sent without a copy
+    (:class:`_KeptMove`)."""
     if src < 0 and dst < 0:
         if not _allocated(keep, key):
             from . import forge  # optional: forge needs Triton
@@ -184,8 +215,8 @@ def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int,
         return held
     if keep is not None:
         kept = keep.get(key)
-        if not isinstance(kept, _KeptMove) or not kept.fits(held):
-            kept = keep[key] = _KeptMove(held)
+        if not isinstance(kept, _KeptMove) or not kept.fits(held, bound):
+            kept = keep[key] = _KeptMove(held, bound)
         return kept(group, key, held, src, dst, word)
     into = torch.empty_like(held, memory_format=torch.contiguous_format)
     _launch_move(group, key, held.contiguous(), into, src, dst, word)
@@ -198,15 +229,17 @@ def as_state(M: Tensor) -> Tensor:
 
 
 def device_exchange(group, rank_at: Callable[[int], int], word: int, channel: str,
-                    size: int, keep: Optional[dict] = None):
+                    size: int, keep: Optional[dict] = None, own: Optional[Tensor] = None):
     """A round as forge's kernel in its send-first mode, one launch per tensor and one
     channel per round and tensor (``f"{channel}{k}"``, ``...-M``; see the module docstring).
     A rank idle in a round still allocates its channels (a collective).  ``keep``: a plan's
-    dict for the moves' buffers and launches (:func:`device_move`)."""
+    dict for the moves' buffers and launches (:func:`device_move`); ``own``: the plan's
+    summary buffer, sent without a copy in a round that sends it as it is."""
     def exchange(k, src, dst, M, d, m_shape, recv_M):
         src_rank = rank_at(src) if src >= 0 else -1
         dst_rank = rank_at(dst) if dst < size else -1
-        r_d = device_move(group, f"{channel}{k}", d, src_rank, dst_rank, word, keep=keep)
+        r_d = device_move(group, f"{channel}{k}", d, src_rank, dst_rank, word, keep=keep,
+                          bound=keep is not None and d is own)
         r_M = None
         key = f"{channel}{k}-M"
         # every rank reaches the M channel (its allocation is a collective), moving M only
@@ -247,18 +280,49 @@ class Scan(Strategy):
 
     name = "scan"
 
-    def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None):
+    def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None,
+              zero_first=True, own=None):
         """The exclusive prefix at position ``pos`` of ``size`` (group rank ``rank_at(p)``);
-        ``keep``: a plan's dict for the device rounds' buffers and launches."""
+        ``keep``: a plan's dict for the device rounds' buffers and launches; ``zero_first``
+        and ``own`` as :func:`exclusive_scan`'s and :func:`device_exchange`'s."""
         if on_device(group, d):
             return exclusive_scan(kind, M, d, pos, size,
                                   device_exchange(group, rank_at, word, f"scan-{direction}-",
-                                                  size, keep))
+                                                  size, keep, own), zero_first=zero_first)
         stamp = Stamp(group, word, d)
         out = exclusive_scan(kind, M, d, pos, size,
-                             host_exchange(group, rank_at, stamp, what, size))
+                             host_exchange(group, rank_at, stamp, what, size),
+                             zero_first=zero_first)
         stamp.done()
         return out
+
+    def _reads_own_transition(self, kind: Kind, rank: int, size: int) -> bool:
+        """Whether this rank's forward rounds read its shard's transition."""
+        return reads_own_transition(kind, rank, size)
+
+    def plan_forward(self, kind, summaries, S0, S_in, group, word=0, keep=None,
+                     zero_start=False):
+        """A plan's forward pass (:meth:`.base.Strategy.plan_forward`) with nothing ahead of
+        rank 0's first send that no rank reads: the shard's transition only where a round
+        reads it (:func:`reads_own_transition`), ``S0`` folded into rank 0's summary only
+        where it has one (``zero_start``: it starts from zero), no zero prefix for rank 0,
+        and the program's summary sent from its own buffer."""
+        rank, size = p2p.rank_and_size(group)
+        if size == 1:
+            return S0
+        if rank == size - 1:  # the last rank only receives: nobody reads its carry
+            M, d = None, S0
+        else:
+            d = summaries["delta"]
+            needs_M = (rank == 0 and not zero_start) or self._reads_own_transition(
+                kind, rank, size)
+            M = _transition(kind, summaries) if needs_M else None
+            if rank == 0 and not zero_start:  # then every prefix starts from zero
+                d = tr.combine(kind, M, S0, d)
+        out = self._scan(kind, M, d, rank, size, lambda p: p, group, word, "fwd",
+                         f"the incoming state ({self.name})", keep, zero_first=rank > 0,
+                         own=summaries.get("delta"))
+        return S0 if rank == 0 else out
 
     def forward_chain(self, kind, M, delta, S0, group, word=0, keep=None):
         rank, size = p2p.rank_and_size(group)
@@ -282,6 +346,21 @@ class Scan(Strategy):
                               lambda p: size - 1 - p, group, word, "bwd",
                               f"the state gradient ({self.name})", keep)
         return lam_next, grad_in + tr.apply_transposed(kind, M, lam_next)
+
+
+def _transition(kind: Kind, summaries) -> Optional[Tensor]:
+    """A shard's transition from a plan program's folded summary: the delta rule's ``M``,
+    else the exponential of the shard's summed log decay (``cg``'s last row); ``None`` for
+    the identity kind."""
+    if kind is Kind.IDENTITY:
+        return None
+    if kind is Kind.DENSE:
+        M = summaries.get("M", summaries.get("M_zero"))
+        if M is None:
+            raise ValueError("a dense transition's scan needs the shard's M")
+        return M
+    total = summaries["cg"][-1]  # [B, H, K]
+    return (total[..., 0] if kind is Kind.SCALAR else total).exp()
 
 
 register(Scan())

@@ -252,7 +252,8 @@ def plan_check(group, device):
         ref = ref[:, mine]
         for execution in ("fused", "decoupled"):
             outs = {}
-            for strategy in ("forge", "serial", "lasp2", "pipelined"):
+            # (rank 0 from zero: scan's and hier's lean first send)
+            for strategy in ("forge", "serial", "lasp2", "pipelined", "scan", "hier"):
                 p = plan(name, B=B, T=T_local, H=H, K=D, V=D, dtype=torch.float32,
                          device=device, group=group, strategy=strategy, execution=execution)
                 names = p.input_names

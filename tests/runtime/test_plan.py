@@ -583,7 +583,8 @@ def _sp_plans_world(group, ops_and_strategies):
     rank, P = dist.get_rank(group), dist.get_world_size(group)
     Tl = 48  # not a multiple of the chunk: the last chunk is partial on every rank
     errors = {}
-    for op, strategy, execution, gated in ops_and_strategies:
+    for op, strategy, execution, gated, *start in ops_and_strategies:
+        zero_start = start == ["zero"]  # rank 0 without an initial state
         if strategy == "hier":  # nodes [0, 1] and [2] (as test_hier.py places its ranks)
             from forge_dist.sp import layout
 
@@ -594,7 +595,7 @@ def _sp_plans_world(group, ops_and_strategies):
         # (hgrn: 64 channels a program, not 256, for the interpreter's sake)
         tiles = {"BT": 16, "BD": 64} if op == "hgrn" else {"BT": 16}
         p = plan(op, B=B, T=Tl, **dims, dtype=torch.float32, device="cpu",
-                 group=group, strategy=strategy, initial_state=rank == 0,
+                 group=group, strategy=strategy, initial_state=rank == 0 and not zero_start,
                  output_final_state=True, execution=execution, tiles=tiles,
                  gated=gated)
         worst = 0.0
@@ -602,8 +603,9 @@ def _sp_plans_world(group, ops_and_strategies):
             inp = _inputs(op, T=P * Tl, seed=step)
             if gated is False:
                 inp.pop("g", None)
-            h0 = torch.randn(*((B, 40) if op == "hgrn" else (B, H, K, V)),
-                             generator=torch.Generator().manual_seed(10 + step))
+            h0 = None if zero_start else torch.randn(
+                *((B, 40) if op == "hgrn" else (B, H, K, V)),
+                generator=torch.Generator().manual_seed(10 + step))
             ref_o, ref_h = getattr(ops, op)(*[inp[n] for n in p.input_names], initial_state=h0,
                                             output_final_state=True)
             worst = max(worst, _rank_error(p, inp, h0, ref_o, ref_h, rank, P, Tl))
@@ -627,6 +629,10 @@ def _sp_plans_world(group, ops_and_strategies):
         if strategy in ("scan", "hier"):
             # the rounds kept their buffers from the first call on: later calls reuse them
             assert kept and _kept_moves(p) == kept, (rank, strategy, kept, _kept_moves(p))
+        if strategy == "scan" and zero_start and rank < P - 1:
+            # a rank's first round sends its program's summary from the program's own
+            # buffer (no copy ahead of the send)
+            assert p._pass_keep["scan-fwd-0"].bound, rank
         if strategy == "hier":
             del os.environ["FORGE_DIST_NODE"]
             layout.forget()
@@ -647,8 +653,9 @@ def test_sequence_parallel_plans_of_every_strategy_over_gloo():
     cases = [(op, s, e, gated) for op, gated in (("linear_attn", None), ("simple_gla", True),
                                                  ("simple_gla", False), ("gla", None))
              for s in ("forge", "serial", "lasp2", "pipelined") for e in (None, "decoupled")]
-    cases += [(op, "scan", None, gated) for op, gated in (("linear_attn", None),
-                                                          ("simple_gla", True), ("gla", None))]
+    # scan's simple_gla with rank 0 from zero (its lean first send), the others from S0
+    cases += [(op, "scan", None, gated, *start) for op, gated, *start in (
+        ("linear_attn", None), ("simple_gla", True, "zero"), ("gla", None))]
     cases += [("simple_gla", "hier", None, True)]
     # hgrn: its folded summary under forge's kernel (one segment; the last rank's one walk),
     # a baseline and scan over two segments (forge's decoupled form: test_..._sim_forge_hgrn)
@@ -659,7 +666,7 @@ def test_sequence_parallel_plans_of_every_strategy_over_gloo():
                               "FORGE_DIST_TIMEOUT": "120"})
     for rank, errors in enumerate(everyone):
         assert set(errors) == {f"{op}{'-ungated' if g is False else ''}/{s}/{e}"
-                               for op, s, e, g in cases}
+                               for op, s, e, g, *_ in cases}
         bad = {k: v for k, v in errors.items() if not v < 1e-5}
         assert not bad, f"rank {rank}: {bad}"
 

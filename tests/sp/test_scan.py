@@ -139,3 +139,72 @@ def test_gpu_initiated_rounds_over_the_simulated_transport(world):
     for row in out["rows"]:
         bad = {k: v for k, v in row["errors"].items() if not v <= tolerance(torch.float64)}
         assert not bad, (row["op"], row["varlen"], bad)
+
+
+def _prefixes(kind, maps, omit_unread):
+    """Every position's exclusive prefix by :func:`exclusive_scan`, the positions as threads
+    that exchange through queues; ``omit_unread``: a position passes ``M=None`` where
+    :func:`reads_own_transition` says its rounds never read its transition."""
+    import queue
+    import threading
+
+    from forge_dist.sp.scan import exclusive_scan, reads_own_transition
+
+    P = len(maps)
+    boxes = {(k, p): queue.Queue() for k in range(8) for p in range(P)}
+    out = [None] * P
+
+    def position(p):
+        M, d = maps[p]
+        if omit_unread and not reads_own_transition(kind, p, P):
+            M = None
+
+        def exchange(k, src, dst, sent_M, sent_d, m_shape, recv_M):
+            if dst < P:
+                boxes[(k, dst)].put((sent_M, sent_d))
+            if src < 0:
+                return None
+            r_M, r_d = boxes[(k, p)].get(timeout=30)
+            return (r_M if recv_M else None), r_d
+        out[p] = exclusive_scan(kind, M, d, p, P, exchange)
+
+    threads = [threading.Thread(target=position, args=(p,)) for p in range(P)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("kind_name", ["scalar", "diagonal", "dense"])
+def test_a_rank_whose_rounds_never_read_its_transition_may_omit_it(kind_name):
+    """``reads_own_transition`` is what scan's plans trust to skip forming a shard's
+    transition (rank 0's and, at two ranks, every rank's): every rank's prefix is the same
+    with those transitions left out, at every size from 2 to 17, and equals the fp64
+    sequential composition."""
+    from forge_dist.variants import transitions as tr
+    from forge_dist.variants.transitions import Kind
+
+    kind = Kind(kind_name)
+    gen = torch.Generator().manual_seed(3)
+    B, H, K, V = 1, 2, 3, 2
+    for P in range(2, 18):
+        maps = []
+        for _ in range(P):
+            if kind is Kind.SCALAR:
+                M = torch.rand(B, H, generator=gen, dtype=torch.float64)
+            elif kind is Kind.DIAGONAL:
+                M = torch.rand(B, H, K, generator=gen, dtype=torch.float64)
+            else:
+                M = torch.randn(B, H, K, K, generator=gen, dtype=torch.float64) / K
+            maps.append((M, torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)))
+        full, lean = _prefixes(kind, maps, False), _prefixes(kind, maps, True)
+        S = torch.zeros(B, H, K, V, dtype=torch.float64)
+        for p in range(P):
+            assert torch.allclose(full[p], S, rtol=1e-12, atol=1e-12), (P, p)
+            assert torch.equal(full[p], lean[p]), (P, p)
+            S = tr.combine(kind, maps[p][0], S, maps[p][1])
+    # the rule omits something: no rank reads it at two ranks, nor rank 0 ever
+    from forge_dist.sp.scan import reads_own_transition
+    assert not any(reads_own_transition(kind, p, 2) for p in range(2))
+    assert not reads_own_transition(kind, 0, 16) and reads_own_transition(kind, 1, 16)
