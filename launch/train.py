@@ -11,10 +11,12 @@ batch.  The loss is the mean over every labelled token of the global batch, and 
 summed over the whole world (one flat all-reduce), so the same seed gives the same training
 run at any SP/DP split of the same global batch (up to floating-point reassociation).
 
-Writes ``<out_dir>/log.jsonl`` (one JSON object per logged step), checkpoints
-``<out_dir>/ckpt_<step>.pt`` and ``ckpt_latest.pt`` (model, optimizer, step, data RNG, config;
-rank-independent, so ``--resume`` works at another SP degree), and with
-``--plot A.jsonl B.jsonl ...`` draws loss curves (and the difference to the first) to a PNG.
+Shows a progress bar (loss, recall accuracy, tokens/s) and writes ``<out_dir>/log.jsonl``
+(one JSON object per logged step), ``<out_dir>/curves.png`` at the end (loss and accuracy
+against the step; matplotlib), checkpoints ``<out_dir>/ckpt_<step>.pt`` and
+``ckpt_latest.pt`` (model, optimizer, step, data RNG, config; rank-independent, so
+``--resume`` works at another SP degree), and with ``--plot A.jsonl B.jsonl ...`` draws loss
+curves (and the difference to the first) to a PNG.
 """
 from __future__ import annotations
 
@@ -138,6 +140,12 @@ def train(cfg: Dict, *, on_grads: Optional[Callable[[int, List[torch.Tensor]], N
     """
     d = Dist(cfg["parallel"]["sp"], cfg["run"]["device"])
     tr, dc = cfg["train"], cfg["data"]
+    if echo and d.rank == 0:  # a first line before the model is built and the kernels load
+        m = cfg["model"]
+        print(f"MQAR: {m['num_layers']} layers ({m['mixer']}) of width {m['hidden_size']}, "
+              f"{dc['batch_size']} x {dc['seq_len']} tokens with {dc['num_kv_pairs']} pairs a "
+              f"step, {tr['steps']} steps on {d.device} (sp={d.sp}, dp={d.dp}); "
+              f"writing {cfg['run']['out_dir']}", flush=True)
     # TF32 (cuDNN convs default to it) adds ~1e-3 noise that differs between shard shapes;
     # keep it off for SP-vs-SP=1 comparisons.
     torch.backends.cuda.matmul.allow_tf32 = tr["tf32"]
@@ -165,6 +173,12 @@ def train(cfg: Dict, *, on_grads: Optional[Callable[[int, List[torch.Tensor]], N
     amp = {"none": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[tr["autocast"]]
     records = []
     tokens_per_step = dc["batch_size"] * dc["seq_len"]
+    bar = None
+    if echo and d.rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=tr["steps"], initial=start, unit="step", file=sys.stderr,
+                   dynamic_ncols=True)
     try:
         for step in range(start, tr["steps"]):
             if d.device.type == "cuda":
@@ -197,26 +211,65 @@ def train(cfg: Dict, *, on_grads: Optional[Callable[[int, List[torch.Tensor]], N
                    "sp": d.sp, "dp": d.dp, "world": d.world}
             records.append(rec)
             last = step + 1 == tr["steps"]
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}",
+                                tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+                bar.update(1)
             if d.rank == 0 and (last or (step + 1) % tr["log_every"] == 0 or step == start):
                 log_file.write(json.dumps(rec) + "\n")
                 log_file.flush()
-                if echo:
+                if bar is not None:
                     mem = "" if rec["peak_mem_gib"] is None else f" mem {rec['peak_mem_gib']:.2f}GiB"
-                    print(f"step {rec['step']:5d} loss {rec['loss']:.6f} acc {rec['acc']:.3f} "
-                          f"tok/s {rec['tokens_per_s']:.0f}{mem}", flush=True)
+                    bar.write(f"step {rec['step']:5d} loss {rec['loss']:.6f} acc {rec['acc']:.3f} "
+                              f"tok/s {rec['tokens_per_s']:.0f}{mem}")
             every = tr["ckpt_every"]
             if d.rank == 0 and ((every and (step + 1) % every == 0) or (last and every)):
                 save_checkpoint(out / f"ckpt_{step + 1}.pt", model, opt, step + 1, data, cfg)
                 save_checkpoint(out / "ckpt_latest.pt", model, opt, step + 1, data, cfg)
     finally:
+        if bar is not None:
+            bar.close()
         if log_file is not None:
             log_file.close()
+    if d.rank == 0 and echo:
+        curves(out / "log.jsonl", out / "curves.png")
     if d.world > 1:
         dist.barrier()  # checkpoints complete before anyone reads them
     return records
 
 
 # ------------------------------------------------------------------------------------- plot
+def curves(log: Path, out_png: Path) -> Optional[Path]:
+    """One run's loss and recall accuracy against the step (from its ``log.jsonl``) to a
+    PNG; ``None`` (and a line saying why) where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"curves: matplotlib is not installed; the curves are in {log}")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(log) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax.plot(steps, [r["loss"] for r in rows])
+    ax.set_ylabel("MQAR loss (answer tokens)")
+    ax2.plot(steps, [r["acc"] for r in rows])
+    ax2.axhline(0.99, color="grey", linestyle=":", linewidth=1)
+    ax2.set_ylabel("recall accuracy")
+    ax2.set_xlabel("step")
+    ax.set_title(f"{Path(log).parent.name}: sp={rows[-1]['sp']}, world={rows[-1]['world']}")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    print(f"wrote {out_png}")
+    return Path(out_png)
+
+
 def plot(paths: List[str], out_png: str) -> None:
     """Loss vs step for each JSONL log, and each curve's relative difference to the first."""
     import matplotlib

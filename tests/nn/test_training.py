@@ -104,3 +104,20 @@ def test_default_config_file_loads():
     from forge_dist import config
     cfg = config.load(_train_module().DEFAULTS, str(ROOT / "configs" / "train_mqar.toml"))
     assert cfg["model"]["mixer"] == "gdn,gla" and cfg["parallel"]["sp"] == 1
+
+
+def test_a_run_says_what_it_trains_shows_progress_and_draws_its_curves(tmp_path, capsys):
+    """What a user sees: a first line naming the model, task and device before the model is
+    built, a progress bar with the loss and accuracy, log lines every ``log_every`` steps,
+    and the run's curves as a PNG beside its log at the end."""
+    cfg = small_cfg(tmp_path / "run", **{"train.steps": 4, "train.log_every": 2})
+    _train_module().train(cfg)
+    out, err = capsys.readouterr()
+    first = out.splitlines()[0]
+    assert first.startswith("MQAR: 2 layers (gdn,gla) of width 16") and "on cpu" in first, out
+    assert "4/4" in err and "loss=" in err and "acc=" in err, err  # tqdm's bar on stderr
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("step")] == \
+        ["1", "2", "4"], out  # the first step, then every log_every
+    png = tmp_path / "run" / "curves.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {png}" in out
