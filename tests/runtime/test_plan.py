@@ -656,7 +656,7 @@ def test_sequence_parallel_plans_of_every_strategy_over_gloo():
     # scan's simple_gla with rank 0 from zero (its lean first send), the others from S0
     cases += [(op, "scan", None, gated, *start) for op, gated, *start in (
         ("linear_attn", None), ("simple_gla", True, "zero"), ("gla", None))]
-    cases += [("simple_gla", "hier", None, True)]
+    cases += [("simple_gla", "hier", None, True), ("gla", "hier", None, None, "zero")]
     # hgrn: its folded summary under forge's kernel (one segment; the last rank's one walk),
     # a baseline and scan over two segments (forge's decoupled form: test_..._sim_forge_hgrn)
     cases += [("hgrn", "forge", "fused", None), ("hgrn", "lasp2", "decoupled", None),
