@@ -164,6 +164,7 @@ class Hier(Scan):
     rank over the transposed maps); only the prefix is laid out by node."""
 
     name = "hier"
+    replays_moves = False  # its rounds are laid out by node, not scan's
 
     def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None,
               zero_first=True, own=None):

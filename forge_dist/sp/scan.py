@@ -68,6 +68,32 @@ def reads_own_transition(kind: Kind, pos: int, size: int, with_M: bool = False) 
     return False
 
 
+def moves_only(kind: Kind, pos: int, size: int, zero_start: bool) -> bool:
+    """Whether a plan's forward rounds at position ``pos`` of ``size`` are moves alone: no
+    transition sent or received, at most one arrival, and nothing composed (position 0
+    starting from zero sends its own summary every round, and at two ranks the last
+    position receives once).  Such a rank's later calls replay the moves (:class:`_Moves`)."""
+    if pos == 0 and not zero_start:
+        return False  # S0 is folded into its summary every call
+    gated = kind is not Kind.IDENTITY
+    span, arrivals = 1, 0
+    while span < size:
+        src, dst = pos - span, pos + span
+
+        def reads_M(p: int) -> bool:  # as exclusive_scan's (with_M off)
+            return gated and (p - 2 * span >= 0 or p + 2 * span < size)
+        if dst < size and reads_M(dst):
+            return False  # a transition travels
+        if src >= 0:
+            arrivals += 1
+            # a second arrival is combined; one read with its M, or composed into what is
+            # sent later, is not a move alone
+            if arrivals > 1 or reads_M(pos) or pos + 2 * span < size:
+                return False
+        span *= 2
+    return True
+
+
 def exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: int,
                    exchange, with_M: bool = False, zero_first: bool = True):
     """The ``d`` of the composition of the maps at positions ``0 .. pos - 1`` (zeros at
@@ -169,6 +195,28 @@ class _KeptMove:
             _launch_move(group, key, self.sent, self.into, src, dst, word, spot)
             self.launch = spot.get("launch")
         return self.into
+
+
+class _Moves:
+    """A plan's forward rounds on a rank whose rounds are moves alone (:func:`moves_only`),
+    kept after the first call: each round's kept move with the arguments it took, replayed
+    in order without the rounds' bookkeeping (the host's share of a short call).  Usable
+    until a forge reset, whose channels every rank then allocates again in the full path."""
+
+    def __init__(self, moves, result: Optional[_KeptMove]):
+        from . import forge  # optional: forge needs Triton (on_device found it importable)
+
+        self.moves, self.result, self.resets = moves, result, forge._RESETS
+
+    def usable(self) -> bool:
+        from . import forge
+
+        return self.resets == forge._RESETS
+
+    def __call__(self, S0: Tensor) -> Tensor:
+        for kept, args in self.moves:
+            kept(*args)
+        return S0 if self.result is None else self.result.into
 
 
 def _launch_move(group, key: str, held: Tensor, into: Tensor, src: int, dst: int, word: int,
@@ -307,6 +355,9 @@ class Scan(Strategy):
         reads it (:func:`reads_own_transition`), ``S0`` folded into rank 0's summary only
         where it has one (``zero_start``: it starts from zero), no zero prefix for rank 0,
         and the program's summary sent from its own buffer."""
+        moves = keep.get("scan-moves") if keep is not None else None
+        if moves is not None and moves.usable():
+            return moves(S0)
         rank, size = p2p.rank_and_size(group)
         if size == 1:
             return S0
@@ -322,7 +373,29 @@ class Scan(Strategy):
         out = self._scan(kind, M, d, rank, size, lambda p: p, group, word, "fwd",
                          f"the incoming state ({self.name})", keep, zero_first=rank > 0,
                          own=summaries.get("delta"))
+        if (keep is not None and self.replays_moves and on_device(group, d)
+                and moves_only(kind, rank, size, zero_start)):
+            keep["scan-moves"] = self._kept_rounds(keep, d, rank, size, group, word)
         return S0 if rank == 0 else out
+
+    replays_moves = True  # the plan's rounds are exclusive_scan's (hier lays out its own)
+
+    def _kept_rounds(self, keep: dict, d: Tensor, pos: int, size: int, group,
+                     word: int) -> "_Moves":
+        """The kept moves of this rank's forward rounds (:func:`moves_only` holds), in the
+        order and with the arguments :func:`device_exchange` gave them."""
+        moves, result, span, k = [], None, 1, 0
+        while span < size:
+            src, dst = pos - span, pos + span
+            if src >= 0 or dst < size:
+                key = f"scan-fwd-{k}"
+                kept = keep[key]
+                moves.append((kept, (group, key, d, src if src >= 0 else -1,
+                                     dst if dst < size else -1, word)))
+                if src >= 0:
+                    result = kept
+            span, k = span * 2, k + 1
+        return _Moves(moves, result)
 
     def forward_chain(self, kind, M, delta, S0, group, word=0, keep=None):
         rank, size = p2p.rank_and_size(group)

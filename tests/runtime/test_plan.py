@@ -633,6 +633,9 @@ def _sp_plans_world(group, ops_and_strategies):
             # a rank's first round sends its program's summary from the program's own
             # buffer (no copy ahead of the send)
             assert p._pass_keep["scan-fwd-0"].bound, rank
+        if strategy == "scan" and zero_start and rank == 0:
+            # rank 0 from zero only sends its summary: its later calls replayed the moves
+            assert "scan-moves" in p._pass_keep, rank
         if strategy == "hier":
             del os.environ["FORGE_DIST_NODE"]
             layout.forget()
@@ -772,3 +775,38 @@ def test_delta_rule_sequence_parallel_plans_over_gloo():
             else:  # the shard's state from zero, its transition from the identity
                 want = ["walk", "walk/eye"]
             assert kernels_run == wy + want + ["walk"], (rank, name, kernels_run)
+
+
+def _two_rank_scan_world(group):
+    """Two ranks, scan plans from zero: every call after the first replays the kept moves
+    on both ranks (one send, one receive), and the outputs stay right."""
+    import torch.distributed as dist
+
+    from forge_dist import sp
+
+    rank = dist.get_rank(group)
+    Tl = 32
+    p = plan("simple_gla", B=B, T=Tl, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
+             group=group, strategy="scan", output_final_state=True, tiles={"BT": 16})
+    worst, replayed = 0.0, []
+    for step in range(3):
+        inp = _inputs("simple_gla", T=2 * Tl, seed=20 + step)
+        ref_o, ref_h = ops.simple_gla(*[inp[n] for n in p.input_names],
+                                      output_final_state=True)
+        worst = max(worst, _rank_error(p, inp, None, ref_o, ref_h, rank, 2, Tl))
+        replayed.append("scan-moves" in p._pass_keep)
+    sp.flush()
+    everyone = [None] * 2
+    dist.all_gather_object(everyone, (worst, replayed), group=group)
+    return everyone
+
+
+def test_a_two_rank_scan_plan_replays_its_moves_over_gloo():
+    from tests.sp.distributed import run_world
+
+    out = run_world(2, _two_rank_scan_world,
+                    env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
+                         "FORGE_DIST_TIMEOUT": "120"})
+    for rank, (worst, replayed) in enumerate(out):
+        assert worst < 1e-5, (rank, worst)
+        assert replayed == [True, True, True], (rank, replayed)  # kept after the first call

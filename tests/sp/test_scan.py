@@ -208,3 +208,21 @@ def test_a_rank_whose_rounds_never_read_its_transition_may_omit_it(kind_name):
     from forge_dist.sp.scan import reads_own_transition
     assert not any(reads_own_transition(kind, p, 2) for p in range(2))
     assert not reads_own_transition(kind, 0, 16) and reads_own_transition(kind, 1, 16)
+
+
+def test_which_ranks_replay_their_rounds_as_moves_alone():
+    """``moves_only``: the ranks whose plan rounds are sends and one receive with nothing
+    composed (scan's plans replay those, ``sp/scan.py::_Moves``): both ranks at two, rank 0
+    from zero while no round sends a transition, never a rank that combines."""
+    from forge_dist.sp.scan import moves_only
+    from forge_dist.variants.transitions import Kind
+
+    S, I = Kind.SCALAR, Kind.IDENTITY
+    assert moves_only(S, 0, 2, True) and moves_only(S, 1, 2, True)
+    assert moves_only(S, 1, 2, False)  # the last rank does not fold rank 0's S0
+    assert not moves_only(S, 0, 2, False)  # rank 0 folds its S0 every call
+    assert moves_only(S, 0, 3, True) and not moves_only(S, 1, 3, True)  # rank 1 sends M
+    assert not moves_only(S, 2, 3, True)  # two arrivals
+    assert not moves_only(S, 0, 4, True)  # rank 1 composes rank 0's transition later
+    assert moves_only(I, 0, 16, True)  # no transitions travel for the identity kind
+    assert not any(moves_only(I, p, 16, True) for p in range(1, 16))
