@@ -167,7 +167,7 @@ class Hier(Scan):
     replays_moves = False  # its rounds are laid out by node, not scan's
 
     def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None,
-              zero_first=True, own=None):
+              zero_first=True, summary=None):
         # (the prefix of the first position is formed anyway: a first node's leader reads it)
         route = _Route(nodes(group), rank_at(pos), reverse=direction == "bwd")
         return _incoming(kind, M, d, route, group, word, direction, what, keep)

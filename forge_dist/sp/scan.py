@@ -51,18 +51,19 @@ def transition_shape(kind: Kind, like: Tensor) -> Optional[Tuple[int, ...]]:
             Kind.DENSE: (B, H, K, K)}[kind]
 
 
-def reads_own_transition(kind: Kind, pos: int, size: int, with_M: bool = False) -> bool:
+def reads_own_transition(kind: Kind, pos: int, size: int) -> bool:
     """Whether :func:`exclusive_scan` at position ``pos`` of ``size`` reads its own map's
     ``M``: it does where it sends ``M`` to a position that reads it (a round that composes
     an arrival into what it sends later also sends to such a position).  Position 0's
     never (every prefix starts from zero), nor the last position's, nor any at two ranks:
-    such a rank need not form its transition."""
+    such a rank need not form its transition.  (With ``exclusive_scan``'s ``with_M``, which
+    returns the composed transition, every position's would be read: not for that use.)"""
     if kind is Kind.IDENTITY or pos == 0:
         return False
     span = 1
     while span < size:
         dst = pos + span
-        if dst < size and (with_M or dst - 2 * span >= 0 or dst + 2 * span < size):
+        if dst < size and (dst - 2 * span >= 0 or dst + 2 * span < size):
             return True
         span *= 2
     return False
@@ -98,8 +99,9 @@ def exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: i
                    exchange, with_M: bool = False, zero_first: bool = True):
     """The ``d`` of the composition of the maps at positions ``0 .. pos - 1`` (zeros at
     position 0; ``None`` there with ``zero_first=False``, for a caller that does not read
-    it), this rank holding position ``pos``'s map ``(M, d)``; ``M`` ``None`` is read
-    as the identity (and where no later map reads it: :func:`reads_own_transition`).
+    it), this rank holding position ``pos``'s map ``(M, d)``; ``M`` ``None`` where no
+    round reads it (:func:`reads_own_transition`; composed as the identity, and sent as
+    zeros by position 0, whose transition no prefix applies).
     ``with_M``: return ``(M, d)`` of that
     composition instead (``M`` ``None``: the identity, at position 0 or for the identity
     kind).
@@ -167,26 +169,26 @@ class _KeptMove:
     """One round's move in a sequence-parallel plan (whose rounds, peers and word never
     change between calls): its own send and receive buffers, and the compiled kernel kept
     after its first GPU call (``forge._Relaunch``), so a repeated call costs a copy into the
-    send buffer and a relaunch: no allocation, no Triton binding.  ``bound``: ``held`` is a
-    buffer the plan keeps and rewrites every call (its program's summary): the move sends
-    it as it is, with no copy ahead of the send."""
+    send buffer and a relaunch: no allocation, no Triton binding.  ``zero_copy``: ``held``
+    is a buffer the plan keeps and rewrites every call (its program's summary): the move
+    sends it as it is, with no copy ahead of the send."""
 
-    def __init__(self, held: Tensor, bound: bool = False):
-        self.bound = bound and held.is_contiguous()
-        self.sent = held if self.bound else torch.empty_like(
+    def __init__(self, held: Tensor, zero_copy: bool = False):
+        self.zero_copy = zero_copy and held.is_contiguous()
+        self.sent = held if self.zero_copy else torch.empty_like(
             held, memory_format=torch.contiguous_format)
         self.into = torch.empty_like(self.sent, memory_format=torch.contiguous_format)
         self.launch = None
 
-    def fits(self, held: Tensor, bound: bool = False) -> bool:
-        if self.bound != (bound and held.is_contiguous()):
+    def fits(self, held: Tensor, zero_copy: bool = False) -> bool:
+        if self.zero_copy != (zero_copy and held.is_contiguous()):
             return False
-        if self.bound and held.data_ptr() != self.sent.data_ptr():
+        if self.zero_copy and held.data_ptr() != self.sent.data_ptr():
             return False  # another buffer: the kept launch is bound to the old one
         return held.shape == self.sent.shape and held.dtype == self.sent.dtype
 
     def __call__(self, group, key: str, held: Tensor, src: int, dst: int, word: int) -> Tensor:
-        if dst >= 0 and not self.bound:
+        if dst >= 0 and not self.zero_copy:
             self.sent.copy_(held)
         if self.launch is not None and self.launch.usable(None):
             self.launch(None)
@@ -207,15 +209,19 @@ class _Moves:
         from . import forge  # optional: forge needs Triton (on_device found it importable)
 
         self.moves, self.result, self.resets = moves, result, forge._RESETS
+        self.calls = 0  # replays so far (tests)
 
     def usable(self) -> bool:
         from . import forge
 
-        return self.resets == forge._RESETS
+        # FORGE_DIST_SCAN_ROUNDS=host sends every rank down the host rounds (on_device)
+        return (self.resets == forge._RESETS
+                and os.environ.get("FORGE_DIST_SCAN_ROUNDS", "auto") != "host")
 
     def __call__(self, S0: Tensor) -> Tensor:
         for kept, args in self.moves:
             kept(*args)
+        self.calls += 1
         return S0 if self.result is None else self.result.into
 
 
@@ -241,7 +247,7 @@ def _allocated(keep: Optional[dict], key: str) -> bool:
 
 def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int,
                 allocate: bool = True, keep: Optional[dict] = None,
-                bound: bool = False) -> Tensor:
+                zero_copy: bool = False) -> Tensor:
     """``held`` to group rank ``dst`` and what group rank ``src`` sent on channel ``key``
     (``-1``: none; both ``-1``: only the channel is allocated, a collective every rank makes,
     and ``held`` comes back), by forge's kernel in its send-first mode.  ``held``:
@@ -250,7 +256,7 @@ def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int,
     ``keep``: a sequence-parallel plan's dict, where the move keeps its buffers and launch
     (:class:`_KeptMove`, under ``key``); what it returns is then its kept receive buffer,
     which the plan's next call rewrites (stream-ordered after this call's readers);
-    ``bound``: ``held`` is a buffer of the plan's own, sent without a copy
+    ``zero_copy``: ``held`` is a buffer of the plan's own, sent without a copy
     (:class:`_KeptMove`)."""
     if src < 0 and dst < 0:
         if not _allocated(keep, key):
@@ -263,8 +269,8 @@ def device_move(group, key: str, held: Tensor, src: int, dst: int, word: int,
         return held
     if keep is not None:
         kept = keep.get(key)
-        if not isinstance(kept, _KeptMove) or not kept.fits(held, bound):
-            kept = keep[key] = _KeptMove(held, bound)
+        if not isinstance(kept, _KeptMove) or not kept.fits(held, zero_copy):
+            kept = keep[key] = _KeptMove(held, zero_copy)
         return kept(group, key, held, src, dst, word)
     into = torch.empty_like(held, memory_format=torch.contiguous_format)
     _launch_move(group, key, held.contiguous(), into, src, dst, word)
@@ -277,17 +283,17 @@ def as_state(M: Tensor) -> Tensor:
 
 
 def device_exchange(group, rank_at: Callable[[int], int], word: int, channel: str,
-                    size: int, keep: Optional[dict] = None, own: Optional[Tensor] = None):
+                    size: int, keep: Optional[dict] = None, summary: Optional[Tensor] = None):
     """A round as forge's kernel in its send-first mode, one launch per tensor and one
     channel per round and tensor (``f"{channel}{k}"``, ``...-M``; see the module docstring).
     A rank idle in a round still allocates its channels (a collective).  ``keep``: a plan's
-    dict for the moves' buffers and launches (:func:`device_move`); ``own``: the plan's
+    dict for the moves' buffers and launches (:func:`device_move`); ``summary``: the plan's
     summary buffer, sent without a copy in a round that sends it as it is."""
     def exchange(k, src, dst, M, d, m_shape, recv_M):
         src_rank = rank_at(src) if src >= 0 else -1
         dst_rank = rank_at(dst) if dst < size else -1
         r_d = device_move(group, f"{channel}{k}", d, src_rank, dst_rank, word, keep=keep,
-                          bound=keep is not None and d is own)
+                          zero_copy=keep is not None and d is summary)
         r_M = None
         key = f"{channel}{k}-M"
         # every rank reaches the M channel (its allocation is a collective), moving M only
@@ -327,16 +333,17 @@ class Scan(Strategy):
     """``ceil(log2 P)`` rounds per direction; see the module docstring."""
 
     name = "scan"
+    replays_moves = True  # a plan's rounds are exclusive_scan's (hier lays out its own)
 
     def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None,
-              zero_first=True, own=None):
+              zero_first=True, summary=None):
         """The exclusive prefix at position ``pos`` of ``size`` (group rank ``rank_at(p)``);
         ``keep``: a plan's dict for the device rounds' buffers and launches; ``zero_first``
-        and ``own`` as :func:`exclusive_scan`'s and :func:`device_exchange`'s."""
+        and ``summary`` as :func:`exclusive_scan`'s and :func:`device_exchange`'s."""
         if on_device(group, d):
             return exclusive_scan(kind, M, d, pos, size,
                                   device_exchange(group, rank_at, word, f"scan-{direction}-",
-                                                  size, keep, own), zero_first=zero_first)
+                                                  size, keep, summary), zero_first=zero_first)
         stamp = Stamp(group, word, d)
         out = exclusive_scan(kind, M, d, pos, size,
                              host_exchange(group, rank_at, stamp, what, size),
@@ -354,7 +361,9 @@ class Scan(Strategy):
         rank 0's first send that no rank reads: the shard's transition only where a round
         reads it (:func:`reads_own_transition`), ``S0`` folded into rank 0's summary only
         where it has one (``zero_start``: it starts from zero), no zero prefix for rank 0,
-        and the program's summary sent from its own buffer."""
+        and the program's summary sent from its own buffer (hier, whose rounds are laid out
+        by node, copies it).  Where this rank's rounds are moves alone (:func:`moves_only`),
+        the calls after the first replay them (:class:`_Moves`)."""
         moves = keep.get("scan-moves") if keep is not None else None
         if moves is not None and moves.usable():
             return moves(S0)
@@ -372,13 +381,11 @@ class Scan(Strategy):
                 d = tr.combine(kind, M, S0, d)
         out = self._scan(kind, M, d, rank, size, lambda p: p, group, word, "fwd",
                          f"the incoming state ({self.name})", keep, zero_first=rank > 0,
-                         own=summaries.get("delta"))
+                         summary=summaries.get("delta"))
         if (keep is not None and self.replays_moves and on_device(group, d)
                 and moves_only(kind, rank, size, zero_start)):
             keep["scan-moves"] = self._kept_rounds(keep, d, rank, size, group, word)
         return S0 if rank == 0 else out
-
-    replays_moves = True  # the plan's rounds are exclusive_scan's (hier lays out its own)
 
     def _kept_rounds(self, keep: dict, d: Tensor, pos: int, size: int, group,
                      word: int) -> "_Moves":
