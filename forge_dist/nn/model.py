@@ -182,7 +182,10 @@ class ForgeLM(nn.Module):
         if labels is None:
             return LMOutput(None, logits, None, None)
         loss_group = group if loss_group is None else loss_group
-        flat = logits.float().reshape(-1, logits.shape[-1])
+        # 16-bit logits in fp32; an fp64 model's loss stays fp64 (an fp32 sum differs by an
+        # ulp between one process and the ranks' partial sums)
+        flat = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        flat = flat.reshape(-1, logits.shape[-1])
         tgt = labels.reshape(-1)
         loss_sum = F.cross_entropy(flat, tgt, ignore_index=-100, reduction="sum")
         mask = tgt != -100

@@ -212,7 +212,7 @@ class _Moves:
         self.calls = 0  # replays so far (tests)
 
     def usable(self) -> bool:
-        from . import forge
+        from . import forge  # optional: forge needs Triton (on_device found it importable)
 
         # FORGE_DIST_SCAN_ROUNDS=host sends every rank down the host rounds (on_device)
         return (self.resets == forge._RESETS
