@@ -79,6 +79,23 @@ class Strategy:
         return out
 
 
+def shard_transition(kind: Kind, summaries: Dict[str, Tensor], rank: int = 0
+                     ) -> Optional[Tensor]:
+    """A shard's transition from a plan program's folded summary: the delta rule's ``M``
+    (rank 0 from zero: a zero one, runtime/sp_setup.py), else the exponential of the
+    shard's summed log decay (``cg``'s last row, ``[B, H, K]``); ``None`` for the identity
+    kind."""
+    if kind is Kind.IDENTITY:
+        return None
+    if kind is Kind.DENSE:
+        M = summaries.get("M", summaries.get("M_zero"))
+        if M is None:
+            raise ValueError(f"rank {rank}: a dense transition's chain needs the shard's M")
+        return M
+    total = summaries["cg"][-1]
+    return (total[..., 0] if kind is Kind.SCALAR else total).exp()
+
+
 def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Tensor],
                          S0: Tensor, group, word: int = 0, keep: Optional[dict] = None
                          ) -> Tuple[Tensor, Optional[Tensor], Any]:
@@ -91,15 +108,7 @@ def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Te
     M = None
     if rank < size - 1:
         delta = summaries["delta"]
-        if kind is Kind.DENSE:
-            # rank 0 from zero: a zero one (runtime/sp_setup.py)
-            M = summaries.get("M", summaries.get("M_zero"))
-            if M is None:
-                raise ValueError(f"rank {rank}: a dense transition's chain needs the "
-                                 "shard's M")
-        elif kind is not Kind.IDENTITY:
-            total = summaries["cg"][-1]  # [B, H, K]
-            M = (total[..., 0] if kind is Kind.SCALAR else total).exp()
+        M = shard_transition(kind, summaries, rank)
     else:  # the last rank: nobody reads its carry
         delta = S0
     S_in, saved = strategy.forward_chain(kind, M, delta, S0, group, word, keep)

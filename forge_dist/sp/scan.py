@@ -41,7 +41,7 @@ from ..variants import transitions as tr
 from ..variants.transitions import Kind
 from . import p2p
 from .agreement import TRAILER, Stamp
-from .base import Strategy, register
+from .base import Strategy, register, shard_transition
 
 
 def transition_shape(kind: Kind, like: Tensor) -> Optional[Tuple[int, ...]]:
@@ -49,6 +49,12 @@ def transition_shape(kind: Kind, like: Tensor) -> Optional[Tuple[int, ...]]:
     B, H, K, _ = like.shape
     return {Kind.IDENTITY: None, Kind.SCALAR: (B, H), Kind.DIAGONAL: (B, H, K),
             Kind.DENSE: (B, H, K, K)}[kind]
+
+
+def _composes_later(p: int, span: int, size: int) -> bool:
+    """Whether position ``p`` composes what it gets in the round of ``span`` into a later
+    round's map (it receives again, or sends again): then that map's ``M`` is read."""
+    return p - 2 * span >= 0 or p + 2 * span < size
 
 
 def reads_own_transition(kind: Kind, pos: int, size: int) -> bool:
@@ -63,7 +69,7 @@ def reads_own_transition(kind: Kind, pos: int, size: int) -> bool:
     span = 1
     while span < size:
         dst = pos + span
-        if dst < size and (dst - 2 * span >= 0 or dst + 2 * span < size):
+        if dst < size and _composes_later(dst, span, size):
             return True
         span *= 2
     return False
@@ -82,7 +88,7 @@ def moves_only(kind: Kind, pos: int, size: int, zero_start: bool) -> bool:
         src, dst = pos - span, pos + span
 
         def reads_M(p: int) -> bool:  # as exclusive_scan's (with_M off)
-            return gated and (p - 2 * span >= 0 or p + 2 * span < size)
+            return gated and _composes_later(p, span, size)
         if dst < size and reads_M(dst):
             return False  # a transition travels
         if src >= 0:
@@ -120,7 +126,7 @@ def exclusive_scan(kind: Kind, M: Optional[Tensor], d: Tensor, pos: int, size: i
     span, k = 1, 0
 
     def reads_M(p: int) -> bool:  # position p composes what it gets this round later on
-        return m_shape is not None and (with_M or p - 2 * span >= 0 or p + 2 * span < size)
+        return m_shape is not None and (with_M or _composes_later(p, span, size))
     while span < size:
         src, dst = pos - span, pos + span
         sent_M = None
@@ -376,7 +382,7 @@ class Scan(Strategy):
             d = summaries["delta"]
             needs_M = (rank == 0 and not zero_start) or self._reads_own_transition(
                 kind, rank, size)
-            M = _transition(kind, summaries) if needs_M else None
+            M = shard_transition(kind, summaries, rank) if needs_M else None
             if rank == 0 and not zero_start:  # then every prefix starts from zero
                 d = tr.combine(kind, M, S0, d)
         out = self._scan(kind, M, d, rank, size, lambda p: p, group, word, "fwd",
@@ -426,21 +432,6 @@ class Scan(Strategy):
                               lambda p: size - 1 - p, group, word, "bwd",
                               f"the state gradient ({self.name})", keep)
         return lam_next, grad_in + tr.apply_transposed(kind, M, lam_next)
-
-
-def _transition(kind: Kind, summaries) -> Optional[Tensor]:
-    """A shard's transition from a plan program's folded summary: the delta rule's ``M``,
-    else the exponential of the shard's summed log decay (``cg``'s last row); ``None`` for
-    the identity kind."""
-    if kind is Kind.IDENTITY:
-        return None
-    if kind is Kind.DENSE:
-        M = summaries.get("M", summaries.get("M_zero"))
-        if M is None:
-            raise ValueError("a dense transition's scan needs the shard's M")
-        return M
-    total = summaries["cg"][-1]  # [B, H, K]
-    return (total[..., 0] if kind is Kind.SCALAR else total).exp()
 
 
 register(Scan())
