@@ -90,6 +90,8 @@
 #                                                     #   forge, scan, hier, lasp2 at 2 (and 4) ranks (~8 min)
 #   MG_TESTS=f GPU_TESTS=f bash scaling_benchmarks/device_batch.sh leanscan4 # 4 GPUs: leanscan's checks
 #                                                     #   beside the listed tests, then its 2-GPU cell (~9 min)
+#   GPU_TESTS=f bash scaling_benchmarks/device_batch.sh shares # every card: a share of the node ids
+#                                                     #   listed in f, dealt round-robin (GPU_LIMIT s)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -110,7 +112,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -247,6 +249,16 @@ case "$stage" in
     ( export CUDA_VISIBLE_DEVICES=1; g gpu_nn tests/nn > /dev/null ) &
     ( export CUDA_VISIBLE_DEVICES=2; g gpu_runtime_ops tests/runtime tests/ops/test_ops_gpu.py > /dev/null ) &
     ( export CUDA_VISIBLE_DEVICES=3; g gpu_planned_dsl tests/ops/test_planned.py tests/dsl > /dev/null ) &
+    wait ;;
+  shares)  # the gpu tests listed in GPU_TESTS (node ids, one a line), dealt round-robin to
+    # the visible cards, one pytest per card (FLA's models at their first configurations)
+    export FORGE_DIST_TEST_FIRST_CONFIG=1
+    cards=$(nvidia-smi -L | wc -l)
+    for c in $(seq 0 $((cards - 1))); do
+      awk -v n="$cards" -v c="$c" 'NF && (NR - 1) % n == c' "$GPU_TESTS" > "$OUT/share$c.txt"
+      ( export CUDA_VISIBLE_DEVICES=$c; step gpu_share$c "${GPU_LIMIT:-560}" python3 -m pytest -v \
+          -p no:cacheprovider --durations=10 $(cat "$OUT/share$c.txt") > /dev/null ) &
+    done
     wait ;;
   mg4)  # a 4-GPU machine: the multigpu suite on cards 0-1 while cards 2-3 run FLA's models'
     # two-rank prefill then decoding (the two jobs share nothing but the host)
