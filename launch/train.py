@@ -179,6 +179,7 @@ def train(cfg: Dict, *, on_grads: Optional[Callable[[int, List[torch.Tensor]], N
 
         bar = tqdm(total=tr["steps"], initial=start, unit="step", file=sys.stderr,
                    dynamic_ncols=True)
+    began = time.perf_counter()  # wall time of the run, compilation included
     try:
         for step in range(start, tr["steps"]):
             if d.device.type == "cuda":
@@ -206,6 +207,7 @@ def train(cfg: Dict, *, on_grads: Optional[Callable[[int, List[torch.Tensor]], N
                    "acc": (res.num_correct.float() / res.num_tokens.clamp_min(1)).item(),
                    "grad_norm": gnorm.item(), "lr": lr_at(step, cfg),
                    "tokens_per_s": tokens_per_step / dt, "step_s": dt,
+                   "elapsed_s": time.perf_counter() - began,
                    "peak_mem_gib": (torch.cuda.max_memory_allocated() / 2 ** 30
                                     if d.device.type == "cuda" else None),
                    "sp": d.sp, "dp": d.dp, "world": d.world}

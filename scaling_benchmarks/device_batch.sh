@@ -92,6 +92,8 @@
 #                                                     #   beside the listed tests, then its 2-GPU cell (~9 min)
 #   GPU_TESTS=f bash scaling_benchmarks/device_batch.sh shares # every card: a share of the node ids
 #                                                     #   listed in f, dealt round-robin (GPU_LIMIT s)
+#   bash scaling_benchmarks/device_batch.sh mqar4     # 4 GPUs: four MQAR configs of width 128, one a card,
+#                                                     #   MQAR_LIMIT s each: which learns to 0.99 in 10 min
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -112,7 +114,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -574,6 +576,22 @@ case "$stage" in
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;
+  mqar4)  # the layers issue's training run: four MQAR configs of width 128 (2 heads) on one
+    # card each, stopped at MQAR_LIMIT s; log.jsonl rows carry elapsed_s and acc
+    c=0
+    for task in "8192 256 16" "8192 512 32" "8192 512 64" "8192 1024 64"; do
+      read -r voc len kv <<< "$task"
+      name=mqar_v${voc}_t${len}_kv${kv}
+      ( export CUDA_VISIBLE_DEVICES=$c; step $name "${MQAR_LIMIT:-540}" python3 launch/train.py \
+          --config configs/train_mqar.toml --sp 1 --set model.vocab_size=$voc --set data.seq_len=$len \
+          --set data.num_kv_pairs=$kv --set model.hidden_size=128 --set model.num_heads=2 \
+          --set data.batch_size=64 --set train.lr=3e-3 --set train.warmup_steps=100 \
+          --set train.steps=${MQAR_STEPS:-20000} --set train.log_every=50 --set train.ckpt_every=0 \
+          --out-dir "$OUT/$name" > /dev/null
+        cp "$OUT/$name/log.jsonl" "$OUT/$name.jsonl" 2>/dev/null; rm -rf "$OUT/$name" ) &
+      c=$((c + 1))
+    done
+    wait ;;
   train)
     step train_sp1 170 env CUDA_VISIBLE_DEVICES=0 python3 launch/train.py \
       --config configs/train_mqar.toml --sp 1 --set train.steps=${TRAIN_STEPS:-150} --out-dir "$OUT/mqar_sp1"
