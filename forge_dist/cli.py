@@ -42,6 +42,8 @@ def _demo_worker(rank, world, port, backend, cases, queue):
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
+    else:
+        selftest.share_cores(world)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         for op, strategy, dtype_name, varlen in cases:

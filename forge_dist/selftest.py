@@ -205,8 +205,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def share_cores(world: int) -> None:
+    """Give this process ``1 / world`` of the machine's cores for PyTorch's CPU threads, so
+    that the ranks of a local world do not each run a full set of spinning OpenMP threads
+    (on 2 cores a 4-rank gloo test ran 1.4x as long with the default); not where the user
+    set ``OMP_NUM_THREADS``."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
+
+
 def init_local_gloo(rank: int, world: int, port: int) -> None:
-    """Join a gloo world on loopback (used by spawned workers)."""
+    """Join a gloo world on loopback (used by spawned workers), sharing the machine's cores
+    with the other ranks (:func:`share_cores`)."""
+    share_cores(world)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -39,7 +39,10 @@ class Rank:
 
 
 def _entry(rank, size, tmp, fn, args, env):
+    from forge_dist.selftest import share_cores
+
     os.environ.update(env or {})
+    share_cores(size)
     me = Rank(rank, size, tmp)
     try:
         me.join("initial")
