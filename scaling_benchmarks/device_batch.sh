@@ -94,6 +94,8 @@
 #                                                     #   listed in f, dealt round-robin (GPU_LIMIT s)
 #   bash scaling_benchmarks/device_batch.sh mqar4     # 4 GPUs: four MQAR configs of width 128, one a card,
 #                                                     #   MQAR_LIMIT s each: which learns to 0.99 in 10 min
+#   bash scaling_benchmarks/device_batch.sh sumtiles  # 1 GPU: simple_gla's summary walk at B=4, 32K over
+#                                                     #   its tiles, its bandwidth on k and v (~3 min)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -114,7 +116,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -576,6 +578,11 @@ case "$stage" in
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;
+  sumtiles)  # the scaling issue's B=4 cell: rank 0's summary walk streams k and v before its
+    # output walk; how fast can it (docs/design.md section 3)
+    step summary_tiles 300 env CUDA_VISIBLE_DEVICES=0 python3 scaling_benchmarks/kernel_profile.py \
+      --ops simple_gla --T 32768 --passes fwd --impls forge_dist --sweep summary --sweep-T 32768 \
+      --sweep-B 4 --tag summary-tiles --out "$OUT" ;;
   mqar4)  # the layers issue's training run: four MQAR configs of width 128 (2 heads) on one
     # card each, stopped at MQAR_LIMIT s; log.jsonl rows carry elapsed_s and acc
     c=0

@@ -10,7 +10,10 @@ behind the defaults in ``kernels/*.py``): hgrn's forward and backward over (BT, 
 and segment counts; gated_delta_rule's forward over the WY kernel's and the walker's tiles;
 the scalar-decay walker's V tile and warps (simple_gla forward); ``gate_sum``: simple_gla's
 walks summing the gates themselves against a gate-sum launch before them; ``segments``: the
-scalar-decay forward walks over segment counts (1 = fused).
+scalar-decay forward walks over segment counts (1 = fused); ``summary``: at B=4 (``--sweep-B``),
+simple_gla's summary walk (k and v only, what a rank before the last streams before its
+output walk) over its V tile, warps and stages, with the bandwidth it reaches on k and v
+beside the output walk's and a device copy's.
 
     python scaling_benchmarks/kernel_profile.py --ops gla,hgrn --T 16384 [--sweep hgrn]
 """
@@ -26,8 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scaling_benchmarks import results_io  # noqa: E402
-from scaling_benchmarks.single_device import (fla_fn, forge_fn, make_inputs,  # noqa: E402
-                                              ops_fn, with_backward)
+from scaling_benchmarks.single_device import (copy_bandwidth, fla_fn,  # noqa: E402
+                                              forge_fn, make_inputs, ops_fn,
+                                              with_backward)
 
 
 def kernel_times(fn, iters: int) -> dict:
@@ -200,6 +204,56 @@ def segments_sweep(T: int, device, iters: int = 20, counts=(1, 2, 4, 8, 16)) -> 
     return rows
 
 
+SUMMARY_TILES = ((64, 4, 2), (32, 4, 2), (32, 4, 3), (64, 8, 2), (64, 4, 3), (64, 4, 4),
+                 (128, 4, 2), (128, 8, 2), (128, 8, 3), (128, 4, 3))
+
+
+def summary_sweep(T: int, device, B: int = 4, tiles=SUMMARY_TILES) -> list:
+    """simple_gla's summary walk (the shard's end state from k, v and the gates' chunk sums,
+    no q and no outputs) at ``B, T``, H=32, K=V=128 bf16, over ``(BV, warps, stages)``:
+    ``do_bench`` medians and the bandwidth on k and v (bytes of k and v over the time);
+    first rows: the default output walk (q, k, v read, o written) and a device copy."""
+    from forge_dist.kernels import compat, scalar, walker
+
+    H, K, V = 32, 128, 128
+    gen = torch.Generator(device=device).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    q, k, v = (r(B, T, H, d).to(torch.bfloat16) for d in (K, K, V))
+    g = torch.nn.functional.logsigmoid(r(B, T, H)) / 16
+    base = dict(scalar.fused_config(K, V), tune=False)
+    g_cum = walker.chunk_gate_cumsum(g, base["BT"])
+    prec = compat.dot_precision(k.dtype)
+    kv = 2 * k.numel() * k.element_size()
+    rows = [{"kind": "device copy", "TBps": copy_bandwidth(device) / 1e12}]
+    with torch.no_grad():
+        ms = _bench(lambda: walker.walk(k, v, q=q, g=g, gate=1, g_cum=g_cum, cfg=base,
+                                        scale=K ** -0.5, prec=prec, out_dtype=k.dtype))
+    rows.append({"kind": "output walk", "B": B, "T": T, **{n: base[n] for n in
+                 ("BV", "num_warps", "num_stages")}, "ms": ms, "TBps": 2 * kv / ms / 1e9})
+    hs = torch.empty(1, B, H, K, V, dtype=torch.float32, device=device)
+    gt = torch.empty(1, B, H, K, dtype=torch.float32, device=device)
+    ref = None
+    for bv, nw, ns in tiles:
+        cfg = dict(base, BV=bv, num_warps=nw, num_stages=ns)
+        row = {"kind": "summary walk", "B": B, "T": T, "BV": bv, "num_warps": nw,
+               "num_stages": ns}
+        fn = lambda: walker._launch_walk(1, T, q=None, k=k, v=v, g=g_cum, gate=1, w=None,  # noqa: E731
+                                         h0=None, o=None, ht=hs, gt=gt, store_ht=True,
+                                         scale=1.0, V=V, cfg=cfg, prec=prec)
+        try:
+            row["ms"] = _bench(fn)
+            row["TBps"] = kv / row["ms"] / 1e9
+            if ref is None:
+                ref = hs.clone()
+            else:  # the same state from every tiling, to rounding
+                row["max_rel_diff"] = ((hs - ref).abs().max() / ref.abs().max()).item()
+        except Exception as e:  # noqa: BLE001 - a config that fails is recorded
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 HGRN_TILES = ((64, 32), (32, 64), (64, 64), (128, 32), (32, 128), (64, 128))
 
 
@@ -255,6 +309,7 @@ def main(argv=None):
     ap.add_argument("--sweep", default="", help="ops whose kernel configs to sweep "
                     "(gate_sum: simple_gla's walks with and without the gate-sum launch)")
     ap.add_argument("--sweep-T", default="65536", help="comma-separated")
+    ap.add_argument("--sweep-B", type=int, default=4, help="batch of the summary sweep")
     ap.add_argument("--hgrn-configs", default="",
                     help="hgrn sweep tiles as BTxBDxWARPS[xSTAGES],... (default: the built-in grid)")
     ap.add_argument("--hgrn-segments", default="4,16,64,256")
@@ -318,6 +373,8 @@ def main(argv=None):
             rows = gate_sum_sweep(sweep_T, device)
         elif op == "segments":
             rows = segments_sweep(sweep_T, device)
+        elif op == "summary":
+            rows = summary_sweep(sweep_T, device, args.sweep_B)
         else:
             rows = config_sweep(op, sweep_T, device)
         result["sweeps"].append({"op": op, "T": sweep_T, "rows": rows})
