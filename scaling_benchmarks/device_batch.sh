@@ -390,12 +390,12 @@ case "$stage" in
       step sd_head 120 python3 scaling_benchmarks/single_device.py "${sd_args[@]}" --out "$OUT" \
         --tag "$t-head"
     fi ;;
-  spprof)  # 2 GPUs: one op's sequence-parallel call per rank (Chrome traces, host profile):
+  spprof)  # NPROC GPUs (2): one op's sequence-parallel call per rank (Chrome traces, host profile):
     # OP (simple_gla), TOKENS (16384), STRATEGIES (forge), e.g. OP=hgrn TOKENS=32768;
     # GRAD=1: the call with gradients and its backward (the fwdbwd rows' call)
     reap
     grad=(); [ "${GRAD:-0}" = 1 ] && grad=(--grad)
-    step "spprof_${OP:-simple_gla}${grad:+_grad}" 240 torchrun --nproc-per-node 2 \
+    step "spprof_${OP:-simple_gla}${grad:+_grad}" 240 torchrun --nproc-per-node "${NPROC:-2}" \
       scaling_benchmarks/sp_profile.py --op "${OP:-simple_gla}" --tokens "${TOKENS:-16384}" \
       --strategies "${STRATEGIES:-forge}" "${grad[@]}" --trace --host-profile 100 --out "$OUT"
     reap ;;
