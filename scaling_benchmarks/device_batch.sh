@@ -96,6 +96,10 @@
 #                                                     #   MQAR_LIMIT s each: which learns to 0.99 in 10 min
 #   bash scaling_benchmarks/device_batch.sh sumtiles  # 1 GPU: simple_gla's summary walk at B=4, 32K over
 #                                                     #   its tiles, its bandwidth on k and v (~3 min)
+#   bash scaling_benchmarks/device_batch.sh fusedscan # 2 or 4 GPUs: scan's rounds in one launch: its GPU checks
+#                                                     #   at every card, 16K fwd (and fwdbwd) beside forge (~8 min)
+#   bash scaling_benchmarks/device_batch.sh mqarab    # 4 GPUs: card 0 sumtiles; cards 1-3 MQAR with our kernels
+#                                                     #   and with FORGE_DIST_KERNELS=torch (AB_LIMIT s)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
 #                                                     #   card 2 the gpu kernel tests, card 3 the other gpu tests
 #     (BASE: a tree of an earlier commit unpacked at ./_base, e.g. git archive 0303e10 | tar -x -C _base;
@@ -116,7 +120,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -578,6 +582,45 @@ case "$stage" in
   long)  # the longest sequence one GDN layer trains on 2 GPUs
     step long_sequence 200 torchrun --nproc_per_node 2 scaling_benchmarks/long_sequence.py \
       --out "$OUT" --lengths 256K 512K 1M 2M 4M --set timeout_s=60 ;;
+  fusedscan)  # the multi-node issue: scan's rounds for identity, scalar and diagonal
+    # transitions in one launch (forge.run_scan_rounds): GPU checks on every card, then
+    # the 16K forward at 2 and 4 ranks beside the chain, and forward + backward at 4
+    reap
+    n=$(nvidia-smi -L | wc -l)
+    checks=available,plans,no_host_sync_scan
+    for k in identity scalar diagonal dense; do checks+=,scan_chains_$k; done
+    for o in linear_attn simple_gla gla hgrn; do checks+=,scan_op_$o; done
+    step fusedscan_checks "${CHECKS_LIMIT:-240}" env FORGE_MG_WORLD=$n FORGE_MG_CHECKS=$checks \
+      python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py
+    reap
+    ws fusedscan_16k_ws2 100 2 simple_gla fwd 1 16384 b1h32-16k-fusedscan forge,scan
+    if [ "$n" -ge 4 ]; then
+      ws fusedscan_16k_ws4 120 4 simple_gla fwd 1 16384 b1h32-16k-fusedscan forge,scan,serial
+      ws fusedscan_bwd_ws4 120 4 simple_gla fwdbwd 1 16384 b1h32-16k-fwdbwd-fusedscan forge,scan
+    fi
+    reap ;;
+  mqarab)  # the layers issue: MQAR learns on the CPU (the PyTorch forms) and did not on the
+    # GPU (2026-11-28, mqar4); the CPU config on a GPU with our kernels (card 1) and with
+    # the PyTorch forms (card 2), a vocabulary-8192 config with the PyTorch forms (card 3);
+    # card 0 meanwhile: sumtiles
+    ab() {  # ab CARD NAME KERNELS ARGS...
+      local card=$1 name=$2 kern=$3; shift 3
+      ( export CUDA_VISIBLE_DEVICES=$card FORGE_DIST_KERNELS=$kern
+        step "$name" "${AB_LIMIT:-300}" python3 launch/train.py --sp 1 "$@" \
+          --set train.log_every=20 --set train.ckpt_every=0 --out-dir "$OUT/$name" > /dev/null
+        cp "$OUT/$name/log.jsonl" "$OUT/$name.jsonl" 2>/dev/null; rm -rf "$OUT/$name" ) &
+    }
+    ab 1 mqar_cpucfg_kernels auto --config configs/train_mqar_cpu.toml
+    ab 2 mqar_cpucfg_torch torch --config configs/train_mqar_cpu.toml
+    ab 3 mqar_v8192_torch torch --config configs/train_mqar.toml --set data.seq_len=256 \
+      --set data.num_kv_pairs=16 --set model.hidden_size=128 --set model.num_heads=2 \
+      --set data.batch_size=64 --set train.lr=3e-3 --set train.warmup_steps=100 \
+      --set train.steps=20000
+    ( export CUDA_VISIBLE_DEVICES=0
+      step summary_tiles 280 python3 scaling_benchmarks/kernel_profile.py --ops simple_gla \
+        --T 32768 --passes fwd --impls forge_dist --sweep summary --sweep-T 32768 --sweep-B 4 \
+        --tag summary-tiles --out "$OUT" > /dev/null ) &
+    wait ;;
   sumtiles)  # the scaling issue's B=4 cell: rank 0's summary walk streams k and v before its
     # output walk; how fast can it (docs/design.md section 3)
     step summary_tiles 300 env CUDA_VISIBLE_DEVICES=0 python3 scaling_benchmarks/kernel_profile.py \

@@ -62,10 +62,11 @@ _SRC_FIRST, _SRC_ZERO, _SRC_RECV = 0, 1, 2
 @triton.jit
 def _send_tile(y, mask, poison, pid, epoch, recv_ptr, send_ptr, sig_ptr, ack_ptr, err_ptr,
                tile_base, tile_offs, me, next_pe, limit, nbytes, rank_stride,
-               sig_rank_stride, word, BK: tl.constexpr, BV: tl.constexpr,
+               sig_rank_stride, word, DATA_ELEMS: tl.constexpr,
                TRANSPORT: tl.constexpr, USE_CLOCK: tl.constexpr):
-    """Put tile ``y`` with its signal ``2 * epoch + poison`` into ``next_pe``'s receive slot,
-    once that rank has credited the previous call's (bounded)."""
+    """Put tile ``y`` with its signal ``2 * epoch + poison`` into ``next_pe``'s receive slot
+    ``pid``, once that rank has credited the previous call's (bounded).  ``DATA_ELEMS``:
+    the slot's elements before its trailer (what the caller staged beyond ``y`` goes too)."""
     credit = dev.wait_ge(ack_ptr + pid, epoch - 1, limit, USE_CLOCK)
     sent = credit >= epoch - 1
     if not sent:
@@ -79,10 +80,10 @@ def _send_tile(y, mask, poison, pid, epoch, recv_ptr, send_ptr, sig_ptr, ack_ptr
         dev.put_tile_signal(recv_ptr + tile_base, send_ptr + tile_base, tile_offs, y, mask,
                             dev.trailer_values(word, y.dtype), nbytes, sig_ptr + pid,
                             2 * epoch + poison, next_pe, me, rank_stride, sig_rank_stride,
-                            BK * BV, TRANSPORT)
+                            DATA_ELEMS, TRANSPORT)
     dev.quiet_put(recv_ptr + tile_base, send_ptr + tile_base, sig_ptr + pid,
                   2 * epoch + poison, next_pe, me, rank_stride, sig_rank_stride, sent,
-                  BK * BV, TRANSPORT)
+                  DATA_ELEMS, TRANSPORT)
 
 
 @triton.jit(do_not_specialize=["me", "prev_pe", "next_pe", "limit", "nbytes",
@@ -148,7 +149,7 @@ def _forge_chain_kernel(
         own = tl.load(d_ptr + offs, mask=mask, other=0.0)
         _send_tile(own, mask, 0, pid, epoch, recv_ptr, send_ptr, sig_ptr, ack_ptr, err_ptr,
                    tile_base, tile_offs, me, next_pe, limit, nbytes, rank_stride,
-                   sig_rank_stride, word, BK, BV, TRANSPORT, USE_CLOCK)
+                   sig_rank_stride, word, BK * BV, TRANSPORT, USE_CLOCK)
 
     if SRC == 2:
         target = 2 * epoch
@@ -234,7 +235,7 @@ def _forge_chain_kernel(
         if SEND and not SEND_FIRST:
             _send_tile(y, mask, poison, pid, epoch, recv_ptr, send_ptr, sig_ptr, ack_ptr,
                        err_ptr, tile_base, tile_offs, me, next_pe, limit, nbytes, rank_stride,
-                       sig_rank_stride, word, BK, BV, TRANSPORT, USE_CLOCK)
+                       sig_rank_stride, word, BK * BV, TRANSPORT, USE_CLOCK)
 
     # The last program to finish publishes this call's epoch for the next launch.  The
     # barrier keeps every thread's reads of the counter and puts ahead of the count.
@@ -245,7 +246,120 @@ def _forge_chain_kernel(
         tl.store(counter_ptr + 1, 0)
 
 
+@triton.jit(do_not_specialize=["me", "pos", "size", "limit", "nbytes", "rank_stride",
+                               "sig_rank_stride", "word", "n_tiles"])
+def _scan_rounds_kernel(
+    d_ptr, m_ptr, x_out_ptr, pe_ptr,
+    recv_ptr, send_ptr, sig_ptr, ack_ptr, err_ptr, counter_ptr,
+    me, pos, size, limit, nbytes, rank_stride, sig_rank_stride, word, K, V, n_tiles,
+    KIND: tl.constexpr, HAS_M: tl.constexpr, M_LOG: tl.constexpr, ROUNDS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, TRANSPORT: tl.constexpr, USE_CLOCK: tl.constexpr,
+):
+    """Every round of the log-depth scan (:mod:`.scan`) in one launch: one ``(b*h, k-tile,
+    v-tile)`` tile of the state per program, for identity, scalar and diagonal transitions.
+
+    The program holds its tile of this position's map, ``incl`` (``d [BK, BV]`` and the
+    transition's rows ``m [BK]``: the decay of each state row, 1 for the identity), and of
+    the maps before it that arrived, ``acc`` (the identity to start).  In round ``k``
+    (``span = 2**k``) it puts ``incl`` to position ``pos + span`` (slot ``k``: the tile, then
+    ``m``, then the trailer word; after that peer credited the previous call's) and takes
+    what position ``pos - span`` put, which comes before what it holds:
+    ``acc = acc o arrived`` and ``incl = incl o arrived``, ``(m2, d2) o (m1, d1) = (m2 m1,
+    m2 d1 + d2)``.  ``x_out`` gets ``acc``'s ``d``, this position's incoming state (zeros
+    at position 0).  Waits are bounded and checked as the chain kernel's: a tile that timed
+    out, came poisoned or from a call with another signature is NaN and poisons what this
+    rank sends on.
+
+    d/x_out: ``[B, H, K, V]`` contiguous; m: ``[B, H]`` (KIND 1) or ``[B, H, K]`` (KIND 2), or
+    with M_LOG the log decays ``[B, H, K]`` of either kind (a plan's summed log decays,
+    exponentiated here); not read without HAS_M (a position whose own transition no round
+    reads, as 1); pe:
+    ``[size]`` int64, the PE of each position; recv/send: ``[ROUNDS * n_tiles, BK * (BV + 1)
+    + TRAILER]``; sig/ack: ``[ROUNDS * n_tiles]`` int64; err, counter: as the chain
+    kernel's.
+    """
+    pid = tl.program_id(0)
+    n_k = tl.cdiv(K, BK)
+    n_v = tl.cdiv(V, BV)
+    iv = pid % n_v
+    ik = (pid // n_v) % n_k
+    bh = (pid // (n_v * n_k)).to(tl.int64)
+    rk = ik * BK + tl.arange(0, BK)
+    rv = iv * BV + tl.arange(0, BV)
+    mask = (rk[:, None] < K) & (rv[None, :] < V)
+    offs = bh * K * V + rk[:, None] * V + rv[None, :]
+    tile_offs = tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
+    DATA: tl.constexpr = BK * (BV + 1)  # the tile, then its transition rows
+    incl_d = tl.load(d_ptr + offs, mask=mask, other=0.0)
+    one = tl.full((BK,), 1.0, incl_d.dtype)
+    if KIND == 0 or not HAS_M:
+        incl_m = one
+    elif M_LOG:
+        incl_m = tl.exp(tl.load(m_ptr + bh * K + rk, mask=rk < K, other=0.0)).to(one.dtype)
+    elif KIND == 1:
+        incl_m = one * tl.load(m_ptr + bh)
+    else:
+        incl_m = tl.load(m_ptr + bh * K + rk, mask=rk < K, other=1.0)
+    acc_d = tl.zeros((BK, BV), dtype=incl_d.dtype)
+    acc_m = one
+    poison = tl.full((), 0, tl.int64)
+    epoch = tl.load(counter_ptr, cache_modifier=".cg") + 1
+    target = 2 * epoch
+    for k in tl.static_range(ROUNDS):
+        slot = k * n_tiles + pid
+        tile_base = slot.to(tl.int64) * (DATA + dev.TRAILER)
+        dst = pos + (1 << k)
+        src = pos - (1 << k)
+        if dst < size:
+            tl.store(send_ptr + tile_base + BK * BV + tl.arange(0, BK), incl_m)
+            _send_tile(incl_d, mask, poison, slot, epoch, recv_ptr, send_ptr, sig_ptr,
+                       ack_ptr, err_ptr, tile_base, tile_offs, me, tl.load(pe_ptr + dst),
+                       limit, nbytes, rank_stride, sig_rank_stride, word, DATA, TRANSPORT,
+                       USE_CLOCK)
+        if src >= 0:
+            src_pe = tl.load(pe_ptr + src)
+            got = dev.wait_ge(sig_ptr + slot, target, limit, USE_CLOCK)
+            if got < target:
+                dev.record_error(err_ptr, dev.ERR_RECV_TIMEOUT, src_pe, pid, epoch)
+            if got == target + 1:
+                dev.record_error(err_ptr, dev.ERR_UPSTREAM, src_pe, pid, epoch)
+            if got > target + 1:  # a later call's tile: this call lagged past the bound
+                dev.record_error(err_ptr, dev.ERR_AHEAD, src_pe, pid, epoch)
+            theirs = dev.trailer_word(tl.load(recv_ptr + tile_base + DATA
+                                              + tl.arange(0, dev.TRAILER), cache_modifier=".cg"))
+            mismatch = (got == target) & (theirs != word)
+            if mismatch:
+                dev.record_error(err_ptr, dev.ERR_SIGNATURE, src_pe, pid, epoch, theirs, word)
+            bad = (got != target) | mismatch
+            poison = poison | bad.to(tl.int64)
+            # .cg: the tile arrived over NVLink into L2; never serve a stale L1 line
+            r_d = tl.load(recv_ptr + tile_base + tile_offs, mask=mask, other=0.0,
+                          cache_modifier=".cg")
+            r_m = tl.load(recv_ptr + tile_base + BK * BV + tl.arange(0, BK),
+                          cache_modifier=".cg")
+            r_d = tl.where(bad, float("nan"), r_d).to(r_d.dtype)
+            r_m = tl.where(bad, float("nan"), r_m).to(r_m.dtype)
+            tl.debug_barrier()  # the whole tile is read before the slot is handed back
+            dev.set_remote_signal(ack_ptr + slot, epoch, src_pe, me, sig_rank_stride,
+                                  TRANSPORT)
+            acc_d = acc_m[:, None] * r_d + acc_d
+            acc_m = acc_m * r_m
+            incl_d = incl_m[:, None] * r_d + incl_d
+            incl_m = incl_m * r_m
+    tl.store(x_out_ptr + offs, acc_d, mask=mask)
+
+    # the last program to finish publishes this call's epoch (as the chain kernel's)
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:
+        tl.store(counter_ptr, epoch)
+        tl.store(counter_ptr + 1, 0)
+
+
 _NVSHMEM_KERNEL = None
+
+
+_NVSHMEM_SCAN_KERNEL = None
 
 
 def _kernel(transport: int):
@@ -255,6 +369,15 @@ def _kernel(transport: int):
     if _NVSHMEM_KERNEL is None:
         _NVSHMEM_KERNEL = nvshmem.wrap(_forge_chain_kernel)
     return _NVSHMEM_KERNEL
+
+
+def _scan_kernel(transport: int):
+    global _NVSHMEM_SCAN_KERNEL
+    if transport == comm.SIM:
+        return _scan_rounds_kernel
+    if _NVSHMEM_SCAN_KERNEL is None:
+        _NVSHMEM_SCAN_KERNEL = nvshmem.wrap(_scan_rounds_kernel)
+    return _NVSHMEM_SCAN_KERNEL
 
 
 def _pow2(n: int) -> int:
@@ -349,16 +472,19 @@ _CHANNELS: dict = {}
 
 
 def _channel(where: _Where, direction: str, like: torch.Tensor, kind: Kind,
-             allocate: bool = True):
+             allocate: bool = True, slots: int = 1, m_rows: bool = False):
     """This rank's channel for ``(direction, shape, dtype, device, group)`` and its tile.
 
     A new key allocates symmetric buffers (a collective); ``allocate=False`` (inside a CUDA
-    graph capture, where a collective cannot run) raises instead."""
+    graph capture, where a collective cannot run) raises instead.  ``slots``: slots per
+    tile (the fused scan's rounds); ``m_rows``: each slot also carries ``BK`` transition
+    rows after its tile."""
     B, H, K, V = like.shape
     bk, bv = tile_shape(kind, K, V)
-    n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv)
-    key = (direction, B, H, K, V, bk, bv, like.dtype, like.device)
-    tile_elems = bk * bv + TRAILER
+    n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv) * slots
+    key = (direction, B, H, K, V, bk, bv, like.dtype, like.device) + (
+        (slots, m_rows) if slots != 1 or m_rows else ())
+    tile_elems = bk * bv + (bk if m_rows else 0) + TRAILER
     if where.sim is not None:
         return where.sim.channels(key, n_tiles, tile_elems, like.dtype)[where.rank], bk, bv
     gkey = key + (getattr(where.group, "group_name", None) or id(where.group),)
@@ -412,11 +538,12 @@ class _Relaunch:
         self._grid = (n_tiles, 1, 1)
         self._names = [p.name for p in fn.params]
         self._values = [values[n] for n in self._names]
-        self._first = self._names.index("first_ptr")
-        self._limit = self._names.index("limit")
+        # the chain kernel's rank 0 start (the scan kernel has none)
+        self._first = self._names.index("first_ptr") if "first_ptr" in self._names else None
         self._device = values["d_ptr"].device.index
         self._dummy = values["d_ptr"]  # in ``first``'s slot between calls (no caller tensor kept)
-        self._values[self._first] = self._dummy
+        if self._first is not None:
+            self._values[self._first] = self._dummy
         self._resets = _RESETS
         self.where, self.what, self.ch, self.bound = where, what, ch, bound
 
@@ -437,7 +564,8 @@ class _Relaunch:
             self._run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self._device),
                       self._function, self._packed, None, None, None, *values)
         finally:
-            values[self._first] = self._dummy
+            if self._first is not None:
+                values[self._first] = self._dummy
         where = self.where
         self.ch.after_launch(where.rank, self.what, self.bound, p2p.StatePassTimeout,
                              where.explain)
@@ -522,6 +650,82 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
     if keep is not None and use_clock and not capturing and hasattr(kernel, "packed_metadata"):
         keep["launch"] = _Relaunch(kernel, _forge_chain_kernel, n_tiles, values, where, what,
                                    bound, ch)
+
+
+_PE_TABLES: dict = {}
+
+
+def _pe_table(where: _Where, ranks: tuple, device) -> torch.Tensor:
+    """``[len(ranks)]`` int64 on ``device``: the PE of each group rank in ``ranks`` (kept)."""
+    key = (ranks, str(device), id(where))
+    t = _PE_TABLES.get(key)
+    if t is None:
+        t = _PE_TABLES[key] = torch.tensor([where.pe(r) for r in ranks], dtype=torch.int64,
+                                           device=device)
+    return t
+
+
+def run_scan_rounds(group, direction: str, kind: Kind, M: Optional[torch.Tensor],
+                    d: torch.Tensor, x_out: torch.Tensor, pos: int, size: int,
+                    ranks: tuple, word: int = 0, keep: Optional[dict] = None,
+                    log_m: bool = False) -> None:
+    """Every round of the log-depth scan in one launch of :func:`_scan_rounds_kernel`:
+    ``x_out [B, H, K, V]`` gets the ``d`` of the maps at positions ``0 .. pos - 1`` composed
+    (zeros at position 0), this rank holding position ``pos``'s map ``(M, d)``; ``ranks``:
+    the group rank at each position.  Identity, scalar (``M [B, H]``) and diagonal (``M [B,
+    H, K]``) transitions, or with ``log_m`` their log decays ``[B, H, K]``; ``M`` ``None``:
+    no round reads this position's.  ``keep``: a plan's dict, where the launch is kept
+    after its first call (:class:`_Relaunch`; then ``M``, ``d`` and ``x_out`` must be
+    buffers the plan rewrites in place every call)."""
+    if kind is Kind.DENSE:
+        raise ValueError("forge: the fused scan carries identity, scalar and diagonal "
+                         "transitions (dense ones take the scan's per-round moves)")
+    if d.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"forge: states must be float32 or float64, got {d.dtype}")
+    relaunch = keep.get("scan-launch") if keep is not None else None
+    if relaunch is not None and relaunch.usable(None):
+        relaunch(None)
+        return
+    where = _where(group)
+    d = d.contiguous()
+    B, H, K, V = d.shape
+    rounds = max(1, (size - 1).bit_length())
+    capturing = d.is_cuda and torch.cuda.is_current_stream_capturing()
+    ch, bk, bv = _channel(where, f"scan-{direction}", d, kind, allocate=not capturing,
+                          slots=rounds, m_rows=True)
+    bound = p2p.timeout_seconds()
+    use_clock = d.is_cuda and not _interpreting()
+    if use_clock:
+        limit = int(bound * 1e9)
+    elif where.shared:
+        limit = int(bound * _SIM_POLLS_PER_S)
+    else:
+        limit = 1
+    if where.shared:
+        _jitter()
+    if not d.is_cuda and not interpreted():
+        raise RuntimeError("forge: CPU tensors run the simulated transport under Triton's "
+                           "interpreter; set TRITON_INTERPRET=1 before importing forge_dist")
+    n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv)
+    has_m = M is not None and kind is not Kind.IDENTITY
+    values = dict(
+        d_ptr=d, x_out_ptr=x_out,
+        m_ptr=(M.contiguous() if log_m else M.to(d.dtype).contiguous()) if has_m else d,
+        pe_ptr=_pe_table(where, tuple(ranks), d.device),
+        recv_ptr=ch.recv, send_ptr=ch.send, sig_ptr=ch.sig, ack_ptr=ch.ack, err_ptr=ch.err,
+        counter_ptr=ch.counter, me=where.pe(where.rank), pos=pos, size=size, limit=limit,
+        nbytes=(bk * (bv + 1) + TRAILER) * d.element_size(), rank_stride=ch.rank_stride,
+        sig_rank_stride=ch.sig_rank_stride, word=word, K=K, V=V, n_tiles=n_tiles,
+        KIND=_KIND_CODE[kind], HAS_M=has_m, M_LOG=has_m and log_m, ROUNDS=rounds, BK=bk,
+        BV=bv,
+        TRANSPORT=where.transport, USE_CLOCK=use_clock)
+    kernel = _scan_kernel(where.transport)[(n_tiles,)](
+        **values, num_warps=8 if bk * bv >= 4096 else 4)
+    what = "the incoming state (scan)" if direction == "fwd" else "the state gradient (scan)"
+    ch.after_launch(where.rank, what, bound, p2p.StatePassTimeout, where.explain)
+    if keep is not None and use_clock and not capturing and hasattr(kernel, "packed_metadata"):
+        keep["scan-launch"] = _Relaunch(kernel, _scan_rounds_kernel, n_tiles, values, where,
+                                        what, bound, ch)
 
 
 def flush(wait: bool = True) -> None:

@@ -19,10 +19,14 @@ Against the chain (``serial``, ``forge``: ``P - 1`` hops on the last rank's path
 its transition.
 
 Where forge's transport runs (CUDA tensors with NVSHMEM, or the simulated transport of a
-gloo group under Triton's interpreter) the rounds are GPU-initiated: forge's kernel in its
-send-first mode puts this rank's tiles to ``r + 2^k`` with a signal each, then waits for
-``r - 2^k``'s in the kernel (bounded, signature-checked, one channel per round and
-direction), and the compositions run as tensor ops on the stream: no host synchronisation.
+gloo group under Triton's interpreter) the rounds are GPU-initiated.  Identity, scalar and
+diagonal transitions take every round in one launch (``forge.run_scan_rounds``): each
+program holds a tile of ``incl`` and ``acc`` with their transitions' rows, puts ``incl``
+to ``r + 2^k`` and composes what ``r - 2^k`` put, round after round in the kernel, with no
+host step between rounds.  The dense kind (the delta rule, whose ``K x K`` transition mixes
+a tile's rows) takes forge's kernel in its send-first mode per round and tensor (one
+channel per round and direction, bounded and signature-checked waits), and the
+compositions run as tensor ops on the stream.  Neither synchronises the host.
 Elsewhere the rounds are batched host point-to-point transfers, stamped like ``serial``'s.
 ``FORGE_DIST_SCAN_ROUNDS=host`` takes the host rounds everywhere (every rank must see the
 same value).
@@ -340,12 +344,35 @@ class Scan(Strategy):
 
     name = "scan"
     replays_moves = True  # a plan's rounds are exclusive_scan's (hier lays out its own)
+    fused_rounds = True  # non-dense rounds on the device in one launch (hier: its own)
 
     def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None,
-              zero_first=True, summary=None):
+              zero_first=True, summary=None, log_m=False, plan=False):
         """The exclusive prefix at position ``pos`` of ``size`` (group rank ``rank_at(p)``);
         ``keep``: a plan's dict for the device rounds' buffers and launches; ``zero_first``
-        and ``summary`` as :func:`exclusive_scan`'s and :func:`device_exchange`'s."""
+        and ``summary`` as :func:`exclusive_scan`'s and :func:`device_exchange`'s.  On the
+        device, identity, scalar and diagonal transitions take every round in one launch
+        (``forge.run_scan_rounds``; ``log_m``: ``M`` is the log decays ``[B, H, K]``), a
+        dense one a launch per round and tensor (:func:`device_exchange`).  ``plan``: a
+        plan's forward, whose output buffer and launch are kept in ``keep`` (training calls
+        get a fresh output: their backward reads it later)."""
+        if on_device(group, d) and kind is not Kind.DENSE:
+            from . import forge  # optional: forge needs Triton (on_device found it importable)
+
+            # a plan's forward keeps its output buffer and, where ``d`` is one the plan
+            # rewrites in place, its launch (which binds its buffers)
+            plan = plan and keep is not None
+            out_key = f"scan-{direction}-out"
+            out = keep.get(out_key) if plan else None
+            if out is None or out.shape != d.shape or out.dtype != d.dtype:
+                out = torch.empty_like(d, memory_format=torch.contiguous_format)
+                if plan:
+                    keep[out_key] = out
+            stable = plan and ((summary is not None and d is summary) or pos == size - 1)
+            forge.run_scan_rounds(group, direction, kind, M, d, out, pos, size,
+                                  tuple(rank_at(p) for p in range(size)), word,
+                                  keep if stable else None, log_m)
+            return out if (pos > 0 or zero_first) else None
         if on_device(group, d):
             return exclusive_scan(kind, M, d, pos, size,
                                   device_exchange(group, rank_at, word, f"scan-{direction}-",
@@ -376,19 +403,28 @@ class Scan(Strategy):
         rank, size = p2p.rank_and_size(group)
         if size == 1:
             return S0
+        # scan's own rounds on the device, non-dense: one launch, which exponentiates the
+        # plan's summed log decays itself (hier lays out its own rounds)
+        fused = (self.fused_rounds and kind is not Kind.DENSE
+                 and on_device(group, summaries.get("delta", S0)))
+        log_m = False
         if rank == size - 1:  # the last rank only receives: nobody reads its carry
             M, d = None, S0
         else:
             d = summaries["delta"]
-            needs_M = (rank == 0 and not zero_start) or self._reads_own_transition(
-                kind, rank, size)
-            M = shard_transition(kind, summaries, rank) if needs_M else None
+            own = self._reads_own_transition(kind, rank, size)
+            if fused and own:
+                M, log_m = summaries["cg"][-1], True
+            else:
+                needs_M = (rank == 0 and not zero_start) or own
+                M = shard_transition(kind, summaries, rank) if needs_M else None
             if rank == 0 and not zero_start:  # then every prefix starts from zero
                 d = tr.combine(kind, M, S0, d)
+                M = M if own else None  # (position 0's own is never read)
         out = self._scan(kind, M, d, rank, size, lambda p: p, group, word, "fwd",
                          f"the incoming state ({self.name})", keep, zero_first=rank > 0,
-                         summary=summaries.get("delta"))
-        if (keep is not None and self.replays_moves and on_device(group, d)
+                         summary=summaries.get("delta"), log_m=log_m, plan=True)
+        if (keep is not None and self.replays_moves and not fused and on_device(group, d)
                 and moves_only(kind, rank, size, zero_start)):
             keep["scan-moves"] = self._kept_rounds(keep, d, rank, size, group, word)
         return S0 if rank == 0 else out

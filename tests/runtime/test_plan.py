@@ -611,6 +611,7 @@ def _sp_plans_world(group, ops_and_strategies):
             worst = max(worst, _rank_error(p, inp, h0, ref_o, ref_h, rank, P, Tl))
             if step == 0:
                 kept = _kept_moves(p)
+                kept_out = p._pass_keep.get("scan-fwd-out")
             if step == 0 and op == "hgrn" and strategy == "forge":
                 # the op's forward with a group takes such a plan, twice (the second call
                 # from its signature), as the matrix-state ops do
@@ -626,17 +627,14 @@ def _sp_plans_world(group, ops_and_strategies):
                         worst = max(worst, _rel(o_op, ref_o[:, mine]))
                 del os.environ["FORGE_DIST_KERNELS"]
                 assert cache.stats()["size"] == 1, cache.stats()
-        if strategy in ("scan", "hier"):
+        if strategy == "hier":
             # the rounds kept their buffers from the first call on: later calls reuse them
             assert kept and _kept_moves(p) == kept, (rank, strategy, kept, _kept_moves(p))
-        if strategy == "scan" and zero_start and rank < P - 1:
-            # a rank's first round sends its program's summary from the program's own
-            # buffer (no copy ahead of the send)
-            assert p._pass_keep["scan-fwd-0"].zero_copy, rank
-        if strategy == "scan" and zero_start and rank == 0:
-            # rank 0 from zero only sends its summary: its second and third calls replayed
-            # the moves
-            assert p._pass_keep["scan-moves"].calls == 2, rank
+        if strategy == "scan":
+            # these kinds take every round in one launch (forge.run_scan_rounds), into an
+            # output buffer the plan keeps from its first call on: no per-round moves
+            assert not kept and not _kept_moves(p) and "scan-moves" not in p._pass_keep
+            assert kept_out is not None and p._pass_keep["scan-fwd-out"] is kept_out, rank
         if strategy == "hier":
             del os.environ["FORGE_DIST_NODE"]
             layout.forget()
@@ -779,22 +777,25 @@ def test_delta_rule_sequence_parallel_plans_over_gloo():
 
 
 def _two_rank_scan_world(group):
-    """Two ranks, scan plans from zero: every call after the first replays the kept moves
-    on both ranks (one send, one receive), and the outputs stay right."""
+    """Two ranks, scan plans of the delta rule (a dense transition: a launch per round;
+    the other kinds take every round in one launch) from zero: every call after the first
+    replays the kept moves on both ranks (one send, one receive), and the outputs stay
+    right."""
     import torch.distributed as dist
 
     from forge_dist import sp
 
     rank = dist.get_rank(group)
     Tl = 32
-    p = plan("simple_gla", B=B, T=Tl, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
-             group=group, strategy="scan", output_final_state=True, tiles={"BT": 16})
+    p = plan("gated_delta_rule", B=B, T=Tl, H=H, K=K, V=V, dtype=torch.float32,
+             device="cpu", group=group, strategy="scan", output_final_state=True, gated=True)
     worst, replayed = 0.0, []
     for step in range(3):
-        inp = _inputs("simple_gla", T=2 * Tl, seed=20 + step)
-        ref_o, ref_h = ops.simple_gla(*[inp[n] for n in p.input_names],
-                                      output_final_state=True)
+        inp = _inputs("gated_delta_rule", T=2 * Tl, seed=20 + step)
+        ref_o, ref_h = ops.gated_delta_rule(*[inp[n] for n in p.input_names],
+                                            output_final_state=True)
         worst = max(worst, _rank_error(p, inp, None, ref_o, ref_h, rank, 2, Tl))
+        assert "scan-fwd-out" not in p._pass_keep  # (the fused launch's)
         moves = p._pass_keep.get("scan-moves")
         replayed.append(None if moves is None else moves.calls)
     sp.flush()

@@ -56,12 +56,16 @@ def small_simple_gla(group, strategy: str):
 
 
 def _rounds(group):
+    """Per rank, ``((host rounds, device rounds) forward, the same backward)`` of a small
+    simple_gla call: host rounds are batched exchanges, device rounds the send-first chain
+    launches of a round's state tiles or, fused, the rounds of ``forge.run_scan_rounds``'s
+    one launch (``ceil(log2 size)``, or none at position 0 of one rank...)."""
     import torch.distributed as dist
 
     from forge_dist.sp import forge, p2p
 
     host, device = [], []
-    real_exchange, real_chain = p2p.exchange, forge._run_chain
+    real_exchange, real_chain, real_fused = p2p.exchange, forge._run_chain, forge.run_scan_rounds
 
     def exchange(*args, **kwargs):
         host.append(args[-1])
@@ -71,13 +75,18 @@ def _rounds(group):
         if kwargs.get("send_first") and not args[1].endswith("-M"):  # a round's state tiles
             device.append(args[1])
         return real_chain(*args, **kwargs)
-    p2p.exchange, forge._run_chain = exchange, chain
+
+    def fused(group, direction, kind, M, d, x_out, pos, size, *args, **kwargs):
+        device.extend([direction] * (size - 1).bit_length())  # its rounds, in one launch
+        return real_fused(group, direction, kind, M, d, x_out, pos, size, *args, **kwargs)
+    p2p.exchange, forge._run_chain, forge.run_scan_rounds = exchange, chain, fused
     try:
         o = small_simple_gla(group, "scan")
         fwd = (len(host), len(device))
         o.sum().backward()
     finally:
-        p2p.exchange, forge._run_chain = real_exchange, real_chain
+        p2p.exchange, forge._run_chain, forge.run_scan_rounds = (real_exchange, real_chain,
+                                                                 real_fused)
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, (fwd, (len(host) - fwd[0], len(device) - fwd[1])),
                            group=group)
@@ -103,13 +112,15 @@ def test_every_rank_launches_log2_P_device_rounds_each_way(world):
 
 
 
-def counting_transfers(run):
+def counting_transfers(run, fused=None):
     """``(run(), forge kernel launches in send-first mode, host point-to-point exchanges)``
-    on this rank (what took the GPU-initiated rounds and what went through the host)."""
+    on this rank (what took the GPU-initiated rounds and what went through the host);
+    ``fused``: a list that gets the kind of every fused scan launch
+    (``forge.run_scan_rounds``)."""
     from forge_dist.sp import forge, p2p
 
     launches, exchanges = [0], [0]
-    real_chain, real_exchange = forge._run_chain, p2p.exchange
+    real_chain, real_exchange, real_fused = forge._run_chain, p2p.exchange, forge.run_scan_rounds
 
     def chain(*args, **kwargs):
         launches[0] += kwargs.get("send_first", False)
@@ -118,24 +129,37 @@ def counting_transfers(run):
     def exchange(*args, **kwargs):
         exchanges[0] += 1
         return real_exchange(*args, **kwargs)
-    forge._run_chain, p2p.exchange = chain, exchange
+
+    def fused_rounds(group, direction, kind, *args, **kwargs):
+        if fused is not None:
+            fused.append(kind.value)
+        return real_fused(group, direction, kind, *args, **kwargs)
+    forge._run_chain, p2p.exchange, forge.run_scan_rounds = chain, exchange, fused_rounds
     try:
         out = run()
     finally:
-        forge._run_chain, p2p.exchange = real_chain, real_exchange
+        forge._run_chain, p2p.exchange, forge.run_scan_rounds = (real_chain, real_exchange,
+                                                                 real_fused)
     return out, launches[0], exchanges[0]
 
 
 def _device_errors(group):
+    fused = []
     rows, launches, exchanges = counting_transfers(
-        lambda: _errors(group, OPS, (False, True), 16))
-    return {"rows": rows, "send_first_launches": launches, "host_exchanges": exchanges}
+        lambda: _errors(group, OPS, (False, True), 16), fused)
+    return {"rows": rows, "send_first_launches": launches, "host_exchanges": exchanges,
+            "fused_kinds": sorted(set(fused))}
 
 
 @pytest.mark.parametrize("world", [3, 5])
 def test_gpu_initiated_rounds_over_the_simulated_transport(world):
+    """Every op through scan's GPU-initiated rounds (the dense kind's a launch per round and
+    tensor, the others' every round in one launch), concurrent jittered ranks, against the
+    fp64 recurrence, forward and every gradient, dense and packed."""
     out = run_world(world, _device_errors, env=DEVICE_ENV)
     assert out["send_first_launches"] > 0 and out["host_exchanges"] == 0, out
+    # every non-dense kind went through the fused launch
+    assert out["fused_kinds"] == ["diagonal", "identity", "scalar"], out["fused_kinds"]
     for row in out["rows"]:
         bad = {k: v for k, v in row["errors"].items() if not v <= tolerance(torch.float64)}
         assert not bad, (row["op"], row["varlen"], bad)
