@@ -587,16 +587,22 @@ case "$stage" in
     # the 16K forward at 2 and 4 ranks beside the chain, and forward + backward at 4
     reap
     n=$(nvidia-smi -L | wc -l)
+    # (FUSED_CHECKS: the checks to run, default all of scan's; FUSED_WS2=0 / FUSED_BWD=0:
+    # without the 2-rank cell / the 4-rank forward + backward)
     checks=available,plans,no_host_sync_scan
     for k in identity scalar diagonal dense; do checks+=,scan_chains_$k; done
     for o in linear_attn simple_gla gla hgrn; do checks+=,scan_op_$o; done
-    step fusedscan_checks "${CHECKS_LIMIT:-240}" env FORGE_MG_WORLD=$n FORGE_MG_CHECKS=$checks \
+    step fusedscan_checks "${CHECKS_LIMIT:-240}" env FORGE_MG_WORLD=$n \
+      FORGE_MG_CHECKS=${FUSED_CHECKS:-$checks} \
       python3 -m pytest -v -p no:cacheprovider tests/sp/test_forge_multigpu.py
     reap
-    ws fusedscan_16k_ws2 100 2 simple_gla fwd 1 16384 b1h32-16k-fusedscan forge,scan
+    [ "${FUSED_WS2:-1}" = 1 ] && ws fusedscan_16k_ws2 100 2 simple_gla fwd 1 16384 \
+      b1h32-16k-fusedscan forge,scan
     if [ "$n" -ge 4 ]; then
-      ws fusedscan_16k_ws4 120 4 simple_gla fwd 1 16384 b1h32-16k-fusedscan forge,scan,serial
-      ws fusedscan_bwd_ws4 120 4 simple_gla fwdbwd 1 16384 b1h32-16k-fwdbwd-fusedscan forge,scan
+      ws fusedscan_16k_ws4 "${WS_LIMIT:-120}" 4 simple_gla fwd 1 16384 b1h32-16k-fusedscan \
+        ${FUSED_STRATEGIES:-forge,scan,serial}
+      [ "${FUSED_BWD:-1}" = 1 ] && ws fusedscan_bwd_ws4 120 4 simple_gla fwdbwd 1 16384 \
+        b1h32-16k-fwdbwd-fusedscan forge,scan
     fi
     reap ;;
   mqarab)  # the layers issue: MQAR learns on the CPU (the PyTorch forms) and did not on the
