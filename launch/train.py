@@ -264,12 +264,18 @@ def curves(log: Path, out_png: Path) -> Optional[Path]:
     ax2.axhline(0.99, color="grey", linestyle=":", linewidth=1)
     ax2.set_ylabel("recall accuracy")
     ax2.set_xlabel("step")
-    ax.set_title(f"{Path(log).parent.name}: sp={rows[-1]['sp']}, world={rows[-1]['world']}")
+    ax.set_title(f"{_run_name(log)}: sp={rows[-1]['sp']}, world={rows[-1]['world']}")
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     print(f"wrote {out_png}")
     return Path(out_png)
+
+
+def _run_name(log) -> str:
+    """A run's name in a plot: its folder's for a run's ``log.jsonl``, else the file's stem."""
+    log = Path(log)
+    return log.parent.name if log.name == "log.jsonl" else log.stem
 
 
 def plot(paths: List[str], out_png: str) -> None:
@@ -288,14 +294,14 @@ def plot(paths: List[str], out_png: str) -> None:
     for p, rows in runs:
         steps = sorted(rows)
         r0 = next(iter(rows.values()))
-        label = f"{Path(p).parent.name} (sp={r0['sp']}, world={r0['world']})"
+        label = f"{_run_name(p)} (sp={r0['sp']}, world={r0['world']})"
         ax.plot(steps, [rows[s]["loss"] for s in steps], label=label)
         common = [s for s in steps if s in base]
         ax2.semilogy(common, [abs(rows[s]["loss"] - base[s]["loss"]) / abs(base[s]["loss"])
                               + 1e-12 for s in common], label=label)
     ax.set_ylabel("MQAR loss (answer tokens)")
     ax.legend()
-    ax2.set_ylabel(f"|loss - loss[{Path(paths[0]).parent.name}]| / loss")
+    ax2.set_ylabel(f"|loss - loss[{_run_name(paths[0])}]| / loss")
     ax2.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
