@@ -290,7 +290,8 @@ def _scan_rounds_kernel(
     offs = bh * K * V + rk[:, None] * V + rv[None, :]
     tile_offs = tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
     DATA: tl.constexpr = BK * (BV + 1)  # the tile, then its transition rows
-    incl_d = tl.load(d_ptr + offs, mask=mask, other=0.0)
+    # (the last position sends nothing: it reads no d)
+    incl_d = tl.load(d_ptr + offs, mask=mask & (pos + 1 < size), other=0.0)
     one = tl.full((BK,), 1.0, incl_d.dtype)
     if KIND == 0 or not HAS_M:
         incl_m = one
@@ -652,16 +653,15 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
                                    bound, ch)
 
 
-_PE_TABLES: dict = {}
-
-
 def _pe_table(where: _Where, ranks: tuple, device) -> torch.Tensor:
-    """``[len(ranks)]`` int64 on ``device``: the PE of each group rank in ``ranks`` (kept)."""
-    key = (ranks, str(device), id(where))
-    t = _PE_TABLES.get(key)
+    """``[len(ranks)]`` int64 on ``device``: the PE of each group rank in ``ranks``, kept on
+    ``where`` (which lives as long as its group)."""
+    tables = where.__dict__.setdefault("pe_tables", {})
+    key = (ranks, str(device))
+    t = tables.get(key)
     if t is None:
-        t = _PE_TABLES[key] = torch.tensor([where.pe(r) for r in ranks], dtype=torch.int64,
-                                           device=device)
+        t = tables[key] = torch.tensor([where.pe(r) for r in ranks], dtype=torch.int64,
+                                       device=device)
     return t
 
 
@@ -682,8 +682,10 @@ def run_scan_rounds(group, direction: str, kind: Kind, M: Optional[torch.Tensor]
                          "transitions (dense ones take the scan's per-round moves)")
     if d.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"forge: states must be float32 or float64, got {d.dtype}")
-    relaunch = keep.get("scan-launch") if keep is not None else None
-    if relaunch is not None and relaunch.usable(None):
+    kept_key = f"scan-launch-{direction}"
+    buffers = (d.data_ptr(), x_out.data_ptr(), 0 if M is None else M.data_ptr())
+    relaunch = keep.get(kept_key) if keep is not None else None
+    if relaunch is not None and relaunch.buffers == buffers and relaunch.usable(None):
         relaunch(None)
         return
     where = _where(group)
@@ -724,8 +726,9 @@ def run_scan_rounds(group, direction: str, kind: Kind, M: Optional[torch.Tensor]
     what = "the incoming state (scan)" if direction == "fwd" else "the state gradient (scan)"
     ch.after_launch(where.rank, what, bound, p2p.StatePassTimeout, where.explain)
     if keep is not None and use_clock and not capturing and hasattr(kernel, "packed_metadata"):
-        keep["scan-launch"] = _Relaunch(kernel, _scan_rounds_kernel, n_tiles, values, where,
-                                        what, bound, ch)
+        relaunch = keep[kept_key] = _Relaunch(kernel, _scan_rounds_kernel, n_tiles, values,
+                                              where, what, bound, ch)
+        relaunch.buffers = buffers  # what it was bound to (a relaunch must see the same)
 
 
 def flush(wait: bool = True) -> None:

@@ -413,7 +413,7 @@ class Scan(Strategy):
         else:
             d = summaries["delta"]
             own = self._reads_own_transition(kind, rank, size)
-            if fused and own:
+            if fused and own and rank > 0:  # (position 0's own is never read)
                 M, log_m = summaries["cg"][-1], True
             else:
                 needs_M = (rank == 0 and not zero_start) or own

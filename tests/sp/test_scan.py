@@ -58,13 +58,14 @@ def small_simple_gla(group, strategy: str):
 def _rounds(group):
     """Per rank, ``((host rounds, device rounds) forward, the same backward)`` of a small
     simple_gla call: host rounds are batched exchanges, device rounds the send-first chain
-    launches of a round's state tiles or, fused, the rounds of ``forge.run_scan_rounds``'s
-    one launch (``ceil(log2 size)``, or none at position 0 of one rank...)."""
+    launches of a round's state tiles or, fused (``forge.run_scan_rounds``: one launch per
+    direction, asserted here), the slots per tile of the channel that launch used, one
+    per round."""
     import torch.distributed as dist
 
     from forge_dist.sp import forge, p2p
 
-    host, device = [], []
+    host, device, fused_calls = [], [], []
     real_exchange, real_chain, real_fused = p2p.exchange, forge._run_chain, forge.run_scan_rounds
 
     def exchange(*args, **kwargs):
@@ -76,9 +77,13 @@ def _rounds(group):
             device.append(args[1])
         return real_chain(*args, **kwargs)
 
-    def fused(group, direction, kind, M, d, x_out, pos, size, *args, **kwargs):
-        device.extend([direction] * (size - 1).bit_length())  # its rounds, in one launch
-        return real_fused(group, direction, kind, M, d, x_out, pos, size, *args, **kwargs)
+    def fused(group, direction, *args, **kwargs):
+        fused_calls.append(direction)
+        real_fused(group, direction, *args, **kwargs)
+        # the channel it ran on: (direction, B, H, K, V, bk, bv, dtype, device, slots, ...)
+        slots = {key[9] for key in forge._CHANNELS if key[0] == f"scan-{direction}"}
+        assert len(slots) == 1, slots
+        device.extend([direction] * slots.pop())
     p2p.exchange, forge._run_chain, forge.run_scan_rounds = exchange, chain, fused
     try:
         o = small_simple_gla(group, "scan")
@@ -87,6 +92,7 @@ def _rounds(group):
     finally:
         p2p.exchange, forge._run_chain, forge.run_scan_rounds = (real_exchange, real_chain,
                                                                  real_fused)
+    assert fused_calls in ([], ["fwd", "bwd"]), fused_calls  # one launch each way
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, (fwd, (len(host) - fwd[0], len(device) - fwd[1])),
                            group=group)
@@ -105,7 +111,7 @@ def test_every_rank_takes_ceil_log2_P_host_rounds_each_way(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_launches_log2_P_device_rounds_each_way(world):
-    # a power of two: every rank sends or receives in every round
+    # simple_gla's scalar transition: one launch each way, on a channel of log2 P slots
     for (_, fwd), (_, bwd) in run_world(world, _rounds, env=DEVICE_ENV):
         assert fwd == bwd == int(math.log2(world))
 
