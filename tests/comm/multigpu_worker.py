@@ -265,6 +265,10 @@ def plan_check(group, device):
                     o, _ = p.run(*[full[n][:, mine].contiguous() for n in names])
                     worst = max(worst, rel(o, ref))
                 torch.cuda.synchronize()
+                if strategy == "scan" and "scan-launch-fwd" not in p._pass_keep:
+                    # these kinds' rounds run in one kernel, kept after the first call: the
+                    # later draws went through that relaunch
+                    raise AssertionError(f"{name}/{execution}: scan kept no fused launch")
                 outs[strategy] = o
                 errs[f"{name}/{execution}/{strategy}"] = worst
             errs[f"{name}/{execution}/forge-vs-serial"] = rel(outs["forge"], outs["serial"])
