@@ -86,6 +86,24 @@ def _send_tile(y, mask, poison, pid, epoch, recv_ptr, send_ptr, sig_ptr, ack_ptr
                   DATA_ELEMS, TRANSPORT)
 
 
+@triton.jit
+def _state_tile(pid, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """Program ``pid``'s tile of a ``[B, H, K, V]`` state, V tiles fastest: ``(b*h, its rows
+    rk [BK], its columns rv [BV], the in-bounds mask, the state offsets, the offsets in a
+    contiguous [BK, BV] tile)``."""
+    n_k = tl.cdiv(K, BK)
+    n_v = tl.cdiv(V, BV)
+    iv = pid % n_v
+    ik = (pid // n_v) % n_k
+    bh = (pid // (n_v * n_k)).to(tl.int64)
+    rk = ik * BK + tl.arange(0, BK)
+    rv = iv * BV + tl.arange(0, BV)
+    mask = (rk[:, None] < K) & (rv[None, :] < V)
+    offs = bh * K * V + rk[:, None] * V + rv[None, :]
+    tile_offs = tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
+    return bh, rk, rv, mask, offs, tile_offs
+
+
 @triton.jit(do_not_specialize=["me", "prev_pe", "next_pe", "limit", "nbytes",
                                "rank_stride", "sig_rank_stride", "word", "nseg", "nbh"])
 def _forge_chain_kernel(
@@ -116,16 +134,7 @@ def _forge_chain_kernel(
     before it waits, so the summaries are read while the incoming tile is on its way.
     """
     pid = tl.program_id(0)
-    n_k = tl.cdiv(K, BK)
-    n_v = tl.cdiv(V, BV)
-    iv = pid % n_v
-    ik = (pid // n_v) % n_k
-    bh = (pid // (n_v * n_k)).to(tl.int64)
-    rk = ik * BK + tl.arange(0, BK)
-    rv = iv * BV + tl.arange(0, BV)
-    mask = (rk[:, None] < K) & (rv[None, :] < V)
-    offs = bh * K * V + rk[:, None] * V + rv[None, :]
-    tile_offs = tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
+    bh, rk, rv, mask, offs, tile_offs = _state_tile(pid, K, V, BK, BV)
     tile_base = pid.to(tl.int64) * (BK * BV + dev.TRAILER)
     poison = tl.full((), 0, tl.int64)
     if FOLD:
@@ -279,16 +288,7 @@ def _scan_rounds_kernel(
     kernel's.
     """
     pid = tl.program_id(0)
-    n_k = tl.cdiv(K, BK)
-    n_v = tl.cdiv(V, BV)
-    iv = pid % n_v
-    ik = (pid // n_v) % n_k
-    bh = (pid // (n_v * n_k)).to(tl.int64)
-    rk = ik * BK + tl.arange(0, BK)
-    rv = iv * BV + tl.arange(0, BV)
-    mask = (rk[:, None] < K) & (rv[None, :] < V)
-    offs = bh * K * V + rk[:, None] * V + rv[None, :]
-    tile_offs = tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
+    bh, rk, rv, mask, offs, tile_offs = _state_tile(pid, K, V, BK, BV)
     DATA: tl.constexpr = BK * (BV + 1)  # the tile, then its transition rows
     # (the last position sends nothing: it reads no d)
     incl_d = tl.load(d_ptr + offs, mask=mask & (pos + 1 < size), other=0.0)
@@ -357,28 +357,25 @@ def _scan_rounds_kernel(
         tl.store(counter_ptr + 1, 0)
 
 
-_NVSHMEM_KERNEL = None
+_WRAPPED: dict = {}  # kernel -> its NVSHMEM-linked build (nvshmem.wrap), made once
 
 
-_NVSHMEM_SCAN_KERNEL = None
+def _for_transport(kernel, transport: int):
+    """``kernel`` as built for ``transport``: itself for the simulated one, else linked with
+    NVSHMEM's device library."""
+    if transport == comm.SIM:
+        return kernel
+    if kernel not in _WRAPPED:
+        _WRAPPED[kernel] = nvshmem.wrap(kernel)
+    return _WRAPPED[kernel]
 
 
 def _kernel(transport: int):
-    global _NVSHMEM_KERNEL
-    if transport == comm.SIM:
-        return _forge_chain_kernel
-    if _NVSHMEM_KERNEL is None:
-        _NVSHMEM_KERNEL = nvshmem.wrap(_forge_chain_kernel)
-    return _NVSHMEM_KERNEL
+    return _for_transport(_forge_chain_kernel, transport)
 
 
 def _scan_kernel(transport: int):
-    global _NVSHMEM_SCAN_KERNEL
-    if transport == comm.SIM:
-        return _scan_rounds_kernel
-    if _NVSHMEM_SCAN_KERNEL is None:
-        _NVSHMEM_SCAN_KERNEL = nvshmem.wrap(_scan_rounds_kernel)
-    return _NVSHMEM_SCAN_KERNEL
+    return _for_transport(_scan_rounds_kernel, transport)
 
 
 def _pow2(n: int) -> int:
