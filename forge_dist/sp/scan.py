@@ -83,7 +83,8 @@ def moves_only(kind: Kind, pos: int, size: int, zero_start: bool) -> bool:
     """Whether a plan's forward rounds at position ``pos`` of ``size`` are moves alone: no
     transition sent or received, at most one arrival, and nothing composed (position 0
     starting from zero sends its own summary every round, and at two ranks the last
-    position receives once).  Such a rank's later calls replay the moves (:class:`_Moves`)."""
+    position receives once).  Such a rank's later calls replay the moves (:class:`_Moves`;
+    the per-round path, which the dense kind takes: the others run in one launch)."""
     if pos == 0 and not zero_start:
         return False  # S0 is folded into its summary every call
     gated = kind is not Kind.IDENTITY
