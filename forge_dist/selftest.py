@@ -211,7 +211,9 @@ def share_cores(world: int) -> None:
     (on 2 cores a 4-rank gloo test ran 1.4x as long with the default); not where the user
     set ``OMP_NUM_THREADS``."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)  # the cores this process may run on
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), cores // max(1, world))))
 
 
 def init_local_gloo(rank: int, world: int, port: int) -> None:

@@ -179,7 +179,8 @@ def train(cfg: Dict, *, on_grads: Optional[Callable[[int, List[torch.Tensor]], N
 
         bar = tqdm(total=tr["steps"], initial=start, unit="step", file=sys.stderr,
                    dynamic_ncols=True)
-    began = time.perf_counter()  # wall time of the run, compilation included
+    # wall time of this process's run, compilation included (a resumed run starts again at 0)
+    began = time.perf_counter()
     try:
         for step in range(start, tr["steps"]):
             if d.device.type == "cuda":

@@ -261,9 +261,11 @@ case "$stage" in
   shares)  # the gpu tests listed in GPU_TESTS (node ids, one a line), dealt round-robin to
     # the visible cards, one pytest per card (FLA's models at their first configurations)
     export FORGE_DIST_TEST_FIRST_CONFIG=1
-    cards=$(nvidia-smi -L | wc -l)
+    cards=$(nvidia-smi -L | wc -l)  # every card of the machine (not CUDA_VISIBLE_DEVICES)
     for c in $(seq 0 $((cards - 1))); do
-      awk -v n="$cards" -v c="$c" 'NF && (NR - 1) % n == c' "$GPU_TESTS" > "$OUT/share$c.txt"
+      awk -v n="$cards" -v c="$c" 'NF && (NR - 1) % n == c' \
+        "${GPU_TESTS:?shares: set GPU_TESTS to a file of node ids}" > "$OUT/share$c.txt"
+      [ -s "$OUT/share$c.txt" ] || continue  # fewer tests than cards: nothing for this one
       ( export CUDA_VISIBLE_DEVICES=$c; step gpu_share$c "${GPU_LIMIT:-560}" python3 -m pytest -v \
           -p no:cacheprovider --durations=10 $(cat "$OUT/share$c.txt") > /dev/null ) &
     done
@@ -618,7 +620,8 @@ case "$stage" in
     }
     ab 1 mqar_cpucfg_kernels auto --config configs/train_mqar_cpu.toml
     ab 2 mqar_cpucfg_torch torch --config configs/train_mqar_cpu.toml
-    ab 3 mqar_v8192_torch torch --config configs/train_mqar.toml --set data.seq_len=256 \
+    ab 3 mqar_v8192_torch torch --config configs/train_mqar.toml --set model.vocab_size=8192 \
+      --set data.seq_len=256 \
       --set data.num_kv_pairs=16 --set model.hidden_size=128 --set model.num_heads=2 \
       --set data.batch_size=64 --set train.lr=3e-3 --set train.warmup_steps=100 \
       --set train.steps=20000

@@ -35,7 +35,7 @@ def _errors(group, ops, layouts, T_local):
 ], ids=["world5", "world8", "world16"])
 def test_scan_matches_the_recurrence(world, ops, layouts, T_local):
     rows, rounds = run_world(world, _errors_and_rounds, ops, layouts, T_local, env=HOST)
-    for (fwd, _), (bwd, _) in rounds:  # every rank: ceil(log2 P) host rounds each way
+    for (fwd, _), (bwd, _), _ in rounds:  # every rank: ceil(log2 P) host rounds each way
         assert fwd == bwd == math.ceil(math.log2(world))
     assert len(rows) == len(ops) * len(layouts)
     for row in rows:
@@ -92,10 +92,10 @@ def _rounds(group):
     finally:
         p2p.exchange, forge._run_chain, forge.run_scan_rounds = (real_exchange, real_chain,
                                                                  real_fused)
-    assert fused_calls in ([], ["fwd", "bwd"]), fused_calls  # one launch each way
+    assert fused_calls in ([], ["fwd", "bwd"]), fused_calls  # none, or one launch each way
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, (fwd, (len(host) - fwd[0], len(device) - fwd[1])),
-                           group=group)
+    dist.all_gather_object(out, (fwd, (len(host) - fwd[0], len(device) - fwd[1]),
+                                 len(fused_calls)), group=group)
     return out
 
 
@@ -105,15 +105,15 @@ def _errors_and_rounds(group, ops, layouts, T_local):
 
 @pytest.mark.parametrize("world", [2, 3])  # (5, 8 and 16: in test_scan_matches_the_recurrence)
 def test_every_rank_takes_ceil_log2_P_host_rounds_each_way(world):
-    for (fwd, _), (bwd, _) in run_world(world, _rounds, env=HOST):
-        assert fwd == bwd == math.ceil(math.log2(world))
+    for (fwd, _), (bwd, _), fused in run_world(world, _rounds, env=HOST):
+        assert fwd == bwd == math.ceil(math.log2(world)) and fused == 0
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_launches_log2_P_device_rounds_each_way(world):
     # simple_gla's scalar transition: one launch each way, on a channel of log2 P slots
-    for (_, fwd), (_, bwd) in run_world(world, _rounds, env=DEVICE_ENV):
-        assert fwd == bwd == int(math.log2(world))
+    for (_, fwd), (_, bwd), fused in run_world(world, _rounds, env=DEVICE_ENV):
+        assert fused == 2 and fwd == bwd == int(math.log2(world))
 
 
 
@@ -242,8 +242,10 @@ def test_a_rank_whose_rounds_never_read_its_transition_may_omit_it(kind_name):
 
 def test_which_ranks_replay_their_rounds_as_moves_alone():
     """``moves_only``: the ranks whose plan rounds are sends and one receive with nothing
-    composed (scan's plans replay those, ``sp/scan.py::_Moves``): both ranks at two, rank 0
-    from zero while no round sends a transition, never a rank that combines."""
+    composed (scan's plans replay those, ``sp/scan.py::_Moves``, on the per-round path the
+    dense kind takes on the device; the rule depends only on whether a transition travels,
+    so the small cases use the scalar and identity kinds): both ranks at two, rank 0 from
+    zero while no round sends a transition, never a rank that combines."""
     from forge_dist.sp.scan import moves_only
     from forge_dist.variants.transitions import Kind
 
@@ -254,5 +256,8 @@ def test_which_ranks_replay_their_rounds_as_moves_alone():
     assert moves_only(S, 0, 3, True) and not moves_only(S, 1, 3, True)  # rank 1 sends M
     assert not moves_only(S, 2, 3, True)  # two arrivals
     assert not moves_only(S, 0, 4, True)  # rank 1 composes rank 0's transition later
+    D = Kind.DENSE
+    assert moves_only(D, 0, 2, True) and moves_only(D, 1, 2, True)
+    assert not moves_only(D, 0, 4, True)
     assert moves_only(I, 0, 16, True)  # no transitions travel for the identity kind
     assert not any(moves_only(I, p, 16, True) for p in range(1, 16))
