@@ -578,6 +578,27 @@ def _relaunch_allowed() -> bool:
     return hook is None or not bool(getattr(hook, "calls", True))
 
 
+def _wait_limit(where: _Where, d: torch.Tensor):
+    """``(bound s, use the clock, limit)`` of a launch's bounded waits on ``d``'s device: ns of
+    ``%globaltimer`` on the GPU; polls for concurrent simulated ranks (about the bound); one
+    poll for ranks run in order in one process (a signal not there never comes).  Simulated
+    ranks first sleep a random jitter (:func:`_jitter`)."""
+    if not d.is_cuda and not interpreted():
+        raise RuntimeError("forge: CPU tensors run the simulated transport under Triton's "
+                           "interpreter; set TRITON_INTERPRET=1 before importing forge_dist")
+    bound = p2p.timeout_seconds()
+    use_clock = d.is_cuda and not _interpreting()
+    if use_clock:
+        limit = int(bound * 1e9)
+    elif where.shared:
+        limit = int(bound * _SIM_POLLS_PER_S)
+    else:
+        limit = 1
+    if where.shared:
+        _jitter()
+    return bound, use_clock, limit
+
+
 def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tensor],
                first: Optional[torch.Tensor], d: torch.Tensor, x_out: Optional[torch.Tensor],
                y_out: Optional[torch.Tensor], src: int, send: bool, prev: int, nxt: int,
@@ -611,20 +632,8 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
         smi, smj = (K, 1) if not transpose else (1, K)
     if kind_code == 3 and bk < K:
         raise AssertionError("dense tiles must cover K")
-    bound = p2p.timeout_seconds()
-    use_clock = d.is_cuda and not _interpreting()
-    if use_clock:
-        limit = int(bound * 1e9)  # ns of %globaltimer
-    elif where.shared:
-        limit = int(bound * _SIM_POLLS_PER_S)  # concurrent ranks: polls, about the bound
-    else:
-        limit = 1  # one process, ranks in chain order: a signal not there never comes
-    if where.shared:
-        _jitter()
+    bound, use_clock, limit = _wait_limit(where, d)
     n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv)
-    if not d.is_cuda and not interpreted():
-        raise RuntimeError("forge: CPU tensors run the simulated transport under Triton's "
-                           "interpreter; set TRITON_INTERPRET=1 before importing forge_dist")
     dummy = d
     values = dict(
         first_ptr=first if first is not None else dummy, d_ptr=d, m_ptr=m_arg,
@@ -692,19 +701,7 @@ def run_scan_rounds(group, direction: str, kind: Kind, M: Optional[torch.Tensor]
     capturing = d.is_cuda and torch.cuda.is_current_stream_capturing()
     ch, bk, bv = _channel(where, f"scan-{direction}", d, kind, allocate=not capturing,
                           slots=rounds, m_rows=True)
-    bound = p2p.timeout_seconds()
-    use_clock = d.is_cuda and not _interpreting()
-    if use_clock:
-        limit = int(bound * 1e9)
-    elif where.shared:
-        limit = int(bound * _SIM_POLLS_PER_S)
-    else:
-        limit = 1
-    if where.shared:
-        _jitter()
-    if not d.is_cuda and not interpreted():
-        raise RuntimeError("forge: CPU tensors run the simulated transport under Triton's "
-                           "interpreter; set TRITON_INTERPRET=1 before importing forge_dist")
+    bound, use_clock, limit = _wait_limit(where, d)
     n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv)
     has_m = M is not None and kind is not Kind.IDENTITY
     values = dict(
