@@ -98,6 +98,8 @@
 #                                                     #   its tiles, its bandwidth on k and v (~3 min)
 #   bash scaling_benchmarks/device_batch.sh fusedscan # 2 or 4 GPUs: scan's rounds in one launch: its GPU checks
 #                                                     #   at every card, 16K fwd (and fwdbwd) beside forge (~8 min)
+#   bash scaling_benchmarks/device_batch.sh stages3   # 4 GPUs: the B=4 cell at 2 ranks after the summary's third
+#                                                     #   stage, its tests, its sweep at 2 and 3 stages (~5 min)
 #   bash scaling_benchmarks/device_batch.sh mqarab    # 4 GPUs: card 0 sumtiles; cards 1-3 MQAR with our kernels
 #                                                     #   and with FORGE_DIST_KERNELS=torch (AB_LIMIT s)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
@@ -120,7 +122,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab|stages3) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -589,8 +591,8 @@ case "$stage" in
     # the 16K forward at 2 and 4 ranks beside the chain, and forward + backward at 4
     reap
     n=$(nvidia-smi -L | wc -l)
-    # (FUSED_CHECKS: the checks to run, default all of scan's; FUSED_WS2=0 / FUSED_BWD=0:
-    # without the 2-rank cell / the 4-rank forward + backward)
+    # (FUSED_CHECKS: the checks to run, default all of scan's; FUSED_WS2=0 / FUSED_WS4=0 /
+    # FUSED_BWD=0: without the 2-rank cell / the 4-rank cells / the 4-rank forward + backward)
     checks=available,plans,no_host_sync_scan
     for k in identity scalar diagonal dense; do checks+=,scan_chains_$k; done
     for o in linear_attn simple_gla gla hgrn; do checks+=,scan_op_$o; done
@@ -600,7 +602,7 @@ case "$stage" in
     reap
     [ "${FUSED_WS2:-1}" = 1 ] && ws fusedscan_16k_ws2 100 2 simple_gla fwd 1 16384 \
       b1h32-16k-fusedscan forge,scan
-    if [ "$n" -ge 4 ]; then
+    if [ "$n" -ge 4 ] && [ "${FUSED_WS4:-1}" = 1 ]; then
       ws fusedscan_16k_ws4 "${WS_LIMIT:-120}" 4 simple_gla fwd 1 16384 b1h32-16k-fusedscan \
         ${FUSED_STRATEGIES:-forge,scan,serial}
       [ "${FUSED_BWD:-1}" = 1 ] && ws fusedscan_bwd_ws4 120 4 simple_gla fwdbwd 1 16384 \
@@ -630,6 +632,26 @@ case "$stage" in
         --T 32768 --passes fwd --impls forge_dist --sweep summary --sweep-T 32768 --sweep-B 4 \
         --tag summary-tiles --out "$OUT" > /dev/null ) &
     wait ;;
+  stages3)  # the scaling issue's B=4 cell after the summary walk's third pipeline stage
+    # (kernels/scalar.py FUSED_CONFIG summary_stages): cards 0-1 the cell (forge, serial,
+    # lasp2); card 2 the walker's summary tests compiled; card 3 the summary walk at two and
+    # three stages in the segments the B=4 plan walks (4) and in the one-GPU decoupled
+    # schedule's (B=1, 64K: 8)
+    reap
+    ( export CUDA_VISIBLE_DEVICES=3
+      for cell in "4 32768 4" "1 65536 8"; do set -- $cell
+        step "summary_stages_b$1_seg$3" 200 python3 scaling_benchmarks/kernel_profile.py \
+          --ops simple_gla --T 32768 --passes fwd --impls forge_dist --sweep summary \
+          --sweep-T "$2" --sweep-B "$1" --sweep-segments "$3" \
+          --summary-tiles 64x4x2,64x4x3,128x4x3 --tag "summary-stages-b$1-seg$3" --out "$OUT"
+      done ) &
+    ( export CUDA_VISIBLE_DEVICES=2
+      step summary_tests 300 python3 -m pytest -q -p no:cacheprovider \
+        tests/kernels/test_kernels.py -k "summary or segments" ) &
+    CUDA_VISIBLE_DEVICES=0,1 ws stages3_b4_ws2 240 2 simple_gla fwd 4 32768 b4h32-32k-stages3 \
+      forge,serial,lasp2
+    wait
+    reap ;;
   sumtiles)  # the scaling issue's B=4 cell: rank 0's summary walk streams k and v before its
     # output walk; how fast can it (docs/design.md section 3)
     step summary_tiles 300 env CUDA_VISIBLE_DEVICES=0 python3 scaling_benchmarks/kernel_profile.py \

@@ -208,12 +208,14 @@ SUMMARY_TILES = ((64, 4, 2), (32, 4, 2), (32, 4, 3), (64, 8, 2), (64, 4, 3), (64
                  (128, 4, 2), (128, 8, 2), (128, 8, 3), (128, 4, 3))
 
 
-def summary_sweep(T: int, device, B: int = 4, tiles=SUMMARY_TILES) -> list:
+def summary_sweep(T: int, device, B: int = 4, tiles=SUMMARY_TILES, n_seg: int = 1) -> list:
     """simple_gla's summary walk (the shard's end state from k, v and the gates' chunk sums,
-    no q and no outputs) at ``B, T``, H=32, K=V=128 bf16, over ``(BV, warps, stages)``:
-    ``do_bench`` medians and the bandwidth on k and v (bytes of k and v over the time);
-    first rows: the default output walk (q, k, v read, o written) and a device copy."""
+    no q and no outputs) at ``B, T``, H=32, K=V=128 bf16, over ``(BV, warps, stages)``, in
+    ``n_seg`` segments walked in parallel (more than one: the one-GPU decoupled schedule's
+    summaries): ``do_bench`` medians and the bandwidth on k and v (bytes of k and v over the
+    time); first rows: the default output walk (q, k, v read, o written) and a device copy."""
     from forge_dist.kernels import compat, scalar, walker
+    from forge_dist.kernels.walker_launches import segment_length
 
     H, K, V = 32, 128, 128
     gen = torch.Generator(device=device).manual_seed(0)
@@ -230,14 +232,16 @@ def summary_sweep(T: int, device, B: int = 4, tiles=SUMMARY_TILES) -> list:
                                         scale=K ** -0.5, prec=prec, out_dtype=k.dtype))
     rows.append({"kind": "output walk", "B": B, "T": T, **{n: base[n] for n in
                  ("BV", "num_warps", "num_stages")}, "ms": ms, "TBps": 2 * kv / ms / 1e9})
-    hs = torch.empty(1, B, H, K, V, dtype=torch.float32, device=device)
-    gt = torch.empty(1, B, H, K, dtype=torch.float32, device=device)
+    seg = segment_length(T, base["BT"], n_seg)
+    n_seg = -(-T // seg)
+    hs = torch.empty(n_seg, B, H, K, V, dtype=torch.float32, device=device)
+    gt = torch.empty(n_seg, B, H, K, dtype=torch.float32, device=device)
     ref = None
     for bv, nw, ns in tiles:
         cfg = dict(base, BV=bv, num_warps=nw, num_stages=ns)
-        row = {"kind": "summary walk", "B": B, "T": T, "BV": bv, "num_warps": nw,
-               "num_stages": ns}
-        fn = lambda: walker._launch_walk(1, T, q=None, k=k, v=v, g=g_cum, gate=1, w=None,  # noqa: E731
+        row = {"kind": "summary walk", "B": B, "T": T, "n_seg": n_seg, "BV": bv,
+               "num_warps": nw, "num_stages": ns}
+        fn = lambda: walker._launch_walk(n_seg, seg, q=None, k=k, v=v, g=g_cum, gate=1, w=None,  # noqa: E731
                                          h0=None, o=None, ht=hs, gt=gt, store_ht=True,
                                          scale=1.0, V=V, cfg=cfg, prec=prec)
         try:
@@ -310,6 +314,11 @@ def main(argv=None):
                     "(gate_sum: simple_gla's walks with and without the gate-sum launch)")
     ap.add_argument("--sweep-T", default="65536", help="comma-separated")
     ap.add_argument("--sweep-B", type=int, default=4, help="batch of the summary sweep")
+    ap.add_argument("--sweep-segments", type=int, default=1,
+                    help="segments of the summary sweep's walk (the one-GPU decoupled "
+                         "schedule's summaries: more than one)")
+    ap.add_argument("--summary-tiles", default="",
+                    help="summary sweep tiles as BVxWARPSxSTAGES,... (default: the built-in grid)")
     ap.add_argument("--hgrn-configs", default="",
                     help="hgrn sweep tiles as BTxBDxWARPS[xSTAGES],... (default: the built-in grid)")
     ap.add_argument("--hgrn-segments", default="4,16,64,256")
@@ -374,7 +383,9 @@ def main(argv=None):
         elif op == "segments":
             rows = segments_sweep(sweep_T, device)
         elif op == "summary":
-            rows = summary_sweep(sweep_T, device, args.sweep_B)
+            tiles = [tuple(int(x) for x in c.split("x")) for c in args.summary_tiles.split(",")
+                     if c] or SUMMARY_TILES
+            rows = summary_sweep(sweep_T, device, args.sweep_B, tiles, n_seg=args.sweep_segments)
         else:
             rows = config_sweep(op, sweep_T, device)
         result["sweeps"].append({"op": op, "T": sweep_T, "rows": rows})

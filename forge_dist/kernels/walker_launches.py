@@ -102,8 +102,10 @@ def walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B: int, T: int, H: int, K: int,
         const = const + (("G_RAW", True),)
     if h0_eye:  # likewise
         const = const + (("H0_EYE", True),)
-    return Launch("walk", (cdiv(V, BV), B * H, n), args, const, cfg["num_warps"],
-                  cfg["num_stages"])
+    # a walk with no outputs (a summary) streams k and v alone: its own pipeline depth
+    stages = cfg["num_stages"] if q is not None else cfg.get("summary_stages",
+                                                             cfg["num_stages"])
+    return Launch("walk", (cdiv(V, BV), B * H, n), args, const, cfg["num_warps"], stages)
 
 
 def segment_scan_launch(*, hs: str, gt: Optional[str], h0: Optional[str], ht: str,
