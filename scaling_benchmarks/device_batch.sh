@@ -102,6 +102,8 @@
 #                                                     #   stage, its tests, its sweep at 2 and 3 stages (~5 min)
 #   bash scaling_benchmarks/device_batch.sh mqarsp    # 4 GPUs: MQAR (the GPU config) at --sp 2 on cards 0-1
 #                                                     #   beside --sp 1 on card 3, one plot (~7 min)
+#   bash scaling_benchmarks/device_batch.sh abtiles   # 4 GPUs: simple_gla B=4 / 16K forward at 2 ranks with the
+#                                                     #   summaries' tiles and the walk's; MQAR --sp 2 / --sp 1 (~9 min)
 #   bash scaling_benchmarks/device_batch.sh mqarab    # 4 GPUs: card 0 sumtiles; cards 1-3 MQAR with our kernels
 #                                                     #   and with FORGE_DIST_KERNELS=torch (AB_LIMIT s)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
@@ -124,7 +126,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab|stages3|mqarsp) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab|stages3|mqarsp|abtiles) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -663,6 +665,31 @@ case "$stage" in
     ( export CUDA_VISIBLE_DEVICES=0,1
       step mqar_sp2 "${MQAR_LIMIT:-420}" torchrun --nproc_per_node 2 launch/train.py \
         --config configs/train_mqar.toml --sp 2 --out-dir "$OUT/mqar_sp2" > /dev/null ) &
+    wait
+    for sp in 1 2; do cp "$OUT/mqar_sp$sp/log.jsonl" "$OUT/mqar_gpu_sp$sp.jsonl" 2>/dev/null; done
+    step mqar_plot 60 python3 launch/train.py --plot "$OUT/mqar_gpu_sp1.jsonl" \
+      "$OUT/mqar_gpu_sp2.jsonl" --plot-out "$OUT/mqar_gpu_sp1_vs_sp2.png"
+    rm -rf "$OUT/mqar_sp1" "$OUT/mqar_sp2"
+    reap ;;
+  abtiles)  # the scaling issue: simple_gla's summary walks on their own tiles (BV=128, three
+    # stages; kernels/scalar.py) against the output walk's (FORGE_DIST_SUMMARY_TILES), in one
+    # run on cards 0-1: the forward at B=4, 32K and at B=1, 16K (scan beside the chain there);
+    # meanwhile cards 2-3 train MQAR at --sp 2, then card 0 at --sp 1 (the layers issue)
+    reap
+    ( export CUDA_VISIBLE_DEVICES=2,3
+      step mqar_sp2 "${MQAR_LIMIT:-450}" torchrun --nproc_per_node 2 --master_port 29612 \
+        launch/train.py --config configs/train_mqar.toml --sp 2 --out-dir "$OUT/mqar_sp2" \
+        > /dev/null ) &
+    for cell in "4 32768 b4h32-32k forge,serial,lasp2" "1 16384 b1h32-16k forge,scan,serial,lasp2"; do
+      read -r b tokens tag strategies <<< "$cell"
+      for tiles in "" "BV=64,num_stages=2"; do
+        name=$([ -n "$tiles" ] && echo walk-tiles || echo summary-tiles)
+        FORGE_DIST_SUMMARY_TILES=$tiles ws "ab_${tag}_$name" 150 2 simple_gla fwd "$b" "$tokens" \
+          "$tag-$name" "$strategies"
+      done
+    done
+    CUDA_VISIBLE_DEVICES=0 step mqar_sp1 "${MQAR_LIMIT:-450}" python3 launch/train.py \
+      --config configs/train_mqar.toml --sp 1 --out-dir "$OUT/mqar_sp1" > /dev/null
     wait
     for sp in 1 2; do cp "$OUT/mqar_sp$sp/log.jsonl" "$OUT/mqar_gpu_sp$sp.jsonl" 2>/dev/null; done
     step mqar_plot 60 python3 launch/train.py --plot "$OUT/mqar_gpu_sp1.jsonl" \

@@ -83,8 +83,26 @@ def sized_config(base: dict, K: int) -> dict:
     cfg = dict(base)
     if next_pow2(K) >= 256:
         cfg.update(BV=32, num_warps=8)
-        cfg.pop("summary_stages", None)  # deeper summary pipelines measured at K <= 128 only
+        for key in ("summary_BV", "summary_warps", "summary_stages"):  # measured at K <= 128
+            cfg.pop(key, None)
     return cfg
+
+
+def env_tiles(name: str) -> dict:
+    """Tile overrides for tuning runs from environment variable ``name``: comma-separated
+    ``key=value`` pairs of ``BV`` (a power of two >= 16), ``num_warps`` (a power of two) or
+    ``num_stages`` (a positive integer); ``{}`` when unset."""
+    raw = os.environ.get(name, "").strip()
+    tiles = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        key, _, value = item.partition("=")
+        n = int(value) if value.isdigit() else 0
+        if key not in ("BV", "num_warps", "num_stages") or n < 1 or (
+                key != "num_stages" and (n & (n - 1) or key == "BV" and n < 16)):
+            raise ValueError(f"{name}: expected BV= (a power of two >= 16), num_warps= (a "
+                             f"power of two) or num_stages= (a positive integer), got {item!r}")
+        tiles[key] = n
+    return tiles
 
 
 def dot_precision(dtype: torch.dtype, exact: bool = False) -> str:

@@ -18,14 +18,13 @@ for the fp32 option); fp32 inputs use fp32 operands with 3xTF32 dots.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from . import scheduler, summary_precision
-from .compat import (HAVE_TRITON, dot_precision, ensure, grad_like, next_pow2, sized_config, tl,
-                     triton)
+from .compat import (HAVE_TRITON, dot_precision, ensure, env_tiles, grad_like, next_pow2,
+                     sized_config, tl, triton)
 from .ir import Buffer, KernelSpec, Launch, Program, run_launch, tl_type
 from .tiles import reset_floor
 from .walker import walk, walker_gates
@@ -509,18 +508,8 @@ def summary_config(K: int, V: int, dtype: torch.dtype) -> dict:
     """The tile config of the delta rule's summary walks: :func:`fused_config` with
     ``SUMMARY_CONFIG`` and ``FORGE_DIST_DENSE_SUMMARY_TILES`` (``key=value`` pairs of
     ``BV``, ``num_warps``, ``num_stages``) over it."""
-    cfg = dict(fused_config(K, V, dtype), **SUMMARY_CONFIG)
-    raw = os.environ.get("FORGE_DIST_DENSE_SUMMARY_TILES", "").strip()
-    for item in filter(None, (x.strip() for x in raw.split(","))):
-        key, _, value = item.partition("=")
-        n = int(value) if value.isdigit() else 0
-        if key not in ("BV", "num_warps", "num_stages") or n < 1 or (
-                key != "num_stages" and (n & (n - 1) or key == "BV" and n < 16)):
-            raise ValueError(f"FORGE_DIST_DENSE_SUMMARY_TILES: expected BV= (a power of two "
-                             f">= 16), num_warps= (a power of two) or num_stages= (a positive "
-                             f"integer), got {item!r}")
-        cfg[key] = n
-    return cfg
+    return {**fused_config(K, V, dtype), **SUMMARY_CONFIG,
+            **env_tiles("FORGE_DIST_DENSE_SUMMARY_TILES")}
 
 
 def summary_launches(bufs: Dict[str, Buffer], *, B: int, T: int, H: int, K: int, V: int,

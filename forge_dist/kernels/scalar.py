@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import scheduler
-from .compat import dot_precision, ensure, sized_config
+from .compat import dot_precision, ensure, env_tiles, sized_config
 from .ir import Buffer, Launch, Program, pow2
 from .scalar_backward import scalar_decay_backward
 from .walker import outputs_from_summary, sum_gates_in_walk, summarize, walk
@@ -24,15 +24,25 @@ from .work import DecayAttentionWork
 # (results/kernel_profile_sweeps_NVIDIA-H200_2026-11-24.json): BV=64, 4 warps, 2 stages:
 # simple_gla 1.48 ms, linear_attn 0.97 ms; 3 stages 2.06 / 0.99 (140 KB of shared memory,
 # one program per SM instead of two); BV=32 2.11 / 1.32; 8 warps 2.68 / 1.70.
-# The summary walk (k and v only, no q or outputs) with three stages streams k and v at the
-# device's copy rate: 0.711 against 0.829 ms at B=4, T=32K on one H100
-# (results/kernel_profile_summary-tiles_NVIDIA-H100-80GB-HBM3_2026-11-28.json).
-FUSED_CONFIG = {"BT": 64, "BV": 64, "num_warps": 4, "num_stages": 2, "summary_stages": 3}
+# The summary walks (k and v only, no q or outputs) take their own V tile and stages
+# (overridable for tuning with FORGE_DIST_SUMMARY_TILES, "BV=64,num_stages=2"): BV=128 with
+# three stages streams k and v at the device's copy rate.  One H100, B=4, T=32K, one
+# segment: 0.695 ms against 0.829 for the walk's tiles
+# (results/kernel_profile_summary-tiles_NVIDIA-H100-80GB-HBM3_2026-11-28.json); one H200,
+# the segments that sequence-parallel (B=4, 32K, 4) and one-GPU (B=1, 64K, 8) runs walk:
+# 0.501 against 0.550 ms and 0.259 against 0.306
+# (results/kernel_profile_summary-stages-*_NVIDIA-H200_2026-11-28.json).
+FUSED_CONFIG = {"BT": 64, "BV": 64, "num_warps": 4, "num_stages": 2, "summary_BV": 128,
+                "summary_stages": 3}
+SUMMARY_KEYS = {"BV": "summary_BV", "num_warps": "summary_warps", "num_stages": "summary_stages"}
 
 
 def fused_config(K: int, V: int) -> dict:
     """The walker's tiles for this pattern and head dims."""
-    return sized_config(FUSED_CONFIG, K)
+    cfg = sized_config(FUSED_CONFIG, K)
+    for key, n in env_tiles("FORGE_DIST_SUMMARY_TILES").items():
+        cfg[SUMMARY_KEYS[key]] = n
+    return cfg
 
 
 def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype,

@@ -64,7 +64,12 @@ def walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B: int, T: int, H: int, K: int,
         raise ValueError(f"walk_launch: h0_eye starts a K x K walk from the identity, got "
                          f"h0={h0!r}, K={K}, V={V}")
     BK = pow2(K)
-    BV = min(cfg["BV"], pow2(V))
+    # a summary (no outputs, no kept chunk states) streams k and v alone: its own V tile
+    # and pipeline depth where the pattern's config gives them
+    summary = q is None and hc is None
+    BV = min(cfg.get("summary_BV", cfg["BV"]) if summary else cfg["BV"], pow2(V))
+    warps = cfg.get("summary_warps", cfg["num_warps"]) if summary else cfg["num_warps"]
+    stages = cfg.get("summary_stages", cfg["num_stages"]) if summary else cfg["num_stages"]
     has_a = a is not None and q is not None
     args = (("q", "buf", q or k), ("k", "buf", k), ("v", "buf", v or k), ("g", "buf", g or k),
             ("w", "buf", w or k), ("h0", "buf", h0 or ht), ("o", "buf", o or ht),
@@ -102,10 +107,7 @@ def walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B: int, T: int, H: int, K: int,
         const = const + (("G_RAW", True),)
     if h0_eye:  # likewise
         const = const + (("H0_EYE", True),)
-    # a walk with no outputs (a summary) streams k and v alone: its own pipeline depth
-    stages = cfg["num_stages"] if q is not None else cfg.get("summary_stages",
-                                                             cfg["num_stages"])
-    return Launch("walk", (cdiv(V, BV), B * H, n), args, const, cfg["num_warps"], stages)
+    return Launch("walk", (cdiv(V, BV), B * H, n), args, const, warps, stages)
 
 
 def segment_scan_launch(*, hs: str, gt: Optional[str], h0: Optional[str], ht: str,
