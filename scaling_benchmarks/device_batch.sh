@@ -104,6 +104,8 @@
 #                                                     #   beside --sp 1 on card 3, one plot (~7 min)
 #   bash scaling_benchmarks/device_batch.sh abtiles   # 4 GPUs: simple_gla B=4 / 16K forward at 2 ranks with the
 #                                                     #   summaries' tiles and the walk's; MQAR --sp 2 / --sp 1 (~9 min)
+#   bash scaling_benchmarks/device_batch.sh final10   # 4 GPUs: the summary tiles' GPU tests and plans check,
+#                                                     #   MQAR --sp 2 beside --sp 1 (~8 min)
 #   bash scaling_benchmarks/device_batch.sh mqarab    # 4 GPUs: card 0 sumtiles; cards 1-3 MQAR with our kernels
 #                                                     #   and with FORGE_DIST_KERNELS=torch (AB_LIMIT s)
 #   bash scaling_benchmarks/device_batch.sh verify4   # 4 GPUs: cards 0-1 the multigpu suite (as verify-mg),
@@ -126,7 +128,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab|stages3|mqarsp|abtiles) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab|stages3|mqarsp|abtiles|final10) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -690,6 +692,31 @@ case "$stage" in
     done
     CUDA_VISIBLE_DEVICES=0 step mqar_sp1 "${MQAR_LIMIT:-450}" python3 launch/train.py \
       --config configs/train_mqar.toml --sp 1 --out-dir "$OUT/mqar_sp1" > /dev/null
+    wait
+    for sp in 1 2; do cp "$OUT/mqar_sp$sp/log.jsonl" "$OUT/mqar_gpu_sp$sp.jsonl" 2>/dev/null; done
+    step mqar_plot 60 python3 launch/train.py --plot "$OUT/mqar_gpu_sp1.jsonl" \
+      "$OUT/mqar_gpu_sp2.jsonl" --plot-out "$OUT/mqar_gpu_sp1_vs_sp2.png"
+    rm -rf "$OUT/mqar_sp1" "$OUT/mqar_sp2"
+    reap ;;
+  final10)  # after the summaries' own tiles (8f7def2): their tests compiled on card 3, then
+    # the 2-rank plans check on cards 2-3; meanwhile MQAR (MQAR_STEPS, default the config's)
+    # at --sp 2 on cards 0-1 and --sp 1 on card 2
+    reap
+    steps=${MQAR_STEPS:+--set train.steps=$MQAR_STEPS}
+    ( export CUDA_VISIBLE_DEVICES=0,1
+      step mqar_sp2 "${MQAR_LIMIT:-480}" torchrun --nproc_per_node 2 --master_port 29612 \
+        launch/train.py --config configs/train_mqar.toml --sp 2 $steps --out-dir "$OUT/mqar_sp2" \
+        > /dev/null ) &
+    ( ( export CUDA_VISIBLE_DEVICES=2
+        step mqar_sp1 300 python3 launch/train.py --config configs/train_mqar.toml --sp 1 $steps \
+          --out-dir "$OUT/mqar_sp1" > /dev/null ) &
+      ( export CUDA_VISIBLE_DEVICES=3
+        step summary_tiles_tests 300 python3 -m pytest -q -rs -p no:cacheprovider \
+          tests/kernels/test_walker_launches.py tests/kernels/test_kernels.py -k "summary or segments" ) &
+      wait
+      export CUDA_VISIBLE_DEVICES=2,3
+      step plans_check 200 env FORGE_MG_CHECKS=available,plans python3 -m pytest -v \
+        -p no:cacheprovider tests/sp/test_forge_multigpu.py ) &
     wait
     for sp in 1 2; do cp "$OUT/mqar_sp$sp/log.jsonl" "$OUT/mqar_gpu_sp$sp.jsonl" 2>/dev/null; done
     step mqar_plot 60 python3 launch/train.py --plot "$OUT/mqar_gpu_sp1.jsonl" \
