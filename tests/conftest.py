@@ -12,6 +12,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from ._interpreter import install_if_interpreting  # noqa: E402
+
+install_if_interpreting()  # a faster interpreter for the tests (see the module)
+
 
 def pytest_collection_modifyitems(config, items):
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

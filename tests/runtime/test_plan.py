@@ -684,7 +684,29 @@ def _sp_delta_world(group, cases):
 
     rank, P = dist.get_rank(group), dist.get_world_size(group)
     Tl = 96
-    errors, launches, refs = {}, {}, {}
+
+    def step_inputs(gated, with_h0, step):
+        inp = _inputs("gated_delta_rule", T=P * Tl, seed=step)
+        if not gated:
+            inp.pop("g")
+        h0 = (torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(10 + step))
+              if with_h0 else None)
+        return inp, h0
+
+    # the op on the whole sequence, the same for every strategy and every rank (the
+    # interpreted kernels: about half a rank's work if each rank ran them all): each rank
+    # computes a share, every rank gets them all
+    keys = sorted({(gated, with_h0, step) for _, gated, with_h0 in cases for step in range(3)})
+    share = {}
+    for key in keys[rank::P]:
+        inp, h0 = step_inputs(*key)
+        share[key] = ops.gated_delta_rule(inp["q"], inp["k"], inp["v"], inp.get("g"),
+                                          beta=inp["beta"], initial_state=h0,
+                                          output_final_state=True)
+    shares = [None] * P
+    dist.all_gather_object(shares, share, group=group)
+    refs = {key: ref for s in shares for key, ref in s.items()}
+    errors, launches = {}, {}
     for strategy, gated, with_h0 in cases:
         p = plan("gated_delta_rule", B=B, T=Tl, H=H, K=K, V=V, dtype=torch.float32,
                  device="cpu", group=group, strategy=strategy,
@@ -694,15 +716,7 @@ def _sp_delta_world(group, cases):
                           for x in p.describe()["launches"]]
         worst = 0.0
         for step in range(3):
-            inp = _inputs("gated_delta_rule", T=P * Tl, seed=step)
-            if not gated:
-                inp.pop("g")
-            h0 = (torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(10 + step))
-                  if with_h0 else None)
-            if (gated, with_h0, step) not in refs:  # the same for every strategy
-                refs[gated, with_h0, step] = ops.gated_delta_rule(
-                    inp["q"], inp["k"], inp["v"], inp.get("g"), beta=inp["beta"],
-                    initial_state=h0, output_final_state=True)
+            inp, h0 = step_inputs(gated, with_h0, step)
             ref_o, ref_h = refs[gated, with_h0, step]
             worst = max(worst, _rank_error(p, inp, h0, ref_o, ref_h, rank, P, Tl))
             mine = slice(rank * Tl, (rank + 1) * Tl)
