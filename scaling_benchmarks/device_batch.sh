@@ -100,8 +100,6 @@
 #                                                     #   at every card, 16K fwd (and fwdbwd) beside forge (~8 min)
 #   bash scaling_benchmarks/device_batch.sh stages3   # 4 GPUs: the B=4 cell at 2 ranks after the summary's third
 #                                                     #   stage, its tests, its sweep at 2 and 3 stages (~5 min)
-#   bash scaling_benchmarks/device_batch.sh mqarsp    # 4 GPUs: MQAR (the GPU config) at --sp 2 on cards 0-1
-#                                                     #   beside --sp 1 on card 3, one plot (~7 min)
 #   bash scaling_benchmarks/device_batch.sh abtiles   # 4 GPUs: simple_gla B=4 / 16K forward at 2 ranks with the
 #                                                     #   summaries' tiles and the walk's; MQAR --sp 2 / --sp 1 (~9 min)
 #   bash scaling_benchmarks/device_batch.sh final10   # 4 GPUs: the summary tiles' GPU tests and plans check,
@@ -128,7 +126,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab|stages3|mqarsp|abtiles|final10) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab|stages3|abtiles|final10) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -163,6 +161,14 @@ ws() {  # ws NAME SECONDS RANKS OP MODE B TOKENS TAG [STRATEGIES]: one weak-scal
   step "$1" "$2" torchrun --nproc-per-node "$3" scaling_benchmarks/weak_scaling.py --set B="$6" \
     --set tokens_per_gpu="$7" --set state_pass=false --ops "$4" --modes "$5" \
     --strategies "${9:-forge,serial,lasp2}" --tag "$8" --out "$OUT" ${WS_EXTRA:-}
+}
+
+mqar_curves() {  # MQAR runs in $OUT/mqar_sp1 and $OUT/mqar_sp2: their logs and one plot (only
+  # two folder levels come back from the device: the run folders go)
+  for sp in 1 2; do cp "$OUT/mqar_sp$sp/log.jsonl" "$OUT/mqar_gpu_sp$sp.jsonl" 2>/dev/null; done
+  step mqar_plot 60 python3 launch/train.py --plot "$OUT/mqar_gpu_sp1.jsonl" \
+    "$OUT/mqar_gpu_sp2.jsonl" --plot-out "$OUT/mqar_gpu_sp1_vs_sp2.png"
+  rm -rf "$OUT/mqar_sp1" "$OUT/mqar_sp2"
 }
 
 for stage in "$@"; do
@@ -658,21 +664,6 @@ case "$stage" in
       forge,serial,lasp2
     wait
     reap ;;
-  mqarsp)  # the layers issue's MQAR target (SP=2 within 1e-2 of SP=1): the shipped GPU
-    # config, --sp 2 on cards 0-1 beside --sp 1 on card 3, both curves in one plot
-    reap
-    ( export CUDA_VISIBLE_DEVICES=3
-      step mqar_sp1 "${MQAR_LIMIT:-420}" python3 launch/train.py --config configs/train_mqar.toml \
-        --sp 1 --out-dir "$OUT/mqar_sp1" > /dev/null ) &
-    ( export CUDA_VISIBLE_DEVICES=0,1
-      step mqar_sp2 "${MQAR_LIMIT:-420}" torchrun --nproc_per_node 2 launch/train.py \
-        --config configs/train_mqar.toml --sp 2 --out-dir "$OUT/mqar_sp2" > /dev/null ) &
-    wait
-    for sp in 1 2; do cp "$OUT/mqar_sp$sp/log.jsonl" "$OUT/mqar_gpu_sp$sp.jsonl" 2>/dev/null; done
-    step mqar_plot 60 python3 launch/train.py --plot "$OUT/mqar_gpu_sp1.jsonl" \
-      "$OUT/mqar_gpu_sp2.jsonl" --plot-out "$OUT/mqar_gpu_sp1_vs_sp2.png"
-    rm -rf "$OUT/mqar_sp1" "$OUT/mqar_sp2"
-    reap ;;
   abtiles)  # the scaling issue: simple_gla's summary walks on their own tiles (BV=128, three
     # stages; kernels/scalar.py) against the output walk's (FORGE_DIST_SUMMARY_TILES), in one
     # run on cards 0-1: the forward at B=4, 32K and at B=1, 16K (scan beside the chain there);
@@ -693,10 +684,7 @@ case "$stage" in
     CUDA_VISIBLE_DEVICES=0 step mqar_sp1 "${MQAR_LIMIT:-450}" python3 launch/train.py \
       --config configs/train_mqar.toml --sp 1 --out-dir "$OUT/mqar_sp1" > /dev/null
     wait
-    for sp in 1 2; do cp "$OUT/mqar_sp$sp/log.jsonl" "$OUT/mqar_gpu_sp$sp.jsonl" 2>/dev/null; done
-    step mqar_plot 60 python3 launch/train.py --plot "$OUT/mqar_gpu_sp1.jsonl" \
-      "$OUT/mqar_gpu_sp2.jsonl" --plot-out "$OUT/mqar_gpu_sp1_vs_sp2.png"
-    rm -rf "$OUT/mqar_sp1" "$OUT/mqar_sp2"
+    mqar_curves
     reap ;;
   final10)  # after the summaries' own tiles (8f7def2): their tests compiled on card 3, then
     # the 2-rank plans check on cards 2-3; meanwhile MQAR (MQAR_STEPS, default the config's)
@@ -718,10 +706,7 @@ case "$stage" in
       step plans_check 200 env FORGE_MG_CHECKS=available,plans python3 -m pytest -v \
         -p no:cacheprovider tests/sp/test_forge_multigpu.py ) &
     wait
-    for sp in 1 2; do cp "$OUT/mqar_sp$sp/log.jsonl" "$OUT/mqar_gpu_sp$sp.jsonl" 2>/dev/null; done
-    step mqar_plot 60 python3 launch/train.py --plot "$OUT/mqar_gpu_sp1.jsonl" \
-      "$OUT/mqar_gpu_sp2.jsonl" --plot-out "$OUT/mqar_gpu_sp1_vs_sp2.png"
-    rm -rf "$OUT/mqar_sp1" "$OUT/mqar_sp2"
+    mqar_curves
     reap ;;
   sumtiles)  # the scaling issue's B=4 cell: rank 0's summary walk streams k and v before its
     # output walk; how fast can it (docs/design.md section 3)
