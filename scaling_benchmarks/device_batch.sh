@@ -146,7 +146,7 @@ step() {  # step NAME SECONDS COMMAND...
 reap() {  # workers that a timed-out step left behind (torchrun starts its own sessions);
   # REAP=0 where another job runs on the other cards (pkill does not know whose workers they are)
   [ "${REAP:-1}" = 1 ] || return 0
-  pkill -9 -f "tests/comm/multigpu_worker.py|tests/sp/kernel_path_worker.py|torch.distributed.run|weak_scaling.py" 2>/dev/null
+  pkill -9 -f "tests/comm/multigpu_worker.py|tests/sp/kernel_path_worker.py|torch.distributed.run|bin/torchrun|weak_scaling.py|launch/train.py" 2>/dev/null
   sleep 2
 }
 

@@ -238,7 +238,9 @@ def summary_sweep(T: int, device, B: int = 4, tiles=SUMMARY_TILES, n_seg: int = 
     gt = torch.empty(n_seg, B, H, K, dtype=torch.float32, device=device)
     ref = None
     for bv, nw, ns in tiles:
-        cfg = dict(base, BV=bv, num_warps=nw, num_stages=ns)
+        # (a walk without outputs reads the summary_* tiles where the config has them)
+        cfg = dict(base, BV=bv, num_warps=nw, num_stages=ns, summary_BV=bv, summary_warps=nw,
+                   summary_stages=ns)
         row = {"kind": "summary walk", "B": B, "T": T, "n_seg": n_seg, "BV": bv,
                "num_warps": nw, "num_stages": ns}
         fn = lambda: walker._launch_walk(n_seg, seg, q=None, k=k, v=v, g=g_cum, gate=1, w=None,  # noqa: E731

@@ -23,8 +23,10 @@ tests/kernels/test_interpreter.py checks both against Triton's own code).
       every member, since only those names can hold one (a patch's restore puts the
       original back).
 
-Installed in every process that interprets: the pytest process (tests/conftest.py) and
-the spawned ranks, which import the ``tests`` package (tests/__init__.py).
+Installed (Triton 3.6 only, the version the tests pin) in the pytest process
+(tests/conftest.py) and in the ranks it spawns, which import the ``tests`` package when they
+load their function (tests/__init__.py); other processes (the CLI's ranks, subprocess
+scripts) run Triton's own interpreter: slower, the same values.
 """
 from __future__ import annotations
 
@@ -99,7 +101,9 @@ def _device_call(self, *args, **kwargs):
     from triton.runtime.errors import InterpreterError
 
     running = getattr(_running, "langs", None)
-    if not (running and _langs(self.fn) <= running[-1]):
+    langs = _langs(self.fn)
+    # (a helper without the language in its globals: Triton's own patch, which refuses it)
+    if not (running and langs and langs <= running[-1]):
         _ORIGINAL["_patch_lang"](self.fn)
     fn = self.rewrite()
     try:

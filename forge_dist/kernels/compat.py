@@ -83,8 +83,6 @@ def sized_config(base: dict, K: int) -> dict:
     cfg = dict(base)
     if next_pow2(K) >= 256:
         cfg.update(BV=32, num_warps=8)
-        for key in ("summary_BV", "summary_warps", "summary_stages"):  # measured at K <= 128
-            cfg.pop(key, None)
     return cfg
 
 

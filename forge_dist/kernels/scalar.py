@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import scheduler
-from .compat import dot_precision, ensure, env_tiles, sized_config
+from .compat import dot_precision, ensure, env_tiles, next_pow2, sized_config
 from .ir import Buffer, Launch, Program, pow2
 from .scalar_backward import scalar_decay_backward
 from .walker import outputs_from_summary, sum_gates_in_walk, summarize, walk
@@ -24,22 +24,26 @@ from .work import DecayAttentionWork
 # (results/kernel_profile_sweeps_NVIDIA-H200_2026-11-24.json): BV=64, 4 warps, 2 stages:
 # simple_gla 1.48 ms, linear_attn 0.97 ms; 3 stages 2.06 / 0.99 (140 KB of shared memory,
 # one program per SM instead of two); BV=32 2.11 / 1.32; 8 warps 2.68 / 1.70.
-# The summary walks (k and v only, no q or outputs) take their own V tile and stages
-# (overridable for tuning with FORGE_DIST_SUMMARY_TILES, "BV=64,num_stages=2"): BV=128 with
-# three stages streams k and v at the device's copy rate.  One H100, B=4, T=32K, one
-# segment: 0.695 ms against 0.829 for the walk's tiles
+# The summary walks (k and v only, no q or outputs) take their own V tile and stages for
+# 16-bit operands at K <= 128 (overridable for tuning with FORGE_DIST_SUMMARY_TILES,
+# "BV=64,num_stages=2"; fp32 k and v tiles of three stages at BV=128 would need about
+# 192 KB of shared memory): BV=128 with three stages streams k and v at the device's copy
+# rate.  One H100, B=4, T=32K, one segment: 0.695 ms against 0.829 for the walk's tiles
 # (results/kernel_profile_summary-tiles_NVIDIA-H100-80GB-HBM3_2026-11-28.json); one H200,
-# the segments that sequence-parallel (B=4, 32K, 4) and one-GPU (B=1, 64K, 8) runs walk:
-# 0.501 against 0.550 ms and 0.259 against 0.306
+# in the segments that sequence-parallel (B=4, 32K, 4) and one-GPU (B=1, 64K, 8) runs walk:
+# 0.501 against 0.550-0.558 ms and 0.259 against 0.306 for BV=64 with three stages
 # (results/kernel_profile_summary-stages-*_NVIDIA-H200_2026-11-28.json).
-FUSED_CONFIG = {"BT": 64, "BV": 64, "num_warps": 4, "num_stages": 2, "summary_BV": 128,
-                "summary_stages": 3}
+FUSED_CONFIG = {"BT": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
+SUMMARY_TILES = {"summary_BV": 128, "summary_stages": 3}
 SUMMARY_KEYS = {"BV": "summary_BV", "num_warps": "summary_warps", "num_stages": "summary_stages"}
 
 
-def fused_config(K: int, V: int) -> dict:
-    """The walker's tiles for this pattern and head dims."""
+def fused_config(K: int, V: int, dtype: Optional[torch.dtype] = None) -> dict:
+    """The walker's tiles for this pattern, head dims and operand ``dtype`` (``None``: no
+    summary tiles of their own)."""
     cfg = sized_config(FUSED_CONFIG, K)
+    if dtype in (torch.bfloat16, torch.float16) and next_pow2(K) <= 128:
+        cfg.update(SUMMARY_TILES)
     for key, n in env_tiles("FORGE_DIST_SUMMARY_TILES").items():
         cfg[SUMMARY_KEYS[key]] = n
     return cfg
@@ -59,7 +63,10 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
     entries of :func:`fused_config`; ``maps``: fused prologues by input name.  ``summary``: what a
     sequence-parallel rank also keeps for its state pass (:func:`.walker_launches.walk_launches`;
     the schedule then prices the summary in)."""
-    cfg = dict(fused_config(K, V), **(tiles or {}))
+    cfg = dict(fused_config(K, V, dtype), **(tiles or {}))
+    if tiles and not any(key in tiles for key in SUMMARY_KEYS.values()):
+        for key in SUMMARY_KEYS.values():  # tiles given: they serve every walk
+            cfg.pop(key, None)
     sched = scheduler.schedule(B, T, H, K, V, cfg["BT"], min(cfg["BV"], pow2(V)),
                                elem_size=torch.empty((), dtype=dtype).element_size(),
                                request=execution, with_summary=summary != NO_SUMMARY)
@@ -95,7 +102,7 @@ class ScalarDecayWork(DecayAttentionWork):
 
     def _finish_fwd(self, S_in, tensors):
         q, k, v, g = (ensure(t) for t in tensors)
-        cfg = fused_config(k.shape[-1], v.shape[-1])
+        cfg = fused_config(k.shape[-1], v.shape[-1], k.dtype)
         gate = 0 if g is None else 1
         if self.segments is not None:  # the summary ran: only the output walks remain
             return outputs_from_summary(self.segments, k, v, q=q, g=g, gate=gate, S_in=S_in,
@@ -108,11 +115,12 @@ class ScalarDecayWork(DecayAttentionWork):
 
     def _summary_segments(self) -> int:
         k, v = self.tensors[1], self.tensors[2]
-        return self._schedule(k, v, fused_config(k.shape[-1], v.shape[-1]), with_summary=True)
+        return self._schedule(k, v, fused_config(k.shape[-1], v.shape[-1], k.dtype),
+                              with_summary=True)
 
     def _summary_fwd(self, tensors, need_M):
         q, k, v, g = (ensure(t) for t in tensors)
-        cfg = fused_config(k.shape[-1], v.shape[-1])
+        cfg = fused_config(k.shape[-1], v.shape[-1], k.dtype)
         n_seg = self._summary_segments()
         self.segments = summarize(k, v, g=g, gate=0 if g is None else 1, cfg=cfg,
                                   prec=self._prec(), n_seg=n_seg, maps=self.maps)

@@ -49,9 +49,26 @@ def test_summary_tiles_leave_the_recurrences_states(monkeypatch, variant, n_seg)
     assert rel(o, ro) <= 1e-4 and rel(ht.reshape(rh.shape), rh) <= 1e-4
 
 
+def test_summary_tiles_for_16_bit_operands_up_to_K_128():
+    """BV=128 with three stages: 16-bit k and v tiles fit in shared memory (fp32 would need
+    about 192 KB); at K = 256 the walk's own tiles hold the state already."""
+    for dtype in (torch.bfloat16, torch.float16):
+        cfg = scalar.fused_config(128, 128, dtype)
+        assert (cfg["summary_BV"], cfg["summary_stages"]) == (128, 3)
+    for K, dtype in ((128, torch.float32), (128, None), (256, torch.bfloat16)):
+        assert "summary_BV" not in scalar.fused_config(K, K, dtype), (K, dtype)
+    # tiles given to a program serve every walk, unless they name the summaries' own
+    prog = scalar.forward_program(B=1, T=256, H=2, K=128, V=128, dtype=torch.bfloat16,
+                                  gated=True, has_h0=False, scale=1.0, prec="ieee",
+                                  execution="decoupled", tiles={"BV": 32}, summary=SEGMENTS)
+    summary = next(ln for ln in prog.launches
+                   if ln.kernel == "walk" and not dict(ln.constexprs)["STORE_O"])
+    assert (summary.grid[0], summary.num_stages) == (4, 2)
+
+
 def test_summary_tiles_from_the_environment(monkeypatch):
     monkeypatch.setenv("FORGE_DIST_SUMMARY_TILES", "BV=64,num_stages=2")
-    cfg = scalar.fused_config(128, 128)
+    cfg = scalar.fused_config(128, 128, torch.bfloat16)
     assert (cfg["summary_BV"], cfg["summary_stages"], cfg["BV"]) == (64, 2, 64)
     monkeypatch.setenv("FORGE_DIST_SUMMARY_TILES", "stages=2")
     with pytest.raises(ValueError, match="FORGE_DIST_SUMMARY_TILES.*'stages=2'"):
