@@ -16,7 +16,8 @@ from .compat import dot_precision, ensure, env_tiles, next_pow2, sized_config
 from .ir import Buffer, Launch, Program, pow2
 from .scalar_backward import scalar_decay_backward
 from .walker import outputs_from_summary, sum_gates_in_walk, summarize, walk
-from .walker_launches import NO_SUMMARY, gate_cumsum, matrix_buffers, walk_launches
+from .walker_launches import (NO_SUMMARY, SUMMARY_KEYS, gate_cumsum, matrix_buffers,
+                              walk_launches)
 from .work import DecayAttentionWork
 
 # Tile config for this pattern (one place).  BV trades parallelism (B*H*V/BV programs)
@@ -35,7 +36,6 @@ from .work import DecayAttentionWork
 # (results/kernel_profile_summary-stages-*_NVIDIA-H200_2026-11-28.json).
 FUSED_CONFIG = {"BT": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 SUMMARY_TILES = {"summary_BV": 128, "summary_stages": 3}
-SUMMARY_KEYS = {"BV": "summary_BV", "num_warps": "summary_warps", "num_stages": "summary_stages"}
 
 
 def fused_config(K: int, V: int, dtype: Optional[torch.dtype] = None) -> dict:

@@ -41,6 +41,10 @@ def map_consts(maps: Optional[Dict[str, Any]], names: str) -> Tuple[Tuple[str, A
     return tuple(map_flags(maps, names).items())
 
 
+# a pattern config's own tiles for summary walks (see walk_launch), by the tile they replace
+SUMMARY_KEYS = {"BV": "summary_BV", "num_warps": "summary_warps", "num_stages": "summary_stages"}
+
+
 def walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B: int, T: int, H: int, K: int, V: int,
                 gate: int, scale: float, cfg: dict, prec: str, seg: int, n: int,
                 store_ht: bool = True, a=None, s_in=None, cg=None,
@@ -64,12 +68,12 @@ def walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B: int, T: int, H: int, K: int,
         raise ValueError(f"walk_launch: h0_eye starts a K x K walk from the identity, got "
                          f"h0={h0!r}, K={K}, V={V}")
     BK = pow2(K)
-    # a summary (no outputs, no kept chunk states) streams k and v alone: its own V tile
-    # and pipeline depth where the pattern's config gives them
+    # a summary (no outputs, no kept chunk states) streams k and v alone: its own V tile,
+    # warps and pipeline depth where the pattern's config gives them
     summary = q is None and hc is None
-    BV = min(cfg.get("summary_BV", cfg["BV"]) if summary else cfg["BV"], pow2(V))
-    warps = cfg.get("summary_warps", cfg["num_warps"]) if summary else cfg["num_warps"]
-    stages = cfg.get("summary_stages", cfg["num_stages"]) if summary else cfg["num_stages"]
+    BV, warps, stages = (cfg.get(SUMMARY_KEYS[key], cfg[key]) if summary else cfg[key]
+                         for key in ("BV", "num_warps", "num_stages"))
+    BV = min(BV, pow2(V))
     has_a = a is not None and q is not None
     args = (("q", "buf", q or k), ("k", "buf", k), ("v", "buf", v or k), ("g", "buf", g or k),
             ("w", "buf", w or k), ("h0", "buf", h0 or ht), ("o", "buf", o or ht),
