@@ -11,7 +11,7 @@ import copy
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -105,3 +105,22 @@ def env_positive_int(name: str, default: Optional[int] = None) -> Optional[int]:
     if value < 1:
         raise ValueError(f"{name}: expected a positive integer, got {raw!r}")
     return value
+
+
+def env_reader(name: str) -> Callable[[], Optional[str]]:
+    """A function returning ``os.environ.get(name)`` for per-call switches: it reads the
+    dict behind ``os.environ`` (CPython's ``_data``, kept in step by every assignment) with
+    the key encoded once, where ``os.environ.get`` encodes the key and goes through the
+    Mapping machinery on every call (about 1 us, several times per layer call).  A test that
+    replaces ``os.environ`` itself is read the public way."""
+    encode = getattr(os.environ, "encodekey", None)
+    decode = getattr(os.environ, "decodevalue", None)
+    key = encode(name) if encode is not None else name
+
+    def read() -> Optional[str]:
+        data = getattr(os.environ, "_data", None)
+        if type(data) is dict and decode is not None:
+            raw = data.get(key)
+            return None if raw is None else decode(raw)
+        return os.environ.get(name)
+    return read

@@ -59,7 +59,8 @@
 #   bash scaling_benchmarks/device_batch.sh layers-sp # 2 GPUs: every layer sequence-parallel against one shard (~6 min)
 #   bash scaling_benchmarks/device_batch.sh scan4     # 4 GPUs: the log-depth scan beside the chains,
 #                                                     #   weak scaling fwd + fwdbwd (~8 min)
-#   bash scaling_benchmarks/device_batch.sh layers    # 1 GPU: every layer against FLA's, per-kernel times (~9 min)
+#   LAYERS="gdn gla" bash scaling_benchmarks/device_batch.sh layers # 1 GPU: layers against FLA's, one
+#                                                     #   step each: per-kernel and host times (~9 min)
 #   bash scaling_benchmarks/device_batch.sh hier4     # 4 GPUs as two simulated nodes of 2: the GPU checks of
 #                                                     #   scan and hier, weak scaling beside forge (~9 min)
 #   bash scaling_benchmarks/device_batch.sh hier2     # the same on 2 GPUs as two nodes of 1 (~9 min)
@@ -446,8 +447,13 @@ case "$stage" in
     eval "pa=($PYTEST_ARGS)"
     step "${NAME:-pytest}" "${LIMIT:-300}" python3 -m pytest -v -p no:cacheprovider --durations=20 \
       "${pa[@]}" ;;
-  layers)  # every layer against FLA's on one GPU, with the per-kernel breakdown of ours
-    step layers 560 python3 scaling_benchmarks/layers.py --kernels 5 --out "$OUT" ;;
+  layers)  # layers against FLA's on one GPU, one step (and one results file) per layer, with
+    # the per-kernel breakdown and host time of ours; LAYERS (default the five that fit one
+    # call), PASSES, LAYER_LIMIT s per layer
+    for l in ${LAYERS:-gdn gla retnet hgrn linear_attn}; do
+      step "layers_$l" "${LAYER_LIMIT:-100}" python3 scaling_benchmarks/layers.py --layers "$l" \
+        --passes "${PASSES:-fwd,fwdbwd}" --kernels 5 --rep 30 --out "$OUT" --tag "$l"
+    done ;;
   tests)
     step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests ;;
   single)

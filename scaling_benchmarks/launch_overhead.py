@@ -12,7 +12,7 @@ gate) at T in {1K, 2K, 4K, 8K} through:
 * ``jit``      -- a plan (``forge_dist.runtime.plan``) launching through Triton's JIT on
   every call (``FORGE_DIST_JIT_RELAUNCH=0``);
 * ``jit_relaunch`` -- the same plan relaunching the kernels its first call compiled (the
-  default without cubins, ``forge_dist/runtime/jit_launch.py``);
+  default without cubins, ``forge_dist/kernels/jit_launch.py``);
 * ``static``   -- the same plan through the static dispatcher (AOT cubins, cuda.bindings):
   ``plan.run``, the run specialised to the plan (``forge_dist/runtime/fastpath.py``);
 * ``static_general`` -- the same plan's general run (``Plan._run_general``: the loops over

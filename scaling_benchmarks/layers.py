@@ -11,7 +11,9 @@ Our rows record ``max_rel_err`` against FLA (``max |ours - fla| / max |fla|`` ov
 and for ``fwdbwd`` also over ``dx`` and every parameter gradient), ``speedup`` (FLA's time over
 ours), and a breakdown: ``gemm_ms`` (the layer's ``nn.Linear`` calls timed alone on inputs of
 the shapes they saw) and ``op_ms`` (the ``forge_dist.ops`` call alone on the inputs it saw), with
-``rest_over_op = (ms - gemm_ms) / op_ms``; with ``--kernels N`` also ``kernels_us``, the
+``rest_over_op = (ms - gemm_ms) / op_ms``; ``host_us``, the host time of one call with the
+GPU kept busy (at these shapes the layers are host-bound on a slow host, and then ``ms`` is
+about ``host_us``); with ``--kernels N`` also ``kernels_us``, the
 device time per kernel name of our layer's pass (``torch.profiler``, N calls).  A pass FLA refuses (e.g. its gated backward on
 Triton 3.6 / Hopper) is a row with ``skipped`` and the reason.  Times:
 ``triton.testing.do_bench`` medians.  Rows go to JSON as they complete
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -39,8 +42,8 @@ from scaling_benchmarks import results_io  # noqa: E402
 
 B, T, HIDDEN = 2, 8192, 1024
 
-#: name -> (our class name, FLA class name, constructor kwargs shared by both); shapes of
-#: FLA's configs at hidden 1024
+#: name -> (our class name, FLA class name under fla.layers, constructor kwargs shared by
+#: both); shapes of FLA's configs at hidden 1024
 LAYERS = {
     "gdn": ("GatedDeltaNet", "GatedDeltaNet",
             dict(hidden_size=HIDDEN, head_dim=128, num_heads=6, expand_v=2)),
@@ -48,7 +51,8 @@ LAYERS = {
             dict(hidden_size=HIDDEN, num_heads=4, expand_k=0.5, expand_v=1.0)),
     "retnet": ("MultiScaleRetention", "MultiScaleRetention",
                dict(hidden_size=HIDDEN, num_heads=8, expand_k=1.0, expand_v=2.0)),
-    "simple_gla": ("SimpleGatedLinearAttention", "SimpleGatedLinearAttention",
+    # (FLA 0.6 does not export it from fla.layers: named by its module)
+    "simple_gla": ("SimpleGatedLinearAttention", "simple_gla.SimpleGatedLinearAttention",
                    dict(hidden_size=HIDDEN, num_heads=4, expand_k=1.0, expand_v=1.0)),
     "hgrn": ("HGRNAttention", "HGRNAttention", dict(hidden_size=HIDDEN, expand_ratio=1)),
     "linear_attn": ("LinearAttention", "LinearAttention",
@@ -76,9 +80,11 @@ def build(name, device):
     if fla_cls is None:
         ours = fnn.__dict__[ours_cls](layer_idx=1, num_layers=4, **kw)
         return ours.to(device, torch.bfloat16), None, "no FLA counterpart"
-    import fla.layers
+    import importlib
 
-    theirs = getattr(fla.layers, fla_cls)(layer_idx=1, **kw).to(device, torch.bfloat16)
+    module, _, cls = fla_cls.rpartition(".")
+    fla_module = importlib.import_module("fla.layers" + (f".{module}" if module else ""))
+    theirs = getattr(fla_module, cls)(layer_idx=1, **kw).to(device, torch.bfloat16)
     ours = fnn.__dict__[ours_cls](layer_idx=1, **kw)
     ours.load_state_dict(theirs.state_dict(), strict=True)
     return ours.to(device, torch.bfloat16), theirs, None
@@ -127,6 +133,20 @@ def _bench(fn, rep):
     fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=5, rep=rep, quantiles=[0.5])
+
+
+def _host_us(fn, calls: int = 10) -> float:
+    """Host time per call, microseconds, with the GPU kept busy by a sleep kernel queued
+    first (so no launch waits for the device): where it exceeds the device time of a call,
+    the layer is host-bound and its ``ms`` is about this."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the queue never drains
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * host / calls
 
 
 def _reason(e: Exception) -> str:
@@ -302,7 +322,8 @@ def main(argv=None):
                     ref_grads = None if ref_grads is None else [
                         None if g is None else g.detach().clone() for g in ref_grads]
                     fla_ms = _bench(run, args.rep)
-                    add({"layer": name, "pass": pas, "impl": "fla", "ms": fla_ms})
+                    add({"layer": name, "pass": pas, "impl": "fla", "ms": fla_ms,
+                         "host_us": _host_us(run)})
                 except Exception as e:  # noqa: BLE001 - e.g. FLA's backward refused
                     add({"layer": name, "pass": pas, "impl": "fla", "skipped": _reason(e)})
                     ref = None
@@ -317,6 +338,7 @@ def main(argv=None):
                                  if a is not None and b is not None]
                     row["max_rel_err"] = max(errs)
                 row["ms"] = _bench(run, args.rep)
+                row["host_us"] = _host_us(run)
                 if fla_ms:
                     row["speedup"] = fla_ms / row["ms"]
                 if not args.no_breakdown:

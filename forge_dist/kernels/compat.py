@@ -73,8 +73,14 @@ def interpreter_bf16_dot(create_dot):
     return create_dot_widened
 
 
+# Host-side integer helpers: Triton 3.6's triton.cdiv / next_power_of_2 are constexpr
+# functions, several microseconds of argument unwrapping per host call.
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def sized_config(base: dict, K: int) -> dict:

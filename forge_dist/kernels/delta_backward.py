@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from . import delta
-from .compat import HAVE_TRITON, dot_precision, next_pow2, tl, triton
+from .compat import HAVE_TRITON, cdiv, dot_precision, next_pow2, tl, triton
 from .ir import Buffer, Launch, Program, buffer_args, state_buffers
 from .tiles import scalar_gate_chunk, value_state_tiles
 from .walker import sum_gates_in_walk
@@ -354,8 +354,8 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     if tiles:
         cfg = _safe_warps(dict(cfg, **tiles), tiles)  # the warps follow overridden tiles
     BT = BT_DELTA
-    NT = triton.cdiv(T, BT)
-    NK = triton.cdiv(K, cfg["dqk_BK"])
+    NT = cdiv(T, BT)
+    NK = cdiv(K, cfg["dqk_BK"])
     f32 = torch.float32
     low = dtype in (torch.float16, torch.bfloat16)
     wy_prec = "tf32" if low and prec != "ieee" else prec
@@ -399,7 +399,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     dims = (("H", H), ("K", K), ("V", V), ("BT", BT))
     # 3: the reverse walk
     launches.append(Launch(
-        "delta_dstates", (triton.cdiv(V, cfg["walk_BV"]), B * H, 1),
+        "delta_dstates", (cdiv(V, cfg["walk_BV"]), B * H, 1),
         tuple((n, *buf(n)) for n in ("q", "k", "w", "g", "do", "dht", "dhc", "dvn", "dh0"))
         + (("T", "i32", T), ("NT", "i32", NT), ("scale", "fp32", scale)),
         dims + (("BK", next_pow2(K)), ("BV", cfg["walk_BV"]), ("GATE", gated),

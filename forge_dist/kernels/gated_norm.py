@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .compat import HAVE_TRITON, tl, triton
+from .compat import HAVE_TRITON, cdiv, next_pow2, tl, triton
+from .jit_launch import KeptLaunches
 
 #: gate codes for the kernels
 NO_GATE, SWISH, SIGMOID = 0, 1, 2
@@ -133,9 +134,13 @@ if HAVE_TRITON:
             tl.store(db_part + pr.to(tl.int64) * D + cols, db_acc, mask=mc)
 
 
+    _norm_fwd = KeptLaunches(_gated_norm_fwd_kernel)
+    _norm_bwd = KeptLaunches(_gated_norm_bwd_kernel)
+
+
 def _tiles(group_size: int):
     """(rows per tile, columns per tile) for a group width."""
-    bc = triton.next_power_of_2(group_size)
+    bc = next_pow2(group_size)
     return max(1, min(64, _TILE // bc)), bc
 
 
@@ -147,29 +152,38 @@ def _acc_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def _norm_forward(x, g, weight, bias, eps, act, gate_before, groups):
+    """The forward launch; returns ``x`` and ``g`` as read, the activation code and
+    ``gate_before`` as applied, ``y`` and ``rstd`` (what the backward keeps)."""
+    x = _rows(x)
+    g = None if g is None else _rows(g)
+    gate_before = gate_before and g is not None  # no gate: a plain norm
+    act = act if g is not None else NO_GATE
+    N, D = x.shape
+    GS = D // groups
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(N, groups, dtype=wide, device=x.device)
+    BR, BC = _tiles(GS)
+    if N:
+        _norm_fwd((cdiv(N, BR), groups),
+                  x, g, weight, bias, y, rstd, N, D, GS, x.stride(0),
+                  0 if g is None else g.stride(0), eps, ACT=act, GATE_BEFORE=gate_before,
+                  HAS_W=weight is not None, HAS_B=bias is not None, ACC=_acc_dtype(x.dtype),
+                  BR=BR, BC=BC, num_warps=4 if BC <= 1024 else 8)
+    return x, g, act, gate_before, y, rstd
+
+
 class GatedRMSNormFn(torch.autograd.Function):
     """``(x [N, D], g [N, D] | None, weight [D] | None, bias [D] | None, eps, act code,
     gate_before, groups) -> y [N, D]`` (dtype of ``x``); saves the inputs and ``rstd``."""
 
     @staticmethod
     def forward(ctx, x, g, weight, bias, eps, act, gate_before, groups):
-        x = _rows(x)
-        g = None if g is None else _rows(g)
-        gate_before = gate_before and g is not None  # no gate: a plain norm
-        N, D = x.shape
-        GS = D // groups
-        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        y = torch.empty(N, D, dtype=x.dtype, device=x.device)
-        rstd = torch.empty(N, groups, dtype=wide, device=x.device)
-        BR, BC = _tiles(GS)
-        if N:
-            _gated_norm_fwd_kernel[(triton.cdiv(N, BR), groups)](
-                x, g, weight, bias, y, rstd, N, D, GS, x.stride(0),
-                0 if g is None else g.stride(0), eps, ACT=act if g is not None else 0,
-                GATE_BEFORE=gate_before, HAS_W=weight is not None, HAS_B=bias is not None,
-                ACC=_acc_dtype(x.dtype), BR=BR, BC=BC, num_warps=4 if BC <= 1024 else 8)
+        x, g, act, gate_before, y, rstd = _norm_forward(x, g, weight, bias, eps, act,
+                                                        gate_before, groups)
         ctx.save_for_backward(x, g, weight, bias, rstd)
-        ctx.meta = (act if g is not None else 0, gate_before, groups)
+        ctx.meta = (act, gate_before, groups)
         return y
 
     @staticmethod
@@ -179,7 +193,7 @@ class GatedRMSNormFn(torch.autograd.Function):
         N, D = x.shape
         GS = D // groups
         BR, BC = _tiles(GS)
-        P = max(1, min(_MAX_PROGRAMS, triton.cdiv(N, BR)))
+        P = max(1, min(_MAX_PROGRAMS, cdiv(N, BR)))
         dy = dy.to(x.dtype).contiguous()
         dx = torch.empty(N, D, dtype=x.dtype, device=x.device)
         dg = None if g is None else torch.empty(N, D, dtype=g.dtype, device=x.device)
@@ -187,11 +201,12 @@ class GatedRMSNormFn(torch.autograd.Function):
         dw_part = None if weight is None else torch.zeros(P, D, dtype=wide, device=x.device)
         db_part = None if bias is None else torch.zeros(P, D, dtype=wide, device=x.device)
         if N:
-            _gated_norm_bwd_kernel[(P, groups)](
-                x, g, weight, bias, rstd, dy, dx, dg, dw_part, db_part, N, D, GS, x.stride(0),
-                0 if g is None else g.stride(0), ACT=act, GATE_BEFORE=gate_before,
-                HAS_W=weight is not None, HAS_B=bias is not None, ACC=_acc_dtype(x.dtype),
-                BR=BR, BC=BC, num_warps=4 if BC <= 1024 else 8)
+            _norm_bwd((P, groups),
+                      x, g, weight, bias, rstd, dy, dx, dg, dw_part, db_part, N, D, GS,
+                      x.stride(0), 0 if g is None else g.stride(0), ACT=act,
+                      GATE_BEFORE=gate_before, HAS_W=weight is not None,
+                      HAS_B=bias is not None, ACC=_acc_dtype(x.dtype), BR=BR, BC=BC,
+                      num_warps=4 if BC <= 1024 else 8)
         dw = None if weight is None else dw_part.sum(0).to(weight.dtype)
         db = None if bias is None else db_part.sum(0).to(bias.dtype)
         return dx, dg, dw, db, None, None, None, None
@@ -208,5 +223,11 @@ def gated_rms_norm(x: Tensor, g: Optional[Tensor], weight: Optional[Tensor],
     rows = x.reshape(-1, D)
     gate = None if g is None else g.reshape(-1, D)
     act = ACTIVATIONS[activation] if g is not None else NO_GATE
-    return GatedRMSNormFn.apply(rows, gate, weight, bias, float(eps), act, bool(gate_before),
-                                int(groups)).reshape(shape)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, g, weight, bias)):
+        y = GatedRMSNormFn.apply(rows, gate, weight, bias, float(eps), act, bool(gate_before),
+                                 int(groups))
+    else:  # nothing to differentiate: the launch without autograd's bookkeeping (host time)
+        y = _norm_forward(rows, gate, weight, bias, float(eps), act, bool(gate_before),
+                          int(groups))[4]
+    return y.reshape(shape)

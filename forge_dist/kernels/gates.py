@@ -22,7 +22,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .compat import HAVE_TRITON, tl, triton
+from .compat import HAVE_TRITON, cdiv, next_pow2, tl, triton
+from .jit_launch import KeptLaunches
 
 BLOCK_R, BLOCK_C = 16, 128
 
@@ -121,6 +122,12 @@ if HAVE_TRITON:
                      tl.sum(tl.where(m, d, 0.0), axis=0), mask=cols < C)
 
 
+    _logsigmoid_fwd = KeptLaunches(_logsigmoid_gate_fwd)
+    _logsigmoid_bwd = KeptLaunches(_logsigmoid_gate_bwd)
+    _hgrn_fwd = KeptLaunches(_hgrn_gates_fwd)
+    _hgrn_bwd = KeptLaunches(_hgrn_gates_bwd)
+
+
 def _rows(t: Tensor) -> Tensor:
     """``[..., C]`` as ``[R, C]`` rows with unit column stride (a view where possible)."""
     t = t if t.stride(-1) == 1 else t.contiguous()
@@ -130,8 +137,14 @@ def _rows(t: Tensor) -> Tensor:
         return t.reshape(-1, t.shape[-1])
 
 
+def _differentiated(*tensors) -> bool:
+    """Whether autograd records this call (else the launch goes without its bookkeeping:
+    host time)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _grid(R: int, C: int):
-    return (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
+    return (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C))
 
 
 def _acc(dtype):
@@ -142,20 +155,26 @@ def _wide(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _logsigmoid_forward(x, normalizer, clamp_min):
+    """The forward launch: ``(rows of x, y [..., C])``."""
+    rows = _rows(x)
+    R, C = rows.shape
+    y = torch.empty(R, C, dtype=_wide(x.dtype), device=x.device)
+    lo = 0.0 if clamp_min is None else float(clamp_min)
+    if R and C:
+        _logsigmoid_fwd(_grid(R, C), rows, y, R, C, rows.stride(0), 1.0 / normalizer, lo,
+                        HAS_CLAMP=clamp_min is not None, ACC=_acc(x.dtype), BR=BLOCK_R,
+                        BC=BLOCK_C)
+    return rows, y.view(x.shape)
+
+
 class _LogsigmoidGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normalizer, clamp_min):
-        shape, rows = x.shape, _rows(x)
-        R, C = rows.shape
-        y = torch.empty(R, C, dtype=_wide(x.dtype), device=x.device)
-        lo = 0.0 if clamp_min is None else float(clamp_min)
-        if R and C:
-            _logsigmoid_gate_fwd[_grid(R, C)](rows, y, R, C, rows.stride(0), 1.0 / normalizer,
-                                              lo, HAS_CLAMP=clamp_min is not None,
-                                              ACC=_acc(x.dtype), BR=BLOCK_R, BC=BLOCK_C)
+        rows, y = _logsigmoid_forward(x, normalizer, clamp_min)
         ctx.save_for_backward(rows)
-        ctx.meta = (shape, normalizer, clamp_min)
-        return y.view(shape)
+        ctx.meta = (x.shape, normalizer, clamp_min)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -165,37 +184,42 @@ class _LogsigmoidGate(torch.autograd.Function):
         dx = torch.empty(R, C, dtype=rows.dtype, device=rows.device)
         lo = 0.0 if clamp_min is None else float(clamp_min)
         if R and C:
-            _logsigmoid_gate_bwd[_grid(R, C)](rows, dy.contiguous(), dx, R, C, rows.stride(0),
-                                              1.0 / normalizer, lo,
-                                              HAS_CLAMP=clamp_min is not None,
-                                              ACC=_acc(rows.dtype), BR=BLOCK_R, BC=BLOCK_C)
+            _logsigmoid_bwd(_grid(R, C), rows, dy.contiguous(), dx, R, C, rows.stride(0),
+                            1.0 / normalizer, lo, HAS_CLAMP=clamp_min is not None,
+                            ACC=_acc(rows.dtype), BR=BLOCK_R, BC=BLOCK_C)
         return dx.view(shape), None, None
 
 
 def logsigmoid_gate(x: Tensor, normalizer: float = 1.0,
                     clamp_min: Optional[float] = None) -> Tensor:
     """``max(logsigmoid(x) / normalizer, clamp_min)`` of ``x [..., C]``, fp32 (fp64 for fp64)."""
-    return _LogsigmoidGate.apply(x, float(normalizer), clamp_min)
+    if _differentiated(x):
+        return _LogsigmoidGate.apply(x, float(normalizer), clamp_min)
+    return _logsigmoid_forward(x, float(normalizer), clamp_min)[1]
+
+
+def _hgrn_forward(i, f, lower_bound):
+    """The forward launch: ``(rows of i, rows of f, lb as read, x, g)``."""
+    ri, rf = _rows(i), _rows(f)
+    R, C = ri.shape
+    wide = _wide(i.dtype)
+    lb = None if lower_bound is None else lower_bound.to(wide).contiguous()
+    x = torch.empty(R, C, dtype=i.dtype, device=i.device)
+    g = torch.empty(R, C, dtype=wide, device=i.device)
+    if R and C:
+        _hgrn_fwd(_grid(R, C), ri, rf, lb, x, g, R, C, ri.stride(0), rf.stride(0),
+                  HAS_LB=lb is not None, ACC=_acc(i.dtype), BR=BLOCK_R, BC=BLOCK_C)
+    return ri, rf, lb, x.view(i.shape), g.view(i.shape)
 
 
 class _HGRNGates(torch.autograd.Function):
     @staticmethod
     def forward(ctx, i, f, lower_bound):
-        shape = i.shape
-        ri, rf = _rows(i), _rows(f)
-        R, C = ri.shape
-        wide = _wide(i.dtype)
-        lb = None if lower_bound is None else lower_bound.to(wide).contiguous()
-        x = torch.empty(R, C, dtype=i.dtype, device=i.device)
-        g = torch.empty(R, C, dtype=wide, device=i.device)
-        if R and C:
-            _hgrn_gates_fwd[_grid(R, C)](ri, rf, lb, x, g, R, C, ri.stride(0), rf.stride(0),
-                                         HAS_LB=lb is not None, ACC=_acc(i.dtype), BR=BLOCK_R,
-                                         BC=BLOCK_C)
+        ri, rf, lb, x, g = _hgrn_forward(i, f, lower_bound)
         ctx.save_for_backward(ri, rf, lb)
-        ctx.shape = shape
+        ctx.shape = i.shape
         ctx.lb_dtype = None if lower_bound is None else lower_bound.dtype
-        return x.view(shape), g.view(shape)
+        return x, g
 
     @staticmethod
     def backward(ctx, dx, dg):
@@ -209,9 +233,9 @@ class _HGRNGates(torch.autograd.Function):
         grid = _grid(R, C)
         dlb_part = None if lb is None else torch.zeros(grid[0], C, dtype=wide, device=ri.device)
         if R and C:
-            _hgrn_gates_bwd[grid](ri, rf, lb, dx.contiguous(), dg.contiguous(), di, df, dlb_part,
-                                  R, C, ri.stride(0), rf.stride(0), HAS_LB=lb is not None,
-                                  ACC=_acc(ri.dtype), BR=BLOCK_R, BC=BLOCK_C)
+            _hgrn_bwd(grid, ri, rf, lb, dx.contiguous(), dg.contiguous(), di, df, dlb_part,
+                      R, C, ri.stride(0), rf.stride(0), HAS_LB=lb is not None,
+                      ACC=_acc(ri.dtype), BR=BLOCK_R, BC=BLOCK_C)
         dlb = None if lb is None else dlb_part.sum(0).to(ctx.lb_dtype)
         return di.view(ctx.shape), df.view(ctx.shape), dlb
 
@@ -227,7 +251,9 @@ def hgrn_gates(i: Tensor, f: Tensor, lower_bound: Optional[Tensor] = None
     if lower_bound is not None and tuple(lower_bound.shape) != (i.shape[-1],):
         raise ValueError(f"lower_bound: expected [{i.shape[-1]}], got "
                          f"{list(lower_bound.shape)}")
-    return _HGRNGates.apply(i, f, lower_bound)
+    if _differentiated(i, f, lower_bound):
+        return _HGRNGates.apply(i, f, lower_bound)
+    return _hgrn_forward(i, f, lower_bound)[3:]
 
 
 if HAVE_TRITON:
@@ -250,27 +276,34 @@ if HAVE_TRITON:
                  (BETA_SCALE / (1.0 + tl.exp(-bv))).to(beta.dtype.element_ty), mask=m)
 
 
+    _gdn_fwd = KeptLaunches(_gdn_gates_fwd)
+
+
+
+def _gdn_forward(a, b, A_log, dt_bias, beta_scale):
+    """The forward launch: ``(rows of a, g [R, H], beta [R, H])``."""
+    ra, rb = _rows(a), _rows(b)
+    R, H = ra.shape
+    wide = _wide(a.dtype)
+    g = torch.empty(R, H, dtype=wide, device=a.device)
+    beta = torch.empty(R, H, dtype=wide, device=a.device)
+    BH = next_pow2(H)
+    BR = max(1, 2048 // BH)
+    if R:
+        _gdn_fwd((cdiv(R, BR),), ra, rb, A_log, dt_bias, g, beta, R, H, ra.stride(0),
+                 rb.stride(0), BETA_SCALE=float(beta_scale), ACC=_acc(a.dtype), BR=BR, BH=BH)
+    return ra, g, beta
+
+
 class _GDNGates(torch.autograd.Function):
     """Forward one kernel; backward PyTorch ops on the small ``[N, H]`` tensors."""
 
     @staticmethod
     def forward(ctx, a, b, A_log, dt_bias, beta_scale):
-        shape = a.shape
-        ra, rb = _rows(a), _rows(b)
-        R, H = ra.shape
-        wide = _wide(a.dtype)
-        g = torch.empty(R, H, dtype=wide, device=a.device)
-        beta = torch.empty(R, H, dtype=wide, device=a.device)
-        BH = triton.next_power_of_2(H)
-        BR = max(1, 2048 // BH)
-        if R:
-            _gdn_gates_fwd[(triton.cdiv(R, BR),)](ra, rb, A_log, dt_bias, g, beta, R, H,
-                                                  ra.stride(0), rb.stride(0),
-                                                  BETA_SCALE=float(beta_scale),
-                                                  ACC=_acc(a.dtype), BR=BR, BH=BH)
+        ra, g, beta = _gdn_forward(a, b, A_log, dt_bias, beta_scale)
         ctx.save_for_backward(ra, A_log, dt_bias, beta)
-        ctx.meta = (shape, beta_scale, b.dtype)
-        return g.view(shape), beta.view(shape)
+        ctx.meta = (a.shape, beta_scale, b.dtype)
+        return g.view(a.shape), beta.view(a.shape)
 
     @staticmethod
     def backward(ctx, dg, dbeta):
@@ -302,4 +335,7 @@ def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
         raise ValueError(f"a, b: expected [..., H] with H = {A_log.shape[0]} (A_log, dt_bias), "
                          f"got a {list(a.shape)}, b {list(b.shape)}, dt_bias "
                          f"{list(dt_bias.shape)}")
-    return _GDNGates.apply(a, b, A_log, dt_bias, float(beta_scale))
+    if _differentiated(a, b, A_log, dt_bias):
+        return _GDNGates.apply(a, b, A_log, dt_bias, float(beta_scale))
+    _, g, beta = _gdn_forward(a, b, A_log, dt_bias, float(beta_scale))
+    return g.view(a.shape), beta.view(a.shape)

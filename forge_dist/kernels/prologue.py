@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .compat import HAVE_TRITON, tl, triton
+from .compat import HAVE_TRITON, cdiv, tl, triton
 
 # one program maps BLOCK elements (H200, q and k of [1, 64K, 32, 128] bf16 through elu + 1:
 # 1024 / 4 warps 509 us, 4096 / 4 warps 517 us, 8192 / 8 warps 533 us)
@@ -52,7 +52,7 @@ if HAVE_TRITON:
 def _launch(kernel, fn, *tensors: Tensor) -> None:
     n = tensors[0].numel()
     if n:
-        kernel[(triton.cdiv(n, BLOCK),)](*tensors, n, fn, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        kernel[(cdiv(n, BLOCK),)](*tensors, n, fn, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 class _MapFn(torch.autograd.Function):

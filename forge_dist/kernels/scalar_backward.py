@@ -80,7 +80,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .compat import HAVE_TRITON, dot_precision, next_pow2, tl, triton
+from .compat import HAVE_TRITON, cdiv, dot_precision, next_pow2, tl, triton
 from .ir import Buffer, Launch, Program, buffer_args, state_buffers
 from .tiles import reset_floor, scalar_gate_chunk, value_state_tiles
 from . import sm_count, summed_gate_grad
@@ -340,7 +340,7 @@ def default_tiles(B: int, H: int, K: int, V: int, device: torch.device | int) ->
     PK, PV = next_pow2(K), next_pow2(V)
     BK, BV = min(64, PK), min(64, PV)
     target = 3 * sm_count(device) // 2
-    while B * H * triton.cdiv(K, BK) * triton.cdiv(V, BV) < target and max(BK, BV) > 32:
+    while B * H * cdiv(K, BK) * cdiv(V, BV) < target and max(BK, BV) > 32:
         if BK >= BV:
             BK //= 2
         else:
@@ -361,9 +361,9 @@ def state_walks(buf, *, B: int, T: int, H: int, K: int, V: int, BT: int, gate: i
     ``h0``, then the reverse walk for ``dh`` (and ``dh0``); ``gate`` 0 / 1 (this pattern)
     or 2 (per-channel gates, :mod:`.vector_backward`); ``buf(name)`` gives a pointer
     argument (:func:`forge_dist.kernels.ir.buffer_args`); tiles from ``cfg``."""
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     wBK, wBV = cfg["walk_BK"], cfg["walk_BV"]
-    grid = (triton.cdiv(K, wBK), triton.cdiv(V, wBV), B * H)
+    grid = (cdiv(K, wBK), cdiv(V, wBV), B * H)
     const = (("H", H), ("K", K), ("V", V), ("BT", BT), ("BK", wBK), ("BV", wBV),
              ("GATE", gate))
     return [
@@ -400,10 +400,10 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     cfg = default_tiles(B, H, K, V, sms)
     if tiles:
         cfg.update(tiles)
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     sdt = state_dtype or (torch.float32 if dtype == torch.float32 else dtype)
     f32 = torch.float32
-    NKq = triton.cdiv(K, cfg["dqk_BK"])
+    NKq = cdiv(K, cfg["dqk_BK"])
     bufs = {"q": Buffer((B, T, H, K), dtype, "input"), "k": Buffer((B, T, H, K), dtype, "input"),
             "v": Buffer((B, T, H, V), dtype, "input"),
             "do": Buffer((B, T, H, V), do_dtype or dtype, "input"),
@@ -423,7 +423,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     fuse = cfg["fuse_dv"] and NKq == 1
     if not fuse:
         launches.append(Launch(
-            "scalar_dv", (NT, triton.cdiv(V, cfg["dv_BV"]), B * H),
+            "scalar_dv", (NT, cdiv(V, cfg["dv_BV"]), B * H),
             (("q", *buf("q")), ("k", *buf("k")), ("g", *buf("g")), ("do", *buf("do")),
              ("dh", *buf("dh")), ("dv", *buf("dv")), ("T", "i32", T), ("NT", "i32", NT),
              ("scale", "fp32", float(scale))),

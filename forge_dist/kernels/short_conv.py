@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from ..variants import delta_rule
-from .compat import HAVE_TRITON, tl, triton
+from .compat import HAVE_TRITON, cdiv, tl, triton
+from .jit_launch import KeptLaunches
 
 MAX_WIDTH = 4
 #: the L2 normalisation's epsilon, inside the root (``variants.delta_rule.l2_normalize``)
@@ -179,6 +180,11 @@ if HAVE_TRITON:
         tl.store(y + b.to(tl.int64) * D + cols, acc.to(y.dtype.element_ty), mask=m)
 
 
+    _conv_fwd = KeptLaunches(_short_conv_fwd_kernel)
+    _conv_bwd = KeptLaunches(_short_conv_bwd_kernel)
+    _conv_step = KeptLaunches(_short_conv_step_kernel)
+
+
 def _blocks(head_dim: Optional[int]) -> Tuple[int, int]:
     """(token tile, channel tile): a channel tile is one head when heads are normalised."""
     if head_dim is None:
@@ -195,6 +201,25 @@ def _rows_view(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _conv_forward(x, weight, bias, halo, pos, silu, head_dim):
+    """The forward launch; returns what the backward keeps (``x`` as read, the taps
+    ``[D, W]``, the halo and positions as the kernel took them) and ``y``."""
+    x = _rows_view(x)
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    w = weight.reshape(D, W).contiguous()
+    halo = None if halo is None else halo.to(x.dtype).contiguous()
+    pos = None if pos is None else pos.to(torch.int32).contiguous()
+    y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
+    BT, BD = _blocks(head_dim)
+    if T:
+        _conv_fwd((cdiv(T, BT), cdiv(D, BD), B),
+                  x, halo, w, bias, pos, y, T, D, x.stride(0), x.stride(1), W=W, SILU=silu,
+                  HAS_HALO=halo is not None, HAS_BIAS=bias is not None, HAS_POS=pos is not None,
+                  L2NORM=head_dim is not None, ACC=_acc(x.dtype), BT=BT, BD=BD, num_warps=4)
+    return x, w, halo, pos, y
+
+
 class ShortConvFn(torch.autograd.Function):
     """``(x [B, T, D], weight [D, W], bias [D] | None, halo [B, W-1, D] | None,
     pos [T] int | None, silu, head_dim | None) -> y [B, T, D]``; saves ``x``, ``halo`` and
@@ -202,20 +227,7 @@ class ShortConvFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, halo, pos, silu, head_dim):
-        x = _rows_view(x)
-        B, T, D = x.shape
-        W = weight.shape[-1]
-        w = weight.reshape(D, W).contiguous()
-        halo = None if halo is None else halo.to(x.dtype).contiguous()
-        pos = None if pos is None else pos.to(torch.int32).contiguous()
-        y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
-        BT, BD = _blocks(head_dim)
-        if T:
-            grid = (triton.cdiv(T, BT), triton.cdiv(D, BD), B)
-            _short_conv_fwd_kernel[grid](
-                x, halo, w, bias, pos, y, T, D, x.stride(0), x.stride(1), W=W, SILU=silu,
-                HAS_HALO=halo is not None, HAS_BIAS=bias is not None, HAS_POS=pos is not None,
-                L2NORM=head_dim is not None, ACC=_acc(x.dtype), BT=BT, BD=BD, num_warps=4)
+        x, w, halo, pos, y = _conv_forward(x, weight, bias, halo, pos, silu, head_dim)
         ctx.save_for_backward(x, w, bias, halo, pos)
         ctx.silu, ctx.head_dim, ctx.weight_shape = silu, head_dim, weight.shape
         return y
@@ -227,17 +239,18 @@ class ShortConvFn(torch.autograd.Function):
         W = w.shape[-1]
         dy = dy.to(x.dtype).contiguous()
         BT, BD = _blocks(ctx.head_dim)
-        n_t = triton.cdiv(T + W - 1, BT)
+        n_t = cdiv(T + W - 1, BT)
         dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
         dhalo = None if halo is None else torch.empty_like(halo)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         dw_part = torch.empty(B * n_t, D, W, dtype=wide, device=x.device)
         db_part = None if bias is None else torch.empty(B * n_t, D, dtype=wide, device=x.device)
-        _short_conv_bwd_kernel[(n_t, triton.cdiv(D, BD), B)](
-            x, halo, w, bias, pos, dy, dx, dhalo, dw_part, db_part, T, D, x.stride(0),
-            x.stride(1), W=W, SILU=ctx.silu, HAS_HALO=halo is not None,
-            HAS_BIAS=bias is not None, HAS_POS=pos is not None,
-            L2NORM=ctx.head_dim is not None, ACC=_acc(x.dtype), BT=BT, BD=BD, num_warps=4)
+        _conv_bwd((n_t, cdiv(D, BD), B),
+                  x, halo, w, bias, pos, dy, dx, dhalo, dw_part, db_part, T, D, x.stride(0),
+                  x.stride(1), W=W, SILU=ctx.silu, HAS_HALO=halo is not None,
+                  HAS_BIAS=bias is not None, HAS_POS=pos is not None,
+                  L2NORM=ctx.head_dim is not None, ACC=_acc(x.dtype), BT=BT, BD=BD,
+                  num_warps=4)
         dw = dw_part.sum(0).to(w.dtype).reshape(ctx.weight_shape)
         db = None if bias is None else db_part.sum(0).to(bias.dtype)
         return dx, dw, db, dhalo, None, None, None
@@ -268,8 +281,12 @@ def short_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
                          f"{x.shape[-1]}, got {l2norm_head_dim}")
     if W == 1:
         halo = None
-    return ShortConvFn.apply(x, weight, bias, halo, pos, activation in ("silu", "swish"),
-                             l2norm_head_dim)
+    silu = activation in ("silu", "swish")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, weight, bias, halo)):
+        return ShortConvFn.apply(x, weight, bias, halo, pos, silu, l2norm_head_dim)
+    # nothing to differentiate: the launch without autograd's bookkeeping (host time)
+    return _conv_forward(x, weight, bias, halo, pos, silu, l2norm_head_dim)[-1]
 
 
 def l2norm_supported(D: int, head_dim: int) -> bool:
@@ -287,7 +304,7 @@ def short_conv_step(x: Tensor, cache: Tensor, weight: Tensor, bias: Optional[Ten
         raise ValueError(f"cache: expected a contiguous [B, D, W] = {[B, D, W]} tensor, got "
                          f"{list(cache.shape)}")
     y = torch.empty_like(x)
-    _short_conv_step_kernel[(triton.cdiv(D, BLOCK_D), B)](
-        x.contiguous(), cache, weight.reshape(D, W).contiguous(), bias, y, D, W=W,
-        SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None, BD=BLOCK_D)
+    _conv_step((cdiv(D, BLOCK_D), B),
+               x.contiguous(), cache, weight.reshape(D, W).contiguous(), bias, y, D, W=W,
+               SILU=activation in ("silu", "swish"), HAS_BIAS=bias is not None, BD=BLOCK_D)
     return y

@@ -36,7 +36,7 @@ import torch
 from typing import Any, Dict, Optional
 
 from . import scheduler
-from .compat import HAVE_TRITON, dot_precision, ensure, sized_config, tl, triton
+from .compat import HAVE_TRITON, cdiv, dot_precision, ensure, sized_config, tl, triton
 from .ir import Buffer, Launch, Program, cdiv, pow2, run_launch
 from .tiles import mapped_tile, reset_floor
 from .walker import outputs_from_summary, summarize, walk
@@ -230,7 +230,7 @@ def gate_chunks(q, k, g, BT: int, *, outputs: bool = True, summary: bool = True,
     prologues of q, k, g (input name -> jitted map)."""
     B, T, H, K = k.shape
     dev, dt = k.device, k.dtype
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     res = into
     if summary:
         res = GatedChunks(torch.empty(B, T, H, K, dtype=dt, device=dev),

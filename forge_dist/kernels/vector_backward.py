@@ -128,7 +128,7 @@ import torch
 from torch import Tensor
 
 from . import vector
-from .compat import HAVE_TRITON, dot_precision, next_pow2, tl, triton
+from .compat import HAVE_TRITON, cdiv, dot_precision, next_pow2, tl, triton
 from .ir import Buffer, Launch, Program, buffer_args, state_buffers
 from . import sm_count
 from .scalar_backward import state_walks
@@ -602,7 +602,7 @@ def default_tiles(B: int, H: int, K: int, V: int, device: torch.device, *,
     PK, PV = next_pow2(K), next_pow2(V)
     BK, BV = min(64, PK), min(64, PV)
     target = 3 * sm_count(device) // 2
-    while B * H * triton.cdiv(K, BK) * triton.cdiv(V, BV) < target and max(BK, BV) > 32:
+    while B * H * cdiv(K, BK) * cdiv(V, BV) < target and max(BK, BV) > 32:
         if BK >= BV:
             BK //= 2
         else:
@@ -672,8 +672,8 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
     if cfg["dqk_BK"] // BKS > 31:  # the fast kernel's flags hold one bit per slice
         raise ValueError(f"tiles: at most 31 slices of dqk_BKS per dqk_BK, got "
                          f"{cfg['dqk_BK']} // {BKS}")
-    NT = triton.cdiv(T, BT)
-    NK = triton.cdiv(K, cfg["dqk_BK"])
+    NT = cdiv(T, BT)
+    NK = cdiv(K, cfg["dqk_BK"])
     fuse = (bool(cfg["fuse_dv"]) and NK == 1) if fuse_dv is None else fuse_dv
     sdt = state_dtype or (torch.float32 if dtype == torch.float32 else dtype)
     f32 = torch.float32
@@ -706,7 +706,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
                            tiles_dqk + flags, cfg["dqk_warps"], cfg["dqk_stages"]))
     # about 8 exact-kernel programs per SM, CH chunks each
     CH = cfg["exact_CH"] or max(1, min(64, NT * NK * B * H // (8 * sms)))
-    launches.append(Launch("gla_dqkg_exact", (triton.cdiv(NT, CH), NK, B * H),
+    launches.append(Launch("gla_dqkg_exact", (cdiv(NT, CH), NK, B * H),
                            args + (("CH", "i32", CH),),
                            tiles_dqk + (("BKE", min(cfg["exact_BK"], BKS)),
                                         ("NB", 2 if BT == 64 else 1), ("VP", next_pow2(V)),
@@ -714,7 +714,7 @@ def backward_program(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dty
                            cfg["exact_warps"], 1))
     if not fuse:
         launches.append(Launch(
-            "gla_dv", (NT, triton.cdiv(V, cfg["dv_BV"]), B * H),
+            "gla_dv", (NT, cdiv(V, cfg["dv_BV"]), B * H),
             (("k", *buf("k")), ("g", *buf("g")), ("do", *buf("do")), ("dh", *buf("dh")),
              ("a", *buf("a")), ("dv", *buf("dv")), ("T", "i32", T), ("NT", "i32", NT),
              ("NBT", "i32", B * T), ("NA", "i32", NK), ("scale", "fp32", float(scale))),

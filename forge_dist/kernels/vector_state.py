@@ -36,7 +36,7 @@ import torch
 from typing import Any, Dict, Optional
 
 from . import scheduler
-from .compat import HAVE_TRITON, ensure, triton, tl
+from .compat import HAVE_TRITON, cdiv, ensure, tl, triton
 from .ir import Buffer, Launch, Program, cdiv, run_launch
 from .tiles import mapped_tile
 from .walker import SegmentStates, use_autotune
@@ -345,7 +345,7 @@ def hgrn_forward(x, g, h0, *, out_dtype, store_o: bool = True, n_seg: int = 1, m
         call = {name: tensors[value] if kind == "buf" else value
                 for name, kind, value in ln.args}
         consts = {n: v for n, v in ln.constexprs if n not in ("BT", "BD")}
-        _hgrn_tuned[lambda meta: (triton.cdiv(D, meta["BD"]), B, 1)](**call, **consts)
+        _hgrn_tuned[lambda meta: (cdiv(D, meta["BD"]), B, 1)](**call, **consts)
         return o, ht
     if not maps:  # (the works pass {} for no prologues)
         prog = _eager_program(B, T, D, x.dtype, h0 is not None, store_o, n_seg,

@@ -29,7 +29,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from .compat import HAVE_TRITON, interpreting, next_pow2, tl, triton
+from .compat import HAVE_TRITON, cdiv, interpreting, next_pow2, tl, triton
 from .ir import Buffer, run_launch
 from .tiles import mapped_tile, reset_floor, scalar_gate_chunk
 from .walker_launches import (gate_cumsum_launch, segment_length, segment_scan_launch,
@@ -448,7 +448,7 @@ def walker_gates(g: Optional[Tensor], gate: int, BT: int,
 def _tiles(k: Tensor, V: int, cfg: dict):
     """``(BT, BK, BV, NV)`` of the walker for keys ``k`` and value dim ``V``."""
     BV = min(cfg["BV"], next_pow2(V))
-    return cfg["BT"], next_pow2(k.shape[-1]), BV, triton.cdiv(V, BV)
+    return cfg["BT"], next_pow2(k.shape[-1]), BV, cdiv(V, BV)
 
 
 def _launch_walk(n: int, seg: int, *, q, k, v, g, gate, w, h0, o, ht, gt, store_ht, scale,
@@ -477,7 +477,7 @@ def _run_walker(ln, tensors: Dict[str, Tensor], cfg: dict) -> None:
             call = {name: tensors[value] if kind == "buf" else value
                     for name, kind, value in ln.args}
             del consts["BV"]  # BV, warps and stages come from the tuning configs
-            NV_of = lambda meta: triton.cdiv(consts["V"], meta["BV"])  # noqa: E731
+            NV_of = lambda meta: cdiv(consts["V"], meta["BV"])  # noqa: E731
             _walk_tuned[lambda meta: (NV_of(meta),) + ln.grid[1:]](**call, **consts)
             return
         run_launch(ln, tensors, _walk_kernel)

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from .. import ops
 from ..kernels.gates import gdn_gates, hgrn_gates, logsigmoid_gate
 from ..ops import custom_ops
+from ..sp import p2p
 from .cache import CacheCall
 from .fused import use_fused
 from .conv import ShortConvolution
@@ -296,13 +297,21 @@ class MultiScaleRetention(SPMixin, _QKVConv, _GatedOutput):
         self.rotary = RotaryEmbedding(self.head_k_dim) if use_rotary else None
 
     def log_decays(self, device) -> Tensor:
-        """Per-head log decays ``[H]`` (fp32)."""
-        H = self.num_heads
-        if self.decay == "retnet":
-            return ops.retnet_decays(H, device=device)
-        slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, dtype=torch.float64) / H)
-        depth = 1.0 - self.layer_idx / max(self.num_layers - 1, 1) + 1e-5
-        return (-slopes * depth).to(torch.float32).to(device)
+        """Per-head log decays ``[H]`` (fp32), computed once per device (constants of the
+        layer's hyper-parameters: no small kernels per call)."""
+        key = (torch.device(device), self.decay, self.num_heads, self.layer_idx,
+               self.num_layers)
+        cached = self.__dict__.get("_log_decays")
+        if cached is None or cached[0] != key:
+            H = self.num_heads
+            if self.decay == "retnet":
+                decays = ops.retnet_decays(H, device=device)
+            else:
+                slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, dtype=torch.float64) / H)
+                depth = 1.0 - self.layer_idx / max(self.num_layers - 1, 1) + 1e-5
+                decays = (-slopes * depth).to(torch.float32).to(device)
+            cached = self.__dict__["_log_decays"] = (key, decays)
+        return cached[1]
 
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,
@@ -318,8 +327,12 @@ class MultiScaleRetention(SPMixin, _QKVConv, _GatedOutput):
         if self.feature_map_fn is not None:
             q, k = self.feature_map_fn(q), self.feature_map_fn(k)
         if self.rotary is not None:
-            pos = positions(x.shape[1], group, cu_seqlens, x.device) + call.offset
-            q, k = self.rotary(q, k, pos)
+            if cu_seqlens is None:  # global positions from the shard's first: in the kernel
+                first = p2p.rank_and_size(group)[0] * x.shape[1] + call.offset
+                q, k = self.rotary(q, k, pos0=first)
+            else:
+                q, k = self.rotary(q, k, positions(x.shape[1], group, cu_seqlens, x.device)
+                                   + call.offset)
         k = _repeat_kv(k, self.num_kv_groups)
         v = _repeat_kv(_heads(v, self.head_v_dim), self.num_kv_groups)
         o = call.op("simple_gla", q, k, v, g_gamma=self.log_decays(x.device),

@@ -119,9 +119,8 @@ def _rms_norm(x: Tensor, g: Optional[Tensor], weight: Optional[Tensor],
               bias: Optional[Tensor], eps: float, activation: str = "swish") -> Tensor:
     """``x [..., D]`` (and ``g`` of the same shape) through the fused kernels or
     :class:`_RMSNormFn`."""
-    if use_fused(x.device):
-        with torch.autocast(x.device.type, enabled=False):
-            return gated_rms_norm(x, g, weight, bias, eps, activation)
+    if use_fused(x.device):  # Triton kernels: autocast changes nothing there
+        return gated_rms_norm(x, g, weight, bias, eps, activation)
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     gate = None if g is None else g.reshape(-1, shape[-1])
@@ -197,10 +196,9 @@ class RMSNormGated(nn.Module):
         if use_fused(x.device):
             if z is not None and z.shape != x.shape:
                 z = z.expand(x.shape)
-            with torch.autocast(x.device.type, enabled=False):
-                return gated_rms_norm(x, z, self.weight, self.bias, self.eps, "swish",
-                                      gate_before=not self.norm_before_gate,
-                                      groups=x.shape[-1] // self.group_size)
+            return gated_rms_norm(x, z, self.weight, self.bias, self.eps, "swish",
+                                  gate_before=not self.norm_before_gate,
+                                  groups=x.shape[-1] // self.group_size)
         with torch.autocast(x.device.type, enabled=False):
             xf = x.to(_wide(x))
             if z is not None and not self.norm_before_gate:

@@ -8,6 +8,8 @@ interpreter with ``FORGE_DIST_KERNELS=triton``) the rotation is one fused kernel
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor, nn
 
@@ -40,7 +42,7 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: Tensor, pos: Tensor) -> Tensor:
         """``x [B, T, H, D]``, ``pos [T]`` -> rotated ``x``."""
         if use_fused(x.device):
-            return rotary(x, pos, self.inv_freq)
+            return rotary(x, None, pos, self.inv_freq)[0]
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         ang = pos.to(wide)[:, None] * self.inv_freq.to(wide)[None, :]  # [T, dim/2]
         cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :]
@@ -50,6 +52,12 @@ class RotaryEmbedding(nn.Module):
         out = rot * cos + torch.cat([-x2, x1], -1) * sin
         return torch.cat([out.to(x.dtype), rest], -1)
 
-    def forward(self, q: Tensor, k: Tensor, pos: Tensor):
-        """``q, k [B, T, H, D]`` (H may differ), ``pos [T]`` -> ``(q, k)`` rotated."""
+    def forward(self, q: Tensor, k: Tensor, pos: Optional[Tensor] = None, pos0: int = 0):
+        """``q, k [B, T, H, D]`` (H may differ) at positions ``pos [T]``, or ``pos0 + t``
+        where ``pos`` is ``None`` -> ``(q, k)`` rotated.  On the fused path both in one
+        kernel, the angles computed once per token."""
+        if use_fused(q.device):
+            return rotary(q, k, pos, self.inv_freq, pos0)
+        if pos is None:
+            pos = torch.arange(pos0, pos0 + q.shape[1], device=q.device)
         return self.rotate(q, pos), self.rotate(k, pos)

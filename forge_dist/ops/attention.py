@@ -13,13 +13,13 @@ rank (zeros elsewhere; a sum over ranks gives every final state).
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import kernels, sp
+from ..config import env_reader
 from ..runtime.sp_setup import sp_variants
 from ..sp import agreement, p2p
 from ..variants import decay_attention, delta_rule, vector_state
@@ -29,11 +29,14 @@ from . import checks, planned
 from .runner import needs_grad, run
 
 
+_kernels_switch = env_reader("FORGE_DIST_KERNELS")  # read per call, by every layer piece
+
+
 def _use_kernels(device: torch.device) -> bool:
     """Triton kernels for CUDA tensors unless ``FORGE_DIST_KERNELS=torch`` asks otherwise;
     ``FORGE_DIST_KERNELS=triton`` with ``TRITON_INTERPRET=1`` also runs them on CPU tensors
     (how CI exercises the GPU code path end to end)."""
-    choice = os.environ.get("FORGE_DIST_KERNELS", "auto")
+    choice = _kernels_switch() or "auto"
     if choice not in ("auto", "triton", "torch"):
         raise ValueError(f"FORGE_DIST_KERNELS: expected auto, triton or torch, got {choice!r}")
     if choice == "triton" and device.type != "cuda":

@@ -3,7 +3,7 @@
 :class:`Executor` runs a :class:`~forge_dist.kernels.ir.Program` (the launches the kernel
 modules describe) on tensors given by buffer name: through the static dispatcher's bound
 cubins where the AOT cache has them, else through Triton's JIT, relaunching the kernel the
-first call compiled (:mod:`.jit_launch`); once every launch has one or the other, calls go
+first call compiled (:mod:`forge_dist.kernels.jit_launch`); once every launch has one or the other, calls go
 through straight-line code made for the program (:mod:`.fastpath`).  The plan's workspaces
 live here, so their pointers are fixed for the plan's life.  :class:`BoundRun` is the same
 launches bound to fixed buffers (:meth:`.plan.Plan.bind`).
@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ..kernels.ir import Program, resolve_kernel
-from . import fastpath, jit_launch
+from ..kernels import jit_launch
+from . import fastpath
 from .dispatcher import current_stream_fn
 
 

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..sp import phases
 from ..variants.transitions import Kind
-from . import jit_launch
+from ..kernels import jit_launch
 from .dispatcher import current_stream_fn
 
 ALIGN_MASK = jit_launch.ALIGN - 1  # kernels are specialised on 16-byte aligned pointers

@@ -22,7 +22,7 @@ Backends (``backend=``):
   under the interpreter, else torch.
 
 JIT launches call the kernel their first call compiled directly after that call
-(:mod:`.jit_launch`), so a plan without cubins also skips Triton's per-call path.
+(:mod:`forge_dist.kernels.jit_launch`), so a plan without cubins also skips Triton's per-call path.
 Single-device plans also have :meth:`Plan.run_backward`, the gradients of a run (hgrn from
 the run's outputs, which are its states; the matrix-state ops from its inputs, recomputing
 the chunk states as their backward kernels do), which the ops wrap in autograd.

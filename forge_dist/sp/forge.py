@@ -571,7 +571,7 @@ class _Relaunch:
 
 def _relaunch_allowed() -> bool:
     """``FORGE_DIST_JIT_RELAUNCH`` is not ``0`` and no Triton launch hook is installed (as
-    the plans' own relaunches, forge_dist/runtime/jit_launch.py)."""
+    the plans' own relaunches, forge_dist/kernels/jit_launch.py)."""
     if os.environ.get("FORGE_DIST_JIT_RELAUNCH", "1") == "0":
         return False
     hook = triton.knobs.runtime.launch_enter_hook

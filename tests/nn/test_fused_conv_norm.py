@@ -256,6 +256,36 @@ def test_rotary_kernel_matches_torch(monkeypatch, D):
     _assert_same(_grads(got, [x], up), _grads(want, [x], up))
 
 
+@pytest.mark.parametrize("with_pos", [True, False])
+def test_rotary_of_q_and_k_in_one_kernel_matches_torch(monkeypatch, with_pos):
+    """q and k (other head counts, strided) rotated in one launch, at positions given or
+    from ``pos0``, equal the PyTorch formula per tensor; gradients of both, also where only
+    q's output is used."""
+    from forge_dist.nn.rotary import RotaryEmbedding
+
+    torch.manual_seed(10)
+    rot = RotaryEmbedding(16).double()
+    q = torch.randn(2, 37, 3, 24, dtype=F64)[..., 2:22].requires_grad_()
+    k = torch.randn(2, 37, 2, 20, dtype=F64).transpose(0, 1).contiguous().transpose(0, 1)
+    k.requires_grad_()
+    pos = torch.arange(37) + 1000
+    call = (pos,) if with_pos else (None, 1000)
+    monkeypatch.setenv("FORGE_DIST_KERNELS", "torch")
+    want = rot(q, k, *call)
+    monkeypatch.setenv("FORGE_DIST_KERNELS", "triton")
+    got = rot(q, k, *call)
+    assert _ran(got[0], "_RotaryBackward") and _ran(got[1], "_RotaryBackward")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    up = [torch.randn_like(w) for w in want]
+    _assert_same(torch.autograd.grad(got, [q, k], up, retain_graph=True),
+                 torch.autograd.grad(want, [q, k], up, retain_graph=True))
+    dq, dk = torch.autograd.grad((got[0] * up[0]).sum(), [q, k], allow_unused=True)
+    (dq_want,) = torch.autograd.grad((want[0] * up[0]).sum(), [q])
+    _assert_same([dq], [dq_want])
+    assert dk is None or not dk.any()  # k's output unused: no gradient (PyTorch: None)
+
+
 def test_decode_step_normalises_heads_like_forward():
     """``step(..., l2norm_head_dim)`` gives the last token of the normalised forward."""
     torch.manual_seed(9)

@@ -212,12 +212,12 @@ def test_triton_plan_specialised_to_the_kernels_its_first_run_compiled(monkeypat
     import importlib
 
     from forge_dist.kernels import interpreting
-    from forge_dist.runtime import jit_launch
+    from forge_dist.kernels import jit_launch
 
     if not interpreting():  # a Triton plan of CPU tensors runs only in the interpreter
         pytest.skip("needs TRITON_INTERPRET=1 (on a GPU, test_gpu.py covers this path)")
 
-    launch_module = importlib.import_module("forge_dist.runtime.jit_launch")
+    launch_module = importlib.import_module("forge_dist.kernels.jit_launch")
     p = plan("simple_gla", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, device="cpu",
              backend="triton", execution="decoupled")
     assert "run" not in vars(p) and fastpath.specialise(p) is None  # nothing compiled yet
@@ -289,11 +289,11 @@ def test_backward_program_specialised_launches_what_the_general_call_does(monkey
     import importlib
 
     from forge_dist.kernels import interpreting
-    from forge_dist.runtime import jit_launch
+    from forge_dist.kernels import jit_launch
 
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (on a GPU, test_gpu.py covers this path)")
-    launch_module = importlib.import_module("forge_dist.runtime.jit_launch")
+    launch_module = importlib.import_module("forge_dist.kernels.jit_launch")
     monkeypatch.setattr(launch_module, "raw_stream", lambda index: 55)
     if op == "hgrn":  # two launches at this T would be one: the decoupled schedule's three
         p = plan("hgrn", B=B, T=T, D=40, dtype=torch.float32, device="cpu",

@@ -112,7 +112,7 @@ def test_bound_static_run_equals_run(cache_dir, op, execution):
 @pytest.mark.parametrize("op,execution", CASES)
 def test_jit_plans_relaunch_their_compiled_kernels(op, execution):
     """After its first call a JIT plan relaunches each compiled kernel directly
-    (runtime/jit_launch.py) through its specialised run (runtime/fastpath.py): same results
+    (kernels/jit_launch.py) through its specialised run (runtime/fastpath.py): same results
     as the first call and as a fresh plan's JIT call;
     an input at an unaligned address goes back through the JIT and stays correct."""
     p = _plan(op, execution, "triton", None)

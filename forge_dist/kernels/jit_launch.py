@@ -5,7 +5,9 @@ looks the kernel up on every call: 15-20 us of host time per launch on the H200 
 host (``results/kernel_profile_hgrn-host_*``), more than the kernel itself at short
 sequences.  A plan's launch never changes its constexprs, integers, floats or dtypes between
 calls, only its tensors; so after the first call (through the JIT, which compiles or finds
-the kernel) the plan keeps the compiled kernel and calls its launcher directly.
+the kernel) the plan keeps the compiled kernel and calls its launcher directly.  Kernels
+launched outside plans (the layers' convolution, norm and gates) keep theirs per signature
+(:class:`KeptLaunches`).
 
 The only property of a tensor the kernel was specialised on that can change from call to
 call is its pointer's 16-byte alignment (Triton's default specialisation).  The fast launch
@@ -120,3 +122,53 @@ def usable() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"FORGE_DIST_JIT_RELAUNCH: expected 0 or 1, got {raw!r}")
     return raw == "1" and not _launch_hook_installed()
+
+
+class KeptLaunches:
+    """A Triton kernel launched outside plans (the layers' convolution, norm, gate and rotary
+    kernels), each launch kept after its first call.
+
+    Call it as the JIT function's launch, ``kept(grid, *args, **kwargs)``: tensors and scalars
+    positional, in parameter order; constexprs and launch options (``num_warps``) by keyword.
+    On a GPU, a later call with the same grid, scalars, keywords and tensor dtypes and devices
+    relaunches the kernel its first call compiled (:class:`CompiledLaunch`): Triton's per-call
+    binding costs 15-20 us of host time per launch, and a layer's forward makes five to ten
+    such launches around its op.  Pointer alignment is checked on every call, as for plans
+    (an unaligned call goes through the JIT); on the CPU every call goes through the JIT (the
+    interpreter).  At most :attr:`LIMIT` signatures are kept per kernel (a full table is
+    emptied: sequence lengths that change every call do not grow it).
+    """
+
+    LIMIT = 64
+
+    def __init__(self, fn, devices: Tuple[str, ...] = ("cuda",)):
+        self.fn = fn
+        self._devices = devices  # where compiled kernels exist (tests fake one on the CPU)
+        self._kept: Dict[Any, CompiledLaunch] = {}
+
+    def __call__(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        keep = first is not None and first.device.type in self._devices
+        key = None
+        if keep:
+            key = (tuple(grid), tuple(kwargs.items()),
+                   tuple((a.dtype, a.get_device()) if isinstance(a, torch.Tensor) else a
+                         for a in args))
+            kept = self._kept.get(key)
+            if kept is not None:
+                if usable() and kept.aligned(args):
+                    kept(args, raw_stream(first.get_device()))
+                    return
+                keep = False  # kept already: this call only takes the JIT's way
+        kernel = self.fn[tuple(grid)](*args, **kwargs)
+        if keep:
+            names = [p.name for p in self.fn.params]
+            spec = [(names[i], "buf", i) if isinstance(a, torch.Tensor) else (names[i], "val", a)
+                    for i, a in enumerate(args)]
+            grid3 = tuple(grid) + (1,) * (3 - len(grid))
+            # buffers named by position: the call's args tuple is the tensors' table
+            made = CompiledLaunch.make(kernel, self.fn, grid3, spec, kwargs, args)
+            if made is not None:
+                if len(self._kept) >= self.LIMIT:
+                    self._kept.clear()
+                self._kept[key] = made
