@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 try:  # Triton is optional: callers fall back to PyTorch when it is missing
@@ -81,6 +82,16 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def differentiated(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call on ``tensors`` must go through its ``autograd.Function``: autograd
+    records it (a tensor requires grad) or forward-mode AD is on (where the Function
+    raises rather than drop a tangent).  Otherwise the kernels launch without autograd's
+    bookkeeping, which is host time."""
+    if _forward_ad._current_level >= 0:
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def sized_config(base: dict, K: int) -> dict:

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .compat import HAVE_TRITON, cdiv, next_pow2, tl, triton
+from .compat import HAVE_TRITON, cdiv, differentiated, next_pow2, tl, triton
 from .jit_launch import KeptLaunches
 
 #: gate codes for the kernels
@@ -223,11 +223,10 @@ def gated_rms_norm(x: Tensor, g: Optional[Tensor], weight: Optional[Tensor],
     rows = x.reshape(-1, D)
     gate = None if g is None else g.reshape(-1, D)
     act = ACTIVATIONS[activation] if g is not None else NO_GATE
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, g, weight, bias)):
+    if differentiated(x, g, weight, bias):
         y = GatedRMSNormFn.apply(rows, gate, weight, bias, float(eps), act, bool(gate_before),
                                  int(groups))
-    else:  # nothing to differentiate: the launch without autograd's bookkeeping (host time)
+    else:
         y = _norm_forward(rows, gate, weight, bias, float(eps), act, bool(gate_before),
                           int(groups))[4]
     return y.reshape(shape)

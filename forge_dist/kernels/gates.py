@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .compat import HAVE_TRITON, cdiv, next_pow2, tl, triton
+from .compat import HAVE_TRITON, cdiv, differentiated, next_pow2, tl, triton
 from .jit_launch import KeptLaunches
 
 BLOCK_R, BLOCK_C = 16, 128
@@ -137,12 +137,6 @@ def _rows(t: Tensor) -> Tensor:
         return t.reshape(-1, t.shape[-1])
 
 
-def _differentiated(*tensors) -> bool:
-    """Whether autograd records this call (else the launch goes without its bookkeeping:
-    host time)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _grid(R: int, C: int):
     return (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C))
 
@@ -193,7 +187,7 @@ class _LogsigmoidGate(torch.autograd.Function):
 def logsigmoid_gate(x: Tensor, normalizer: float = 1.0,
                     clamp_min: Optional[float] = None) -> Tensor:
     """``max(logsigmoid(x) / normalizer, clamp_min)`` of ``x [..., C]``, fp32 (fp64 for fp64)."""
-    if _differentiated(x):
+    if differentiated(x):
         return _LogsigmoidGate.apply(x, float(normalizer), clamp_min)
     return _logsigmoid_forward(x, float(normalizer), clamp_min)[1]
 
@@ -251,7 +245,7 @@ def hgrn_gates(i: Tensor, f: Tensor, lower_bound: Optional[Tensor] = None
     if lower_bound is not None and tuple(lower_bound.shape) != (i.shape[-1],):
         raise ValueError(f"lower_bound: expected [{i.shape[-1]}], got "
                          f"{list(lower_bound.shape)}")
-    if _differentiated(i, f, lower_bound):
+    if differentiated(i, f, lower_bound):
         return _HGRNGates.apply(i, f, lower_bound)
     return _hgrn_forward(i, f, lower_bound)[3:]
 
@@ -335,7 +329,7 @@ def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
         raise ValueError(f"a, b: expected [..., H] with H = {A_log.shape[0]} (A_log, dt_bias), "
                          f"got a {list(a.shape)}, b {list(b.shape)}, dt_bias "
                          f"{list(dt_bias.shape)}")
-    if _differentiated(a, b, A_log, dt_bias):
+    if differentiated(a, b, A_log, dt_bias):
         return _GDNGates.apply(a, b, A_log, dt_bias, float(beta_scale))
     _, g, beta = _gdn_forward(a, b, A_log, dt_bias, float(beta_scale))
     return g.view(a.shape), beta.view(a.shape)

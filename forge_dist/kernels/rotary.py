@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .compat import HAVE_TRITON, cdiv, next_pow2, tl, triton
+from .compat import HAVE_TRITON, cdiv, differentiated, next_pow2, tl, triton
 from .jit_launch import KeptLaunches
 
 BLOCK_T = 32
@@ -82,7 +82,7 @@ def _launch(q: Tensor, k: Optional[Tensor], pos: Optional[Tensor], pos0: int,
     yk = None if k is None else torch.empty(B, T, HK, D, dtype=k.dtype, device=k.device)
     rest = D - 2 * half
     sk = (0, 0, 0) if k is None else k.stride()[:3]
-    if q.numel():
+    if B and T and D:
         _rotate((cdiv(T, BLOCK_T), B),
                 q, k, pos, inv_freq, yq, yk, T, HQ, HK, D, *q.stride()[:3], *sk, pos0,
                 SIGN=sign, HAS_K=k is not None, HAS_POS=pos is not None, HALF=half,
@@ -97,22 +97,32 @@ class _Rotary(torch.autograd.Function):
     def forward(ctx, q, k, pos, pos0, inv_freq):
         ctx.save_for_backward(pos, inv_freq)
         ctx.pos0 = pos0
-        return _launch(q, k, pos, pos0, inv_freq, 1)
+        yq, yk = _launch(q, k, pos, pos0, inv_freq, 1)
+        # an output whose input asks no gradient carries none
+        if not q.requires_grad:
+            ctx.mark_non_differentiable(yq)
+        if k is not None and not k.requires_grad:
+            ctx.mark_non_differentiable(yk)
+        return yq, yk
 
     @staticmethod
     def backward(ctx, dq, dk):
-        # autograd hands zeros for an unused output (materialised grads); dk is None only
-        # without k
+        # autograd hands zeros for an unused output (materialised grads)
         pos, inv_freq = ctx.saved_tensors
-        dq, dk = _launch(dq, dk, pos, ctx.pos0, inv_freq, -1)
-        return dq, dk, None, None, None
+        want_q, want_k = ctx.needs_input_grad[:2]
+        if want_q:
+            dq, dk = _launch(dq, dk if want_k else None, pos, ctx.pos0, inv_freq, -1)
+        else:  # only k's: rotate it in q's place
+            dq, dk = None, _launch(dk, None, pos, ctx.pos0, inv_freq, -1)[0]
+        return dq, dk if want_k else None, None, None, None
 
 
 def rotary(q: Tensor, k: Optional[Tensor], pos: Optional[Tensor], inv_freq: Tensor,
            pos0: int = 0) -> Tuple[Tensor, Optional[Tensor]]:
-    """Rotate ``q [B, T, Hq, D]`` and ``k [B, T, Hk, D]`` (or ``None``) at positions
-    ``pos [T]`` (``None``: ``pos0 + t``) by ``inv_freq [dim / 2]`` (the first ``dim <= D``
-    channels of each head) -> ``(q, k)`` rotated, contiguous."""
+    """Rotate ``q [B, T, Hq, D]`` and ``k [B, T, Hk, D]`` (or ``None``; the dtype of ``q``)
+    at positions ``pos [T]`` (``None``: ``pos0 + t``; ``pos0`` is not read where ``pos`` is
+    given) by ``inv_freq [dim / 2]`` (the first ``dim <= D`` channels of each head) ->
+    ``(q, k)`` rotated, contiguous."""
     if 2 * inv_freq.shape[0] > q.shape[-1]:
         raise ValueError(f"inv_freq: {inv_freq.shape[0]} frequencies rotate "
                          f"{2 * inv_freq.shape[0]} channels, more than q's {q.shape[-1]}")
@@ -120,9 +130,11 @@ def rotary(q: Tensor, k: Optional[Tensor], pos: Optional[Tensor], inv_freq: Tens
                                                                   q.shape[3]):
         raise ValueError(f"k: expected [B, T, Hk, D] = [{q.shape[0]}, {q.shape[1]}, Hk, "
                          f"{q.shape[3]}] (q's B, T and D), got {list(k.shape)}")
+    if k is not None and k.dtype != q.dtype:
+        raise ValueError(f"k: expected q's dtype {q.dtype}, got {k.dtype}")
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
     pos = None if pos is None else pos.contiguous()
     inv_freq = inv_freq.to(wide).contiguous()
-    if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
+    if differentiated(q, k):
         return _Rotary.apply(q, k, pos, int(pos0), inv_freq)
-    return _launch(q, k, pos, int(pos0), inv_freq, 1)  # without autograd's bookkeeping
+    return _launch(q, k, pos, int(pos0), inv_freq, 1)

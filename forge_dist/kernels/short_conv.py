@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..variants import delta_rule
-from .compat import HAVE_TRITON, cdiv, tl, triton
+from .compat import HAVE_TRITON, cdiv, differentiated, tl, triton
 from .jit_launch import KeptLaunches
 
 MAX_WIDTH = 4
@@ -282,10 +282,8 @@ def short_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     if W == 1:
         halo = None
     silu = activation in ("silu", "swish")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, weight, bias, halo)):
+    if differentiated(x, weight, bias, halo):
         return ShortConvFn.apply(x, weight, bias, halo, pos, silu, l2norm_head_dim)
-    # nothing to differentiate: the launch without autograd's bookkeeping (host time)
     return _conv_forward(x, weight, bias, halo, pos, silu, l2norm_head_dim)[-1]
 
 

@@ -43,6 +43,8 @@ from .norm import FusedRMSNormGated, RMSNorm, RMSNormGated
 from .rotary import RotaryEmbedding
 from .shard import positions
 
+_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
 _UNSET = object()
 _FEATURE_MAPS = {None: None, "identity": lambda x: x, "relu": F.relu, "silu": F.silu,
                  "swish": F.silu, "sigmoid": torch.sigmoid, "elu": lambda x: F.elu(x) + 1.0}
@@ -297,21 +299,25 @@ class MultiScaleRetention(SPMixin, _QKVConv, _GatedOutput):
         self.rotary = RotaryEmbedding(self.head_k_dim) if use_rotary else None
 
     def log_decays(self, device) -> Tensor:
-        """Per-head log decays ``[H]`` (fp32), computed once per device (constants of the
-        layer's hyper-parameters: no small kernels per call)."""
+        """Per-head log decays ``[H]`` (fp32): constants of the layer's hyper-parameters,
+        computed once per device in eager calls (no small kernels per call)."""
+        if _compiling():  # traced: the compiler folds the constants itself
+            return self._decays(device)
+        # (a tensor made under inference_mode cannot be saved for a later backward)
         key = (torch.device(device), self.decay, self.num_heads, self.layer_idx,
-               self.num_layers)
+               self.num_layers, torch.is_inference_mode_enabled())
         cached = self.__dict__.get("_log_decays")
         if cached is None or cached[0] != key:
-            H = self.num_heads
-            if self.decay == "retnet":
-                decays = ops.retnet_decays(H, device=device)
-            else:
-                slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, dtype=torch.float64) / H)
-                depth = 1.0 - self.layer_idx / max(self.num_layers - 1, 1) + 1e-5
-                decays = (-slopes * depth).to(torch.float32).to(device)
-            cached = self.__dict__["_log_decays"] = (key, decays)
+            cached = self.__dict__["_log_decays"] = (key, self._decays(device))
         return cached[1]
+
+    def _decays(self, device) -> Tensor:
+        H = self.num_heads
+        if self.decay == "retnet":
+            return ops.retnet_decays(H, device=device)
+        slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, dtype=torch.float64) / H)
+        depth = 1.0 - self.layer_idx / max(self.num_layers - 1, 1) + 1e-5
+        return (-slopes * depth).to(torch.float32).to(device)
 
     def forward(self, hidden_states: Tensor, attention_mask=None, past_key_values=None,
                 use_cache: bool = False, output_attentions: bool = False, *,

@@ -36,7 +36,8 @@ def _use_kernels(device: torch.device) -> bool:
     """Triton kernels for CUDA tensors unless ``FORGE_DIST_KERNELS=torch`` asks otherwise;
     ``FORGE_DIST_KERNELS=triton`` with ``TRITON_INTERPRET=1`` also runs them on CPU tensors
     (how CI exercises the GPU code path end to end)."""
-    choice = _kernels_switch() or "auto"
+    choice = _kernels_switch()
+    choice = "auto" if choice is None else choice
     if choice not in ("auto", "triton", "torch"):
         raise ValueError(f"FORGE_DIST_KERNELS: expected auto, triton or torch, got {choice!r}")
     if choice == "triton" and device.type != "cuda":

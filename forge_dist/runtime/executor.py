@@ -3,8 +3,8 @@
 :class:`Executor` runs a :class:`~forge_dist.kernels.ir.Program` (the launches the kernel
 modules describe) on tensors given by buffer name: through the static dispatcher's bound
 cubins where the AOT cache has them, else through Triton's JIT, relaunching the kernel the
-first call compiled (:mod:`forge_dist.kernels.jit_launch`); once every launch has one or the other, calls go
-through straight-line code made for the program (:mod:`.fastpath`).  The plan's workspaces
+first call compiled (:mod:`forge_dist.kernels.jit_launch`); once every launch has one or the
+other, calls go through straight-line code made for the program (:mod:`.fastpath`).  The plan's workspaces
 live here, so their pointers are fixed for the plan's life.  :class:`BoundRun` is the same
 launches bound to fixed buffers (:meth:`.plan.Plan.bind`).
 """

@@ -134,14 +134,31 @@ def test_kept_launches_relaunch_the_first_calls_kernel(monkeypatch):
                                                                             None, 3)
 
 
-@pytest.mark.parametrize("change", ["scalar", "constexpr", "grid", "dtype"])
+def test_kept_launches_pass_each_calls_scalars(monkeypatch):
+    """A scalar of the same specialisation (an int still divisible by 16) relaunches the
+    kept kernel with this call's value: a sequence length or decoding offset may change."""
+    fn, kept = _kept(monkeypatch)
+    a, b = _tensors()["a"], _tensors()["b"]
+    kept((3, 2), a, b, 96, 0.5, BLOCK=64, FLAG=True)
+    kept((3, 2), a, b, 112, 0.25, BLOCK=64, FLAG=True)
+    assert len(fn.jit_calls) == 1
+    (call,) = fn.compiled.calls
+    assert call[9 + 2:9 + 4] == (112, 0.25)
+
+
+@pytest.mark.parametrize("change", ["int class", "int width", "scalar type", "constexpr", "grid",
+                                    "dtype"])
 def test_kept_launches_take_the_jit_for_another_signature(monkeypatch, change):
     fn, kept = _kept(monkeypatch)
     a, b = _tensors()["a"], _tensors()["b"]
     kept((3, 2), a, b, 96, 0.5, BLOCK=64, FLAG=True)
     args, kw, grid = [a, b, 96, 0.5], dict(BLOCK=64, FLAG=True), (3, 2)
-    if change == "scalar":
-        args[2] = 97
+    if change == "int class":
+        args[2] = 97  # no longer divisible by 16: Triton specialises on it
+    elif change == "int width":
+        args[2] = 2**32  # an int64 argument
+    elif change == "scalar type":
+        args[3] = 1  # an int where a float was: another kernel (1 == 1.0 as a dict key)
     elif change == "constexpr":
         kw["FLAG"] = False
     elif change == "grid":
@@ -170,7 +187,13 @@ def test_kept_launches_keep_nothing_on_other_devices_and_stay_bounded(monkeypatc
     for _ in range(2):
         on_gpu_only((1,), *_tensors().values(), 96, 0.5, BLOCK=64, FLAG=True)
     assert len(fn.jit_calls) == 2 and fn.compiled.calls == []
+    interpreted = _FakeJIT()
+    del interpreted.params  # TRITON_INTERPRET=1: an interpreted function, nothing compiled
+    never = jit_launch.KeptLaunches(interpreted, devices=("cpu",))
+    for _ in range(2):
+        never((1,), *_tensors().values(), 96, 0.5, BLOCK=64, FLAG=True)
+    assert len(interpreted.jit_calls) == 2
     fn, kept = _kept(monkeypatch)
-    for n in range(kept.LIMIT + 3):  # a new length every call
-        kept((1,), *_tensors().values(), n, 0.5, BLOCK=64, FLAG=True)
+    for n in range(kept.LIMIT + 3):  # a new grid every call
+        kept((n + 1,), *_tensors().values(), 96, 0.5, BLOCK=64, FLAG=True)
     assert len(kept._kept) <= kept.LIMIT

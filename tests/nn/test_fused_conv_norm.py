@@ -286,6 +286,44 @@ def test_rotary_of_q_and_k_in_one_kernel_matches_torch(monkeypatch, with_pos):
     assert dk is None or not dk.any()  # k's output unused: no gradient (PyTorch: None)
 
 
+def test_rotary_of_k_alone_and_forward_ad(monkeypatch):
+    """Only k differentiated: its gradient equals PyTorch's and q gets none; forward-mode AD
+    still goes through the autograd function (which refuses it) rather than drop a tangent."""
+    import torch.autograd.forward_ad as fwAD
+    from forge_dist.nn.rotary import RotaryEmbedding
+
+    torch.manual_seed(11)
+    rot = RotaryEmbedding(16).double()
+    q, k = torch.randn(1, 9, 2, 16, dtype=F64), torch.randn(1, 9, 1, 16, dtype=F64)
+    k.requires_grad_()
+    up = torch.randn(1, 9, 1, 16, dtype=F64)
+    monkeypatch.setenv("FORGE_DIST_KERNELS", "torch")
+    (want,) = torch.autograd.grad((rot(q, k, None, 7)[1] * up).sum(), [k])
+    monkeypatch.setenv("FORGE_DIST_KERNELS", "triton")
+    q_out, k_out = rot(q, k, None, 7)
+    assert not q_out.requires_grad
+    (got,) = torch.autograd.grad((k_out * up).sum(), [k])
+    _assert_same([got], [want])
+    with fwAD.dual_level(), pytest.raises(RuntimeError):
+        rot(fwAD.make_dual(q, torch.ones_like(q)), k.detach(), None, 7)
+
+
+def test_retention_decays_cached_under_inference_mode_still_train(monkeypatch):
+    """RetNet's decays kept per device are not the inference-mode tensor of an earlier
+    ``torch.inference_mode()`` call when the layer trains afterwards (B = T = 1: the op
+    would save them as they are)."""
+    from forge_dist import nn as fnn
+
+    monkeypatch.setenv("FORGE_DIST_KERNELS", "triton")
+    torch.manual_seed(12)
+    layer = fnn.MultiScaleRetention(hidden_size=64, num_heads=2)
+    with torch.inference_mode():
+        layer(torch.randn(1, 1, 64))
+    x = torch.randn(1, 1, 64, requires_grad=True)
+    layer(x)[0].sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 def test_decode_step_normalises_heads_like_forward():
     """``step(..., l2norm_head_dim)`` gives the last token of the normalised forward."""
     torch.manual_seed(9)
