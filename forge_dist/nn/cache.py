@@ -21,7 +21,7 @@ one token its recurrent step in PyTorch (:mod:`forge_dist.nn.decode`), and
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from .. import ops
 from ..sp import p2p
 from ..variants.delta_rule import l2_normalize
 from . import decode
+from .halo import halo_exchanges
 
 
 def layer_state(layer, past_key_values) -> Optional[dict]:
@@ -152,9 +153,22 @@ class CacheCall:
         self.conv_states = []
         self.recurrent_state = None
 
-    def conv(self, conv, x: Tensor, l2norm_head_dim: Optional[int] = None) -> Tensor:
+    def convs(self, *calls) -> List[Tensor]:
+        """Several convolutions of the layer, each ``(conv, x)`` or ``(conv, x,
+        l2norm_head_dim)``, as :meth:`conv` makes them; with a group their halos travel in
+        one exchange (:func:`forge_dist.nn.halo.halo_exchanges`)."""
+        halos = [None] * len(calls)
+        widths = {c[0].kernel_size[0] - 1 for c in calls}
+        if (self.last is None and p2p.rank_and_size(self.group)[1] > 1 and len(widths) == 1
+                and min(widths) > 0):
+            halos = halo_exchanges([c[1] for c in calls], min(widths), self.group)
+        return [self.conv(*c, halo=h) for c, h in zip(calls, halos)]
+
+    def conv(self, conv, x: Tensor, l2norm_head_dim: Optional[int] = None,
+             halo: Optional[Tensor] = None) -> Tensor:
         """``conv`` over ``x [B, T, D]``; records its conv state when caching.
-        ``l2norm_head_dim``: L2-normalise each head of the output (GatedDeltaNet's q, k)."""
+        ``l2norm_head_dim``: L2-normalise each head of the output (GatedDeltaNet's q, k);
+        ``halo``: exchanged already (:meth:`convs`)."""
         if self.last is not None:
             cached = self.last["conv_state"]
             cached = cached[len(self.conv_states)] if isinstance(cached, (tuple, list)) else cached
@@ -163,7 +177,7 @@ class CacheCall:
                 y = l2_normalize(y.unflatten(-1, (-1, l2norm_head_dim))).flatten(-2)
         else:
             y = conv(x, cu_seqlens=self.cu_seqlens, group=self.group,
-                     l2norm_head_dim=l2norm_head_dim)
+                     l2norm_head_dim=l2norm_head_dim, halo=halo)
             state = conv_tail(x, conv.weight.shape[-1], self.group) if self.use_cache else None
         self.conv_states.append(state)
         return y

@@ -52,7 +52,8 @@ class ShortConvolution(nn.Conv1d):
         self.activation = activation
 
     def forward(self, x: Tensor, *, cu_seqlens: Optional[Tensor] = None, group=None,
-                l2norm_head_dim: Optional[int] = None, **unused) -> Tensor:
+                l2norm_head_dim: Optional[int] = None, halo: Optional[Tensor] = None,
+                **unused) -> Tensor:
         """``x [B, T_local, D]`` -> ``[B, T_local, D]`` (this rank's shard).
 
         Args:
@@ -61,25 +62,31 @@ class ShortConvolution(nn.Conv1d):
             l2norm_head_dim: L2-normalise each head of this many channels of the output
                 (``y / sqrt(|y|^2 + 1e-6)``, FLA's q/k normalisation), fused into
                 the kernel where it can be.
+            halo: ``[B, K-1, D]``, the previous rank's last inputs when the caller has
+                exchanged them already (:func:`forge_dist.nn.halo.halo_exchanges`);
+                ``None``: exchanged here when there is a group.
         """
         B, T, D = x.shape
         W = self.kernel_size[0] - 1
         if self._fused(x, l2norm_head_dim):
             # without a group there is no halo: the kernel reads zeros before the first token
-            halo = None if group is None else halo_exchange(x, W, group)
+            if halo is None and group is not None:
+                halo = halo_exchange(x, W, group)
             pos = None if cu_seqlens is None else positions(T, group, cu_seqlens, x.device)
             return short_conv(x, self.weight, self.bias, halo, pos, self.activation,
                               l2norm_head_dim)
-        y = self._torch_forward(x, cu_seqlens, group)
+        y = self._torch_forward(x, cu_seqlens, group, halo)
         if l2norm_head_dim is None:
             return y
         heads = y.reshape(B, T, D // l2norm_head_dim, l2norm_head_dim)
         return l2_normalize(heads).reshape(B, T, D)
 
-    def _torch_forward(self, x: Tensor, cu_seqlens: Optional[Tensor], group) -> Tensor:
+    def _torch_forward(self, x: Tensor, cu_seqlens: Optional[Tensor], group,
+                       halo: Optional[Tensor] = None) -> Tensor:
         B, T, D = x.shape
         W = self.kernel_size[0] - 1
-        halo = halo_exchange(x, W, group)  # zeros on rank 0 / without a group
+        if halo is None:
+            halo = halo_exchange(x, W, group)  # zeros on rank 0 / without a group
         pos = None if cu_seqlens is None else positions(T, group, cu_seqlens, x.device)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             # Keep x and the halo, recompute the window, the taps and the activation in the

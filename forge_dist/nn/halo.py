@@ -12,6 +12,8 @@ packed-sequence boundary is the convolution's job (:mod:`forge_dist.nn.conv`).
 """
 from __future__ import annotations
 
+from typing import List, Sequence
+
 import torch
 from torch import Tensor
 
@@ -84,3 +86,16 @@ def halo_exchange(x: Tensor, width: int, group) -> Tensor:
         raise ValueError(f"x: the local shard has {T} tokens, fewer than the convolution "
                          f"halo of {width}; use at least {width} tokens per rank")
     return _HaloExchange.apply(x, width, group)
+
+
+def halo_exchanges(xs: Sequence[Tensor], width: int, group) -> List[Tensor]:
+    """:func:`halo_exchange` of several shards of one layer (``[B, T_local, D_i]``, one dtype)
+    in one exchange: their last ``width`` tokens travel side by side, so a layer with three
+    convolutions posts one send and one receive instead of three of each."""
+    for x in xs:
+        if x.dim() != 3 or x.shape[1] < width:
+            return [halo_exchange(x, width, group) for x in xs]  # its own error
+    if len({x.dtype for x in xs}) != 1:
+        return [halo_exchange(x, width, group) for x in xs]
+    tails = torch.cat([x[:, x.shape[1] - width:] for x in xs], dim=-1)
+    return list(halo_exchange(tails, width, group).split([x.shape[-1] for x in xs], dim=-1))

@@ -138,8 +138,7 @@ class _QKVConv(nn.Module):
     def _qkv(self, x, call: CacheCall):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_short_conv:
-            q, k, v = call.conv(self.q_conv1d, q), call.conv(self.k_conv1d, k), \
-                call.conv(self.v_conv1d, v)
+            q, k, v = call.convs((self.q_conv1d, q), (self.k_conv1d, k), (self.v_conv1d, v))
         return q, k, v
 
 
@@ -598,7 +597,7 @@ class HGRNAttention(SPMixin):
         x = hidden_states
         i, f = self.i_proj(x), self.f_proj(x)
         if self.use_short_conv:
-            i, f = call.conv(self.i_conv1d, i), call.conv(self.f_conv1d, f)
+            i, f = call.convs((self.i_conv1d, i), (self.f_conv1d, f))
         wide = _wide(x)
         if use_fused(x.device):
             # one fused pass over both projections
@@ -688,9 +687,8 @@ class GatedDeltaNet(SPMixin):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_short_conv:
             # q and k leave the convolution L2-normalised per head (fused into its kernel)
-            q = call.conv(self.q_conv1d, q, l2norm_head_dim=self.head_k_dim)
-            k = call.conv(self.k_conv1d, k, l2norm_head_dim=self.head_k_dim)
-            v = call.conv(self.v_conv1d, v)
+            q, k, v = call.convs((self.q_conv1d, q, self.head_k_dim),
+                                 (self.k_conv1d, k, self.head_k_dim), (self.v_conv1d, v))
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         rep = self.num_v_heads // self.num_heads

@@ -3,6 +3,7 @@ import torch
 import torch.distributed as dist
 
 from forge_dist.nn import ShortConvolution, halo_exchange
+from forge_dist.nn.halo import halo_exchanges
 from tests.sp.distributed import run_world
 
 from .helpers import gather_tokens, rel_err, sum_ranks
@@ -61,6 +62,25 @@ def _conv_sp(group):
     return out
 
 
+def _halos_together(group):
+    """Three shards' halos in one exchange equal three exchanges, values and gradients."""
+    rank = dist.get_rank(group)
+    gen = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(2, T_LOCAL, d, generator=gen, dtype=torch.float64) for d in (5, 3, 7)]
+    ws = [torch.randn(2, 3, d, generator=gen, dtype=torch.float64) for d in (5, 3, 7)]
+    grads = []
+    for exchange in (lambda ts: [halo_exchange(t, 3, group) for t in ts],
+                     lambda ts: halo_exchanges(ts, 3, group)):
+        ts = [x.clone().requires_grad_() for x in xs]
+        hs = exchange(ts)
+        sum((h * w).sum() for h, w in zip(hs, ws)).backward()
+        grads.append(([h.detach() for h in hs], [t.grad for t in ts]))
+    (h1, g1), (h2, g2) = grads
+    same = torch.tensor(int(all(torch.equal(a, b) for a, b in zip(h1 + g1, h2 + g2))))
+    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)  # every rank's, not rank 0's
+    return bool(same)
+
+
 def _too_short(group):
     x = torch.zeros(1, 2, 3)
     try:
@@ -79,6 +99,10 @@ def test_conv_sp3_matches_per_document_conv():
     assert len(errs) == 4
     for key, e in errs.items():
         assert e <= 1e-12, (key, e)
+
+
+def test_halos_of_several_convolutions_in_one_exchange():
+    assert run_world(3, _halos_together) is True
 
 
 def test_shard_shorter_than_halo_is_an_error():
