@@ -96,6 +96,23 @@ def shard_transition(kind: Kind, summaries: Dict[str, Tensor], rank: int = 0
     return (total[..., 0] if kind is Kind.SCALAR else total).exp()
 
 
+def fold_segments(summaries: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """A plan program's segment summaries (``summary="segments"``: ``hs [n_seg, B, H, K,
+    V]`` and, gated, their log decays ``gt [n_seg, B, H, K]``) with their fold added as a
+    folded summary has it: ``delta [B, H, K, V]`` (the shard's state from zero) and, gated,
+    ``cg [n_seg + 1, B, H, K]`` (the log decay from the shard's start to each segment's
+    start; the last row the shard's).  For the host's rounds; the device's fold them in
+    their kernels."""
+    hs, gt = summaries["hs"], summaries.get("gt")
+    delta = hs[0].clone()
+    for s in range(1, hs.shape[0]):
+        delta = delta * gt[s, ..., None].exp() + hs[s] if gt is not None else delta + hs[s]
+    out = dict(summaries, delta=delta)
+    if gt is not None:
+        out["cg"] = torch.cat([torch.zeros_like(gt[:1]), gt.cumsum(0)])
+    return out
+
+
 def folded_forward_chain(strategy: Strategy, kind: Kind, summaries: Dict[str, Tensor],
                          S0: Tensor, group, word: int = 0, keep: Optional[dict] = None
                          ) -> Tuple[Tensor, Optional[Tensor], Any]:

@@ -261,8 +261,10 @@ def _scan_rounds_kernel(
     d_ptr, m_ptr, x_out_ptr, pe_ptr,
     recv_ptr, send_ptr, sig_ptr, ack_ptr, err_ptr, counter_ptr,
     me, pos, size, limit, nbytes, rank_stride, sig_rank_stride, word, K, V, n_tiles,
+    nseg, nbh,
     KIND: tl.constexpr, HAS_M: tl.constexpr, M_LOG: tl.constexpr, ROUNDS: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, TRANSPORT: tl.constexpr, USE_CLOCK: tl.constexpr,
+    FOLD: tl.constexpr = False,
 ):
     """Every round of the log-depth scan (:mod:`.scan`) in one launch: one ``(b*h, k-tile,
     v-tile)`` tile of the state per program, for identity, scalar and diagonal transitions.
@@ -285,16 +287,32 @@ def _scan_rounds_kernel(
     reads, as 1); pe:
     ``[size]`` int64, the PE of each position; recv/send: ``[ROUNDS * n_tiles, BK * (BV + 1)
     + TRAILER]``; sig/ack: ``[ROUNDS * n_tiles]`` int64; err, counter: as the chain
-    kernel's.
+    kernel's.  FOLD (a plan's forward, as the chain kernel's): ``d`` is the shard's segment
+    summaries ``hs [nseg, B, H, K, V]`` and ``m`` their log decays ``gt [nseg, B, H, K]``
+    (``nbh = B * H``), folded into this position's map here instead of by a launch before.
     """
     pid = tl.program_id(0)
     bh, rk, rv, mask, offs, tile_offs = _state_tile(pid, K, V, BK, BV)
     DATA: tl.constexpr = BK * (BV + 1)  # the tile, then its transition rows
     # (the last position sends nothing: it reads no d)
-    incl_d = tl.load(d_ptr + offs, mask=mask & (pos + 1 < size), other=0.0)
+    sends = pos + 1 < size
+    if FOLD:  # the segment scan of the summaries, from a zero start
+        incl_d = tl.zeros((BK, BV), dtype=d_ptr.dtype.element_ty)
+        log_m = tl.zeros((BK,), dtype=m_ptr.dtype.element_ty)
+        if sends:
+            for s in range(0, nseg):
+                if KIND != 0:
+                    g_s = tl.load(m_ptr + (s * nbh + bh) * K + rk, mask=rk < K, other=0.0)
+                    incl_d = (incl_d * tl.exp(g_s)[:, None]).to(incl_d.dtype)
+                    log_m += g_s
+                incl_d += tl.load(d_ptr + s * nbh * K * V + offs, mask=mask, other=0.0)
+    else:
+        incl_d = tl.load(d_ptr + offs, mask=mask & sends, other=0.0)
     one = tl.full((BK,), 1.0, incl_d.dtype)
     if KIND == 0 or not HAS_M:
         incl_m = one
+    elif FOLD:  # (the decays were read for the fold: position 0 sends its own too)
+        incl_m = tl.exp(log_m).to(one.dtype)
     elif M_LOG:
         incl_m = tl.exp(tl.load(m_ptr + bh * K + rk, mask=rk < K, other=0.0)).to(one.dtype)
     elif KIND == 1:
@@ -535,7 +553,9 @@ class _Relaunch:
         self._packed = kernel.packed_metadata
         self._grid = (n_tiles, 1, 1)
         self._names = [p.name for p in fn.params]
-        self._values = [values[n] for n in self._names]
+        # a constexpr the launch left at its default (the scan kernel's FOLD) takes it here
+        self._values = [values[p.name] if p.name in values or not p.has_default else p.default
+                        for p in fn.params]
         # the chain kernel's rank 0 start (the scan kernel has none)
         self._first = self._names.index("first_ptr") if "first_ptr" in self._names else None
         self._device = values["d_ptr"].device.index
@@ -674,15 +694,19 @@ def _pe_table(where: _Where, ranks: tuple, device) -> torch.Tensor:
 def run_scan_rounds(group, direction: str, kind: Kind, M: Optional[torch.Tensor],
                     d: torch.Tensor, x_out: torch.Tensor, pos: int, size: int,
                     ranks: tuple, word: int = 0, keep: Optional[dict] = None,
-                    log_m: bool = False) -> None:
+                    log_m: bool = False, segments: bool = False) -> None:
     """Every round of the log-depth scan in one launch of :func:`_scan_rounds_kernel`:
     ``x_out [B, H, K, V]`` gets the ``d`` of the maps at positions ``0 .. pos - 1`` composed
     (zeros at position 0), this rank holding position ``pos``'s map ``(M, d)``; ``ranks``:
     the group rank at each position.  Identity, scalar (``M [B, H]``) and diagonal (``M [B,
     H, K]``) transitions, or with ``log_m`` their log decays ``[B, H, K]``; ``M`` ``None``:
-    no round reads this position's.  ``keep``: a plan's dict, where the launch is kept
-    after its first call (:class:`_Relaunch`; then ``M``, ``d`` and ``x_out`` must be
-    buffers the plan rewrites in place every call)."""
+    no round reads this position's.  ``segments``: ``d`` is the shard's segment summaries
+    ``hs [n_seg, B, H, K, V]`` and ``M`` their log decays ``gt [n_seg, B, H, K]`` (``None``
+    for the identity), folded in the kernel (a plan's forward: no launch before it folds
+    them).
+    ``keep``: a plan's dict, where the launch is kept after its first call
+    (:class:`_Relaunch`; then ``M``, ``d`` and ``x_out`` must be buffers the plan rewrites
+    in place every call)."""
     if kind is Kind.DENSE:
         raise ValueError("forge: the fused scan carries identity, scalar and diagonal "
                          "transitions (dense ones take the scan's per-round moves)")
@@ -696,25 +720,36 @@ def run_scan_rounds(group, direction: str, kind: Kind, M: Optional[torch.Tensor]
         return
     where = _where(group)
     d = d.contiguous()
-    B, H, K, V = d.shape
+    nseg = d.shape[0] if segments else 1
+    B, H, K, V = x_out.shape
+    if segments and (d.dim() != 5 or tuple(d.shape[1:]) != (B, H, K, V)):
+        raise ValueError(f"forge: segments: d must be [n_seg, {B}, {H}, {K}, {V}] (x_out's "
+                         f"shape after n_seg), got {tuple(d.shape)}")
+    if segments and kind is not Kind.IDENTITY and M is None:
+        raise ValueError("forge: segments: a decaying kind's segments need their log decays "
+                         "M [n_seg, B, H, K] to be folded")
     rounds = max(1, (size - 1).bit_length())
     capturing = d.is_cuda and torch.cuda.is_current_stream_capturing()
-    ch, bk, bv = _channel(where, f"scan-{direction}", d, kind, allocate=not capturing,
+    ch, bk, bv = _channel(where, f"scan-{direction}", x_out, kind, allocate=not capturing,
                           slots=rounds, m_rows=True)
     bound, use_clock, limit = _wait_limit(where, d)
     n_tiles = B * H * triton.cdiv(K, bk) * triton.cdiv(V, bv)
     has_m = M is not None and kind is not Kind.IDENTITY
     values = dict(
         d_ptr=d, x_out_ptr=x_out,
-        m_ptr=(M.contiguous() if log_m else M.to(d.dtype).contiguous()) if has_m else d,
+        m_ptr=(M.contiguous() if log_m or segments else M.to(d.dtype).contiguous())
+        if has_m else d,
         pe_ptr=_pe_table(where, tuple(ranks), d.device),
         recv_ptr=ch.recv, send_ptr=ch.send, sig_ptr=ch.sig, ack_ptr=ch.ack, err_ptr=ch.err,
         counter_ptr=ch.counter, me=where.pe(where.rank), pos=pos, size=size, limit=limit,
         nbytes=(bk * (bv + 1) + TRAILER) * d.element_size(), rank_stride=ch.rank_stride,
         sig_rank_stride=ch.sig_rank_stride, word=word, K=K, V=V, n_tiles=n_tiles,
+        nseg=nseg, nbh=B * H,
         KIND=_KIND_CODE[kind], HAS_M=has_m, M_LOG=has_m and log_m, ROUNDS=rounds, BK=bk,
         BV=bv,
         TRANSPORT=where.transport, USE_CLOCK=use_clock)
+    if segments:  # set only when on (the same compiled kernel as before the flag existed)
+        values["FOLD"] = True
     kernel = _scan_kernel(where.transport)[(n_tiles,)](
         **values, num_warps=8 if bk * bv >= 4096 else 4)
     what = "the incoming state (scan)" if direction == "fwd" else "the state gradient (scan)"

@@ -166,10 +166,12 @@ class Hier(Scan):
     name = "hier"
     replays_moves = False  # its rounds are laid out by node, not scan's
     fused_rounds = False
+    plan_summary = "folded"  # its rounds take the shard's folded map
 
     def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None,
-              zero_first=True, summary=None, log_m=False, plan=False):
-        # (log_m: never, fused_rounds is off; plan: its kept moves are keyed by round)
+              zero_first=True, summary=None, log_m=False, plan=False, segments=False):
+        # (log_m, segments: never, fused_rounds is off; plan: its kept moves are keyed by
+        # round)
         # (the prefix of the first position is formed anyway: a first node's leader reads it)
         route = _Route(nodes(group), rank_at(pos), reverse=direction == "bwd")
         return _incoming(kind, M, d, route, group, word, direction, what, keep)

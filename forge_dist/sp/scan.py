@@ -45,7 +45,7 @@ from ..variants import transitions as tr
 from ..variants.transitions import Kind
 from . import p2p
 from .agreement import TRAILER, Stamp
-from .base import Strategy, register, shard_transition
+from .base import Strategy, fold_segments, register, shard_transition
 
 
 def transition_shape(kind: Kind, like: Tensor) -> Optional[Tuple[int, ...]]:
@@ -346,9 +346,12 @@ class Scan(Strategy):
     name = "scan"
     replays_moves = True  # a plan's rounds are exclusive_scan's (hier lays out its own)
     fused_rounds = True  # non-dense rounds on the device in one launch (hier: its own)
+    # a plan's program keeps its segment summaries; the rounds kernel folds them (a launch
+    # less on every rank before the last: a dense transition's program is folded anyway)
+    plan_summary = "segments"
 
     def _scan(self, kind, M, d, pos, size, rank_at, group, word, direction, what, keep=None,
-              zero_first=True, summary=None, log_m=False, plan=False):
+              zero_first=True, summary=None, log_m=False, plan=False, segments=False):
         """The exclusive prefix at position ``pos`` of ``size`` (group rank ``rank_at(p)``);
         ``keep``: a plan's dict for the device rounds' buffers and launches; ``zero_first``
         and ``summary`` as :func:`exclusive_scan`'s and :func:`device_exchange`'s.  On the
@@ -356,7 +359,9 @@ class Scan(Strategy):
         (``forge.run_scan_rounds``; ``log_m``: ``M`` is the log decays ``[B, H, K]``), a
         dense one a launch per round and tensor (:func:`device_exchange`).  ``plan``: a
         plan's forward, whose output buffer and launch are kept in ``keep`` (training calls
-        get a fresh output: their backward reads it later)."""
+        get a fresh output: their backward reads it later); ``segments`` (the fused launch
+        only): ``d`` and ``M`` are a plan's segment summaries and their log decays, folded in
+        the kernel (``forge.run_scan_rounds``)."""
         if on_device(group, d) and kind is not Kind.DENSE:
             from . import forge  # optional: forge needs Triton (on_device found it importable)
 
@@ -365,14 +370,15 @@ class Scan(Strategy):
             plan = plan and keep is not None
             out_key = f"scan-{direction}-out"
             out = keep.get(out_key) if plan else None
-            if out is None or out.shape != d.shape or out.dtype != d.dtype:
-                out = torch.empty_like(d, memory_format=torch.contiguous_format)
+            shape = d.shape[1:] if segments else d.shape
+            if out is None or out.shape != shape or out.dtype != d.dtype:
+                out = torch.empty(shape, dtype=d.dtype, device=d.device)
                 if plan:
                     keep[out_key] = out
             stable = plan and ((summary is not None and d is summary) or pos == size - 1)
             forge.run_scan_rounds(group, direction, kind, M, d, out, pos, size,
                                   tuple(rank_at(p) for p in range(size)), word,
-                                  keep if stable else None, log_m)
+                                  keep if stable else None, log_m, segments)
             return out if (pos > 0 or zero_first) else None
         if on_device(group, d):
             return exclusive_scan(kind, M, d, pos, size,
@@ -407,10 +413,19 @@ class Scan(Strategy):
         # scan's own rounds on the device, non-dense: one launch, which exponentiates the
         # plan's summed log decays itself (hier lays out its own rounds)
         fused = (self.fused_rounds and kind is not Kind.DENSE
-                 and on_device(group, summaries.get("delta", S0)))
-        log_m = False
+                 and on_device(group, summaries.get("delta", summaries.get("hs", S0))))
+        log_m = segments = False
+        if rank < size - 1 and "delta" not in summaries:
+            # a program that kept its segment summaries (plan_summary): the rounds kernel
+            # folds them, as forge's chain kernel does; an initial state on rank 0, and the
+            # host's rounds, take them folded here
+            segments = fused and (rank > 0 or zero_start)
+            if not segments:
+                summaries = fold_segments(summaries)
         if rank == size - 1:  # the last rank only receives: nobody reads its carry
             M, d = None, S0
+        elif segments:  # the kernel reads the log decays to fold the segments anyway
+            d, M = summaries["hs"], summaries.get("gt")
         else:
             d = summaries["delta"]
             own = self._reads_own_transition(kind, rank, size)
@@ -424,7 +439,8 @@ class Scan(Strategy):
                 M = M if own else None  # (position 0's own is never read)
         out = self._scan(kind, M, d, rank, size, lambda p: p, group, word, "fwd",
                          f"the incoming state ({self.name})", keep, zero_first=rank > 0,
-                         summary=summaries.get("delta"), log_m=log_m, plan=True)
+                         summary=summaries.get("hs" if segments else "delta"), log_m=log_m,
+                         plan=True, segments=segments)
         if (keep is not None and self.replays_moves and not fused and on_device(group, d)
                 and moves_only(kind, rank, size, zero_start)):
             keep["scan-moves"] = self._kept_rounds(keep, d, rank, size, group, word)

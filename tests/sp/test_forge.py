@@ -216,3 +216,36 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="float32 or float64"):
         STRAT.forward_chain(Kind.IDENTITY, None, d.half(), torch.zeros_like(d).half(),
                             world[0])
+
+
+def test_a_kept_launch_passes_every_kernel_parameter_in_order():
+    """A kept launch (the GPU's, where a plan relaunches the compiled kernel directly) hands
+    the launcher every parameter of the kernel in signature order; a constexpr the launch
+    left at its default (the scan kernel's FOLD, on a position that folds nothing) takes
+    its default.  Without it, the last rank of a scan plan failed on the GPU only."""
+    calls = []
+
+    class Compiled:  # what Triton's compiled kernel offers the relaunch
+        function, packed_metadata = object(), object()
+
+        def run(self, *args):
+            calls.append(args)
+
+    from triton.runtime.jit import JITFunction
+
+    # the kernel as compiled (not interpreted) Triton sees it: its parameters and defaults
+    kernel = JITFunction(getattr(forge._scan_rounds_kernel, "fn", forge._scan_rounds_kernel))
+    params = kernel.params
+    d = torch.zeros(4)
+    values = {p.name: (d if p.name == "d_ptr" else i) for i, p in enumerate(params)
+              if not p.has_default}
+    assert any(p.has_default for p in params)  # the case this checks
+    relaunch = forge._Relaunch(Compiled(), kernel, 3, values, None,
+                               "the incoming state", 1.0, None)
+    relaunch._run(*relaunch._grid, None, None, None, None, None, None, *relaunch._values)
+    passed = calls[0][9:]
+    assert len(passed) == len(params)
+    assert [passed[i] for i, p in enumerate(params) if not p.has_default] == \
+        [values[p.name] for p in params if not p.has_default]
+    assert [passed[i] for i, p in enumerate(params) if p.has_default] == \
+        [p.default for p in params if p.has_default]
