@@ -9,15 +9,89 @@ where it adds onto the gradient of the tokens that were sent.
 Every rank of the group makes the same calls in the same order whatever its data, so the
 communication pattern never depends on ``cu_seqlens``; masking of taps that would cross a
 packed-sequence boundary is the convolution's job (:mod:`forge_dist.nn.conv`).
+
+Where the GPU-initiated transport runs (NVSHMEM on CUDA, or the simulated transport of
+gloo ranks under Triton's interpreter), the halo travels as ``forge`` passes a state: one
+kernel on every rank puts its tail to the neighbour and waits on the GPU for the other
+neighbour's (:func:`forge_dist.sp.forge.pass_along`), so the host neither waits nor runs a
+collective; its arguments are agreed on the host once per new shape, then checked on the
+device by the signature word the tiles carry.  Elsewhere (a group without that transport,
+or ``FORGE_DIST_HALO=p2p``) it is one send and one receive of the process group.  Measured
+on 2 x H200: the process group's exchange cost a layer call about 350 us of host time
+(docs/performance.md, "Layers").
 """
 from __future__ import annotations
 
+import weakref
 from typing import List, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from ..sp import p2p
+from ..config import env_reader
+from ..sp import agreement, p2p
+
+_HALO_MODE = env_reader("FORGE_DIST_HALO")
+_MODES = ("auto", "device", "p2p")
+_ON_DEVICE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {device: bool}
+_KEPT: dict = {}  # (group, direction, shape, dtype, device) -> the kept launch's dict
+
+
+def _mode() -> str:
+    mode = _HALO_MODE() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"FORGE_DIST_HALO must be one of {', '.join(_MODES)}, got {mode!r}")
+    return mode
+
+
+def _transport_reason(group, device: torch.device):
+    """Why the GPU-initiated transport cannot carry this group's halos on ``device``
+    (``None``: it can)."""
+    from ..sp.forge import FORGE, interpreted
+
+    if dist.get_backend(group) == "gloo":
+        if device.type == "cpu" and interpreted():
+            return None
+        return "a gloo group runs it only on CPU tensors under Triton's interpreter"
+    if device.type != "cuda":
+        return f"tensors on {device}"
+    return FORGE.available(device)
+
+
+def _on_device(group, device: torch.device) -> bool:
+    """Whether this group's halos on ``device`` travel GPU-initiated (see the module)."""
+    mode = _mode()
+    if mode == "p2p":
+        return False
+    known = _ON_DEVICE.setdefault(group, {})
+    ok = known.get(device)
+    if ok is None:
+        reason = _transport_reason(group, device)
+        if reason is not None and mode == "device":
+            raise RuntimeError(f"FORGE_DIST_HALO=device: the GPU-initiated transport is not "
+                               f"available here ({reason})")
+        ok = known[device] = reason is None
+    return ok
+
+
+def _device_exchange(send: Tensor, *, to_next: bool, group, what: str) -> Tensor:
+    """:func:`_exchange` through :func:`forge_dist.sp.forge.pass_along`: ``send [B, W, D]``
+    travels as a ``[B, 1, W, D]`` state in float32 (float64 stays float64)."""
+    from ..sp import forge
+
+    B, W, D = send.shape
+    wide = torch.float64 if send.dtype == torch.float64 else torch.float32
+    fields = {"B": B, "halo tokens": W, "channels (all convolutions)": D,
+              "dtype": send.dtype, "op": what}
+    _, word = agreement.agree(group, send.device, fields)
+    key = (agreement.group_key(group), to_next, B, W, D, wide, send.device)
+    keep = _KEPT.get(key)
+    if keep is None:
+        keep = _KEPT[key] = {}
+    got = forge.pass_along(group, send.to(wide).view(B, 1, W, D), to_next=to_next, word=word,
+                           what=what, keep=keep)
+    return got.view(B, W, D).to(send.dtype)
 
 
 def _exchange(send: Tensor, shape, dtype, device, *, to_next: bool, group, what: str):
@@ -27,6 +101,8 @@ def _exchange(send: Tensor, shape, dtype, device, *, to_next: bool, group, what:
     ``to_next=False``: send to rank-1, receive from rank+1 (backward direction).
     The end of the chain that has no peer sends nothing / receives zeros.
     """
+    if _on_device(group, device):
+        return _device_exchange(send, to_next=to_next, group=group, what=what)
     rank, size = p2p.rank_and_size(group)
     dst = rank + 1 if to_next else rank - 1
     src = rank - 1 if to_next else rank + 1

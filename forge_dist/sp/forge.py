@@ -547,7 +547,8 @@ class _Relaunch:
     wait bound may differ between calls; a ``first`` Triton would specialise differently
     (not 16-byte aligned) or a :func:`reset` since sends the call back through the JIT."""
 
-    def __init__(self, kernel, fn, n_tiles: int, values: dict, where, what, bound, ch):
+    def __init__(self, kernel, fn, n_tiles: int, values: dict, where, what, bound, ch,
+                 per_call: tuple = ()):
         self._run = kernel.run
         self._function = kernel.function
         self._packed = kernel.packed_metadata
@@ -562,21 +563,30 @@ class _Relaunch:
         self._dummy = values["d_ptr"]  # in ``first``'s slot between calls (no caller tensor kept)
         if self._first is not None:
             self._values[self._first] = self._dummy
+        # pointers a call passes its own tensors for (a halo's send and receive,
+        # :func:`pass_along`); between calls they hold the dummy, as ``first`` does
+        self._per_call = {name: self._names.index(name) for name in per_call}
+        for i in self._per_call.values():
+            self._values[i] = self._dummy
         self._resets = _RESETS
         self.where, self.what, self.ch, self.bound = where, what, ch, bound
 
-    def usable(self, first: Optional[torch.Tensor]) -> bool:
+    def usable(self, first: Optional[torch.Tensor], **tensors: torch.Tensor) -> bool:
         """Whether this call may relaunch: no reset since, the same wait bound (Triton typed
         ``limit`` by its first value), no launch hook or ``FORGE_DIST_JIT_RELAUNCH=0`` (the
-        JIT path, which hooks see), and a ``first`` as aligned as the compiled kernel's."""
+        JIT path, which hooks see), and a ``first`` (and the per-call ``tensors``, by
+        parameter name) as aligned as the compiled kernel's."""
         return (self._resets == _RESETS and p2p.timeout_seconds() == self.bound
                 and _relaunch_allowed()
-                and (first is None or (first.is_contiguous() and first.data_ptr() % 16 == 0)))
+                and all(t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0)
+                        for t in (first, *tensors.values())))
 
-    def __call__(self, first: Optional[torch.Tensor]) -> None:
+    def __call__(self, first: Optional[torch.Tensor], **tensors: torch.Tensor) -> None:
         values = self._values
         if first is not None:
             values[self._first] = first
+        for name, t in tensors.items():
+            values[self._per_call[name]] = t
         g = self._grid
         try:
             self._run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self._device),
@@ -584,6 +594,8 @@ class _Relaunch:
         finally:
             if self._first is not None:
                 values[self._first] = self._dummy
+            for name in tensors:
+                values[self._per_call[name]] = self._dummy
         where = self.where
         self.ch.after_launch(where.rank, self.what, self.bound, p2p.StatePassTimeout,
                              where.explain)
@@ -623,13 +635,16 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
                first: Optional[torch.Tensor], d: torch.Tensor, x_out: Optional[torch.Tensor],
                y_out: Optional[torch.Tensor], src: int, send: bool, prev: int, nxt: int,
                transpose: bool, word: int = 0, fold=None,
-               keep: Optional[dict] = None, send_first: bool = False) -> None:
+               keep: Optional[dict] = None, send_first: bool = False,
+               what: Optional[str] = None, per_call: tuple = ()) -> None:
     """Launch the chain kernel.  ``fold``: ``(hs, gt)``, the shard's segment summaries and
     their log decays (``gt`` ``None`` ungated), folded in the kernel in place of ``(M,
     d)``; ``d`` then only gives the state's shape and dtype.  ``keep``: a dict where a
     GPU launch leaves its :class:`_Relaunch` (``keep["launch"]``) for calls on the same
     buffers.  ``send_first``: put ``d`` to ``nxt`` before receiving from ``prev`` (a scan
-    round, see the kernel)."""
+    round, see the kernel).  ``what``: what an error says was awaited (default: the
+    state, or its gradient); ``per_call``: pointer parameters a kept launch takes per call
+    (:class:`_Relaunch`)."""
     if d.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"forge: states must be float32 or float64, got {d.dtype}")
     d = d.contiguous()
@@ -671,12 +686,44 @@ def _run_chain(where: _Where, direction: str, kind: Kind, M: Optional[torch.Tens
         PREC=_dense_precision(d), FOLD=fold is not None, SEND_FIRST=send_first)
     kernel = _kernel(where.transport)[(n_tiles,)](
         **values, num_warps=8 if bk * bv >= 4096 else 4)
-    what = "the incoming state" if direction == "fwd" else "the state gradient"
+    if what is None:
+        what = "the incoming state" if direction == "fwd" else "the state gradient"
     ch.after_launch(where.rank, what, bound, p2p.StatePassTimeout, where.explain)
     # kept only once the call went through (after_launch may raise an earlier error)
     if keep is not None and use_clock and not capturing and hasattr(kernel, "packed_metadata"):
         keep["launch"] = _Relaunch(kernel, _forge_chain_kernel, n_tiles, values, where, what,
-                                   bound, ch)
+                                   bound, ch, per_call)
+
+
+def pass_along(group, x: torch.Tensor, *, to_next: bool, word: int, what: str,
+               keep: Optional[dict] = None) -> torch.Tensor:
+    """Every rank of ``group`` puts ``x [B, H, K, V]`` (float32 or float64, the same shape
+    on every rank) to its neighbour and returns what its other neighbour put (zeros at the
+    chain's start): ``to_next`` sends to rank + 1 and receives from rank - 1, else the
+    reverse.  One launch of the chain kernel with no transition, every rank putting its own
+    tiles before it waits for the incoming ones (``SEND_FIRST``), so the ranks exchange at
+    once, not one after another; no host synchronisation, no host collective.  A
+    convolution's halo (:mod:`forge_dist.nn.halo`).
+
+    ``word``: the call's signature word (:func:`.agreement.agree`), checked on the device
+    against the sender's; ``what``: what an error says was awaited.  ``keep``: a dict the
+    caller keeps per shape, where the GPU launch stays for later calls (:class:`_Relaunch`,
+    with ``x`` and the result passed per call)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    relaunch = keep.get("launch") if keep is not None else None
+    if relaunch is not None and relaunch.usable(None, d_ptr=x, x_out_ptr=out):
+        relaunch(None, d_ptr=x, x_out_ptr=out)
+        return out
+    where = _where(group)
+    rank, size = where.rank, where.size
+    prev, nxt = (rank - 1, rank + 1) if to_next else (rank + 1, rank - 1)
+    has_prev, has_next = 0 <= prev < size, 0 <= nxt < size
+    _run_chain(where, "halo" if to_next else "halo_bwd", Kind.IDENTITY, None, None, x, out,
+               None, _SRC_RECV if has_prev else _SRC_ZERO, has_next,
+               prev if has_prev else -1, nxt if has_next else -1, transpose=False, word=word,
+               keep=keep, send_first=True, what=what, per_call=("d_ptr", "x_out_ptr"))
+    return out
 
 
 def _pe_table(where: _Where, ranks: tuple, device) -> torch.Tensor:

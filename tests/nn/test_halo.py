@@ -1,4 +1,5 @@
 """The convolution halo across ranks: values, gradients, packed documents, bad shard sizes."""
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -90,8 +91,51 @@ def _too_short(group):
     return "no error"
 
 
-def test_halo_values_and_gradients_cross_ranks():
-    assert run_world(3, _halo_values) == {"values": True, "grads": True}
+def _path_taken(group):
+    """Which transport the halos took on this rank: the GPU-initiated one leaves its kept
+    channel keys in ``halo._KEPT``."""
+    from forge_dist.nn import halo
+
+    halo._KEPT.clear()
+    x = torch.randn(2, T_LOCAL, D, dtype=torch.float64, requires_grad=True)
+    halo_exchange(x, 3, group).sum().backward()
+    return sorted(k[1] for k in halo._KEPT)  # the directions that ran on the device
+
+
+@pytest.mark.parametrize("mode", ["auto", "p2p"])
+def test_halo_values_and_gradients_cross_ranks(mode):
+    """The same values and gradients through the GPU-initiated transport (simulated here)
+    and through the process group's send and receive."""
+    env = {"FORGE_DIST_HALO": mode}
+    assert run_world(3, _halo_values, env=env) == {"values": True, "grads": True}
+    # auto: forward (to the next rank) and backward (to the previous) on the device path
+    assert run_world(2, _path_taken, env=env) == ([False, True] if mode == "auto" else [])
+
+
+def _other_batch_on_rank_1(group):
+    rank = dist.get_rank(group)
+    x = torch.zeros(2 + rank, T_LOCAL, D, dtype=torch.float64)
+    try:
+        halo_exchange(x, 3, group)
+    except ValueError as err:  # SignatureMismatch is a ValueError
+        return str(err)
+    return "no error"
+
+
+def test_ranks_with_different_halo_shapes_get_a_clear_error():
+    """The device path agrees on the halo's shape once per new shape: ranks that disagree
+    get an error naming the argument and both values, not a hang."""
+    msg = run_world(2, _other_batch_on_rank_1, env={"FORGE_DIST_HALO": "device"})
+    assert "B: every rank must pass the same value, but rank 0 has 2 and rank 1 has 3" in msg
+
+
+def test_unknown_halo_mode_is_an_error(monkeypatch):
+    from forge_dist.nn import halo
+
+    monkeypatch.setenv("FORGE_DIST_HALO", "nccl")
+    with pytest.raises(ValueError, match="FORGE_DIST_HALO must be one of auto, device, p2p, "
+                                         "got 'nccl'"):
+        halo._mode()
 
 
 def test_conv_sp3_matches_per_document_conv():
