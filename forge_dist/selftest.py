@@ -133,7 +133,10 @@ def _sum_ranks(x: Tensor, group, world: int) -> Tensor:
 
 def run_case(op: str, strategy: str, dtype: torch.dtype, varlen: bool, *, group=None,
              T_local: int = 24, seed: int = 0, device="cpu", dims=(6, 5, 12)) -> CaseResult:
-    """Run one check on every rank of ``group`` (collective); all ranks get the result."""
+    """Run one check on every rank of ``group`` (collective); all ranks get the result.
+
+    The fp64 reference runs once, on the group's rank 0, on the outputs, final state and
+    gradients every rank has gathered (the same on each); the errors go to every rank."""
     if str(device) == "cuda":  # this process's current GPU
         device = torch.device("cuda", torch.cuda.current_device())
     rank = dist.get_rank(group) if group is not None else 0
@@ -155,26 +158,37 @@ def run_case(op: str, strategy: str, dtype: torch.dtype, varlen: bool, *, group=
     loss = (o * w_o[:, shard]).sum() + ((final * w_s).sum() if owns_final else 0.0)
     loss.backward()
 
-    master = {k: v.detach().double().cpu().requires_grad_() for k, v in full.items()}
-    o_ref, final_ref = call_reference(op, master, output_final_state=True, cu_seqlens=cu)
-    ((o_ref * w_o.double().cpu()).sum() + (final_ref * w_s.double().cpu()).sum()).backward()
-
-    errors = {"o": rel_err(_gather_tokens(o.detach(), group, world), o_ref)}
+    # Every rank gathers the whole output, final state and gradients (collectives, the same
+    # on every rank); rank 0 alone runs the reference and compares, and shares the errors.
+    got = {"o": _gather_tokens(o.detach(), group, world)}
     final_all = final.detach() if not varlen else _sum_ranks(final.detach(), group, world)
     if varlen or world == 1:
-        errors["final_state"] = rel_err(final_all, final_ref)
+        got["final_state"] = final_all
     else:  # the last rank holds the global final state
         last = final.detach().clone()
         if world > 1:
             dist.broadcast(last, src=dist.get_global_rank(group, world - 1), group=group)
-        errors["final_state"] = rel_err(last, final_ref)
+        got["final_state"] = last
     for name, t in mine.items():
         if name == "initial_state":
             grad = t.grad if t.grad is not None else torch.zeros_like(t)
-            errors["d_initial_state"] = rel_err(_sum_ranks(grad, group, world),
-                                                master[name].grad)
+            got["d_initial_state"] = _sum_ranks(grad, group, world)
         else:
-            errors["d" + name] = rel_err(_gather_tokens(t.grad, group, world), master[name].grad)
+            got["d" + name] = _gather_tokens(t.grad, group, world)
+
+    errors = None
+    if rank == 0:
+        master = {k: v.detach().double().cpu().requires_grad_() for k, v in full.items()}
+        o_ref, final_ref = call_reference(op, master, output_final_state=True, cu_seqlens=cu)
+        ((o_ref * w_o.double().cpu()).sum() + (final_ref * w_s.double().cpu()).sum()).backward()
+        want = {"o": o_ref, "final_state": final_ref}
+        want.update({("d_initial_state" if k == "initial_state" else "d" + k): v.grad
+                     for k, v in master.items()})
+        errors = {k: rel_err(v, want[k]) for k, v in got.items()}
+    if world > 1:
+        shared = [errors]
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+        errors = shared[0]
     return CaseResult(op, strategy, world, str(dtype).replace("torch.", ""), varlen, errors,
                       time.perf_counter() - t0)
 

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from .._spawn import subprocess_env
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scaling_benchmarks" / "layers.py"
 
 
 def _run(tmp_path, *extra):
-    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_COMMIT="test")
+    # the tests' faster interpreter in the script and its ranks (bitwise Triton's values)
+    env = subprocess_env(dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_COMMIT="test"))
     return subprocess.run([sys.executable, str(SCRIPT), "--sp", "--cpu", "--out", str(tmp_path),
                            *extra], capture_output=True, text=True, timeout=600, env=env,
                           cwd=REPO)

@@ -66,14 +66,14 @@ def _oom_on_rank_1(rank, world, port, cfg):
 def test_oom_on_one_rank_stops_every_rank(tmp_path):
     """Rank 0 waits in the layer's collective until its bounded wait expires, both ranks
     agree over the control group, the file records the OOM, and nothing hangs."""
-    import torch.multiprocessing as mp
-
     from forge_dist.selftest import free_port
+
+    from .._spawn import start_processes
 
     _, cfg = ls.parse([*TINY, "--out", str(tmp_path), "--set", "pass_timeout_s=3",
                        "--set", "plot=false"])
-    mp.start_processes(_oom_on_rank_1, args=(2, free_port(), cfg), nprocs=2, join=True,
-                       start_method="spawn")
+    # mp.spawn's processes, started from a server that imported torch once (tests/_spawn.py)
+    start_processes(_oom_on_rank_1, args=(2, free_port(), cfg), nprocs=2, join=True)
     data = _results(tmp_path)
     first, second = data["rows"]
     assert first["T"] == 64 and first["outcome"] == "ok"

@@ -9,6 +9,8 @@ import pytest
 
 from forge_dist.config import ConfigError
 
+from .._spawn import subprocess_env
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scaling_benchmarks" / "weak_scaling.py"
 sys.path.insert(0, str(REPO))
@@ -26,6 +28,7 @@ def _run(tmp_path: Path, world: int) -> dict:
     out = tmp_path / f"w{world}"
     env = dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_COMMIT="test",
                FORGE_DIST_TIMEOUT="300")  # a switch: recorded with the run
+    env = subprocess_env(env)  # the tests' faster interpreter (bitwise Triton's values)
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--cpu", "--world", str(world), "--out", str(out),
          "--set", "warmup=1", "--set", "repeats=2"],
@@ -150,7 +153,7 @@ def test_config_file_and_overrides():
 
 # --- a sweep in pieces: --ops/--strategies/--modes, rows on disk as they finish, merging ----
 
-ENV = dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_COMMIT="test")
+ENV = subprocess_env(dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_COMMIT="test"))
 
 
 def _cmd(out: Path, *extra: str):
@@ -264,8 +267,8 @@ def test_rows_say_which_path_they_timed(one_rank, tmp_path):
     plans refused once sent every hgrn cell down the general path unnoticed.)"""
     assert {r["path"] for r in one_rank["rows"]} == {"general"}
     out = tmp_path / "kernels"
-    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_KERNELS="triton",
-               FORGE_DIST_COMMIT="test")
+    env = subprocess_env(dict(os.environ, TRITON_INTERPRET="1", FORGE_DIST_KERNELS="triton",
+                              FORGE_DIST_COMMIT="test"))
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--cpu", "--world", "1", "--out", str(out),
          "--set", "warmup=1", "--set", "repeats=2", "--ops", "simple_gla", "--modes", "fwd"],

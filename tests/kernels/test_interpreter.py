@@ -65,7 +65,10 @@ def _tritons_own_interpreter():
     where = {"generic_scan": (interpreter.ScanOps, "generic_scan"),
              "_patch_lang": (interpreter, "_patch_lang"),
              "_patch_builtin": (interpreter, "_patch_builtin"),
-             "device_call": (interpreter.InterpretedFunction, "__call__")}
+             "device_call": (interpreter.InterpretedFunction, "__call__"),
+             "_get_np_dtype": (interpreter, "_get_np_dtype"),
+             "tuple_type_init": (tl.core.tuple_type, "__init__"),
+             "block_type_init": (tl.core.block_type, "__init__")}
     fast = {name: getattr(*at) for name, at in where.items()}
     try:
         for name, (obj, attr) in where.items():
@@ -82,6 +85,8 @@ def test_the_pytest_process_runs_the_faster_interpreter():
     assert interpreter.ScanOps.generic_scan is _interpreter._scan_by_slices
     assert interpreter.InterpretedFunction.__call__ is _interpreter._device_call
     assert interpreter._patch_builtin is _interpreter._patch_builtin_listed
+    assert interpreter._get_np_dtype is _interpreter._get_np_dtype
+    assert tl.core.block_type.__init__ is _interpreter._block_type_init
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -122,3 +127,55 @@ def test_kernels_equal_those_under_the_interpreters_own_code(op):
         slow = _forward(op)
     for f, s in zip(fast, slow):
         assert torch.equal(f, s)
+
+
+def test_np_dtype_table_equals_the_interpreters():
+    """The table built once answers as Triton's per-call one: every scalar type, pointers,
+    blocks of either; a type it lacks raises the same KeyError."""
+    fast, own = _interpreter._get_np_dtype, _interpreter.original("_get_np_dtype")
+    scalars = [tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
+               tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5,
+               tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15]
+    kinds = scalars + [tl.pointer_type(tl.float32), tl.pointer_type(tl.int8, const=True)]
+    kinds += [tl.block_type(t, [4, 2]) for t in kinds]
+    for t in kinds:
+        assert fast(t) == own(t) and fast(t).type is own(t).type, t
+    for fn in (fast, own):
+        with pytest.raises(KeyError):
+            fn(tl.void)
+
+
+def _types():
+    """Types as the interpreter makes them: blocks (of pointers too), and tuples of them
+    with and without field names, nested."""
+    blocks = [tl.block_type(tl.float32, [4, 2]), tl.block_type(tl.int1, [16]),
+              tl.block_type(tl.pointer_type(tl.bfloat16), tl.core.tuple([8, 2]))]
+    inner = tl.core.tuple_type([tl.int32, blocks[0]])
+    return blocks + [inner, tl.core.tuple_type([inner, tl.core.constexpr_type(3), blocks[2]],
+                                               ["a", "b", "c"]),
+                     tl.core.tensor(None, blocks[1]).type, tl.core.tuple([1, 2]).type]
+
+
+def test_types_named_on_first_read_equal_the_interpreters():
+    """A block's and a tuple's type made by the inits that format the name on first read
+    have the name, string and attributes of Triton's, also after a pickle round trip (which
+    carries the name) and when the lists they were made from change later."""
+    import pickle
+
+    fast = _types()
+    with _tritons_own_interpreter():
+        own = _types()
+    assert all("name" not in vars(f) and "name" in vars(o) for f, o in zip(fast, own))
+    for f, o in zip(fast, own):
+        assert type(f) is type(o) and str(f) == str(o) and f.name == o.name and f == o
+        assert vars(f) == vars(o), (vars(f), vars(o))  # the name now an attribute too
+    # (a block's type holds a language tuple, which does not pickle, under Triton's too)
+    scalars = ([tl.int32, tl.core.constexpr_type(3)], ["a", "b"])
+    back = pickle.loads(pickle.dumps(tl.core.tuple_type(*scalars)))
+    with _tritons_own_interpreter():
+        own = tl.core.tuple_type(*scalars)
+    assert vars(back) == vars(own) and back.name == own.name == "[a:int32,b:constexpr_type[3]]"
+    types = [tl.int32, tl.float16]
+    later = tl.core.tuple_type(types)
+    types[0] = tl.float64  # (the compiler rewrites a tuple type's list in place)
+    assert later.name == "[:int32,:fp16]"

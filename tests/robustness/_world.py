@@ -14,7 +14,7 @@ import tempfile
 import time
 import traceback
 
-import torch.multiprocessing as mp
+from .. import _spawn
 
 
 class Rank:
@@ -60,10 +60,9 @@ def _entry(rank, size, tmp, fn, args, env):
 def spawn(size: int, fn, *args, env=None, deadline_s: float = 90.0):
     """Run ``fn(Rank, *args)`` on ``size`` processes; returns one entry per rank: its JSON
     result, ``{"exitcode": c}`` when it died without one, or ``{"hung": True}``."""
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_entry, args=(r, size, tmp, fn, args, env))
-                 for r in range(size)]
+        # processes as spawn's, started from a server that imported torch once (tests/_spawn.py)
+        procs = [_spawn.process(_entry, (r, size, tmp, fn, args, env)) for r in range(size)]
         for p in procs:
             p.start()
         end = time.monotonic() + deadline_s

@@ -11,6 +11,8 @@ import torch.multiprocessing as mp
 
 from forge_dist.selftest import free_port, init_local_gloo
 
+from .. import _spawn
+
 
 def _worker(rank, world, port, fn, args, out_path, backend, device):
     if backend == "nccl":
@@ -64,8 +66,10 @@ def run_world(world: int, fn, *args, env=None, backend: str = "gloo", kwargs_dev
             out = os.path.join(tmp, "result.json")
             for attempt in range(_PORT_TRIES):
                 try:
-                    mp.spawn(_worker, args=(world, free_port(), fn, args, out, backend,
-                                            kwargs_device), nprocs=world, join=True)
+                    # mp.spawn's processes, started from a server that imported torch once
+                    _spawn.start_processes(_worker, args=(world, free_port(), fn, args, out,
+                                                          backend, kwargs_device),
+                                           nprocs=world, join=True)
                     break
                 except mp.ProcessRaisedException as err:
                     if attempt == _PORT_TRIES - 1 or not _port_taken(err):

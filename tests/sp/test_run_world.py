@@ -26,3 +26,35 @@ def test_a_taken_rendezvous_port_is_retried(monkeypatch):
         monkeypatch.setattr(distributed, "free_port", first_a_taken_one)
         assert distributed.run_world(2, _rank_and_size) == [0, 2]
     assert len(ports) == 2 and ports[0] == taken
+
+
+# set by each rank (the rendezvous) / by readline in the pytest process outside os.environ,
+# which a spawned rank inherits with the process's C environment
+_NOT_COMPARED = ("MASTER_ADDR", "MASTER_PORT", "COLUMNS", "LINES")
+
+
+def _environment(group):
+    import os
+
+    import torch.distributed as dist
+
+    return [dist.get_rank(group), {k: v for k, v in os.environ.items()
+                                   if k not in _NOT_COMPARED}]
+
+
+def test_ranks_get_the_environment_of_the_call(monkeypatch):
+    """The ranks (started from the fork server, which imported torch and the library once:
+    tests/_spawn.py) see the parent's environment as it is at the call, with the world's
+    additions, not the one the server started with; a world whose Triton mode differs from
+    the server's starts its ranks by spawn, with the same result."""
+    import os
+
+    monkeypatch.setenv("FORGE_DIST_TEST_SET_LATER", "yes")  # after the server started
+    monkeypatch.delenv("FORGE_DIST_TEST_UNSET", raising=False)
+    here = {k: v for k, v in os.environ.items() if k not in _NOT_COMPARED}
+    assert distributed.run_world(2, _environment, env={"FORGE_DIST_TEST_WORLD": "1"}) == \
+        [0, dict(here, FORGE_DIST_TEST_WORLD="1")]
+    assert "FORGE_DIST_TEST_WORLD" not in os.environ  # the parent's is restored
+    other = "0" if os.environ.get("TRITON_INTERPRET") == "1" else "1"
+    assert distributed.run_world(2, _environment, env={"TRITON_INTERPRET": other}) == \
+        [0, dict(here, TRITON_INTERPRET=other)]
