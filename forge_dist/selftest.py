@@ -176,19 +176,26 @@ def run_case(op: str, strategy: str, dtype: torch.dtype, varlen: bool, *, group=
         else:
             got["d" + name] = _gather_tokens(t.grad, group, world)
 
-    errors = None
+    errors, failure = None, None
     if rank == 0:
-        master = {k: v.detach().double().cpu().requires_grad_() for k, v in full.items()}
-        o_ref, final_ref = call_reference(op, master, output_final_state=True, cu_seqlens=cu)
-        ((o_ref * w_o.double().cpu()).sum() + (final_ref * w_s.double().cpu()).sum()).backward()
-        want = {"o": o_ref, "final_state": final_ref}
-        want.update({("d_initial_state" if k == "initial_state" else "d" + k): v.grad
-                     for k, v in master.items()})
-        errors = {k: rel_err(v, want[k]) for k, v in got.items()}
+        try:
+            master = {k: v.detach().double().cpu().requires_grad_() for k, v in full.items()}
+            o_ref, final_ref = call_reference(op, master, output_final_state=True,
+                                              cu_seqlens=cu)
+            ((o_ref * w_o.double().cpu()).sum()
+             + (final_ref * w_s.double().cpu()).sum()).backward()
+            want = {"o": o_ref, "final_state": final_ref}
+            want.update({("d_initial_state" if k == "initial_state" else "d" + k): v.grad
+                         for k, v in master.items()})
+            errors = {k: rel_err(v, want[k]) for k, v in got.items()}
+        except Exception as err:  # noqa: BLE001 - every rank raises it below, none waits
+            failure = f"{type(err).__name__}: {err}"
     if world > 1:
-        shared = [errors]
+        shared = [(errors, failure)]
         dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
-        errors = shared[0]
+        errors, failure = shared[0]
+    if failure is not None:
+        raise RuntimeError(f"selftest: the fp64 reference of {op} failed on rank 0: {failure}")
     return CaseResult(op, strategy, world, str(dtype).replace("torch.", ""), varlen, errors,
                       time.perf_counter() - t0)
 

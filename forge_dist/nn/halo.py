@@ -34,8 +34,10 @@ from ..sp import agreement, p2p
 
 _HALO_MODE = env_reader("FORGE_DIST_HALO")
 _MODES = ("auto", "device", "p2p")
-_ON_DEVICE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {device: bool}
-_KEPT: dict = {}  # (group, direction, shape, dtype, device) -> the kept launch's dict
+# group -> {device: (GPU-initiated?, why not)}
+_ON_DEVICE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# group -> {(direction, word, shape, dtype, device): the kept launch's dict}
+_KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _mode() -> str:
@@ -60,18 +62,31 @@ def _transport_reason(group, device: torch.device):
 
 
 def _on_device(group, device: torch.device) -> bool:
-    """Whether this group's halos on ``device`` travel GPU-initiated (see the module)."""
+    """Whether this group's halos on ``device`` travel GPU-initiated (see the module).  The
+    first halo of a group on a device agrees on it across the ranks (one all-gather): the
+    GPU-initiated path only where every rank has it, so no rank puts while another posts
+    a process-group receive."""
     mode = _mode()
     if mode == "p2p":
         return False
-    known = _ON_DEVICE.setdefault(group, {})
-    ok = known.get(device)
-    if ok is None:
+    known = _ON_DEVICE.get(group)
+    if known is None:
+        known = _ON_DEVICE[group] = {}
+    found = known.get(device)
+    if found is None:
         reason = _transport_reason(group, device)
-        if reason is not None and mode == "device":
-            raise RuntimeError(f"FORGE_DIST_HALO=device: the GPU-initiated transport is not "
-                               f"available here ({reason})")
-        ok = known[device] = reason is None
+        flag = torch.tensor([int(reason is None)], dtype=torch.int64,
+                            device=agreement.signature_device(group, device))
+        everyone = [int(f) for f in p2p.all_gather(flag, group, "whether every rank has the "
+                                                   "GPU-initiated halo transport")]
+        if reason is None and not all(everyone):
+            missing = [r for r, f in enumerate(everyone) if not f]
+            reason = f"rank(s) {missing} of the group do not have it"
+        found = known[device] = (reason is None, reason)
+    ok, reason = found
+    if not ok and mode == "device":
+        raise RuntimeError(f"FORGE_DIST_HALO=device: the GPU-initiated transport is not "
+                           f"available for this group's halos ({reason})")
     return ok
 
 
@@ -85,10 +100,14 @@ def _device_exchange(send: Tensor, *, to_next: bool, group, what: str) -> Tensor
     fields = {"B": B, "halo tokens": W, "channels (all convolutions)": D,
               "dtype": send.dtype, "op": what}
     _, word = agreement.agree(group, send.device, fields)
-    key = (agreement.group_key(group), to_next, B, W, D, wide, send.device)
-    keep = _KEPT.get(key)
+    # per word: a kept launch sends the word of its first call
+    kept = _KEPT.get(group)
+    if kept is None:
+        kept = _KEPT[group] = {}
+    key = (to_next, word, B, W, D, wide, send.device)
+    keep = kept.get(key)
     if keep is None:
-        keep = _KEPT[key] = {}
+        keep = kept[key] = {}
     got = forge.pass_along(group, send.to(wide).view(B, 1, W, D), to_next=to_next, word=word,
                            what=what, keep=keep)
     return got.view(B, W, D).to(send.dtype)

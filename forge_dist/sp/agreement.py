@@ -163,7 +163,8 @@ def forget(group=None) -> None:
             del _FLAGS[key]  # a pending record belongs to the calls before the reset
 
 
-def _signature_device(group, device: torch.device) -> torch.device:
+def signature_device(group, device: torch.device) -> torch.device:
+    """Where this group's host agreements put their tensors (NCCL: the GPU; else the CPU)."""
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
@@ -235,7 +236,7 @@ def _agree_on_host(group, device, fields, data) -> Signature:
     if size == 1:
         return sig
     row = torch.tensor(_row(fields, data), dtype=torch.int64,
-                       device=_signature_device(group, device))
+                       device=signature_device(group, device))
     everyone = [r.tolist() for r in p2p.all_gather(row, group, _EXCHANGE)]
     for r, other in enumerate(everyone):
         if other[0] == REJECTED:
@@ -293,7 +294,7 @@ def reject(group, device: Optional[torch.device] = None) -> None:
         return
     device = device or (torch.device("cuda", torch.cuda.current_device())
                         if torch.cuda.is_available() else torch.device("cpu"))
-    row = torch.zeros(ROW_LEN, dtype=torch.int64, device=_signature_device(group, device))
+    row = torch.zeros(ROW_LEN, dtype=torch.int64, device=signature_device(group, device))
     row[0] = REJECTED
     try:
         p2p.all_gather(row, group, _EXCHANGE, diagnose=False)

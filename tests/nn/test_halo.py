@@ -99,7 +99,8 @@ def _path_taken(group):
     halo._KEPT.clear()
     x = torch.randn(2, T_LOCAL, D, dtype=torch.float64, requires_grad=True)
     halo_exchange(x, 3, group).sum().backward()
-    return sorted(k[1] for k in halo._KEPT)  # the directions that ran on the device
+    # the directions that ran on the device (to_next: True forward, False backward)
+    return sorted(k[0] for k in halo._KEPT.get(group, {}))
 
 
 @pytest.mark.parametrize("mode", ["auto", "p2p"])
@@ -127,6 +128,31 @@ def test_ranks_with_different_halo_shapes_get_a_clear_error():
     get an error naming the argument and both values, not a hang."""
     msg = run_world(2, _other_batch_on_rank_1, env={"FORGE_DIST_HALO": "device"})
     assert "B: every rank must pass the same value, but rank 0 has 2 and rank 1 has 3" in msg
+
+
+def _device_only_on_rank_0(group):
+    """Rank 1 lacks the GPU-initiated transport: every rank takes the process group's path
+    (auto) or gets the error naming the rank (device), never a mix that would hang."""
+    import os
+
+    from forge_dist.nn import halo
+
+    rank = dist.get_rank(group)
+    if rank == 1:
+        halo._transport_reason = lambda group, device: "stand-in: not on this rank"
+    x = torch.arange(2 * T_LOCAL * D, dtype=torch.float64).reshape(2, T_LOCAL, D) + rank
+    try:
+        h = halo_exchange(x, 3, group)
+    except RuntimeError as err:
+        return str(err)
+    return [os.environ["FORGE_DIST_HALO"], float(h.sum()), len(halo._KEPT)]
+
+
+def test_a_rank_without_the_transport_takes_every_rank_off_it():
+    auto = run_world(2, _device_only_on_rank_0, env={"FORGE_DIST_HALO": "auto"})
+    assert auto[0] == "auto" and auto[2] == 0  # rank 0 (which has it) took the p2p path
+    msg = run_world(2, _device_only_on_rank_0, env={"FORGE_DIST_HALO": "device"})
+    assert "not available for this group's halos (rank(s) [1] of the group" in msg, msg
 
 
 def test_unknown_halo_mode_is_an_error(monkeypatch):

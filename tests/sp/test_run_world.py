@@ -49,8 +49,12 @@ def test_ranks_get_the_environment_of_the_call(monkeypatch):
     the server's starts its ranks by spawn, with the same result."""
     import os
 
+    # the server starts with the first world (if no earlier test started it), holding a
+    # variable that is then unset and without one that is then set
+    monkeypatch.setenv("FORGE_DIST_TEST_UNSET", "at the start")
+    assert distributed.run_world(2, _environment)[1]["FORGE_DIST_TEST_UNSET"] == "at the start"
     monkeypatch.setenv("FORGE_DIST_TEST_SET_LATER", "yes")  # after the server started
-    monkeypatch.delenv("FORGE_DIST_TEST_UNSET", raising=False)
+    monkeypatch.delenv("FORGE_DIST_TEST_UNSET")
     here = {k: v for k, v in os.environ.items() if k not in _NOT_COMPARED}
     assert distributed.run_world(2, _environment, env={"FORGE_DIST_TEST_WORLD": "1"}) == \
         [0, dict(here, FORGE_DIST_TEST_WORLD="1")]
