@@ -30,9 +30,13 @@ maps the inputs again in PyTorch and differentiates the prologue).  That is off 
 on an H200 the walk, which is latency bound, lost more per chunk step than the pass it saves
 (``scaling_benchmarks/results/dsl_prologue_*``).  Prologues the codegen has no translation
 for run as PyTorch ops (``describe()`` says how each runs; the gated_delta_rule template
-takes no fused maps).  Not lowered: transforms that are not elementwise DAGs of one input
-(a decay computed from two inputs, RetNet's per-head constant decay), programs that are none
-of the five templates: those take the generated path (:mod:`.generated`).
+takes no fused maps).  A role may be *shared*: where a variant has up to two more inputs of a
+trailing dim than the template has roles of it, one role's prologue may read several of
+them together (a decay summed from two gates, ``logsigmoid(a) + logsigmoid(b)``); such a
+prologue runs as PyTorch ops.  Not lowered: transforms that are not elementwise (an input
+broadcast onto another's trailing dim, RetNet's per-head constant decay computed from
+shapes, an output gate), programs that are none of the five templates: those take the
+generated path (:mod:`.generated`).
 """
 from __future__ import annotations
 
@@ -53,7 +57,8 @@ from ..ops.runner import needs_grad
 from ..variants import decay_attention, delta_rule, vector_state
 from . import codegen
 from .placement import use_kernels
-from .roles import assignments, describe_roles, hint, is_delta_rule, is_vector, template_for
+from .roles import (assignments, describe_roles, hint, is_delta_rule, is_vector, names_of,
+                    template_for)
 
 _ELEMENTWISE_FUNCS = {torch.relu, torch.sigmoid, torch.exp, torch.tanh, torch.abs, torch.neg,
                       operator.neg, F.relu, F.elu, F.silu, F.softplus, F.logsigmoid, F.gelu,
@@ -94,20 +99,32 @@ def _is_elementwise(n: fx.Node, inside: set) -> bool:
     return n.op == "call_method" and n.target in _ELEMENTWISE_METHODS and len(n.args) == 1
 
 
-def _dag(gms: List[fx.GraphModule], name: str) -> List[fx.Node]:
-    """The elementwise DAG on input ``name`` in the first phase that reads it (merge_mode,
+def _dag(gms: List[fx.GraphModule], names) -> List[fx.Node]:
+    """The elementwise DAG on input ``names`` (one name, or the names a shared role reads
+    together, :func:`.roles.names_of`) in the first phase that reads them all (merge_mode,
     then chunk_mode: the delta rule's merge reads v and beta only through cached WY
-    factors): ``[placeholder, node, ...]`` in graph order, ending with the prologue's value.
+    factors): ``[placeholder, ..., node, ...]`` (the inputs' placeholders first, in
+    ``names`` order) in graph order, ending with the prologue's value.
 
-    The value is the latest node ``f`` of the input's elementwise closure through which
-    everything the phase does with the input passes: every other node of ``f``'s
-    ancestry is used only inside it.  A lone placeholder (identity prologue) when there is
-    none, or when no phase reads the input."""
-    gm, node = next(((gm, n) for gm in gms for n in gm.graph.nodes
-                     if n.op == "placeholder" and n.target == name and n.users), (None, None))
-    if node is None:
-        return [fx.Graph().placeholder(name)]
-    closure, order = {node}, [node]
+    The value is the latest node ``f`` of the inputs' elementwise closure through which
+    everything the phase does with them passes (every other node of ``f``'s ancestry is
+    used only inside it) and that depends on every one of them.  A lone placeholder
+    (identity prologue) when there is none for a single input, or when no phase reads it;
+    for several inputs without such a node, their placeholders (no prologue: the lowering
+    fails to validate)."""
+    names = names_of(names)
+    found = None
+    for gm in gms:
+        ph = {n.target: n for n in gm.graph.nodes
+              if n.op == "placeholder" and n.target in names and n.users}
+        if len(ph) == len(names):
+            found = gm, [ph[n] for n in names]
+            break
+    if found is None:
+        g = fx.Graph()
+        return [g.placeholder(n) for n in names]
+    gm, nodes = found
+    closure, order = set(nodes), list(nodes)
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method") and n not in closure \
                 and _is_elementwise(n, closure):
@@ -121,23 +138,33 @@ def _dag(gms: List[fx.GraphModule], name: str) -> List[fx.Node]:
                 if a in closure and a not in ancestry:
                     ancestry.add(a)
                     todo.append(a)
+        if len(nodes) > 1 and not all(p in ancestry for p in nodes):
+            continue  # a shared role's value reads every one of its inputs
         if all(set(a.users) <= ancestry for a in ancestry if a is not f):
             return [n for n in order if n in ancestry]
-    return [node]
+    return list(nodes)
+
+
+def _inputs_of(chain: List[fx.Node]) -> int:
+    """How many of a DAG's leading nodes are its inputs' placeholders."""
+    return next((i for i, n in enumerate(chain) if n.op != "placeholder"), len(chain))
 
 
 def _prologue(chain: List[fx.Node]) -> Tuple[Optional[Callable], str]:
-    """A callable running the prologue DAG on any tensor (elementwise: layout does not
-    matter), or ``None`` for the identity (no call at run time)."""
+    """A callable running the prologue DAG on tensors of one shape (elementwise: layout
+    does not matter; a shared role's takes its inputs in order), or ``None`` for the
+    identity (no call at run time)."""
+    k = _inputs_of(chain)
     if len(chain) == 1:
         return None, chain[0].target
     g = fx.Graph()
-    env = {chain[0]: g.placeholder("x")}
-    for n in chain[1:]:
+    env = {p: g.placeholder(f"x{i}") for i, p in enumerate(chain[:k])}
+    for n in chain[k:]:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[chain[-1]])
     gm = fx.GraphModule(torch.nn.Module(), g)
-    text = " -> ".join([chain[0].target] + [_op_text(n) for n in chain[1:]])
+    text = " -> ".join([", ".join(p.target for p in chain[:k])]
+                       + [_op_text(n) for n in chain[k:]])
     return gm, text
 
 
@@ -150,7 +177,9 @@ def _op_text(n: fx.Node) -> str:
 @dataclass
 class Lowering:
     template: str  # kernels variant name
-    roles: Dict[str, str]  # template role (q, k, v, g, beta; hgrn x, g) -> the user's input
+    # template role (q, k, v, g, beta; hgrn x, g) -> the user's input (a tuple of inputs
+    # for a shared role, whose prologue reads them together)
+    roles: Dict[str, Any]
     prologues: Dict[str, Optional[Callable]]  # role -> elementwise map (None: identity)
     texts: Dict[str, str]
     scale_mode: str  # "user" (the call's scale) or "one"
@@ -173,19 +202,22 @@ class Lowering:
         return ((f"roles {renamed}; " if renamed else "") +
                 "prologue " + ("; ".join(maps) if maps else "none"))
 
+    def _read(self, part, role: str) -> List[torch.Tensor]:
+        return [part[n] for n in names_of(self.roles[role])]
+
     def mapped(self, part: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The template's inputs by role from the user's inputs by name (PyTorch maps)."""
-        return {r: part[self.roles[r]] if p is None else p(part[self.roles[r]])
+        return {r: self._read(part, r)[0] if p is None else p(*self._read(part, r))
                 for r, p in self.prologues.items()}
 
     def _template_inputs(self, part) -> Dict[str, torch.Tensor]:
         """What the template's kernels take, by role: the prologue outputs, q/k/v (hgrn x)
         in the input dtype, gates as they come; inputs with a fused prologue as they are."""
-        dtype = part[self.roles["x" if is_vector(self.template) else "q"]].dtype
+        dtype = self._read(part, "x" if is_vector(self.template) else "q")[0].dtype
         out = {}
         for r, p in self.prologues.items():
-            t = part[self.roles[r]]
-            t = t if p is None or r in self.fused else p(t)
+            ts = self._read(part, r)
+            t = ts[0] if p is None or r in self.fused else p(*ts)
             out[r] = t if r in _GATES else t.to(dtype)
         return out
 
@@ -245,7 +277,7 @@ def lower(v, fuse: bool = False) -> Decision:
             low = Lowering(template, roles, prologues, texts, mode)
             if _matches(mine, low, probes):
                 return Decision(_with_kernels(low, dags, fuse))
-    names = ", ".join(candidates[0].values())
+    names = ", ".join(n for ns in candidates[0].values() for n in names_of(ns))
     reason = (f"the program is not the {template} template's chunk form on elementwise "
               f"prologues of its inputs ({names}, in every role assignment their trailing "
               f"dims allow; translation validation failed)")
@@ -257,6 +289,8 @@ def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool) -> 
     template's kernels (``fuse``, inputs it can map) or one elementwise kernel per input
     for prologues of at least :data:`PROLOGUE_KERNEL_MIN_OPS` ops."""
     for r, dag in dags.items():
+        if _inputs_of(dag) > 1:
+            continue  # a shared role's prologue (several inputs) runs as PyTorch ops
         got = (codegen.triton_map(dag) if fuse and r in MAPPABLE.get(low.template, ())
                else None)
         if got is not None:

@@ -97,29 +97,59 @@ def _fit(role: str, phases: Set[str], name: str) -> float:
     return score + 0.5 * (name == role)
 
 
-def assignments(template: str, v) -> Tuple[List[Dict[str, str]], str]:
-    """``(candidates, "")``: role -> input name assignments the declared dims allow, best
-    fitting first; or ``([], reason)`` when the inputs cannot fill the roles."""
+MAX_SHARED = 2  # inputs beyond the roles' count that may join another input's role
+
+
+def names_of(assigned) -> Tuple[str, ...]:
+    """The input names of a role's assignment: one name, or several (a shared role)."""
+    return (assigned,) if isinstance(assigned, str) else tuple(assigned)
+
+
+def _groupings(rs: List[str], names: List[str]) -> List[Dict[str, object]]:
+    """Every way to give each role of ``rs`` one or more of ``names`` (all used): a role
+    with several is *shared* (its prologue reads them together: ``g = logsigmoid(a) +
+    logsigmoid(b)``), its names in call order."""
+    if len(names) == len(rs):
+        return [dict(zip(rs, perm)) for perm in itertools.permutations(names)]
+    out = []
+    for owner in itertools.product(range(len(rs)), repeat=len(names)):
+        if set(owner) != set(range(len(rs))):
+            continue
+        a: Dict[str, object] = {}
+        for i, r in enumerate(rs):
+            mine = tuple(n for n, o in zip(names, owner) if o == i)
+            a[r] = mine[0] if len(mine) == 1 else mine
+        out.append(a)
+    return out
+
+
+def assignments(template: str, v) -> Tuple[List[Dict[str, object]], str]:
+    """``(candidates, "")``: role -> input assignments the declared dims allow, best fitting
+    first; or ``([], reason)`` when the inputs cannot fill the roles.  A role takes one
+    input name, or, where the variant has up to :data:`MAX_SHARED` more inputs of a role's
+    trailing dim than roles of it, a tuple of names its prologue reads together."""
     roles = roles_of(template, v)
     dims = v.inputs
-    want = sorted(roles.values())
-    have = sorted(dims.values())
-    if want != have:
-        return [], (f"the {template} template takes inputs with trailing dims "
-                    f"{_dims_text(roles)}; the variant has {_dims_text(dims)}")
-    where = reads(v)
     by_dim: Dict[str, List[str]] = {}
     for r, d in roles.items():
         by_dim.setdefault(d, []).append(r)
-    choices = []
-    for d, rs in by_dim.items():
-        names = [n for n, nd in dims.items() if nd == d]
-        choices.append([dict(zip(rs, perm)) for perm in itertools.permutations(names)])
+    names_by_dim = {d: [n for n, nd in dims.items() if nd == d] for d in by_dim}
+    extra = len(dims) - len(roles)
+    if (set(dims.values()) - set(by_dim) or extra > MAX_SHARED
+            or any(len(names_by_dim[d]) < len(rs) for d, rs in by_dim.items())):
+        return [], (f"the {template} template takes inputs with trailing dims "
+                    f"{_dims_text(roles)}; the variant has {_dims_text(dims)}")
+    where = reads(v)
+    choices = [_groupings(rs, names_by_dim[d]) for d, rs in by_dim.items()]
     out = []
     for combo in itertools.product(*choices):
         a = {r: n for part in combo for r, n in part.items()}
         out.append(a)
-    out.sort(key=lambda a: -sum(_fit(r, where[n], n) for r, n in a.items()))
+
+    def fit(a):
+        return sum(sum(_fit(r, where[n], n) for n in names_of(ns)) / len(names_of(ns))
+                   for r, ns in a.items())
+    out.sort(key=lambda a: -fit(a))
     return out[:MAX_CANDIDATES], ""
 
 
@@ -134,8 +164,10 @@ def hint(v, template: str, reason: str) -> str:
     decay_inputs = [n for n in v.input_names if "decay" in where[n]]
     n_extra = len(v.inputs) - len(roles)
     if not is_vector(template) and len(decay_inputs) > 1:
-        return (f"more than one input feeds the decay ({', '.join(decay_inputs)}): pass one "
-                f"log decay (for example their sum) as a single input")
+        return (f"more than one input feeds the decay ({', '.join(decay_inputs)}) and they "
+                f"do not meet in one elementwise expression before the template's chunk form "
+                f"(as logsigmoid(a) + logsigmoid(b) does): pass one log decay (for example "
+                f"their sum) as a single input")
     if n_extra > 0:
         surplus = []
         for d in dict.fromkeys(v.inputs.values()):
@@ -161,7 +193,9 @@ def hint(v, template: str, reason: str) -> str:
             "head), has no template")
 
 
-def describe_roles(assignment: Dict[str, str]) -> Optional[str]:
-    """``"g=gk, beta=b"`` for the renamed roles, ``None`` when every name is the role's."""
-    renamed = [f"{r}={n}" for r, n in assignment.items() if r != n]
+def describe_roles(assignment: Dict[str, object]) -> Optional[str]:
+    """``"g=gk, beta=b"`` for the renamed roles (a shared role ``g=(a, b)``), ``None`` when
+    every name is the role's."""
+    renamed = [f"{r}={n}" if isinstance(n, str) else f"{r}=({', '.join(n)})"
+               for r, n in assignment.items() if r != n]
     return ", ".join(renamed) if renamed else None

@@ -161,7 +161,8 @@ class CacheCall:
         widths = {c[0].kernel_size[0] - 1 for c in calls}
         if (self.last is None and p2p.rank_and_size(self.group)[1] > 1 and len(widths) == 1
                 and min(widths) > 0):
-            halos = halo_exchanges([c[1] for c in calls], min(widths), self.group)
+            halos = halo_exchanges([c[1] for c in calls], min(widths), self.group,
+                                   getattr(self.layer, "strategy", "auto"))
         return [self.conv(*c, halo=h) for c, h in zip(calls, halos)]
 
     def conv(self, conv, x: Tensor, l2norm_head_dim: Optional[int] = None,
@@ -177,7 +178,8 @@ class CacheCall:
                 y = l2_normalize(y.unflatten(-1, (-1, l2norm_head_dim))).flatten(-2)
         else:
             y = conv(x, cu_seqlens=self.cu_seqlens, group=self.group,
-                     l2norm_head_dim=l2norm_head_dim, halo=halo)
+                     l2norm_head_dim=l2norm_head_dim, halo=halo,
+                     strategy=getattr(self.layer, "strategy", "auto"))
             state = conv_tail(x, conv.weight.shape[-1], self.group) if self.use_cache else None
         self.conv_states.append(state)
         return y

@@ -53,7 +53,7 @@ class ShortConvolution(nn.Conv1d):
 
     def forward(self, x: Tensor, *, cu_seqlens: Optional[Tensor] = None, group=None,
                 l2norm_head_dim: Optional[int] = None, halo: Optional[Tensor] = None,
-                **unused) -> Tensor:
+                strategy: str = "auto", **unused) -> Tensor:
         """``x [B, T_local, D]`` -> ``[B, T_local, D]`` (this rank's shard).
 
         Args:
@@ -65,28 +65,30 @@ class ShortConvolution(nn.Conv1d):
             halo: ``[B, K-1, D]``, the previous rank's last inputs when the caller has
                 exchanged them already (:func:`forge_dist.nn.halo.halo_exchanges`);
                 ``None``: exchanged here when there is a group.
+            strategy: the calling layer's state-pass strategy, which decides how the
+                halo travels (:mod:`forge_dist.nn.halo`).
         """
         B, T, D = x.shape
         W = self.kernel_size[0] - 1
         if self._fused(x, l2norm_head_dim):
             # without a group there is no halo: the kernel reads zeros before the first token
             if halo is None and group is not None:
-                halo = halo_exchange(x, W, group)
+                halo = halo_exchange(x, W, group, strategy)
             pos = None if cu_seqlens is None else positions(T, group, cu_seqlens, x.device)
             return short_conv(x, self.weight, self.bias, halo, pos, self.activation,
                               l2norm_head_dim)
-        y = self._torch_forward(x, cu_seqlens, group, halo)
+        y = self._torch_forward(x, cu_seqlens, group, halo, strategy)
         if l2norm_head_dim is None:
             return y
         heads = y.reshape(B, T, D // l2norm_head_dim, l2norm_head_dim)
         return l2_normalize(heads).reshape(B, T, D)
 
     def _torch_forward(self, x: Tensor, cu_seqlens: Optional[Tensor], group,
-                       halo: Optional[Tensor] = None) -> Tensor:
+                       halo: Optional[Tensor] = None, strategy: str = "auto") -> Tensor:
         B, T, D = x.shape
         W = self.kernel_size[0] - 1
         if halo is None:
-            halo = halo_exchange(x, W, group)  # zeros on rank 0 / without a group
+            halo = halo_exchange(x, W, group, strategy)  # zeros on rank 0 / without a group
         pos = None if cu_seqlens is None else positions(T, group, cu_seqlens, x.device)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             # Keep x and the halo, recompute the window, the taps and the activation in the

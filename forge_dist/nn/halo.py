@@ -10,13 +10,18 @@ Every rank of the group makes the same calls in the same order whatever its data
 communication pattern never depends on ``cu_seqlens``; masking of taps that would cross a
 packed-sequence boundary is the convolution's job (:mod:`forge_dist.nn.conv`).
 
-Where the GPU-initiated transport runs (NVSHMEM on CUDA, or the simulated transport of
-gloo ranks under Triton's interpreter), the halo travels as ``forge`` passes a state: one
+For a layer whose strategy passes its states GPU-initiated (``forge``, ``scan``, ``hier``,
+``auto``; :data:`GPU_INITIATED`), where that transport runs (NVSHMEM on CUDA, or the
+simulated transport of gloo ranks under Triton's interpreter), the halo travels as
+``forge`` passes a state: one
 kernel on every rank puts its tail to the neighbour and waits on the GPU for the other
 neighbour's (:func:`forge_dist.sp.forge.pass_along`), so the host neither waits nor runs a
 collective; its arguments are agreed on the host once per new shape, then checked on the
-device by the signature word the tiles carry.  Elsewhere (a group without that transport,
-or ``FORGE_DIST_HALO=p2p``) it is one send and one receive of the process group.  Measured
+device by the signature word the tiles carry; each new shape allocates its channel in
+symmetric memory once, as the op's state passes do.  Elsewhere (the host-driven strategies,
+a group without that transport, or ``FORGE_DIST_HALO=p2p``) it is one send and one receive
+of the process group; ``FORGE_DIST_HALO=device`` asks for the GPU-initiated path whatever
+the strategy and raises where it cannot run.  Measured
 on 2 x H200: the process group's exchange cost a layer call about 350 us of host time
 (docs/performance.md, "Layers").
 """
@@ -32,6 +37,8 @@ from torch import Tensor
 from ..config import env_reader
 from ..sp import agreement, p2p
 
+GPU_INITIATED = ("forge", "scan", "hier", "auto")  # strategies whose layers' halos may
+#                                                  travel GPU-initiated (see the module)
 _HALO_MODE = env_reader("FORGE_DIST_HALO")
 _MODES = ("auto", "device", "p2p")
 # group -> {device: (GPU-initiated?, why not)}
@@ -61,13 +68,13 @@ def _transport_reason(group, device: torch.device):
     return FORGE.available(device)
 
 
-def _on_device(group, device: torch.device) -> bool:
+def _on_device(group, device: torch.device, strategy: str = "auto") -> bool:
     """Whether this group's halos on ``device`` travel GPU-initiated (see the module).  The
     first halo of a group on a device agrees on it across the ranks (one all-gather): the
     GPU-initiated path only where every rank has it, so no rank puts while another posts
     a process-group receive."""
     mode = _mode()
-    if mode == "p2p":
+    if mode == "p2p" or (mode == "auto" and strategy not in GPU_INITIATED):
         return False
     known = _ON_DEVICE.get(group)
     if known is None:
@@ -113,14 +120,15 @@ def _device_exchange(send: Tensor, *, to_next: bool, group, what: str) -> Tensor
     return got.view(B, W, D).to(send.dtype)
 
 
-def _exchange(send: Tensor, shape, dtype, device, *, to_next: bool, group, what: str):
+def _exchange(send: Tensor, shape, dtype, device, *, to_next: bool, group, what: str,
+              on_device: bool):
     """Send ``send`` one rank along the chain and receive one tensor from the other side.
 
     ``to_next=True``: send to rank+1, receive from rank-1 (forward direction).
     ``to_next=False``: send to rank-1, receive from rank+1 (backward direction).
     The end of the chain that has no peer sends nothing / receives zeros.
     """
-    if _on_device(group, device):
+    if on_device:  # (decided by halo_exchange, the same for both directions)
         return _device_exchange(send, to_next=to_next, group=group, what=what)
     rank, size = p2p.rank_and_size(group)
     dst = rank + 1 if to_next else rank - 1
@@ -140,13 +148,13 @@ class _HaloExchange(torch.autograd.Function):
     """``x [B, T, D]`` -> the previous rank's last ``width`` tokens ``[B, width, D]``."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, width: int, group):
-        ctx.width, ctx.group = width, group
+    def forward(ctx, x: Tensor, width: int, group, on_device: bool):
+        ctx.width, ctx.group, ctx.on_device = width, group, on_device
         ctx.x_meta = (x.shape, x.dtype, x.device)
         B, _, D = x.shape
         tail = x[:, x.shape[1] - width:].contiguous()
         return _exchange(tail, (B, width, D), x.dtype, x.device, to_next=True, group=group,
-                         what="a convolution halo")
+                         what="a convolution halo", on_device=on_device)
 
     @staticmethod
     def backward(ctx, grad_halo: Tensor):
@@ -155,19 +163,22 @@ class _HaloExchange(torch.autograd.Function):
         w = ctx.width
         grad_tail = _exchange(grad_halo.contiguous().to(dtype), (B, w, D), dtype, device,
                               to_next=False, group=ctx.group,
-                              what="the gradient of a convolution halo")
+                              what="the gradient of a convolution halo",
+                              on_device=ctx.on_device)
         grad_x = torch.zeros(shape, dtype=dtype, device=device)
         grad_x[:, T - w:] = grad_tail
-        return grad_x, None, None
+        return grad_x, None, None, None
 
 
-def halo_exchange(x: Tensor, width: int, group) -> Tensor:
+def halo_exchange(x: Tensor, width: int, group, strategy: str = "auto") -> Tensor:
     """The ``width`` tokens that precede this rank's shard in the global sequence.
 
     Args:
         x: ``[B, T_local, D]``, this rank's shard (``T_local >= width``).
         width: number of tokens to exchange (``kernel_size - 1``).
         group: a process group, or ``None`` (single rank: returns zeros).
+        strategy: the calling layer's state-pass strategy, which decides the transport
+            (see the module).
     Returns:
         ``[B, width, D]``: rank r-1's last ``width`` tokens; zeros on rank 0.
     """
@@ -180,17 +191,19 @@ def halo_exchange(x: Tensor, width: int, group) -> Tensor:
     if T < width:
         raise ValueError(f"x: the local shard has {T} tokens, fewer than the convolution "
                          f"halo of {width}; use at least {width} tokens per rank")
-    return _HaloExchange.apply(x, width, group)
+    return _HaloExchange.apply(x, width, group, _on_device(group, x.device, strategy))
 
 
-def halo_exchanges(xs: Sequence[Tensor], width: int, group) -> List[Tensor]:
+def halo_exchanges(xs: Sequence[Tensor], width: int, group,
+                   strategy: str = "auto") -> List[Tensor]:
     """:func:`halo_exchange` of several shards of one layer (``[B, T_local, D_i]``, one dtype)
     in one exchange: their last ``width`` tokens travel side by side, so a layer with three
     convolutions posts one send and one receive instead of three of each."""
     for x in xs:
         if x.dim() != 3 or x.shape[1] < width:
-            return [halo_exchange(x, width, group) for x in xs]  # its own error
+            return [halo_exchange(x, width, group, strategy) for x in xs]  # its own error
     if len({x.dtype for x in xs}) != 1:
-        return [halo_exchange(x, width, group) for x in xs]
+        return [halo_exchange(x, width, group, strategy) for x in xs]
     tails = torch.cat([x[:, x.shape[1] - width:] for x in xs], dim=-1)
-    return list(halo_exchange(tails, width, group).split([x.shape[-1] for x in xs], dim=-1))
+    return list(halo_exchange(tails, width, group, strategy).split([x.shape[-1] for x in xs],
+                                                                   dim=-1))

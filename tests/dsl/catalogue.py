@@ -266,7 +266,7 @@ SCALAR = [
           lambda x: {"q": x["q"], "k": x["k"] * torch.sigmoid(x["i"])[..., None], "v": x["v"],
                      "g": F.logsigmoid(x["a"])}),
     Entry("second_decay", (_two_decay_chunk, _two_decay_decay, _two_decay_merge),
-          {**QKV, "a": "", "b": ""}, "generated", "simple_gla",
+          {**QKV, "a": "", "b": ""}, "template:simple_gla", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"],
                      "g": F.logsigmoid(x["a"]) + F.logsigmoid(x["b"])}),
     Entry("retnet_head_decay", (_ret_chunk, _ret_decay, _ret_merge), dict(QKV), "generated",

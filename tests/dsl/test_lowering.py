@@ -72,10 +72,13 @@ def triton_on_cpu(monkeypatch):
     return used
 
 
-@pytest.mark.parametrize("case", ["elu", "gla", "gated_delta_rule", "hgrn", "hgrn-runner"])
+@pytest.mark.parametrize("case", ["elu", "gla", "gated_delta_rule", "hgrn", "hgrn-runner",
+                                  "shared"])
 def test_triton_template_path(triton_on_cpu, case, monkeypatch):
     """Forward and gradients through the template's kernels.  hgrn differentiates through
-    its cached plan (the ops' short path); with plans off, through the runner's works."""
+    its cached plan (the ops' short path); with plans off, through the runner's works.
+    shared: a decay summed from two gates (one role, two inputs) on the simple_gla
+    template, gradients reaching both gates."""
     from forge_dist.runtime import cache
 
     cache.clear()
@@ -103,6 +106,18 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
         leaves = [x, g, h0]
         mref = [t.detach().double().requires_grad_() for t in leaves]
         o_r, s_r = ref.hgrn_ref(*mref[:2], initial_state=mref[2], output_final_state=True)
+    elif case == "shared":
+        from tests.dsl.catalogue import CATALOGUE
+
+        variant = CATALOGUE["second_decay"].variant
+        assert variant.lowering.roles["g"] == ("a", "b")
+        a, b = (torch.randn(B, T, H).add(2).requires_grad_() for _ in range(2))
+        o, s = variant(q, k, v, a, b, initial_state=h0, output_final_state=True)
+        leaves = [q, k, v, a, b, h0]
+        mref = [t.detach().double().requires_grad_() for t in leaves]
+        g_r = torch.nn.functional.logsigmoid(mref[3]) + torch.nn.functional.logsigmoid(mref[4])
+        o_r, s_r = ref.simple_gla_ref(*mref[:3], g_r, initial_state=mref[5],
+                                      output_final_state=True)
     elif case == "elu":
         o, s = library.elu_linear_attn(q, k, v, initial_state=h0, output_final_state=True)
         leaves = [q, k, v, h0]

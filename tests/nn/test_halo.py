@@ -91,14 +91,14 @@ def _too_short(group):
     return "no error"
 
 
-def _path_taken(group):
+def _path_taken(group, strategy="auto"):
     """Which transport the halos took on this rank: the GPU-initiated one leaves its kept
     channel keys in ``halo._KEPT``."""
     from forge_dist.nn import halo
 
     halo._KEPT.clear()
     x = torch.randn(2, T_LOCAL, D, dtype=torch.float64, requires_grad=True)
-    halo_exchange(x, 3, group).sum().backward()
+    halo_exchange(x, 3, group, strategy).sum().backward()
     # the directions that ran on the device (to_next: True forward, False backward)
     return sorted(k[0] for k in halo._KEPT.get(group, {}))
 
@@ -111,6 +111,14 @@ def test_halo_values_and_gradients_cross_ranks(mode):
     assert run_world(3, _halo_values, env=env) == {"values": True, "grads": True}
     # auto: forward (to the next rank) and backward (to the previous) on the device path
     assert run_world(2, _path_taken, env=env) == ([False, True] if mode == "auto" else [])
+
+
+def test_host_driven_strategies_keep_the_process_groups_halo():
+    """A layer whose strategy passes states from the host (serial, pipelined, lasp2) sends
+    its halos through the process group too under ``auto``; ``device`` forces the GPU's."""
+    assert run_world(2, _path_taken, "lasp2", env={"FORGE_DIST_HALO": "auto"}) == []
+    assert run_world(2, _path_taken, "lasp2",
+                     env={"FORGE_DIST_HALO": "device"}) == [False, True]
 
 
 def _other_batch_on_rank_1(group):

@@ -249,3 +249,50 @@ def test_a_kept_launch_passes_every_kernel_parameter_in_order():
         [values[p.name] for p in params if not p.has_default]
     assert [passed[i] for i, p in enumerate(params) if p.has_default] == \
         [p.default for p in params if p.has_default]
+
+
+def test_a_kept_launch_takes_the_tensors_of_each_call(monkeypatch):
+    """A kept chain launch with per-call tensors (a convolution halo's send and receive,
+    :func:`forge.pass_along`) puts each call's tensors in their parameters' slots, holds
+    none of them after the call, and refuses (``usable``) a tensor that is not aligned as
+    the compiled kernel's were."""
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = object(), object()
+
+        def run(self, *args):
+            calls.append(args[9:])
+
+    class Channel:
+        def after_launch(self, *args):
+            pass
+
+    class Where:
+        rank = 0
+        explain = None
+
+    from triton.runtime.jit import JITFunction
+
+    kernel = JITFunction(getattr(forge._forge_chain_kernel, "fn", forge._forge_chain_kernel))
+    names = [p.name for p in kernel.params]
+    first_d = torch.zeros(8)
+    values = {p.name: (first_d if p.name.endswith("_ptr") else i)
+              for i, p in enumerate(kernel.params)}
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0,
+                        raising=False)
+    from forge_dist.sp import p2p
+
+    relaunch = forge._Relaunch(Compiled(), kernel, 2, values, Where(), "a convolution halo",
+                               p2p.timeout_seconds(), Channel(),
+                               per_call=("d_ptr", "x_out_ptr"))
+    for _ in range(2):
+        send, out = torch.zeros(8), torch.zeros(8)
+        relaunch(None, d_ptr=send, x_out_ptr=out)
+        passed = calls[-1]
+        assert passed[names.index("d_ptr")] is send and passed[names.index("x_out_ptr")] is out
+        assert passed[names.index("recv_ptr")] is first_d  # the kept buffers stay
+        kept = relaunch._values
+        assert not any(v is send or v is out for v in kept)  # nothing of the call is held
+    assert relaunch.usable(None, d_ptr=torch.zeros(8), x_out_ptr=torch.zeros(8))
+    assert not relaunch.usable(None, d_ptr=torch.zeros(9)[1:])  # 4-byte offset
