@@ -33,10 +33,11 @@ for run as PyTorch ops (``describe()`` says how each runs; the gated_delta_rule 
 takes no fused maps).  A role may be *shared*: where a variant has up to two more inputs of a
 trailing dim than the template has roles of it, one role's prologue may read several of
 them together (a decay summed from two gates, ``logsigmoid(a) + logsigmoid(b)``); such a
-prologue runs as PyTorch ops.  Not lowered: transforms that are not elementwise (an input
-broadcast onto another's trailing dim, RetNet's per-head constant decay computed from
-shapes, an output gate), programs that are none of the five templates: those take the
-generated path (:mod:`.generated`).
+prologue runs as PyTorch ops; a per-head scalar may join a role of another trailing dim,
+broadcast over it (``k * sigmoid(i)[..., None]``, an input gate).  Not lowered: transforms
+that are not elementwise (RetNet's per-head constant decay computed from shapes, an output
+gate), programs that are none of the five templates: those take the generated path
+(:mod:`.generated`).
 """
 from __future__ import annotations
 
@@ -92,6 +93,10 @@ def _is_elementwise(n: fx.Node, inside: set) -> bool:
             return numbers and not n.kwargs and isinstance(n.args[0], fx.Node)
         if n.target is torch.clamp:
             return numbers and not n.kwargs
+        if n.target is operator.getitem:  # x[..., None]: a per-head scalar broadcast over
+            #                              the trailing dim of the role it joins
+            return (isinstance(n.args[0], fx.Node) and not n.kwargs
+                    and n.args[1] == (Ellipsis, None))
         try:
             return n.target in _ELEMENTWISE_FUNCS and isinstance(n.args[0], fx.Node)
         except TypeError:

@@ -48,7 +48,7 @@ for _name in ROLES:
         BY_KIND.setdefault(registry.get(_name).kind, _name)
 VECTOR_TEMPLATE = next(n for n in ROLES if registry.get(n).vector_state)
 del _name
-MAX_CANDIDATES = 8  # assignments validated at most (4 for the delta rule with a gate)
+MAX_CANDIDATES = 12  # assignments validated at most (4 for the delta rule with a gate)
 
 
 def is_vector(template: str) -> bool:
@@ -105,46 +105,55 @@ def names_of(assigned) -> Tuple[str, ...]:
     return (assigned,) if isinstance(assigned, str) else tuple(assigned)
 
 
-def _groupings(rs: List[str], names: List[str]) -> List[Dict[str, object]]:
-    """Every way to give each role of ``rs`` one or more of ``names`` (all used): a role
-    with several is *shared* (its prologue reads them together: ``g = logsigmoid(a) +
-    logsigmoid(b)``), its names in call order."""
-    if len(names) == len(rs):
-        return [dict(zip(rs, perm)) for perm in itertools.permutations(names)]
-    out = []
-    for owner in itertools.product(range(len(rs)), repeat=len(names)):
-        if set(owner) != set(range(len(rs))):
-            continue
+def _shared_assignments(roles: Dict[str, str], dims: Dict[str, str]):
+    """Every way to give each role one or more inputs, all used, where each role gets at
+    least one input of its own trailing dim (listed first) and an input of another dim is a
+    per-head scalar (broadcast over the role's trailing dim, ``k * sigmoid(i)[..., None]``).
+    A role with several inputs is *shared*: its prologue reads them together."""
+    names = list(dims)
+    options = [[r for r, rd in roles.items() if rd == dims[n] or dims[n] == ""]
+                for n in names]
+    for owner in itertools.product(*options):
         a: Dict[str, object] = {}
-        for i, r in enumerate(rs):
-            mine = tuple(n for n, o in zip(names, owner) if o == i)
-            a[r] = mine[0] if len(mine) == 1 else mine
-        out.append(a)
-    return out
+        for r, rd in roles.items():
+            mine = [n for n, o in zip(names, owner) if o == r]
+            own = [n for n in mine if dims[n] == rd]
+            if not own:
+                break
+            mine = own + [n for n in mine if dims[n] != rd]  # its own dim's input first
+            a[r] = mine[0] if len(mine) == 1 else tuple(mine)
+        else:
+            yield a
 
 
 def assignments(template: str, v) -> Tuple[List[Dict[str, object]], str]:
     """``(candidates, "")``: role -> input assignments the declared dims allow, best fitting
     first; or ``([], reason)`` when the inputs cannot fill the roles.  A role takes one
-    input name, or, where the variant has up to :data:`MAX_SHARED` more inputs of a role's
-    trailing dim than roles of it, a tuple of names its prologue reads together."""
+    input name or, where the variant has up to :data:`MAX_SHARED` more inputs than the
+    template has roles, a tuple of names its prologue reads together (inputs of its own
+    trailing dim, and per-head scalars broadcast over it)."""
     roles = roles_of(template, v)
     dims = v.inputs
-    by_dim: Dict[str, List[str]] = {}
-    for r, d in roles.items():
-        by_dim.setdefault(d, []).append(r)
-    names_by_dim = {d: [n for n, nd in dims.items() if nd == d] for d in by_dim}
-    extra = len(dims) - len(roles)
-    if (set(dims.values()) - set(by_dim) or extra > MAX_SHARED
-            or any(len(names_by_dim[d]) < len(rs) for d, rs in by_dim.items())):
+    want = sorted(roles.values())
+    have = sorted(dims.values())
+    where = reads(v)
+    if want == have:
+        by_dim: Dict[str, List[str]] = {}
+        for r, d in roles.items():
+            by_dim.setdefault(d, []).append(r)
+        choices = []
+        for d, rs in by_dim.items():
+            names = [n for n, nd in dims.items() if nd == d]
+            choices.append([dict(zip(rs, perm)) for perm in itertools.permutations(names)])
+        out = [{r: n for part in combo for r, n in part.items()}
+               for combo in itertools.product(*choices)]
+    elif 0 < len(dims) - len(roles) <= MAX_SHARED:
+        out = list(_shared_assignments(roles, dims))
+    else:
+        out = []
+    if not out:
         return [], (f"the {template} template takes inputs with trailing dims "
                     f"{_dims_text(roles)}; the variant has {_dims_text(dims)}")
-    where = reads(v)
-    choices = [_groupings(rs, names_by_dim[d]) for d, rs in by_dim.items()]
-    out = []
-    for combo in itertools.product(*choices):
-        a = {r: n for part in combo for r, n in part.items()}
-        out.append(a)
 
     def fit(a):
         return sum(sum(_fit(r, where[n], n) for n in names_of(ns)) / len(names_of(ns))

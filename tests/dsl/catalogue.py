@@ -262,7 +262,7 @@ SCALAR = [
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"])},
           post=lambda o, x: o * torch.sigmoid(x["z"])),
     Entry("input_gate", (_ingate_chunk, _sg_a_decay, _ingate_merge), {**QKV, "a": "", "i": ""},
-          "generated", "simple_gla",
+          "template:simple_gla", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"] * torch.sigmoid(x["i"])[..., None], "v": x["v"],
                      "g": F.logsigmoid(x["a"])}),
     Entry("second_decay", (_two_decay_chunk, _two_decay_decay, _two_decay_merge),

@@ -87,6 +87,7 @@ def test_world1_fp64(name):
 # the variants it runs, ~0.5 s of CPU apiece); FORGE_DIST_TEST_FULL_CATALOGUE=1: all of them.
 WORLD3 = RUNNABLE if os.environ.get("FORGE_DIST_TEST_FULL_CATALOGUE") == "1" else [
     "relu_times_relu", "renamed_linear_attn", "gate_named_a", "second_decay", "input_gate",
+    "output_gate",
     "retnet_head_decay", "gla_gate_gk", "gla_output_gate", "gated_delta_a_b", "deltanet_lr",
     "gated_delta_output_gate", "hgrn_u_f", "rg_lru"]
 
@@ -113,7 +114,7 @@ def test_generated_path_runs_the_graphs_it_is_given():
     counting wrappers; on CUDA their torch.compile forms, exercised with Inductor by the GPU
     test below) and gives the traced graphs' results: outputs, state, transition (the
     linear part of decay_mode) and the readout of a carried state (that of merge_mode)."""
-    entry = CATALOGUE["input_gate"]
+    entry = CATALOGUE["output_gate"]
     v = entry.variant
     calls = {}
 
@@ -160,7 +161,7 @@ def test_compiled_graphs_are_torch_compile_of_the_traced_ones(monkeypatch):
     (one compile for every chunk count and tail length)."""
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
-    v = CATALOGUE["input_gate"].variant
+    v = CATALOGUE["output_gate"].variant
     graphs = generated.compiled_graphs(v)
     eager = generated.eager_graphs(v)
     assert [fn for fn, _ in seen] == [eager.chunk, eager.decay, eager.merge,
@@ -171,12 +172,13 @@ def test_compiled_graphs_are_torch_compile_of_the_traced_ones(monkeypatch):
 
 def test_warns_once_per_variant_off_the_templates(monkeypatch):
     cuda = torch.device("cuda")
-    v = CATALOGUE["input_gate"].variant
+    v = CATALOGUE["output_gate"].variant
     v._warned_path = False
-    with pytest.warns(UserWarning, match=r"'input_gate' runs on CUDA through the "
+    with pytest.warns(UserWarning, match=r"'output_gate' runs on CUDA through the "
                                          r"Inductor-compiled .*the simple_gla template has "
-                                         r"roles q, k, v, g only \(a, i have trailing dim "
-                                         r"per-head scalar") as record:
+                                         r"roles q, k, v, g only \(v, z have trailing dim V "
+                                         r"\(the template takes 1\)\): apply the extra input "
+                                         r"outside the variant") as record:
         generated.warn_once(v, cuda, v.path(cuda))
         generated.warn_once(v, cuda, v.path(cuda))
     assert len(record) == 1

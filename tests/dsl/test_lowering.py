@@ -73,12 +73,13 @@ def triton_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["elu", "gla", "gated_delta_rule", "hgrn", "hgrn-runner",
-                                  "shared"])
+                                  "shared", "broadcast"])
 def test_triton_template_path(triton_on_cpu, case, monkeypatch):
     """Forward and gradients through the template's kernels.  hgrn differentiates through
     its cached plan (the ops' short path); with plans off, through the runner's works.
     shared: a decay summed from two gates (one role, two inputs) on the simple_gla
-    template, gradients reaching both gates."""
+    template, gradients reaching both gates; broadcast: an input gate, a per-head scalar
+    broadcast onto the keys (``k * sigmoid(i)[..., None]``)."""
     from forge_dist.runtime import cache
 
     cache.clear()
@@ -118,6 +119,19 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
         g_r = torch.nn.functional.logsigmoid(mref[3]) + torch.nn.functional.logsigmoid(mref[4])
         o_r, s_r = ref.simple_gla_ref(*mref[:3], g_r, initial_state=mref[5],
                                       output_final_state=True)
+    elif case == "broadcast":
+        from tests.dsl.catalogue import CATALOGUE
+
+        variant = CATALOGUE["input_gate"].variant
+        assert variant.lowering.roles["k"] == ("k", "i")
+        a, i = (torch.randn(B, T, H).add(2).requires_grad_() for _ in range(2))
+        o, s = variant(q, k, v, a, i, initial_state=h0, output_final_state=True)
+        leaves = [q, k, v, a, i, h0]
+        mref = [t.detach().double().requires_grad_() for t in leaves]
+        k_r = mref[1] * torch.sigmoid(mref[4])[..., None]
+        o_r, s_r = ref.simple_gla_ref(mref[0], k_r, mref[2],
+                                      torch.nn.functional.logsigmoid(mref[3]),
+                                      initial_state=mref[5], output_final_state=True)
     elif case == "elu":
         o, s = library.elu_linear_attn(q, k, v, initial_state=h0, output_final_state=True)
         leaves = [q, k, v, h0]
