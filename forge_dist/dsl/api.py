@@ -243,7 +243,7 @@ class Variant:
         if path == generated.TEMPLATE and group is None and cu_seqlens is None:
             short = self.lowering.planned_call(inputs, scale_v, initial_state,
                                                output_final_state)
-            if short is not None:  # one GPU: the template's cached plan
+            if short is not None:  # one GPU: the template's cached plan (and epilogue)
                 return short
         grad = needs_grad(dict(inputs), initial_state)
         cu, strat, word = self._prepare(B=B, T=T, sizes=sizes, H=H, device=device,
@@ -259,6 +259,8 @@ class Variant:
                        B=B, T_local=T, initial_state=init, output_final_state=output_final_state,
                        cu=cu, group=group, strategy=strat, out_dtype=dtype,
                        compute_dtype=compute, device=device, word=word)
+        if path == generated.TEMPLATE:  # the template's outputs, gated where it has one
+            o = self.lowering.gate_outputs(o, inputs)
         if self.vector and final is not None:
             final = final.reshape(-1, K)
         return o, final
@@ -309,6 +311,9 @@ class Variant:
                 work = self.lowering.make_work(part, scale, need_M, out_dtype=out_dtype)
                 if work is not None:
                     return work
+                if self.lowering.epilogue is not None:  # (its outputs are gated after)
+                    return ChunkFormWork(lambda need: self.lowering.reference_summary(
+                        part, scale, need, chunk_size), need_M)
             return ChunkFormWork(lambda need: self.summarize(part, scale, need, chunk_size,
                                                              graphs), need_M)
         return make_work

@@ -34,9 +34,12 @@ takes no fused maps).  A role may be *shared*: where a variant has up to two mor
 trailing dim than the template has roles of it, one role's prologue may read several of
 them together (a decay summed from two gates, ``logsigmoid(a) + logsigmoid(b)``); such a
 prologue runs as PyTorch ops; a per-head scalar may join a role of another trailing dim,
-broadcast over it (``k * sigmoid(i)[..., None]``, an input gate).  Not lowered: transforms
-that are not elementwise (RetNet's per-head constant decay computed from shapes, an output
-gate), programs that are none of the five templates: those take the generated path
+broadcast over it (``k * sigmoid(i)[..., None]``, an input gate).  An output gate is an
+*epilogue*: a ``merge_mode`` that returns the template's outputs times an elementwise map of
+an input no other phase reads (``o * sigmoid(z)``) lowers with the template's outputs
+multiplied by that map after the call (PyTorch ops; validated the same way).  Not lowered:
+transforms that are not elementwise (RetNet's per-head constant decay computed from shapes),
+programs that are none of the five templates: those take the generated path
 (:mod:`.generated`).
 """
 from __future__ import annotations
@@ -150,6 +153,61 @@ def _dag(gms: List[fx.GraphModule], names) -> List[fx.Node]:
     return list(nodes)
 
 
+class _Without:
+    """A variant seen without one of its inputs (an epilogue's), for the role assignment."""
+
+    def __init__(self, v, name: str):
+        self._v = v
+        self.inputs = {n: d for n, d in v.inputs.items() if n != name}
+        self.input_names = [n for n in v.input_names if n != name]
+
+    def __getattr__(self, attr):
+        return getattr(self._v, attr)
+
+
+def _epilogue(v) -> Optional[Tuple[str, Callable, str]]:
+    """An output gate: ``merge_mode`` returns ``main * f(z)`` (or ``f(z) * main``), ``f`` an
+    elementwise DAG of one input ``z`` that no other phase reads and nothing else in the
+    merge uses.  ``(z, f, text)``, or ``None``."""
+    if v.vector:
+        return None
+    gm = v.merge.gm
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if not (isinstance(out, fx.Node) and out.op == "call_function"
+            and out.target in (operator.mul, torch.mul) and len(out.args) == 2
+            and not out.kwargs and all(isinstance(a, fx.Node) for a in out.args)):
+        return None
+    where = None
+    for side in out.args:
+        ancestry, todo = {side}, [side]
+        while todo:
+            for a in todo.pop().all_input_nodes:
+                if a not in ancestry:
+                    ancestry.add(a)
+                    todo.append(a)
+        inputs = [n for n in ancestry if n.op == "placeholder"]
+        if len(inputs) != 1 or inputs[0].target not in v.inputs:
+            continue
+        z = inputs[0]
+        if where is None:
+            from .roles import reads
+            where = reads(v)
+        if where[z.target] != {"merge"} or not set(z.users) <= ancestry:
+            continue
+        body = [n for n in gm.graph.nodes if n in ancestry and n is not z]
+        inside = {z}
+        ok = True
+        for n in body:
+            if not _is_elementwise(n, inside):
+                ok = False
+                break
+            inside.add(n)
+        if ok and body and all(set(n.users) <= ancestry | {out} for n in body):
+            fn, text = _prologue([z] + body)
+            return z.target, fn, text
+    return None
+
+
 def _inputs_of(chain: List[fx.Node]) -> int:
     """How many of a DAG's leading nodes are its inputs' placeholders."""
     return next((i for i, n in enumerate(chain) if n.op != "placeholder"), len(chain))
@@ -190,6 +248,23 @@ class Lowering:
     scale_mode: str  # "user" (the call's scale) or "one"
     # role -> InputMap: prologues the template's kernels apply as they load (codegen)
     fused: Dict[str, Any] = field(default_factory=dict)
+    # an output gate: (input name, elementwise map of it, text); the outputs of the template
+    # are multiplied by the map of that input (PyTorch ops)
+    epilogue: Optional[Tuple[str, Callable, str]] = None
+
+    def gate_outputs(self, o: torch.Tensor, part: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The variant's outputs from the template's ``o [B, T, H, V]``: multiplied by the
+        epilogue's map of its input (this rank's tokens), where there is one."""
+        if self.epilogue is None:
+            return o
+        name, fn, _ = self.epilogue
+        return (o * fn(part[name])).to(o.dtype)
+
+    def reference_summary(self, part, scale: float, need_M: bool, chunk_size=None):
+        """The template's PyTorch chunk form on the prologue outputs (what a part whose
+        shapes the template's kernels do not cover runs), without the epilogue."""
+        s = scale if self.scale_mode == "user" else 1.0
+        return _reference(self.template, self.mapped(part), s, need_M, chunk_size)
 
     def how(self, role: str) -> str:
         """How role ``role``'s prologue runs: ``fused`` into the template's kernels, a
@@ -204,8 +279,10 @@ class Lowering:
     def summary(self) -> str:
         maps = [f"{k}: {t} ({self.how(k)})" for k, t in self.texts.items() if "->" in t]
         renamed = describe_roles(self.roles)
+        epi = ("" if self.epilogue is None else
+               f"; epilogue: outputs times {self.epilogue[2]} (PyTorch)")
         return ((f"roles {renamed}; " if renamed else "") +
-                "prologue " + ("; ".join(maps) if maps else "none"))
+                "prologue " + ("; ".join(maps) if maps else "none") + epi)
 
     def _read(self, part, role: str) -> List[torch.Tensor]:
         return [part[n] for n in names_of(self.roles[role])]
@@ -245,10 +322,15 @@ class Lowering:
         common = dict(initial_state=initial_state, output_final_state=output_final_state,
                       cu_seqlens=None, group=None, use_kernels=True, maps=maps)
         if is_vector(self.template):
-            return planned.hgrn_call(x["x"], x["g"], **common)
-        s = scale if self.scale_mode == "user" else 1.0
-        return planned.matrix_call(self.template, x["q"], x["k"], x["v"],
-                                   {"g": x.get("g"), "beta": x.get("beta")}, scale=s, **common)
+            got = planned.hgrn_call(x["x"], x["g"], **common)
+        else:
+            s = scale if self.scale_mode == "user" else 1.0
+            got = planned.matrix_call(self.template, x["q"], x["k"], x["v"],
+                                      {"g": x.get("g"), "beta": x.get("beta")}, scale=s,
+                                      **common)
+        if got is None:
+            return None
+        return self.gate_outputs(got[0], inputs), got[1]
 
 
 @dataclass
@@ -265,7 +347,10 @@ def lower(v, fuse: bool = False) -> Decision:
     to the template's roles (:mod:`.roles`); ``fuse``: write the prologues the template can
     apply as Triton maps (:mod:`.codegen`)."""
     template = template_for(v)
+    epilogue = _epilogue(v)
     candidates, reason = assignments(template, v)
+    if not candidates and epilogue is not None:
+        candidates, reason = assignments(template, _Without(v, epilogue[0]))
     if not candidates:
         return Decision(None, reason, hint(v, template, reason))
     probes = _probes(v)
@@ -273,15 +358,21 @@ def lower(v, fuse: bool = False) -> Decision:
     if mine is None:
         reason = "the variant gave non-finite values on the validation probes"
         return Decision(None, reason, hint(v, template, reason))
-    for roles in candidates:
-        dags = {r: _dag([v.merge.gm, v.chunk.gm], n) for r, n in roles.items()}
-        prologues, texts = {}, {}
-        for r, dag in dags.items():
-            prologues[r], texts[r] = _prologue(dag)
-        for mode in ("user", "one"):
-            low = Lowering(template, roles, prologues, texts, mode)
-            if _matches(mine, low, probes):
-                return Decision(_with_kernels(low, dags, fuse))
+    for epi in (None, epilogue) if epilogue is not None else (None,):
+        if epi is not None:
+            candidates = assignments(template, _Without(v, epi[0]))[0] or candidates
+        for roles in candidates:
+            if epi is not None and epi[0] in {n for ns in roles.values()
+                                              for n in names_of(ns)}:
+                continue
+            dags = {r: _dag([v.merge.gm, v.chunk.gm], n) for r, n in roles.items()}
+            prologues, texts = {}, {}
+            for r, dag in dags.items():
+                prologues[r], texts[r] = _prologue(dag)
+            for mode in ("user", "one"):
+                low = Lowering(template, roles, prologues, texts, mode, epilogue=epi)
+                if _matches(mine, low, probes):
+                    return Decision(_with_kernels(low, dags, fuse))
     names = ", ".join(n for ns in candidates[0].values() for n in names_of(ns))
     reason = (f"the program is not the {template} template's chunk form on elementwise "
               f"prologues of its inputs ({names}, in every role assignment their trailing "
@@ -343,17 +434,19 @@ def _run_user(v, probes):
     return got if all(torch.isfinite(t).all() for t in got) else None
 
 
-def _reference(template: str, mapped: Dict[str, torch.Tensor], scale: float):
+def _reference(template: str, mapped: Dict[str, torch.Tensor], scale: float,
+               need: bool = False, chunk_size: Optional[int] = 4):
     """The PyTorch chunk form each Triton template is tested against (and that the kernels'
-    backward is checked with)."""
+    backward is checked with); chunks of 4 for the validation probes."""
     if is_vector(template):
-        return vector_state.summarize(mapped["x"], mapped["g"], need_transition=False,
-                                      chunk_size=4)
+        return vector_state.summarize(mapped["x"], mapped["g"], need_transition=need,
+                                      chunk_size=chunk_size)
     if is_delta_rule(template):
         return delta_rule.summarize(mapped["q"], mapped["k"], mapped["v"], mapped.get("g"),
-                                    mapped["beta"], scale, need_transition=False, chunk_size=4)
+                                    mapped["beta"], scale, need_transition=need,
+                                    chunk_size=chunk_size)
     return decay_attention.summarize(mapped["q"], mapped["k"], mapped["v"], mapped.get("g"),
-                                     scale, need_transition=False, chunk_size=4)
+                                     scale, need_transition=need, chunk_size=chunk_size)
 
 
 def _matches(mine, low: Lowering, probes) -> bool:
@@ -364,6 +457,7 @@ def _matches(mine, low: Lowering, probes) -> bool:
             theirs = _total(_reference(low.template, low.mapped(probes),
                                        0.7 if low.scale_mode == "user" else 1.0),
                             probes["__S0"])
+            theirs = (low.gate_outputs(theirs[0], probes), theirs[1])
     except Exception:  # noqa: BLE001 - any failure means "not this template"
         return False
     return all(a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=1e-12)

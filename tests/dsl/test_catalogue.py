@@ -114,7 +114,7 @@ def test_generated_path_runs_the_graphs_it_is_given():
     counting wrappers; on CUDA their torch.compile forms, exercised with Inductor by the GPU
     test below) and gives the traced graphs' results: outputs, state, transition (the
     linear part of decay_mode) and the readout of a carried state (that of merge_mode)."""
-    entry = CATALOGUE["output_gate"]
+    entry = CATALOGUE["retnet_head_decay"]
     v = entry.variant
     calls = {}
 
@@ -161,7 +161,7 @@ def test_compiled_graphs_are_torch_compile_of_the_traced_ones(monkeypatch):
     (one compile for every chunk count and tail length)."""
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
-    v = CATALOGUE["output_gate"].variant
+    v = CATALOGUE["retnet_head_decay"].variant
     graphs = generated.compiled_graphs(v)
     eager = generated.eager_graphs(v)
     assert [fn for fn, _ in seen] == [eager.chunk, eager.decay, eager.merge,
@@ -172,13 +172,12 @@ def test_compiled_graphs_are_torch_compile_of_the_traced_ones(monkeypatch):
 
 def test_warns_once_per_variant_off_the_templates(monkeypatch):
     cuda = torch.device("cuda")
-    v = CATALOGUE["output_gate"].variant
+    v = CATALOGUE["retnet_head_decay"].variant
     v._warned_path = False
-    with pytest.warns(UserWarning, match=r"'output_gate' runs on CUDA through the "
-                                         r"Inductor-compiled .*the simple_gla template has "
-                                         r"roles q, k, v, g only \(v, z have trailing dim V "
-                                         r"\(the template takes 1\)\): apply the extra input "
-                                         r"outside the variant") as record:
+    with pytest.warns(UserWarning, match=r"'retnet_head_decay' runs on CUDA through the "
+                                         r"Inductor-compiled .*pass the log decay as an input "
+                                         r"\(trailing dims: per-head scalar\) instead of "
+                                         r"computing it inside the phases") as record:
         generated.warn_once(v, cuda, v.path(cuda))
         generated.warn_once(v, cuda, v.path(cuda))
     assert len(record) == 1
@@ -279,3 +278,45 @@ def test_calls_on_the_generated_path_run_its_graphs_and_scan(monkeypatch):
     assert used and v._compiled is not None
     for a, b in ((o, o_ref), (final, f_ref)):
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-5
+
+
+def _template_rows(group, names):
+    """Entries lowered with shared roles or an epilogue, through their template's kernels
+    (interpreted) on this world's ranks: relative error against the fp64 recurrence, and
+    whether every part ran a kernel work."""
+    from forge_dist import kernels
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    used = []
+    real = kernels.make_work
+    kernels.make_work = lambda *a, **k: used.append(real(*a, **k)) or used[-1]
+    out = {}
+    for n in names:
+        entry = CATALOGUE[n]
+        used.clear()
+        x, h0 = entry.problem(8 * world, K=16, V=16, seed=2)
+        xs = {k: t.float() for k, t in _shard(x, rank, 8).items()}
+        o, final = entry.variant(**xs, scale=SCALE, initial_state=h0.float(),
+                                 output_final_state=True, group=group, strategy="serial")
+        parts = [torch.empty_like(o) for _ in range(world)]
+        dist.all_gather(parts, o.contiguous(), group=group)
+        dist.broadcast(final, src=world - 1, group=group)
+        o_ref, f_ref = entry.reference(x, h0, SCALE)
+        err = max(((a.double() - b).norm() / b.norm()).item()
+                  for a, b in ((torch.cat(parts, dim=1), o_ref), (final, f_ref)))
+        out[n] = [err, bool(used) and all(w is not None for w in used)]
+    return out
+
+
+def test_shared_roles_and_epilogues_run_their_template_across_ranks():
+    """second_decay (a shared decay), input_gate (a broadcast input gate) and the output
+    gates (epilogues) on two ranks through the template's Triton kernels."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
+    names = ["second_decay", "input_gate", "output_gate", "gla_output_gate",
+             "gated_delta_output_gate"]
+    rows = run_world(2, _template_rows, names, env={"FORGE_DIST_DSL_TRITON": "1",
+                                                    "FORGE_DIST_TIMEOUT": "120"})
+    for n in names:
+        err, kernels_ran = rows[n]
+        assert kernels_ran and err < 1e-4, (n, rows[n])

@@ -73,13 +73,14 @@ def triton_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["elu", "gla", "gated_delta_rule", "hgrn", "hgrn-runner",
-                                  "shared", "broadcast"])
+                                  "shared", "broadcast", "epilogue"])
 def test_triton_template_path(triton_on_cpu, case, monkeypatch):
     """Forward and gradients through the template's kernels.  hgrn differentiates through
     its cached plan (the ops' short path); with plans off, through the runner's works.
     shared: a decay summed from two gates (one role, two inputs) on the simple_gla
     template, gradients reaching both gates; broadcast: an input gate, a per-head scalar
-    broadcast onto the keys (``k * sigmoid(i)[..., None]``)."""
+    broadcast onto the keys (``k * sigmoid(i)[..., None]``); epilogue: an output gate
+    (``o * sigmoid(z)``) after the template, gradients reaching z."""
     from forge_dist.runtime import cache
 
     cache.clear()
@@ -132,6 +133,19 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
         o_r, s_r = ref.simple_gla_ref(mref[0], k_r, mref[2],
                                       torch.nn.functional.logsigmoid(mref[3]),
                                       initial_state=mref[5], output_final_state=True)
+    elif case == "epilogue":
+        from tests.dsl.catalogue import CATALOGUE
+
+        variant = CATALOGUE["output_gate"].variant
+        assert variant.lowering.epilogue[0] == "z"
+        a = torch.randn(B, T, H).add(2).requires_grad_()
+        z = torch.randn(B, T, H, V, requires_grad=True)
+        o, s = variant(q, k, v, a, z, initial_state=h0, output_final_state=True)
+        leaves = [q, k, v, a, z, h0]
+        mref = [t.detach().double().requires_grad_() for t in leaves]
+        o_r, s_r = ref.simple_gla_ref(*mref[:3], torch.nn.functional.logsigmoid(mref[3]),
+                                      initial_state=mref[5], output_final_state=True)
+        o_r = o_r * torch.sigmoid(mref[4])
     elif case == "elu":
         o, s = library.elu_linear_attn(q, k, v, initial_state=h0, output_final_state=True)
         leaves = [q, k, v, h0]
