@@ -61,8 +61,8 @@ from ..ops.runner import needs_grad
 from ..variants import decay_attention, delta_rule, vector_state
 from . import codegen
 from .placement import use_kernels
-from .roles import (assignments, describe_roles, hint, is_delta_rule, is_vector, names_of,
-                    template_for)
+from .roles import (MAX_CANDIDATES, assignments, describe_roles, hint, is_delta_rule,
+                    is_vector, names_of, template_for)
 
 _ELEMENTWISE_FUNCS = {torch.relu, torch.sigmoid, torch.exp, torch.tanh, torch.abs, torch.neg,
                       operator.neg, F.relu, F.elu, F.silu, F.softplus, F.logsigmoid, F.gelu,
@@ -148,6 +148,8 @@ def _dag(gms: List[fx.GraphModule], names) -> List[fx.Node]:
                     todo.append(a)
         if len(nodes) > 1 and not all(p in ancestry for p in nodes):
             continue  # a shared role's value reads every one of its inputs
+        if f.op == "call_function" and f.target is operator.getitem:
+            continue  # x[..., None] only broadcasts inside a prologue, never ends one
         if all(set(a.users) <= ancestry for a in ancestry if a is not f):
             return [n for n in order if n in ancestry]
     return list(nodes)
@@ -226,8 +228,11 @@ def _prologue(chain: List[fx.Node]) -> Tuple[Optional[Callable], str]:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[chain[-1]])
     gm = fx.GraphModule(torch.nn.Module(), g)
-    text = " -> ".join([", ".join(p.target for p in chain[:k])]
-                       + [_op_text(n) for n in chain[k:]])
+    if k == 1:
+        text = " -> ".join([chain[0].target] + [_op_text(n) for n in chain[1:]])
+    else:  # a DAG of several inputs, not a chain
+        text = (f"({', '.join(p.target for p in chain[:k])}) -> "
+                f"{{{', '.join(_op_text(n) for n in chain[k:])}}}")
     return gm, text
 
 
@@ -264,6 +269,8 @@ class Lowering:
         """The template's PyTorch chunk form on the prologue outputs (what a part whose
         shapes the template's kernels do not cover runs), without the epilogue."""
         s = scale if self.scale_mode == "user" else 1.0
+        if chunk_size is None and is_delta_rule(self.template):
+            chunk_size = 32  # (the delta rule's chunk form takes no default from None)
         return _reference(self.template, self.mapped(part), s, need_M, chunk_size)
 
     def how(self, role: str) -> str:
@@ -348,9 +355,9 @@ def lower(v, fuse: bool = False) -> Decision:
     apply as Triton maps (:mod:`.codegen`)."""
     template = template_for(v)
     epilogue = _epilogue(v)
-    candidates, reason = assignments(template, v)
+    candidates, reason = _candidates(template, v)
     if not candidates and epilogue is not None:
-        candidates, reason = assignments(template, _Without(v, epilogue[0]))
+        candidates, reason = _candidates(template, _Without(v, epilogue[0]))
     if not candidates:
         return Decision(None, reason, hint(v, template, reason))
     probes = _probes(v)
@@ -360,7 +367,7 @@ def lower(v, fuse: bool = False) -> Decision:
         return Decision(None, reason, hint(v, template, reason))
     for epi in (None, epilogue) if epilogue is not None else (None,):
         if epi is not None:
-            candidates = assignments(template, _Without(v, epi[0]))[0] or candidates
+            candidates = _candidates(template, _Without(v, epi[0]))[0] or candidates
         for roles in candidates:
             if epi is not None and epi[0] in {n for ns in roles.values()
                                               for n in names_of(ns)}:
@@ -378,6 +385,24 @@ def lower(v, fuse: bool = False) -> Decision:
               f"prologues of its inputs ({names}, in every role assignment their trailing "
               f"dims allow; translation validation failed)")
     return Decision(None, reason, hint(v, template, reason))
+
+
+def _candidates(template: str, v):
+    """:func:`.roles.assignments`, best first, without those whose shared roles' inputs never
+    meet in one elementwise value (their prologue cannot exist), then capped at
+    :data:`.roles.MAX_CANDIDATES`: the cap never drops a viable assignment for hopeless
+    ones."""
+    got, reason = assignments(template, v, limit=None)
+
+    def viable(roles):
+        for ns in roles.values():
+            names = names_of(ns)
+            if len(names) > 1:
+                dag = _dag([v.merge.gm, v.chunk.gm], names)
+                if len(dag) == _inputs_of(dag):  # only the placeholders: they never meet
+                    return False
+        return True
+    return [a for a in got if viable(a)][:MAX_CANDIDATES], reason
 
 
 def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool) -> Lowering:

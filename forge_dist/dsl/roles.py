@@ -48,7 +48,8 @@ for _name in ROLES:
         BY_KIND.setdefault(registry.get(_name).kind, _name)
 VECTOR_TEMPLATE = next(n for n in ROLES if registry.get(n).vector_state)
 del _name
-MAX_CANDIDATES = 12  # assignments validated at most (4 for the delta rule with a gate)
+MAX_CANDIDATES = 12  # assignments validated at most (the delta rule with a gate and no
+#                      extra inputs has 4; shared roles give more)
 
 
 def is_vector(template: str) -> bool:
@@ -126,12 +127,13 @@ def _shared_assignments(roles: Dict[str, str], dims: Dict[str, str]):
             yield a
 
 
-def assignments(template: str, v) -> Tuple[List[Dict[str, object]], str]:
+def assignments(template: str, v, limit: Optional[int] = MAX_CANDIDATES
+                ) -> Tuple[List[Dict[str, object]], str]:
     """``(candidates, "")``: role -> input assignments the declared dims allow, best fitting
-    first; or ``([], reason)`` when the inputs cannot fill the roles.  A role takes one
-    input name or, where the variant has up to :data:`MAX_SHARED` more inputs than the
-    template has roles, a tuple of names its prologue reads together (inputs of its own
-    trailing dim, and per-head scalars broadcast over it)."""
+    first (at most ``limit``); or ``([], reason)`` when the inputs cannot fill the roles.  A
+    role takes one input name or, where the variant has up to :data:`MAX_SHARED` more inputs
+    than the template has roles, a tuple of names its prologue reads together (inputs of
+    its own trailing dim, and per-head scalars broadcast over it)."""
     roles = roles_of(template, v)
     dims = v.inputs
     want = sorted(roles.values())
@@ -159,7 +161,7 @@ def assignments(template: str, v) -> Tuple[List[Dict[str, object]], str]:
         return sum(sum(_fit(r, where[n], n) for n in names_of(ns)) / len(names_of(ns))
                    for r, ns in a.items())
     out.sort(key=lambda a: -fit(a))
-    return out[:MAX_CANDIDATES], ""
+    return (out if limit is None else out[:limit]), ""
 
 
 def _dims_text(dims: Dict[str, str]) -> str:

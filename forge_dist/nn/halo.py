@@ -11,7 +11,8 @@ communication pattern never depends on ``cu_seqlens``; masking of taps that woul
 packed-sequence boundary is the convolution's job (:mod:`forge_dist.nn.conv`).
 
 For a layer whose strategy passes its states GPU-initiated (``forge``, ``scan``, ``hier``,
-``auto``; :data:`GPU_INITIATED`), where that transport runs (NVSHMEM on CUDA, or the
+or ``auto`` where it resolves to one of them; :data:`GPU_INITIATED`), where that transport
+runs (NVSHMEM on CUDA, or the
 simulated transport of gloo ranks under Triton's interpreter), the halo travels as
 ``forge`` passes a state: one
 kernel on every rank puts its tail to the neighbour and waits on the GPU for the other
@@ -68,6 +69,22 @@ def _transport_reason(group, device: torch.device):
     return FORGE.available(device)
 
 
+_AUTO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {device: name}
+
+
+def _resolved(group, device: torch.device) -> str:
+    """The strategy ``auto`` resolves to for this group's state passes on ``device``."""
+    from ..sp import resolve
+
+    known = _AUTO.get(group)
+    if known is None:
+        known = _AUTO[group] = {}
+    name = known.get(device)
+    if name is None:
+        name = known[device] = resolve("auto", device, group).name
+    return name
+
+
 def _on_device(group, device: torch.device, strategy: str = "auto") -> bool:
     """Whether this group's halos on ``device`` travel GPU-initiated (see the module).  The
     first halo of a group on a device agrees on it across the ranks (one all-gather): the
@@ -76,6 +93,8 @@ def _on_device(group, device: torch.device, strategy: str = "auto") -> bool:
     mode = _mode()
     if mode == "p2p" or (mode == "auto" and strategy not in GPU_INITIATED):
         return False
+    if mode == "auto" and strategy == "auto" and _resolved(group, device) not in GPU_INITIATED:
+        return False  # auto's state pass is host-driven here (a subgroup, the CPU): so is this
     known = _ON_DEVICE.get(group)
     if known is None:
         known = _ON_DEVICE[group] = {}

@@ -349,3 +349,53 @@ def test_fused_prologue_variants_against_fp64(triton_on_cpu, monkeypatch, case, 
     for a, b in pairs:
         err = ((a.double() - b).norm() / b.norm()).item()
         assert err < 1e-4, err
+
+
+def test_a_gate_broadcast_once_and_reused_keeps_its_prologue():
+    """DeltaNet whose step size is ``sigmoid(lr)[..., None]``, formed once and read twice:
+    the prologue of beta ends at the sigmoid (the broadcast is the phase's own), as before
+    per-head scalars could join other roles."""
+    from tests.dsl.catalogue import T, _delta_decay, _delta_merge
+
+    def chunk(k, v, lr):
+        b1 = torch.sigmoid(lr)[..., None]
+        C = k.shape[-2]
+        system = k.new_ones(C).diag() + b1 * (k @ T(k)).tril(-1)
+
+        def solve(rhs):
+            return torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        u, w = solve(b1 * v), solve(b1 * k)
+        dsl.cache("u", u)
+        dsl.cache("w", w)
+        return T(k) @ u
+
+    v = dsl.variant("deltanet_sigmoid_once", chunk_mode=chunk, decay_mode=_delta_decay,
+                    merge_mode=_delta_merge, inputs={"q": "K", "k": "K", "v": "V", "lr": ""})
+    assert v.lowering is not None, v.lowering_reason
+    assert v.lowering.texts["beta"] == "lr -> sigmoid"
+
+
+def test_the_right_shared_assignment_survives_the_candidate_cap():
+    """Unconventional names and a decay summed from three gates: the assignments whose
+    shared roles never meet are dropped before the cap, so the right one is validated."""
+    from tests.dsl.catalogue import _chunk_state, _retention
+
+    def G(a, b, c):
+        return (F.logsigmoid(a) + F.logsigmoid(b) + F.logsigmoid(c)).cumsum(-1)
+
+    def chunk(key, value, a, b, c):
+        return _chunk_state(key, value, G(a, b, c))
+
+    def decay(state, chunk_state, a, b, c):
+        return state * G(a, b, c)[..., -1].exp()[..., None, None] + chunk_state
+
+    def merge(state, query, key, value, a, b, c, scale):
+        return _retention(query, key, value, G(a, b, c), state, scale)
+
+    v = dsl.variant("three_gates", chunk_mode=chunk, decay_mode=decay, merge_mode=merge,
+                    inputs={"query": "K", "key": "K", "value": "V", "a": "", "b": "",
+                            "c": ""})
+    assert v.lowering is not None, v.lowering_reason
+    assert v.lowering.roles["g"] == ("a", "b", "c")
+    assert v.lowering.texts["g"] == ("(a, b, c) -> {log_sigmoid, log_sigmoid, add, "
+                                     "log_sigmoid, add}")

@@ -17,11 +17,11 @@ CU = torch.tensor([0, 2, 6, 7, 12])
 T_LOCAL, D = 4, 5
 
 
-def _halo_values(group):
+def _halo_values(group, strategy="auto"):
     rank = dist.get_rank(group)
     x = torch.arange(2 * T_LOCAL * D, dtype=torch.float64).reshape(2, T_LOCAL, D) + 1000 * rank
     x.requires_grad_()
-    h = halo_exchange(x, 3, group)
+    h = halo_exchange(x, 3, group, strategy)
     expect = (torch.zeros_like(h) if rank == 0 else
               (torch.arange(2 * T_LOCAL * D, dtype=torch.float64).reshape(2, T_LOCAL, D)
                + 1000 * (rank - 1))[:, -3:])
@@ -108,9 +108,12 @@ def test_halo_values_and_gradients_cross_ranks(mode):
     """The same values and gradients through the GPU-initiated transport (simulated here)
     and through the process group's send and receive."""
     env = {"FORGE_DIST_HALO": mode}
-    assert run_world(3, _halo_values, env=env) == {"values": True, "grads": True}
-    # auto: forward (to the next rank) and backward (to the previous) on the device path
-    assert run_world(2, _path_taken, env=env) == ([False, True] if mode == "auto" else [])
+    assert run_world(3, _halo_values, "forge", env=env) == {"values": True, "grads": True}
+    # auto with forge: forward (to the next rank) and backward (to the previous) on the
+    # device path; auto with auto, which resolves to lasp2 on the CPU: the process group's
+    assert run_world(2, _path_taken, "forge", env=env) == \
+        ([False, True] if mode == "auto" else [])
+    assert run_world(2, _path_taken, "auto", env=env) == []
 
 
 def test_host_driven_strategies_keep_the_process_groups_halo():
