@@ -72,8 +72,17 @@ def triton_on_cpu(monkeypatch):
     return used
 
 
+# case -> (catalogue entry, what its lowering must be): a decay shared by two gates, an
+# input gate broadcast onto the keys, an output gate as an epilogue
+LOWERED_ENTRIES = {
+    "shared": ("second_decay", lambda low: low.roles["g"] == ("a", "b")),
+    "broadcast": ("input_gate", lambda low: low.roles["k"] == ("k", "i")),
+    "epilogue": ("output_gate", lambda low: low.epilogue[0] == "z"),
+}
+
+
 @pytest.mark.parametrize("case", ["elu", "gla", "gated_delta_rule", "hgrn", "hgrn-runner",
-                                  "shared", "broadcast", "epilogue"])
+                                  *LOWERED_ENTRIES])
 def test_triton_template_path(triton_on_cpu, case, monkeypatch):
     """Forward and gradients through the template's kernels.  hgrn differentiates through
     its cached plan (the ops' short path); with plans off, through the runner's works.
@@ -108,44 +117,22 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
         leaves = [x, g, h0]
         mref = [t.detach().double().requires_grad_() for t in leaves]
         o_r, s_r = ref.hgrn_ref(*mref[:2], initial_state=mref[2], output_final_state=True)
-    elif case == "shared":
+    elif case in LOWERED_ENTRIES:  # catalogue entries on simple_gla, checked by its reference
         from tests.dsl.catalogue import CATALOGUE
 
-        variant = CATALOGUE["second_decay"].variant
-        assert variant.lowering.roles["g"] == ("a", "b")
-        a, b = (torch.randn(B, T, H).add(2).requires_grad_() for _ in range(2))
-        o, s = variant(q, k, v, a, b, initial_state=h0, output_final_state=True)
-        leaves = [q, k, v, a, b, h0]
+        name, lowered = LOWERED_ENTRIES[case]
+        entry = CATALOGUE[name]
+        assert lowered(entry.variant.lowering)
+        extra = {n: (torch.randn(B, T, H, V) if d == "V" else torch.randn(B, T, H).add(2))
+                 .requires_grad_() for n, d in entry.inputs.items() if n not in "qkv"}
+        o, s = entry.variant(q, k, v, **extra, initial_state=h0, output_final_state=True)
+        leaves = [q, k, v, *extra.values(), h0]
         mref = [t.detach().double().requires_grad_() for t in leaves]
-        g_r = torch.nn.functional.logsigmoid(mref[3]) + torch.nn.functional.logsigmoid(mref[4])
-        o_r, s_r = ref.simple_gla_ref(*mref[:3], g_r, initial_state=mref[5],
+        x = dict(zip(["q", "k", "v", *extra], mref[:-1]))
+        m = entry.mapped(x)
+        o_r, s_r = ref.simple_gla_ref(m["q"], m["k"], m["v"], m["g"], initial_state=mref[-1],
                                       output_final_state=True)
-    elif case == "broadcast":
-        from tests.dsl.catalogue import CATALOGUE
-
-        variant = CATALOGUE["input_gate"].variant
-        assert variant.lowering.roles["k"] == ("k", "i")
-        a, i = (torch.randn(B, T, H).add(2).requires_grad_() for _ in range(2))
-        o, s = variant(q, k, v, a, i, initial_state=h0, output_final_state=True)
-        leaves = [q, k, v, a, i, h0]
-        mref = [t.detach().double().requires_grad_() for t in leaves]
-        k_r = mref[1] * torch.sigmoid(mref[4])[..., None]
-        o_r, s_r = ref.simple_gla_ref(mref[0], k_r, mref[2],
-                                      torch.nn.functional.logsigmoid(mref[3]),
-                                      initial_state=mref[5], output_final_state=True)
-    elif case == "epilogue":
-        from tests.dsl.catalogue import CATALOGUE
-
-        variant = CATALOGUE["output_gate"].variant
-        assert variant.lowering.epilogue[0] == "z"
-        a = torch.randn(B, T, H).add(2).requires_grad_()
-        z = torch.randn(B, T, H, V, requires_grad=True)
-        o, s = variant(q, k, v, a, z, initial_state=h0, output_final_state=True)
-        leaves = [q, k, v, a, z, h0]
-        mref = [t.detach().double().requires_grad_() for t in leaves]
-        o_r, s_r = ref.simple_gla_ref(*mref[:3], torch.nn.functional.logsigmoid(mref[3]),
-                                      initial_state=mref[5], output_final_state=True)
-        o_r = o_r * torch.sigmoid(mref[4])
+        o_r = o_r if entry.post is None else entry.post(o_r, x)
     elif case == "elu":
         o, s = library.elu_linear_attn(q, k, v, initial_state=h0, output_final_state=True)
         leaves = [q, k, v, h0]
