@@ -62,7 +62,7 @@ from ..variants import decay_attention, delta_rule, vector_state
 from . import codegen
 from .placement import use_kernels
 from .roles import (MAX_CANDIDATES, assignments, describe_roles, hint, is_delta_rule,
-                    is_vector, names_of, template_for)
+                    is_vector, names_of, reads, template_for)
 
 _ELEMENTWISE_FUNCS = {torch.relu, torch.sigmoid, torch.exp, torch.tanh, torch.abs, torch.neg,
                       operator.neg, F.relu, F.elu, F.silu, F.softplus, F.logsigmoid, F.gelu,
@@ -192,7 +192,6 @@ def _epilogue(v) -> Optional[Tuple[str, Callable, str]]:
             continue
         z = inputs[0]
         if where is None:
-            from .roles import reads
             where = reads(v)
         if where[z.target] != {"merge"} or not set(z.users) <= ancestry:
             continue

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import env_reader
-from ..sp import agreement, p2p
+from ..sp import agreement, forge, p2p, resolve
 
 GPU_INITIATED = ("forge", "scan", "hier", "auto")  # strategies whose layers' halos may
 #                                                  travel GPU-initiated (see the module)
@@ -58,15 +58,15 @@ def _mode() -> str:
 def _transport_reason(group, device: torch.device):
     """Why the GPU-initiated transport cannot carry this group's halos on ``device``
     (``None``: it can)."""
-    from ..sp.forge import FORGE, interpreted
-
+    if forge is None:  # (Triton missing or broken: forge_dist.sp says why)
+        return "forge's kernels could not be imported"
     if dist.get_backend(group) == "gloo":
-        if device.type == "cpu" and interpreted():
+        if device.type == "cpu" and forge.interpreted():
             return None
         return "a gloo group runs it only on CPU tensors under Triton's interpreter"
     if device.type != "cuda":
         return f"tensors on {device}"
-    return FORGE.available(device)
+    return forge.FORGE.available(device)
 
 
 _AUTO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {device: name}
@@ -74,8 +74,6 @@ _AUTO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {de
 
 def _resolved(group, device: torch.device) -> str:
     """The strategy ``auto`` resolves to for this group's state passes on ``device``."""
-    from ..sp import resolve
-
     known = _AUTO.get(group)
     if known is None:
         known = _AUTO[group] = {}
@@ -119,8 +117,6 @@ def _on_device(group, device: torch.device, strategy: str = "auto") -> bool:
 def _device_exchange(send: Tensor, *, to_next: bool, group, what: str) -> Tensor:
     """:func:`_exchange` through :func:`forge_dist.sp.forge.pass_along`: ``send [B, W, D]``
     travels as a ``[B, 1, W, D]`` state in float32 (float64 stays float64)."""
-    from ..sp import forge
-
     B, W, D = send.shape
     wide = torch.float64 if send.dtype == torch.float64 else torch.float32
     fields = {"B": B, "halo tokens": W, "channels (all convolutions)": D,
