@@ -37,10 +37,11 @@ prologue runs as PyTorch ops; a per-head scalar may join a role of another trail
 broadcast over it (``k * sigmoid(i)[..., None]``, an input gate).  An output gate is an
 *epilogue*: a ``merge_mode`` that returns the template's outputs times an elementwise map of
 an input no other phase reads (``o * sigmoid(z)``) lowers with the template's outputs
-multiplied by that map after the call (PyTorch ops; validated the same way).  Not lowered:
-transforms that are not elementwise (RetNet's per-head constant decay computed from shapes),
-programs that are none of the five templates: those take the generated path
-(:mod:`.generated`).
+multiplied by that map after the call (PyTorch ops; validated the same way).  A scalar
+decay no input carries (RetNet's per-head constant, computed from shapes) is read from the
+program's own transition for each head count it is called with and checked there
+(:class:`_ConstantDecay`).  Not lowered: programs that are none of the five templates up to
+these: they take the generated path (:mod:`.generated`).
 """
 from __future__ import annotations
 
@@ -59,10 +60,12 @@ from ..kernels.work import InputMap
 from ..ops import planned
 from ..ops.runner import needs_grad
 from ..variants import decay_attention, delta_rule, vector_state
+from ..variants.transitions import Kind
 from . import codegen
 from .placement import use_kernels
+from .trace import DSLError
 from .roles import (MAX_CANDIDATES, assignments, describe_roles, hint, is_delta_rule,
-                    is_vector, names_of, reads, template_for)
+                    is_vector, names_of, reads, roles_of, template_for)
 
 _ELEMENTWISE_FUNCS = {torch.relu, torch.sigmoid, torch.exp, torch.tanh, torch.abs, torch.neg,
                       operator.neg, F.relu, F.elu, F.silu, F.softplus, F.logsigmoid, F.gelu,
@@ -153,6 +156,80 @@ def _dag(gms: List[fx.GraphModule], names) -> List[fx.Node]:
         if all(set(a.users) <= ancestry for a in ancestry if a is not f):
             return [n for n in order if n in ancestry]
     return list(nodes)
+
+
+class _ConstantDecay:
+    """A scalar decay the program computes from shapes (RetNet's ``log(1 - 2^(-5 - h))``
+    per head), not from an input: read from the program's own transition over a probe of
+    ``T`` tokens (``g_h = log(M_h) / T``) for each head count it is called with, and checked
+    there against the program (outputs and final state) before it is used."""
+
+    T = 8
+
+    def __init__(self, v, template: str, low: "Lowering"):
+        self._v, self._template, self._low = v, template, low
+        self._by_heads: Dict[int, torch.Tensor] = {}  # H -> fp64 [H]
+
+    def log_decay(self, H: int) -> torch.Tensor:
+        got = self._by_heads.get(H)
+        if got is None:
+            got = self._by_heads[H] = self._read(H)
+        return got
+
+    def _read(self, H: int) -> torch.Tensor:
+        probes = _probes(self._v, H=H)
+        x = {k: t[:, :self.T] for k, t in probes.items() if k != "__S0"}
+        with torch.no_grad():
+            M = self._v.summarize(x, 0.7, True, chunk_size=4).transition
+        if M is None or M.dim() != 2 or not bool((M > 0).all()):
+            raise DSLError(f"{self._v.name}: the decay is not a positive per-head scalar")
+        g = (M.log() / self.T)[0]  # [H]
+        if not bool(torch.allclose(M.log() / self.T, g.expand_as(M), rtol=1e-9, atol=1e-12)):
+            raise DSLError(f"{self._v.name}: the decay differs between batch rows")
+        self._by_heads[H] = g
+        if H != PROBE["H"] and not _matches(_run_user(self._v, probes), self._low, probes):
+            del self._by_heads[H]
+            raise DSLError(f"{self._v.name}: with {H} heads the program's decay is not a "
+                           f"per-head constant the {self._template} template can take")
+        return g
+
+    def gates(self, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``g [B, T, H]`` for ``like [B, T, H, K]``: the constant log decay per head."""
+        B, T, H = like.shape[:3]
+        g = self.log_decay(H).to(device=like.device, dtype=dtype or like.dtype)
+        return g.expand(B, T, H).contiguous()
+
+
+def _constant_decay_lowering(v, template: str, mine, probes, fuse: bool
+                             ) -> Optional["Lowering"]:
+    """The scalar template with its g role taken from the program's own per-head constant
+    decay (:class:`_ConstantDecay`), where the inputs fill every other role and translation
+    validation holds; else ``None``."""
+    if is_vector(template) or "g" not in roles_of(template, v) or v.kind is not Kind.SCALAR:
+        return None
+    candidates, _ = assignments(template, v, without=("g",))
+    if not candidates:
+        return None
+    if probes is None:
+        probes = _probes(v)
+        mine = _run_user(v, probes)
+    if mine is None:
+        return None
+    for roles in candidates:
+        dags = {r: _dag([v.merge.gm, v.chunk.gm], n) for r, n in roles.items()}
+        prologues, texts = {}, {}
+        for r, dag in dags.items():
+            prologues[r], texts[r] = _prologue(dag)
+        for mode in ("user", "one"):
+            low = Lowering(template, roles, prologues, texts, mode)
+            low.constant_g = _ConstantDecay(v, template, low)
+            try:
+                low.constant_g.log_decay(PROBE["H"])
+            except DSLError:
+                return None
+            if _matches(mine, low, probes):
+                return _with_kernels(low, dags, fuse)
+    return None
 
 
 class _Without:
@@ -255,6 +332,9 @@ class Lowering:
     # an output gate: (input name, elementwise map of it, text); the outputs of the template
     # are multiplied by the map of that input (PyTorch ops)
     epilogue: Optional[Tuple[str, Callable, str]] = None
+    # a decay no input carries: the program's per-head constant log decay, read from it for
+    # each head count (:class:`_ConstantDecay`); the template's g role
+    constant_g: Optional["_ConstantDecay"] = None
 
     def gate_outputs(self, o: torch.Tensor, part: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The variant's outputs from the template's ``o [B, T, H, V]``: multiplied by the
@@ -287,6 +367,8 @@ class Lowering:
         renamed = describe_roles(self.roles)
         epi = ("" if self.epilogue is None else
                f"; epilogue: outputs times {self.epilogue[2]} (PyTorch)")
+        if self.constant_g is not None:
+            epi += "; g: the program's per-head constant log decay, read once per head count"
         return ((f"roles {renamed}; " if renamed else "") +
                 "prologue " + ("; ".join(maps) if maps else "none") + epi)
 
@@ -295,8 +377,11 @@ class Lowering:
 
     def mapped(self, part: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The template's inputs by role from the user's inputs by name (PyTorch maps)."""
-        return {r: self._read(part, r)[0] if p is None else p(*self._read(part, r))
-                for r, p in self.prologues.items()}
+        out = {r: self._read(part, r)[0] if p is None else p(*self._read(part, r))
+               for r, p in self.prologues.items()}
+        if self.constant_g is not None:
+            out["g"] = self.constant_g.gates(out["q"])
+        return out
 
     def _template_inputs(self, part) -> Dict[str, torch.Tensor]:
         """What the template's kernels take, by role: the prologue outputs, q/k/v (hgrn x)
@@ -307,6 +392,8 @@ class Lowering:
             ts = self._read(part, r)
             t = ts[0] if p is None or r in self.fused else p(*ts)
             out[r] = t if r in _GATES else t.to(dtype)
+        if self.constant_g is not None:
+            out["g"] = self.constant_g.gates(out["q"], torch.float32)
         return out
 
     def make_work(self, part, scale: float, need_M: bool, *, out_dtype=None):
@@ -358,6 +445,9 @@ def lower(v, fuse: bool = False) -> Decision:
     if not candidates and epilogue is not None:
         candidates, reason = _candidates(template, _Without(v, epilogue[0]))
     if not candidates:
+        low = _constant_decay_lowering(v, template, None, None, fuse)
+        if low is not None:
+            return Decision(low)
         return Decision(None, reason, hint(v, template, reason))
     probes = _probes(v)
     mine = _run_user(v, probes)
@@ -379,6 +469,9 @@ def lower(v, fuse: bool = False) -> Decision:
                 low = Lowering(template, roles, prologues, texts, mode, epilogue=epi)
                 if _matches(mine, low, probes):
                     return Decision(_with_kernels(low, dags, fuse))
+    constant = _constant_decay_lowering(v, template, mine, probes, fuse)
+    if constant is not None:
+        return Decision(constant)
     names = ", ".join(n for ns in candidates[0].values() for n in names_of(ns))
     reason = (f"the program is not the {template} template's chunk form on elementwise "
               f"prologues of its inputs ({names}, in every role assignment their trailing "
@@ -425,20 +518,20 @@ def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool) -> 
 PROBE = {"B": 1, "T": 11, "H": 2, "K": 3, "V": 4, "D": 3}
 
 
-def _probes(v) -> Dict[str, torch.Tensor]:
+def _probes(v, H: int = PROBE["H"]) -> Dict[str, torch.Tensor]:
     """Random fp64 inputs for the variant's declared dims, the same whichever role an
     input takes: feature inputs ``0.5 N(0, 1)``, per-head scalars in (0, 1) (a beta, or a
-    log decay's argument: the math is exact in fp64 either way)."""
+    log decay's argument: the math is exact in fp64 either way); ``H`` heads."""
     gen = torch.Generator().manual_seed(4321)
     sizes = {"K": PROBE["K"], "V": PROBE["V"], "D": PROBE["D"]}
-    lead = (PROBE["B"], PROBE["T"]) if v.vector else (PROBE["B"], PROBE["T"], PROBE["H"])
+    lead = (PROBE["B"], PROBE["T"]) if v.vector else (PROBE["B"], PROBE["T"], H)
     x = {}
     for name, dim in v.inputs.items():
         r = 0.5 * torch.randn(*(lead + ((sizes[dim],) if dim else ())), generator=gen,
                               dtype=torch.float64)
         x[name] = r if dim else torch.sigmoid(r)
     x["__S0"] = 0.5 * torch.randn(*((PROBE["B"], 1, PROBE["D"], 1) if v.vector else
-                                    (PROBE["B"], PROBE["H"], PROBE["K"], PROBE["V"])),
+                                    (PROBE["B"], H, PROBE["K"], PROBE["V"])),
                                   generator=gen, dtype=torch.float64)
     return x
 

@@ -127,14 +127,15 @@ def _shared_assignments(roles: Dict[str, str], dims: Dict[str, str]):
             yield a
 
 
-def assignments(template: str, v, limit: Optional[int] = MAX_CANDIDATES
-                ) -> Tuple[List[Dict[str, object]], str]:
+def assignments(template: str, v, limit: Optional[int] = MAX_CANDIDATES,
+                without: Tuple[str, ...] = ()) -> Tuple[List[Dict[str, object]], str]:
     """``(candidates, "")``: role -> input assignments the declared dims allow, best fitting
     first (at most ``limit``); or ``([], reason)`` when the inputs cannot fill the roles.  A
     role takes one input name or, where the variant has up to :data:`MAX_SHARED` more inputs
     than the template has roles, a tuple of names its prologue reads together (inputs of
-    its own trailing dim, and per-head scalars broadcast over it)."""
-    roles = roles_of(template, v)
+    its own trailing dim, and per-head scalars broadcast over it).  ``without``: roles no
+    input fills (a decay the program computes as a per-head constant)."""
+    roles = {r: d for r, d in roles_of(template, v).items() if r not in without}
     dims = v.inputs
     want = sorted(roles.values())
     have = sorted(dims.values())

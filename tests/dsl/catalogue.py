@@ -269,8 +269,8 @@ SCALAR = [
           {**QKV, "a": "", "b": ""}, "template:simple_gla", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"],
                      "g": F.logsigmoid(x["a"]) + F.logsigmoid(x["b"])}),
-    Entry("retnet_head_decay", (_ret_chunk, _ret_decay, _ret_merge), dict(QKV), "generated",
-          "simple_gla", lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": _retnet_g(x)}),
+    Entry("retnet_head_decay", (_ret_chunk, _ret_decay, _ret_merge), dict(QKV),
+          "template:simple_gla", "simple_gla", lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": _retnet_g(x)}),
 ]
 
 

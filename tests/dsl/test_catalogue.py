@@ -115,7 +115,7 @@ def test_generated_path_runs_the_graphs_it_is_given():
     test below) and gives the traced graphs' results: outputs, state, transition (the
     linear part of decay_mode) and the readout of a carried state (that of merge_mode)."""
     entry = CATALOGUE["retnet_head_decay"]
-    v = entry.variant
+    v = entry.unlowered  # (what the generated path runs: the traced phases)
     calls = {}
 
     def counted(name, fn):
@@ -161,7 +161,7 @@ def test_compiled_graphs_are_torch_compile_of_the_traced_ones(monkeypatch):
     (one compile for every chunk count and tail length)."""
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
-    v = CATALOGUE["retnet_head_decay"].variant
+    v = CATALOGUE["retnet_head_decay"].unlowered
     graphs = generated.compiled_graphs(v)
     eager = generated.eager_graphs(v)
     assert [fn for fn, _ in seen] == [eager.chunk, eager.decay, eager.merge,
@@ -172,12 +172,11 @@ def test_compiled_graphs_are_torch_compile_of_the_traced_ones(monkeypatch):
 
 def test_warns_once_per_variant_off_the_templates(monkeypatch):
     cuda = torch.device("cuda")
-    v = CATALOGUE["retnet_head_decay"].variant
+    v = CATALOGUE["rg_lru"].variant
     v._warned_path = False
-    with pytest.warns(UserWarning, match=r"'retnet_head_decay' runs on CUDA through the "
-                                         r"Inductor-compiled .*pass the log decay as an input "
-                                         r"\(trailing dims: per-head scalar\) instead of "
-                                         r"computing it inside the phases") as record:
+    with pytest.warns(UserWarning, match=r"'rg_lru' runs on CUDA through the "
+                                         r"Inductor-compiled .*the hgrn template has roles x, g "
+                                         r"only \(x, r, i, lam have trailing dim D") as record:
         generated.warn_once(v, cuda, v.path(cuda))
         generated.warn_once(v, cuda, v.path(cuda))
     assert len(record) == 1
@@ -309,12 +308,13 @@ def _template_rows(group, names):
 
 
 def test_shared_roles_and_epilogues_run_their_template_across_ranks():
-    """second_decay (a shared decay), input_gate (a broadcast input gate) and the output
-    gates (epilogues) on two ranks through the template's Triton kernels."""
+    """second_decay (a shared decay), input_gate (a broadcast input gate), the output
+    gates (epilogues) and RetNet's constant decay on two ranks through the template's
+    Triton kernels."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
     names = ["second_decay", "input_gate", "output_gate", "gla_output_gate",
-             "gated_delta_output_gate"]
+             "gated_delta_output_gate", "retnet_head_decay"]
     rows = run_world(2, _template_rows, names, env={"FORGE_DIST_DSL_TRITON": "1",
                                                     "FORGE_DIST_TIMEOUT": "120"})
     for n in names:

@@ -15,9 +15,12 @@ def test_lowering_decisions():
     assert builtins.gla.lowering.template == "gla"
     assert builtins.gated_delta_rule.lowering.template == "gated_delta_rule"
     assert builtins.hgrn.lowering.template == "hgrn"
-    for v in (library.retnet, library.rg_lru):  # not one of the five templates
-        assert v.lowering is None and v.lowering_reason
-        assert "graph executor" in v.describe()
+    # RetNet's fixed decay per head: simple_gla with the decay read from the program
+    assert library.retnet.lowering.template == "simple_gla"
+    assert library.retnet.lowering.constant_g is not None
+    v = library.rg_lru  # not one of the five templates
+    assert v.lowering is None and v.lowering_reason
+    assert "graph executor" in v.describe()
 
 
 def test_dense_and_vector_programs_that_are_not_the_template_are_not_lowered():
@@ -73,11 +76,13 @@ def triton_on_cpu(monkeypatch):
 
 
 # case -> (catalogue entry, what its lowering must be): a decay shared by two gates, an
-# input gate broadcast onto the keys, an output gate as an epilogue
+# input gate broadcast onto the keys, an output gate as an epilogue, RetNet's per-head
+# constant decay computed from shapes
 LOWERED_ENTRIES = {
     "shared": ("second_decay", lambda low: low.roles["g"] == ("a", "b")),
     "broadcast": ("input_gate", lambda low: low.roles["k"] == ("k", "i")),
     "epilogue": ("output_gate", lambda low: low.epilogue[0] == "z"),
+    "constant_decay": ("retnet_head_decay", lambda low: low.constant_g is not None),
 }
 
 
@@ -130,8 +135,8 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
         mref = [t.detach().double().requires_grad_() for t in leaves]
         x = dict(zip(["q", "k", "v", *extra], mref[:-1]))
         m = entry.mapped(x)
-        o_r, s_r = ref.simple_gla_ref(m["q"], m["k"], m["v"], m["g"], initial_state=mref[-1],
-                                      output_final_state=True)
+        o_r, s_r = ref.simple_gla_ref(m["q"], m["k"], m["v"], m["g"].double(),
+                                      initial_state=mref[-1], output_final_state=True)
         o_r = o_r if entry.post is None else entry.post(o_r, x)
     elif case == "elu":
         o, s = library.elu_linear_attn(q, k, v, initial_state=h0, output_final_state=True)
