@@ -110,6 +110,17 @@ def _is_elementwise(n: fx.Node, inside: set) -> bool:
     return n.op == "call_method" and n.target in _ELEMENTWISE_METHODS and len(n.args) == 1
 
 
+def _ancestry(node: fx.Node, within: Optional[set] = None) -> set:
+    """``node`` and every node it is computed from (only through ``within`` when given)."""
+    found, todo = {node}, [node]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in found and (within is None or a in within):
+                found.add(a)
+                todo.append(a)
+    return found
+
+
 def _dag(gms: List[fx.GraphModule], names) -> List[fx.Node]:
     """The elementwise DAG on input ``names`` (one name, or the names a shared role reads
     together, :func:`.roles.names_of`) in the first phase that reads them all (merge_mode,
@@ -142,13 +153,7 @@ def _dag(gms: List[fx.GraphModule], names) -> List[fx.Node]:
             closure.add(n)
             order.append(n)
     for f in reversed(order):
-        ancestry, todo = {f}, [f]
-        while todo:
-            cur = todo.pop()
-            for a in cur.all_input_nodes:
-                if a in closure and a not in ancestry:
-                    ancestry.add(a)
-                    todo.append(a)
+        ancestry = _ancestry(f, closure)
         if len(nodes) > 1 and not all(p in ancestry for p in nodes):
             continue  # a shared role's value reads every one of its inputs
         if f.op == "call_function" and f.target is operator.getitem:
@@ -168,7 +173,8 @@ class _ConstantDecay:
 
     def __init__(self, v, template: str, low: "Lowering"):
         self._v, self._template, self._low = v, template, low
-        self._by_heads: Dict[int, torch.Tensor] = {}  # H -> fp64 [H]
+        self._by_heads: Dict[int, torch.Tensor] = {}  # H -> fp64 [H] on the CPU
+        self._placed: Dict[Tuple, torch.Tensor] = {}  # (H, device, dtype) -> [H] there
 
     def log_decay(self, H: int) -> torch.Tensor:
         got = self._by_heads.get(H)
@@ -196,37 +202,40 @@ class _ConstantDecay:
     def gates(self, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``g [B, T, H]`` for ``like [B, T, H, K]``: the constant log decay per head."""
         B, T, H = like.shape[:3]
-        g = self.log_decay(H).to(device=like.device, dtype=dtype or like.dtype)
+        key = (H, like.device, dtype or like.dtype)
+        g = self._placed.get(key)
+        if g is None:  # (one copy to the device per head count, not one per call)
+            g = self._placed[key] = self.log_decay(H).to(device=key[1], dtype=key[2])
         return g.expand(B, T, H).contiguous()
 
 
-def _constant_decay_lowering(v, template: str, mine, probes, fuse: bool
-                             ) -> Optional["Lowering"]:
-    """The scalar template with its g role taken from the program's own per-head constant
-    decay (:class:`_ConstantDecay`), where the inputs fill every other role and translation
-    validation holds; else ``None``."""
+def _constant_candidates(v, template: str) -> List[Dict[str, object]]:
+    """Role assignments of the scalar template with no input for its g (a decay the program
+    computes itself, :class:`_ConstantDecay`); ``[]`` where that cannot be the form."""
     if is_vector(template) or "g" not in roles_of(template, v) or v.kind is not Kind.SCALAR:
-        return None
-    candidates, _ = assignments(template, v, without=("g",))
-    if not candidates:
-        return None
-    if probes is None:
-        probes = _probes(v)
-        mine = _run_user(v, probes)
-    if mine is None:
-        return None
+        return []
+    return assignments(template, v, without=("g",))[0]
+
+
+def _first_match(v, template: str, candidates, mine, probes, fuse: bool, epilogue=None,
+                 constant: bool = False) -> Optional["Lowering"]:
+    """The first role assignment of ``candidates`` (and scale mode) whose lowering equals
+    the program on the probes, with its kernels; ``epilogue``: an output gate after the
+    template; ``constant``: the template's g read from the program (``None`` when the
+    program's decay is not a per-head constant)."""
     for roles in candidates:
         dags = {r: _dag([v.merge.gm, v.chunk.gm], n) for r, n in roles.items()}
         prologues, texts = {}, {}
         for r, dag in dags.items():
             prologues[r], texts[r] = _prologue(dag)
         for mode in ("user", "one"):
-            low = Lowering(template, roles, prologues, texts, mode)
-            low.constant_g = _ConstantDecay(v, template, low)
-            try:
-                low.constant_g.log_decay(PROBE["H"])
-            except DSLError:
-                return None
+            low = Lowering(template, roles, prologues, texts, mode, epilogue=epilogue)
+            if constant:
+                low.constant_g = _ConstantDecay(v, template, low)
+                try:
+                    low.constant_g.log_decay(PROBE["H"])
+                except DSLError:
+                    return None
             if _matches(mine, low, probes):
                 return _with_kernels(low, dags, fuse)
     return None
@@ -258,12 +267,7 @@ def _epilogue(v) -> Optional[Tuple[str, Callable, str]]:
         return None
     where = None
     for side in out.args:
-        ancestry, todo = {side}, [side]
-        while todo:
-            for a in todo.pop().all_input_nodes:
-                if a not in ancestry:
-                    ancestry.add(a)
-                    todo.append(a)
+        ancestry = _ancestry(side)
         inputs = [n for n in ancestry if n.op == "placeholder"]
         if len(inputs) != 1 or inputs[0].target not in v.inputs:
             continue
@@ -441,38 +445,32 @@ def lower(v, fuse: bool = False) -> Decision:
     apply as Triton maps (:mod:`.codegen`)."""
     template = template_for(v)
     epilogue = _epilogue(v)
-    candidates, reason = _candidates(template, v)
-    if not candidates and epilogue is not None:
-        candidates, reason = _candidates(template, _Without(v, epilogue[0]))
-    if not candidates:
-        low = _constant_decay_lowering(v, template, None, None, fuse)
-        if low is not None:
-            return Decision(low)
+    # (epilogue, role assignments, why none) in the order tried: the program as a template,
+    # the program as a template followed by its output gate
+    forms = [(None, *_candidates(template, v))]
+    if epilogue is not None:
+        forms.append((epilogue, *_candidates(template, _Without(v, epilogue[0]))))
+    constant = _constant_candidates(v, template)
+    tried = [c for _, c, _ in forms if c]
+    reason = forms[-1][2]  # (why the last form has no assignment, where none has one)
+    if not tried and not constant:
         return Decision(None, reason, hint(v, template, reason))
     probes = _probes(v)
     mine = _run_user(v, probes)
     if mine is None:
-        reason = "the variant gave non-finite values on the validation probes"
+        if tried:
+            reason = "the variant gave non-finite values on the validation probes"
         return Decision(None, reason, hint(v, template, reason))
-    for epi in (None, epilogue) if epilogue is not None else (None,):
-        if epi is not None:
-            candidates = _candidates(template, _Without(v, epi[0]))[0] or candidates
-        for roles in candidates:
-            if epi is not None and epi[0] in {n for ns in roles.values()
-                                              for n in names_of(ns)}:
-                continue
-            dags = {r: _dag([v.merge.gm, v.chunk.gm], n) for r, n in roles.items()}
-            prologues, texts = {}, {}
-            for r, dag in dags.items():
-                prologues[r], texts[r] = _prologue(dag)
-            for mode in ("user", "one"):
-                low = Lowering(template, roles, prologues, texts, mode, epilogue=epi)
-                if _matches(mine, low, probes):
-                    return Decision(_with_kernels(low, dags, fuse))
-    constant = _constant_decay_lowering(v, template, mine, probes, fuse)
-    if constant is not None:
-        return Decision(constant)
-    names = ", ".join(n for ns in candidates[0].values() for n in names_of(ns))
+    for epi, candidates, _ in forms:
+        low = _first_match(v, template, candidates, mine, probes, fuse, epilogue=epi)
+        if low is not None:
+            return Decision(low)
+    low = _first_match(v, template, constant, mine, probes, fuse, constant=True)
+    if low is not None:
+        return Decision(low)
+    if not tried:
+        return Decision(None, reason, hint(v, template, reason))
+    names = ", ".join(n for ns in tried[-1][0].values() for n in names_of(ns))
     reason = (f"the program is not the {template} template's chunk form on elementwise "
               f"prologues of its inputs ({names}, in every role assignment their trailing "
               f"dims allow; translation validation failed)")

@@ -42,10 +42,19 @@ GPU_INITIATED = ("forge", "scan", "hier", "auto")  # strategies whose layers' ha
 #                                                  travel GPU-initiated (see the module)
 _HALO_MODE = env_reader("FORGE_DIST_HALO")
 _MODES = ("auto", "device", "p2p")
-# group -> {device: (GPU-initiated?, why not)}
-_ON_DEVICE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# group -> {(direction, word, shape, dtype, device): the kept launch's dict}
+# Per group, held weakly: device -> (GPU-initiated?, why not); device -> the strategy auto
+# resolves to; (direction, word, shape, dtype, device) -> the kept launch's dict
+_TRANSPORT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_AUTO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _of(table: "weakref.WeakKeyDictionary", group) -> dict:
+    """``group``'s dict in ``table``."""
+    known = table.get(group)
+    if known is None:
+        known = table[group] = {}
+    return known
 
 
 def _mode() -> str:
@@ -69,14 +78,9 @@ def _transport_reason(group, device: torch.device):
     return forge.FORGE.available(device)
 
 
-_AUTO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {device: name}
-
-
 def _resolved(group, device: torch.device) -> str:
     """The strategy ``auto`` resolves to for this group's state passes on ``device``."""
-    known = _AUTO.get(group)
-    if known is None:
-        known = _AUTO[group] = {}
+    known = _of(_AUTO, group)
     name = known.get(device)
     if name is None:
         name = known[device] = resolve("auto", device, group).name
@@ -93,9 +97,7 @@ def _on_device(group, device: torch.device, strategy: str = "auto") -> bool:
         return False
     if mode == "auto" and strategy == "auto" and _resolved(group, device) not in GPU_INITIATED:
         return False  # auto's state pass is host-driven here (a subgroup, the CPU): so is this
-    known = _ON_DEVICE.get(group)
-    if known is None:
-        known = _ON_DEVICE[group] = {}
+    known = _of(_TRANSPORT, group)
     found = known.get(device)
     if found is None:
         reason = _transport_reason(group, device)
@@ -123,13 +125,7 @@ def _device_exchange(send: Tensor, *, to_next: bool, group, what: str) -> Tensor
               "dtype": send.dtype, "op": what}
     _, word = agreement.agree(group, send.device, fields)
     # per word: a kept launch sends the word of its first call
-    kept = _KEPT.get(group)
-    if kept is None:
-        kept = _KEPT[group] = {}
-    key = (to_next, word, B, W, D, wide, send.device)
-    keep = kept.get(key)
-    if keep is None:
-        keep = kept[key] = {}
+    keep = _of(_KEPT, group).setdefault((to_next, word, B, W, D, wide, send.device), {})
     got = forge.pass_along(group, send.to(wide).view(B, 1, W, D), to_next=to_next, word=word,
                            what=what, keep=keep)
     return got.view(B, W, D).to(send.dtype)

@@ -543,9 +543,11 @@ class _Relaunch:
     compiled kernel's launcher called directly, without Triton's per-call binding and
     specialisation (``JITFunction.run``: tens of microseconds of host time).
 
-    Only ``first`` (rank 0's start, which may be the caller's ``initial_state``) and the
-    wait bound may differ between calls; a ``first`` Triton would specialise differently
-    (not 16-byte aligned) or a :func:`reset` since sends the call back through the JIT."""
+    Only the per-call pointers (``first_ptr``, rank 0's start, which may be the caller's
+    ``initial_state``, and those named in ``per_call``: a halo's send and receive,
+    :func:`pass_along`) and the wait bound may differ between calls; a pointer Triton would
+    specialise differently (not 16-byte aligned) or a :func:`reset` since sends the call back
+    through the JIT."""
 
     def __init__(self, kernel, fn, n_tiles: int, values: dict, where, what, bound, ch,
                  per_call: tuple = ()):
@@ -553,49 +555,43 @@ class _Relaunch:
         self._function = kernel.function
         self._packed = kernel.packed_metadata
         self._grid = (n_tiles, 1, 1)
-        self._names = [p.name for p in fn.params]
+        names = [p.name for p in fn.params]
         # a constexpr the launch left at its default (the scan kernel's FOLD) takes it here
         self._values = [values[p.name] if p.name in values or not p.has_default else p.default
                         for p in fn.params]
-        # the chain kernel's rank 0 start (the scan kernel has none)
-        self._first = self._names.index("first_ptr") if "first_ptr" in self._names else None
         self._device = values["d_ptr"].device.index
-        self._dummy = values["d_ptr"]  # in ``first``'s slot between calls (no caller tensor kept)
-        if self._first is not None:
-            self._values[self._first] = self._dummy
-        # pointers a call passes its own tensors for (a halo's send and receive,
-        # :func:`pass_along`); between calls they hold the dummy, as ``first`` does
-        self._per_call = {name: self._names.index(name) for name in per_call}
+        # the slots a call fills with its own tensors (the chain kernel's first_ptr; the
+        # scan kernel has none) hold the dummy between calls: no caller tensor is kept
+        self._dummy = values["d_ptr"]
+        self._per_call = {name: names.index(name)
+                          for name in ("first_ptr", *per_call) if name in names}
         for i in self._per_call.values():
             self._values[i] = self._dummy
         self._resets = _RESETS
         self.where, self.what, self.ch, self.bound = where, what, ch, bound
 
-    def usable(self, first: Optional[torch.Tensor], **tensors: torch.Tensor) -> bool:
+    def usable(self, **tensors: Optional[torch.Tensor]) -> bool:
         """Whether this call may relaunch: no reset since, the same wait bound (Triton typed
         ``limit`` by its first value), no launch hook or ``FORGE_DIST_JIT_RELAUNCH=0`` (the
-        JIT path, which hooks see), and a ``first`` (and the per-call ``tensors``, by
-        parameter name) as aligned as the compiled kernel's."""
+        JIT path, which hooks see), and the per-call ``tensors`` (by parameter name; ``None``
+        keeps the dummy) as aligned as the compiled kernel's."""
         return (self._resets == _RESETS and p2p.timeout_seconds() == self.bound
                 and _relaunch_allowed()
                 and all(t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0)
-                        for t in (first, *tensors.values())))
+                        for t in tensors.values()))
 
-    def __call__(self, first: Optional[torch.Tensor], **tensors: torch.Tensor) -> None:
+    def __call__(self, **tensors: Optional[torch.Tensor]) -> None:
         values = self._values
-        if first is not None:
-            values[self._first] = first
-        for name, t in tensors.items():
-            values[self._per_call[name]] = t
+        given = [(self._per_call[name], t) for name, t in tensors.items() if t is not None]
+        for i, t in given:
+            values[i] = t
         g = self._grid
         try:
             self._run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self._device),
                       self._function, self._packed, None, None, None, *values)
         finally:
-            if self._first is not None:
-                values[self._first] = self._dummy
-            for name in tensors:
-                values[self._per_call[name]] = self._dummy
+            for i, _ in given:
+                values[i] = self._dummy
         where = self.where
         self.ch.after_launch(where.rank, self.what, self.bound, p2p.StatePassTimeout,
                              where.explain)
@@ -712,8 +708,8 @@ def pass_along(group, x: torch.Tensor, *, to_next: bool, word: int, what: str,
     x = x.contiguous()
     out = torch.empty_like(x)
     relaunch = keep.get("launch") if keep is not None else None
-    if relaunch is not None and relaunch.usable(None, d_ptr=x, x_out_ptr=out):
-        relaunch(None, d_ptr=x, x_out_ptr=out)
+    if relaunch is not None and relaunch.usable(d_ptr=x, x_out_ptr=out):
+        relaunch(d_ptr=x, x_out_ptr=out)
         return out
     where = _where(group)
     rank, size = where.rank, where.size
@@ -762,8 +758,8 @@ def run_scan_rounds(group, direction: str, kind: Kind, M: Optional[torch.Tensor]
     kept_key = f"scan-launch-{direction}"
     buffers = (d.data_ptr(), x_out.data_ptr(), 0 if M is None else M.data_ptr())
     relaunch = keep.get(kept_key) if keep is not None else None
-    if relaunch is not None and relaunch.buffers == buffers and relaunch.usable(None):
-        relaunch(None)
+    if relaunch is not None and relaunch.buffers == buffers and relaunch.usable():
+        relaunch()
         return
     where = _where(group)
     d = d.contiguous()
@@ -886,8 +882,8 @@ class Forge(Strategy):
         relaunch = keep.get("launch") if keep is not None else None
         if relaunch is not None:
             first = S0 if relaunch.where.rank == 0 else None
-            if relaunch.usable(first):
-                relaunch(first)
+            if relaunch.usable(first_ptr=first):
+                relaunch(first_ptr=first)
                 return S0 if first is not None else S_in
         where = _where(group)
         rank, size = where.rank, where.size

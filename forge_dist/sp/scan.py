@@ -201,8 +201,8 @@ class _KeptMove:
     def __call__(self, group, key: str, held: Tensor, src: int, dst: int, word: int) -> Tensor:
         if dst >= 0 and not self.zero_copy:
             self.sent.copy_(held)
-        if self.launch is not None and self.launch.usable(None):
-            self.launch(None)
+        if self.launch is not None and self.launch.usable():
+            self.launch()
         else:
             spot: dict = {}
             _launch_move(group, key, self.sent, self.into, src, dst, word, spot)

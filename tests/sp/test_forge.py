@@ -288,11 +288,11 @@ def test_a_kept_launch_takes_the_tensors_of_each_call(monkeypatch):
                                per_call=("d_ptr", "x_out_ptr"))
     for _ in range(2):
         send, out = torch.zeros(8), torch.zeros(8)
-        relaunch(None, d_ptr=send, x_out_ptr=out)
+        relaunch(d_ptr=send, x_out_ptr=out)
         passed = calls[-1]
         assert passed[names.index("d_ptr")] is send and passed[names.index("x_out_ptr")] is out
         assert passed[names.index("recv_ptr")] is first_d  # the kept buffers stay
         kept = relaunch._values
         assert not any(v is send or v is out for v in kept)  # nothing of the call is held
-    assert relaunch.usable(None, d_ptr=torch.zeros(8), x_out_ptr=torch.zeros(8))
-    assert not relaunch.usable(None, d_ptr=torch.zeros(9)[1:])  # 4-byte offset
+    assert relaunch.usable(d_ptr=torch.zeros(8), x_out_ptr=torch.zeros(8))
+    assert not relaunch.usable(d_ptr=torch.zeros(9)[1:])  # 4-byte offset
