@@ -17,20 +17,22 @@ for the fp32 option); fp32 inputs use fp32 operands with 3xTF32 dots.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from . import scheduler, summary_precision
 from .compat import (HAVE_TRITON, dot_precision, ensure, env_tiles, grad_like, next_pow2,
                      sized_config, tl, triton)
-from .ir import Buffer, KernelSpec, Launch, Program, run_launch, tl_type
+from .ir import MAIN, SIDE, Buffer, KernelSpec, Launch, Program, run_launch, tl_type
 from .tiles import reset_floor
 from .walker import walk, walker_gates
 from .walker_launches import (FOLDED, NO_SUMMARY, STATE, gate_cumsum, matrix_buffers,
                               walk_launch, walk_launches)
 from .work import TritonWork
+from ..config import env_positive_int
 from ..variants import delta_rule
 
 DENSE_SUMMARIES = (NO_SUMMARY, STATE, FOLDED)  # the delta rule's summary= forms
@@ -293,12 +295,13 @@ if HAVE_TRITON:
             _store_tile(base_u, T, V, t0, c0, tl.dot(b_x, b_r, input_precision=PREC), H, BT, BV)
 
     @triton.jit
-    def _wy_kernel(k, v, g, beta, w, u, xs, T, H: tl.constexpr, K: tl.constexpr,
+    def _wy_kernel(k, v, g, beta, w, u, xs, T, C0, H: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    SBK: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
                    SOLVE: tl.constexpr, APPLY: tl.constexpr, STORE_A: tl.constexpr = False,
                    q=None, a=None):
-        """grid ``(NT, B * H)``, one chunk of ``BT = 64`` tokens per program; k, w
+        """grid ``(n, B * H)``, one chunk of ``BT = 64`` tokens per program, the chunks
+        ``[C0, C0 + n)`` (all of them: ``C0 = 0``, ``n = NT``); k, w
         [B, T, H, K]; v, u [B, T, H, V]; g, beta [B, T, H]; xs [B, T, H, BT] (fp32 or bf16):
         the chunk's inverse ``X``, row ``i`` at its token ``i``.
 
@@ -307,7 +310,7 @@ if HAVE_TRITON:
         into a [B, T, H, BT]).  Both in one launch: the program reads back its own X after a
         barrier (a CTA's global writes are visible to its threads after ``bar.sync``).
         """
-        i_t, i_bh = tl.program_id(0), tl.program_id(1)
+        i_t, i_bh = C0 + tl.program_id(0), tl.program_id(1)
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets pass 2**31 at long T
         bos = i_b * T
         t0 = i_t * BT
@@ -332,14 +335,16 @@ def wy_x_dtype(dtype: torch.dtype, store_x: bool = False, cfg: dict = None) -> t
 
 
 def wy_launches(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype, gated: bool,
-                prec: str, cfg: dict = None, store_a: bool = False) -> list:
+                prec: str, cfg: dict = None, store_a: bool = False,
+                n_chunks: Optional[int] = None) -> list:
     """The launches of :func:`wy` for inputs of ``dtype``,
     ``[(grid, constexprs, num_warps, num_stages)]``, every one with the runtime arguments
-    ``(k, v, g, beta, w, u, xs, T)`` and, where ``STORE_A`` (``store_a``: the launch that
-    forms W and U also forms the output walk's attention), ``(q, a)`` after them
-    (as :class:`~.ir.Launch` records: :func:`wy_launch_records`)."""
+    ``(k, v, g, beta, w, u, xs, T, C0)`` (C0: the first chunk) and, where ``STORE_A``
+    (``store_a``: the launch that forms W and U also forms the output walk's attention),
+    ``(q, a)`` after them (as :class:`~.ir.Launch` records: :func:`wy_launch_records`);
+    ``n_chunks``: the chunks each launch covers (default all)."""
     cfg = WY_CONFIG if cfg is None else cfg
-    grid = (-(-T // WY_BT), B * H, 1)
+    grid = (-(-T // WY_BT) if n_chunks is None else n_chunks, B * H, 1)
     # solve_BK counts 16-bit elements: fp32 keys take half as many (the same bytes, registers)
     wide = torch.empty((), dtype=dtype).element_size() > 2
     sbk = cfg["solve_BK"] // 2 if wide else cfg["solve_BK"]
@@ -359,19 +364,22 @@ def wy_launches(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype, g
 
 
 def wy_launch_records(B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype,
-                      gated: bool, prec: str, cfg: dict = None,
-                      store_a: bool = False) -> List[Launch]:
+                      gated: bool, prec: str, cfg: dict = None, store_a: bool = False,
+                      chunks: Optional[Tuple[int, int]] = None) -> List[Launch]:
     """:func:`wy_launches` as launch records on buffers ``k, v, g`` (``beta`` when not
     ``gated``), ``beta``, ``w, u, xs`` and, where ``STORE_A``, ``q, a``: what :func:`wy`,
-    :func:`forward_program` and ``delta_backward.backward_program`` launch."""
+    :func:`forward_program` and ``delta_backward.backward_program`` launch.  ``chunks``:
+    ``(first, count)``, the launches for those chunks alone (default all)."""
+    c0, n = (0, None) if chunks is None else chunks
     args = (("k", "buf", "k"), ("v", "buf", "v"), ("g", "buf", "g" if gated else "beta"),
             ("beta", "buf", "beta"), ("w", "buf", "w"), ("u", "buf", "u"),
-            ("xs", "buf", "xs"), ("T", "i32", T))
+            ("xs", "buf", "xs"), ("T", "i32", T), ("C0", "i32", c0))
     a_args = (("q", "buf", "q"), ("a", "buf", "a"))  # the launch forming the walk's attention
     return [Launch("wy", grid, args + (a_args if const["STORE_A"] else ()),
                    tuple(const.items()), nw, ns)
             for grid, const, nw, ns in wy_launches(B, T, H, K, V, dtype=dtype, gated=gated,
-                                                   prec=prec, cfg=cfg, store_a=store_a)]
+                                                   prec=prec, cfg=cfg, store_a=store_a,
+                                                   n_chunks=n)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -395,7 +403,7 @@ def wy_kernel_specs(K: int = 128, V: int = 128, *, H: int = 32, dtype=torch.bflo
     io = "*" + tl_type(dtype)
     xs = "*" + tl_type(wy_x_dtype(dtype, store_x))
     sig = (("k", io), ("v", io), ("g", "*fp32"), ("beta", "*fp32"), ("w", io), ("u", io),
-           ("xs", xs), ("T", "i32"))
+           ("xs", xs), ("T", "i32"), ("C0", "i32"))
     return [KernelSpec(f"{__name__}:_wy_kernel",
                        sig + ((("q", io), ("a", io)) if const["STORE_A"] else ()),
                        tuple(const.items()), nw, ns)
@@ -478,19 +486,25 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
     bufs["a"] = Buffer((B, T, H, BT), dtype, "workspace")
     low = dtype in (torch.float16, torch.bfloat16)
     wy_prec = "tf32" if low and prec != "ieee" else prec
-    launches = wy_launch_records(B, T, H, K, V, dtype=dtype, gated=gated, prec=wy_prec,
-                                 store_a=True)
+    wy_kw = dict(dtype=dtype, gated=gated, prec=wy_prec, store_a=True)
+    pieces = [None] if summary == NO_SUMMARY else summary_pieces(T)
+    # the inverses X of the whole shard (no launch of its own in the fused WY config)
+    launches = wy_launch_records(B, T, H, K, V, **wy_kw)[:-1]
     # the gate sum stays a launch of its own for the delta rule (see _finish_fwd)
     if gated:
         launches.append(gate_cumsum(bufs, B=B, T=T, H=H, BT=BT))
-    walk_args = dict(q="q", k="k", v="u", g="g_cum" if gated else None, w="w", B=B, T=T,
-                     H=H, K=K, gate=1 if gated else 0, scale=scale, cfg=cfg, prec=prec)
-    if summary != NO_SUMMARY:
-        launches += summary_launches(bufs, B=B, T=T, H=H, K=K, V=V, dtype=dtype,
+    stream = SIDE if len(pieces) > 1 else MAIN
+    for chunks in pieces:  # W and U (and A) per piece, each piece's summary walks after it
+        launches.append(wy_launch_records(B, T, H, K, V, chunks=chunks, **wy_kw)[-1])
+        if chunks is not None:
+            walks = summary_launches(bufs, B=B, T=T, H=H, K=K, V=V, dtype=dtype,
                                      gated=gated, transition=summary == FOLDED, prec=prec,
-                                     tiles=tiles)
+                                     tiles=tiles, chunks=chunks)
+            launches += [dataclasses.replace(ln, stream=stream) for ln in walks]
     launches += walk_launches(bufs, h0="h0" if has_h0 else None, o="o", ht="ht", V=V,
-                              a="a", **walk_args)
+                              a="a", q="q", k="k", v="u", g="g_cum" if gated else None,
+                              w="w", B=B, T=T, H=H, K=K, gate=1 if gated else 0,
+                              scale=scale, cfg=cfg, prec=prec)
     return Program(launches, bufs, scheduler.FUSED, [])
 
 
@@ -514,24 +528,57 @@ def summary_config(K: int, V: int, dtype: torch.dtype) -> dict:
 
 def summary_launches(bufs: Dict[str, Buffer], *, B: int, T: int, H: int, K: int, V: int,
                      dtype: torch.dtype, gated: bool, transition: bool, prec: str,
-                     tiles: Optional[dict] = None) -> List[Launch]:
+                     tiles: Optional[dict] = None,
+                     chunks: Optional[Tuple[int, int]] = None) -> List[Launch]:
     """The launches of a shard's summary from the WY factors (buffers ``k, u, w`` and,
     ``gated``, the gates' chunk sums ``g_cum``): its state from a zero start into workspace
     ``delta [B, H, K, V]`` and, with ``transition``, its dense transition into ``M [B, H,
     K, K]`` (the same walk with no values from the identity, ``H0_EYE``).  One walk over
     the shard each: cutting it into segments walked in parallel and folded measured slower
-    (docs/performance.md).  What :func:`forward_program` and
+    (docs/performance.md).  ``chunks``: ``(first, count)`` of ``WY_BT``-token chunks, the
+    walks over that piece alone, continuing ``delta`` and ``M`` from the piece before it
+    (from zero and the identity at chunk 0).  What :func:`forward_program` and
     :meth:`DeltaRuleWork._summary_fwd` launch."""
     cfg = dict(summary_config(K, V, dtype), **(tiles or {}))
-    walk = dict(q=None, k="k", v="u", g="g_cum" if gated else None, w="w", h0=None, o=None,
+    c0, n = (0, -(-T // WY_BT)) if chunks is None else chunks
+    first = c0 == 0
+    walk = dict(q=None, k="k", v="u", g="g_cum" if gated else None, w="w", o=None,
                 gt=None, B=B, T=T, H=H, K=K, gate=1 if gated else 0, scale=1.0, cfg=cfg,
-                prec=prec, seg=T, n=1)
+                prec=prec, seg=n * WY_BT, n=1, t0=c0 * WY_BT)
     bufs["delta"] = Buffer((B, H, K, V), torch.float32, "workspace")
-    launches = [walk_launch(ht="delta", V=V, **walk)]
+    launches = [walk_launch(h0=None if first else "delta", ht="delta", V=V, **walk)]
     if transition:
         bufs["M"] = Buffer((B, H, K, K), torch.float32, "workspace")
-        launches.append(walk_launch(ht="M", V=K, h0_eye=True, **dict(walk, v=None)))
+        launches.append(walk_launch(h0=None if first else "M", ht="M", V=K, h0_eye=first,
+                                    **dict(walk, v=None)))
     return launches
+
+
+# A rank's summary walks follow its WY factors in pieces of the shard: after the inverses X
+# of the whole shard, the launch forming W and U runs once per piece, and each piece's walks
+# run on a second stream behind it (ir.SIDE), so that the summary, on the chain's critical
+# path, ends about one piece's walk after the WY factors instead of a whole walk after them
+# (docs/design.md section 3).  Measured on 2 x H200, forward, B=1, H=32, K=V=128, 32K tokens
+# per GPU (docs/performance.md): 4 pieces 1.22x the shard, one walk after the WY factors
+# 1.35x in the same run; 8 pieces 1.25x; X cut in pieces too 1.26-1.32x.  Each piece costs
+# host time (two launches and a fork), so by default a piece spans at least
+# PIECE_MIN_CHUNKS chunks.  FORGE_DIST_DENSE_SUMMARY_PIECES sets the count (at most one piece
+# per chunk); 1 walks after the WY factors.
+SUMMARY_PIECES = 4
+PIECE_MIN_CHUNKS = 128
+
+
+def summary_pieces(T: int) -> List[Tuple[int, int]]:
+    """``[(first chunk, chunks)]`` of a summary's pieces over a shard of ``T`` tokens:
+    near-equal runs of ``WY_BT``-token chunks, ``SUMMARY_PIECES`` of at least
+    ``PIECE_MIN_CHUNKS`` (one piece below that), or ``FORGE_DIST_DENSE_SUMMARY_PIECES``."""
+    n_chunks = -(-T // WY_BT)
+    wanted = env_positive_int("FORGE_DIST_DENSE_SUMMARY_PIECES")
+    if wanted is None:
+        wanted = max(1, min(SUMMARY_PIECES, n_chunks // PIECE_MIN_CHUNKS))
+    count = min(wanted, n_chunks)
+    bounds = [n_chunks * i // count for i in range(count + 1)]
+    return [(lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
 
 
 class DeltaRuleWork(TritonWork):

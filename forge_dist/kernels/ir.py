@@ -79,6 +79,10 @@ class Buffer:
     role: str
 
 
+# Launch.stream: the caller's stream, or a second stream beside it (see Launch)
+MAIN, SIDE = 0, 1
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch.
@@ -86,6 +90,15 @@ class Launch:
     ``args`` are the kernel's runtime (non-constexpr) parameters in order, each
     ``(param name, kind, value)`` with kind ``"buf"`` (value: a buffer name), ``"i32"`` or
     ``"fp32"`` (value: the number).
+
+    ``stream``: ``MAIN`` (the caller's stream) or ``SIDE``.  A side launch reads what the
+    main launches before it wrote and runs after the side launches before it; the main
+    launches after it neither wait for it nor touch what it writes, and the caller's stream
+    waits for every side launch at the end of the launches run together (a whole program,
+    or :meth:`~forge_dist.runtime.executor.Executor.run_range`'s range).  So a GPU executor
+    may run it concurrently with the main launches after it (the delta rule's summary walks
+    behind its WY factors, docs/design.md section 3), and running every launch in order on
+    one stream, as the eager and CPU paths do, gives the same result.
     """
 
     kernel: str
@@ -94,6 +107,7 @@ class Launch:
     constexprs: Tuple[Tuple[str, Any], ...]
     num_warps: int
     num_stages: int
+    stream: int = MAIN
 
     def spec(self, buffers: Dict[str, Buffer]) -> "KernelSpec":
         """The compile-time identity of this launch (argument types, constexprs, options);

@@ -216,7 +216,7 @@ if HAVE_TRITON:
         return b_S, b_gt
 
     @triton.jit
-    def _walk_kernel(q, k, v, g, w, h0, o, ht, gt, T, SEG, scale,
+    def _walk_kernel(q, k, v, g, w, h0, o, ht, gt, T, SEG, T0, scale,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      GATE: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
@@ -230,8 +230,10 @@ if HAVE_TRITON:
                      G_RAW: tl.constexpr = False, H0_EYE: tl.constexpr = False):
         """Fused chunk walk (see module docstring); grid ``(cdiv(V, BV), B * H, NSEG)``.
 
-        Program ``(i_v, i_bh, i_s)`` walks the tokens ``[i_s * SEG, (i_s + 1) * SEG)`` (SEG a
-        multiple of BT; one segment, ``SEG >= T``, is the plain fused walk).
+        Program ``(i_v, i_bh, i_s)`` walks the tokens ``[T0 + i_s * SEG, T0 + (i_s + 1) *
+        SEG)`` (T0 and SEG multiples of BT; one segment from ``T0 = 0``, ``SEG >= T``, is the
+        plain fused walk; a later ``T0`` walks one piece of the tokens, as the delta rule's
+        summaries do behind its WY factors).
         q, k [B, T, H, K]; v [B, T, H, V]; g: none (GATE=0), the scalar gates' chunk-local
         cumulative sums [B, H, T] fp32 (GATE=1, :func:`chunk_gate_cumsum`) or, for a
         per-channel decay (GATE=2), the chunks' total log decays ``G_C [B, NT, H, K]`` with
@@ -272,7 +274,7 @@ if HAVE_TRITON:
         DT = k.dtype.element_ty
         i_sbh = i_s * tl.num_programs(1) + i_bh  # this segment's state slot
         NT = tl.cdiv(T, BT)
-        t_lo = i_s * SEG
+        t_lo = T0 + i_s * SEG
         t_hi = tl.minimum(T, t_lo + SEG)
 
         rows = tl.arange(0, BT)

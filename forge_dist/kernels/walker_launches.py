@@ -49,9 +49,10 @@ def walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B: int, T: int, H: int, K: int,
                 gate: int, scale: float, cfg: dict, prec: str, seg: int, n: int,
                 store_ht: bool = True, a=None, s_in=None, cg=None,
                 ht_last: Optional[bool] = None, scan_in: bool = False, maps=None,
-                raw_gates: bool = False, hc=None, vn=None, h0_eye: bool = False) -> Launch:
-    """One walker launch over ``n`` segments of ``seg`` tokens; every tensor argument is a
-    buffer name or ``None`` (absent).
+                raw_gates: bool = False, hc=None, vn=None, h0_eye: bool = False,
+                t0: int = 0) -> Launch:
+    """One walker launch over ``n`` segments of ``seg`` tokens from token ``t0`` (a
+    multiple of the chunk); every tensor argument is a buffer name or ``None`` (absent).
 
     ``q`` (and ``o``) given: outputs are written; ``gate`` 0 none, 1 scalar (``g``: chunk
     sums ``[B, H, T]``, or with ``raw_gates`` the per-token gates ``[B, T, H]``, summed in
@@ -78,7 +79,7 @@ def walk_launch(*, q, k, v, g, w, h0, o, ht, gt, B: int, T: int, H: int, K: int,
     args = (("q", "buf", q or k), ("k", "buf", k), ("v", "buf", v or k), ("g", "buf", g or k),
             ("w", "buf", w or k), ("h0", "buf", h0 or ht), ("o", "buf", o or ht),
             ("ht", "buf", ht), ("gt", "buf", gt or ht), ("T", "i32", T), ("SEG", "i32", seg),
-            ("scale", "fp32", float(scale)))
+            ("T0", "i32", t0), ("scale", "fp32", float(scale)))
     const = (("H", H), ("K", K), ("V", V), ("BT", cfg["BT"]), ("BK", BK), ("BV", BV),
              ("GATE", gate), ("HAS_V", v is not None), ("HAS_W", w is not None),
              ("HAS_H0", h0 is not None), ("STORE_O", q is not None), ("STORE_HT", store_ht),

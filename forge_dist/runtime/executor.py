@@ -10,12 +10,13 @@ launches bound to fixed buffers (:meth:`.plan.Plan.bind`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+import itertools
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..kernels.ir import Program, resolve_kernel
+from ..kernels.ir import SIDE, Program, resolve_kernel
 from ..kernels import jit_launch
 from . import fastpath
 from .dispatcher import current_stream_fn
@@ -64,6 +65,11 @@ class Executor:
         # straight-line code made for this program (fastpath.specialise_program)
         self._specialise_pending = specialise
         self._fast: Optional[Callable[[Dict[str, Tensor]], None]] = None
+        # launches on a second stream (ir.SIDE): on a GPU they run there, forked from the
+        # caller's stream before each run of them and joined at the end of a range
+        self.on_side = [ln.stream == SIDE for ln in program.launches]
+        self._side_used = device.type == "cuda" and any(self.on_side)
+        self._side: Optional[Tuple[Any, Any, Any]] = None
 
     def __call__(self, tensors: Dict[str, Tensor]) -> None:
         """Launch the program on ``tensors`` (its inputs and outputs by buffer name).  A
@@ -95,9 +101,41 @@ class Executor:
         self.program.run_scoped(tensors, self.device,
                                 lambda i, t: self._launch(t, (i,), fast_ok))
 
+    def side_stream(self) -> Tuple[Any, Any, Any]:
+        """``(stream, fork, join)``: the stream this program's side launches run on (high
+        priority: they are a sequence-parallel rank's summary, on the chain's critical path)
+        and the events that fork it from the caller's stream and join it back; made once."""
+        if self._side is None:
+            self._side = (torch.cuda.Stream(self.device, priority=-1), torch.cuda.Event(),
+                          torch.cuda.Event())
+        return self._side
+
     def _launch(self, tensors: Dict[str, Tensor], which, fast_ok: Optional[bool] = None) -> None:
         """Launch ``which`` (indices into the program) on ``tensors``; ``fast_ok``: whether
-        compiled kernels may be relaunched (read from the environment when ``None``)."""
+        compiled kernels may be relaunched (read from the environment when ``None``).  Side
+        launches go to :meth:`side_stream`, each run of them forked from the caller's stream
+        after the main launches before it; the caller's stream waits for them at the end."""
+        if not self._side_used:
+            self._launch_here(tensors, which, fast_ok)
+            return
+        side, fork, join = self.side_stream()
+        main = torch.cuda.current_stream(self.device)
+        forked = False
+        for on_side, run in itertools.groupby(which, key=self.on_side.__getitem__):
+            if on_side:
+                fork.record(main)
+                fork.wait(side)
+                with torch.cuda.stream(side):
+                    self._launch_here(tensors, run, fast_ok)
+                forked = True
+            else:
+                self._launch_here(tensors, run, fast_ok)
+        if forked:
+            join.record(side)
+            join.wait(main)
+
+    def _launch_here(self, tensors: Dict[str, Tensor], which, fast_ok: Optional[bool]) -> None:
+        """Launch ``which`` on the current stream (see :meth:`_launch`)."""
         ptrs = merged = None
         for i in which:
             launch, args, kw = self._jit_calls[i]

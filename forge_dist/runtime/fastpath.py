@@ -215,6 +215,26 @@ def specialise(plan) -> Optional[Callable]:
             body.append("    p_h0 = S_in.data_ptr()")
             ptr_of["h0"] = "p_h0"
 
+    # side launches (ir.SIDE) on the executor's side stream, forked as Executor._launch does
+    side_state = {"on": False, "forked": False}
+    on_side = exe.on_side if exe._side_used else [False] * len(launches)
+    if any(on_side):
+        side, env["FORK"], env["JOIN"] = exe.side_stream()
+        env.update(SIDE=side, SIDE_ST=side.cuda_stream, CURRENT_STREAM=torch.cuda.current_stream,
+                   DEVICE_INDEX=plan.device.index)
+        body.append("    main_stream = CURRENT_STREAM(DEVICE_INDEX)")  # once a call
+
+    def side_switch(to_side: bool) -> None:
+        if to_side and not side_state["on"]:
+            body.extend(["    FORK.record(main_stream)", "    FORK.wait(SIDE)"])
+            side_state["forked"] = True
+        side_state["on"] = to_side
+
+    def join() -> None:
+        if side_state["forked"]:
+            body.extend(["    JOIN.record(SIDE)", "    JOIN.wait(main_stream)"])
+        side_state.update(on=False, forked=False)
+
     split = plan.sp_split if plan.size > 1 else None
     all_slots = [_slots_of(ln, kind) for ln in launches]
     read = [{v for is_buf, v in slots if is_buf} for slots in all_slots]
@@ -239,9 +259,13 @@ def specialise(plan) -> Optional[Callable]:
         # pass (o's included): a rank that passed its state must not run the program again
         allocate(read[i])
         if i == split:
+            join()  # the range before the state pass ends joined, as run_range's does
             state_pass()
-        if not _emit_launch(i, ln, kind, slots, ptr_of, env, body):
+        side_switch(on_side[i])
+        if not _emit_launch(i, ln, kind, slots, ptr_of, env, body,
+                            "SIDE_ST" if on_side[i] else "st"):
             return None  # a buffer this path does not know: keep the general path
+    join()
     if "o" not in ptr_of:
         return None  # a program that never writes o is not a run() program
     body.append(f"    return o, {'ht' if returns_ht else 'None'}")
@@ -280,6 +304,8 @@ def specialise_program(exe) -> Optional[Callable[[Dict[str, Tensor]], None]]:
     """
     program = exe.program
     n = len(program.launches)
+    if exe._side_used:
+        return None  # the backward programs have no side launches; the general path has
     launches, kinds = [], []
     for i in range(n):
         if exe.bound[i] is not None:

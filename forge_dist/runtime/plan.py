@@ -408,7 +408,7 @@ class Plan:
             if ex is None:
                 return []
             return [{"kernel": ln.kernel, "grid": list(ln.grid), "num_warps": ln.num_warps,
-                     "num_stages": ln.num_stages,
+                     "num_stages": ln.num_stages, "stream": "side" if ln.stream else "main",
                      "constexprs": {k: v for k, v in ln.constexprs},
                      "path": path}
                     for ln, path in zip(ex.program.launches, ex.paths)]

@@ -145,3 +145,27 @@ def test_summary_tiles_switch_is_checked(monkeypatch, raw, msg):
     monkeypatch.setenv("FORGE_DIST_DENSE_SUMMARY_TILES", "BV=16, num_warps=2,num_stages=3")
     cfg = summary_config(128, 128, torch.bfloat16)
     assert (cfg["BV"], cfg["num_warps"], cfg["num_stages"]) == (16, 2, 3)
+
+
+def test_summary_pieces_cover_the_shard(monkeypatch):
+    """A rank's summary walks go in pieces of at least PIECE_MIN_CHUNKS chunks (one piece
+    below that), SUMMARY_PIECES at long shards; FORGE_DIST_DENSE_SUMMARY_PIECES sets the
+    count (at most one piece per chunk) and a bad value is named as written."""
+    monkeypatch.delenv("FORGE_DIST_DENSE_SUMMARY_PIECES", raising=False)
+    assert delta.summary_pieces(96) == [(0, 2)]
+    assert delta.summary_pieces(16384) == [(0, 128), (128, 128)]
+    assert len(delta.summary_pieces(1 << 20)) == delta.SUMMARY_PIECES
+    for T in (96, 1000, 32768, 32768 + 5):
+        for env in (None, "3", "64"):
+            if env is not None:
+                monkeypatch.setenv("FORGE_DIST_DENSE_SUMMARY_PIECES", env)
+            pieces = delta.summary_pieces(T)
+            n = -(-T // delta.WY_BT)
+            assert pieces[0][0] == 0 and sum(c for _, c in pieces) == n
+            assert all(lo + c == nxt for (lo, c), (nxt, _) in zip(pieces, pieces[1:]))
+            assert min(c for _, c in pieces) >= 1
+            if env is not None:
+                assert len(pieces) == min(int(env), n)
+    monkeypatch.setenv("FORGE_DIST_DENSE_SUMMARY_PIECES", "0")
+    with pytest.raises(ValueError, match="FORGE_DIST_DENSE_SUMMARY_PIECES.*'0'"):
+        delta.summary_pieces(1024)

@@ -7,7 +7,8 @@ otherwise), captures one plan.run in a CUDA graph, then replays it 1000 times; b
 replay it copies one of 4 input sets (cycling, so consecutive replays differ) into the
 captured inputs and compares the outputs with the eager ``ops.simple_gla`` (serial strategy)
 of that set; then replays it 1000 more times back to back (no barrier, no host sync) and
-checks every replay's output norms at the end.  Writes ``OUT_DIR/rank<r>.json`` = ``{"ok", "detail"}``.
+checks every replay's output norms at the end.  Then the same for gated_delta_rule (100
+synchronised replays), whose rank 0 runs its summary walks on a second stream.  Writes ``OUT_DIR/rank<r>.json`` = ``{"ok", "detail"}``.
 """
 import json
 import os
@@ -38,6 +39,54 @@ def inputs(seed, rank, device):
     r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
     q, k, v = (r(B, T, H, d).to(torch.bfloat16) for d in (K, K, V))
     return [q, k, v, torch.nn.functional.logsigmoid(r(B, T, H) + 4)]
+
+
+DELTA_REPLAYS = 100
+
+
+def delta_rule_replays(rank, device):
+    """gated_delta_rule's forge plan captured and replayed: rank 0's summary walks run in
+    4 pieces on a second stream (ir.SIDE), which the capture forks and joins; each replay's
+    output against the serial strategy's eager op.  Returns the worst relative error."""
+    gen = torch.Generator(device=device).manual_seed(7 + rank)
+    H_d = 4
+
+    def draw(seed):
+        gen.manual_seed(100 * seed + rank)
+        r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+        q, k, v = (r(B, T, H_d, K).to(torch.bfloat16) for _ in range(3))
+        k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
+        return [q, k, v, torch.nn.functional.logsigmoid(r(B, T, H_d) + 4),
+                torch.sigmoid(r(B, T, H_d))]
+    os.environ["FORGE_DIST_DENSE_SUMMARY_PIECES"] = "4"  # as from 32K tokens by default
+    p = plan("gated_delta_rule", B=B, T=T, H=H_d, K=K, V=K, dtype=torch.bfloat16,
+             device=device, group=dist.group.WORLD, strategy="forge")
+    del os.environ["FORGE_DIST_DENSE_SUMMARY_PIECES"]
+    sets = [draw(s) for s in range(3)]
+    refs = [ops.gated_delta_rule(*x[:4], beta=x[4], group=dist.group.WORLD,
+                                 strategy="serial")[0] for x in sets]
+    static_in = [t.clone() for t in sets[0]]
+    out = torch.empty(B, T, H_d, K, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        p.run(*static_in, out=out)
+    torch.cuda.synchronize()
+    forge.flush(wait=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        p.run(*static_in, out=out)
+    worst = 0.0
+    for i in range(DELTA_REPLAYS):
+        for dst, src in zip(static_in, sets[i % 3]):
+            dst.copy_(src)
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        err = rel(out, refs[i % 3])
+        worst = max(worst, err)
+        if not err <= 2e-2:  # bf16 outputs; NaN counts as bad
+            raise AssertionError(f"gated_delta_rule replay {i}: rel error {err:.3g}")
+    forge.flush(wait=True)
+    return worst
 
 
 def main():
@@ -98,10 +147,14 @@ def main():
         if bad:
             raise AssertionError(f"back-to-back replays {bad[:5]} ({len(bad)} in all) have "
                                  f"outputs off by up to {float(dev.nan_to_num(float('inf')).max()):.3g}")
+        delta_worst = delta_rule_replays(rank, device)
         report = {"ok": True, "detail": f"{REPLAYS} synchronised replays, worst rel error "
                                         f"{worst:.3g}; {REPLAYS} back-to-back replays in "
                                         f"{back_to_back_s:.2f}s, worst rel error "
-                                        f"{float(dev.max()):.3g}; plan {p!r}"}
+                                        f"{float(dev.max()):.3g}; plan {p!r}; gated_delta_rule "
+                                        f"(summary walks on a side stream on rank 0): "
+                                        f"{DELTA_REPLAYS} replays, worst rel error "
+                                        f"{delta_worst:.3g}"}
     except Exception as err:  # noqa: BLE001 - report to the test
         report = {"ok": False, "detail": f"{type(err).__name__}: {err}\n"
                                          f"{traceback.format_exc()[-2000:]}"}

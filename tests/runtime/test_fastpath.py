@@ -262,6 +262,45 @@ def test_output_without_a_template_input_is_allocated_from_its_shape(built):
     assert o.dtype == torch.float64 and o.shape == (B, T, H, V) and o.is_contiguous()
 
 
+class _SideEvent:
+    """A recording stand-in for the fork and join events of an executor's side stream."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def record(self, stream):
+        self.log.append((f"{self.name}.record", stream.cuda_stream))
+
+    def wait(self, stream):
+        self.log.append((f"{self.name}.wait", stream.cuda_stream))
+
+
+def test_side_launches_go_to_the_side_stream_forked_and_joined(built, monkeypatch):
+    """A launch the program puts on the side stream (ir.SIDE; the delta rule's pieced
+    summary walks on a GPU) is issued on the executor's side stream after a fork from the
+    caller's, and the run joins the side stream back before it returns, as the general
+    path does (tests/runtime/test_executor.py)."""
+    from types import SimpleNamespace
+
+    p, drv = _static_plan(built, execution="decoupled")
+    exe = p.finish_exec
+    n = len(exe.program.launches)
+    assert n >= 2
+    exe.on_side, exe._side_used = [True] + [False] * (n - 1), True
+    log = drv.launches  # launches and events in one order
+    exe._side = (SimpleNamespace(cuda_stream=88), _SideEvent("fork", log),
+                 _SideEvent("join", log))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: SimpleNamespace(cuda_stream="main"))
+    run = fastpath.specialise(p)
+    assert "FORK.wait(SIDE)" in run.__source__ and "JOIN.wait(main_stream)" in run.__source__
+    run(*_inputs())
+    order = [x if len(x) == 2 else ("launch", x[4]) for x in log]
+    assert order == ([("fork.record", "main"), ("fork.wait", 88), ("launch", 88)]
+                     + [("launch", 77)] * (n - 1)
+                     + [("join.record", 88), ("join.wait", "main")])
+
+
 def _record_allocations(monkeypatch):
     """A list that gets every tensor ``torch.empty`` / ``empty_like`` make from now on (kept
     alive, so that their pointers stay distinct and can be numbered)."""

@@ -722,6 +722,7 @@ def _sp_delta_world(group, cases):
                  initial_state=rank == 0 and with_h0, output_final_state=True, gated=gated)
         name = f"{strategy}/{'gated' if gated else 'ungated'}/{'h0' if with_h0 else 'zero'}"
         launches[name] = [x["kernel"] + ("/eye" if x["constexprs"].get("H0_EYE") else "")
+                          + ("/side" if x["stream"] == "side" else "")
                           for x in p.describe()["launches"]]
         worst = 0.0
         for step in range(3):
@@ -766,7 +767,8 @@ def test_delta_rule_sequence_parallel_plans_over_gloo():
     g and an initial state: a rank before the last walks its shard's state from zero and
     (unless it is rank 0 starting from zero) its dense transition from the identity
     (``H0_EYE``), then the state pass, then the output walk; the last rank keeps no
-    summary.  Against the op on the whole sequence in one process."""
+    summary.  The summary walks go in pieces, behind the WY factors of each, on the side
+    stream.  Against the op on the whole sequence in one process."""
     from tests.sp.distributed import run_world
 
     # every program form (with and without g and h0) under forge and lasp2; the other
@@ -777,7 +779,8 @@ def test_delta_rule_sequence_parallel_plans_over_gloo():
               ("scan", False, False)]
     everyone = run_world(3, _sp_delta_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_SIM_JITTER_MS": "3",
-                              "FORGE_DIST_TIMEOUT": "120", "FORGE_DIST_KERNELS": "triton"})
+                              "FORGE_DIST_TIMEOUT": "120", "FORGE_DIST_KERNELS": "triton",
+                              "FORGE_DIST_DENSE_SUMMARY_PIECES": "2"})
     for rank, (errors, launches) in enumerate(everyone):
         bad = {k: v for k, v in errors.items() if not v < (2e-3 if "fp16" in k else 1e-5)}
         assert not bad, f"rank {rank}: {bad}"
@@ -789,14 +792,18 @@ def test_delta_rule_sequence_parallel_plans_over_gloo():
             if name.endswith("fp32 summary"):
                 assert kernels_run == 0, (rank, name)
                 continue
-            wy = ["wy", "wy"] + (["gate_cumsum"] if "/gated/" in name else [])
+            gates = ["gate_cumsum"] if "/gated/" in name else []
             if rank == 2:  # the last: no summary
-                want = []
-            elif rank == 0 and name.endswith("/zero"):  # from zero: no transition walk
-                want = ["walk"]
-            else:  # the shard's state from zero, its transition from the identity
-                want = ["walk", "walk/eye"]
-            assert kernels_run == wy + want + ["walk"], (rank, name, kernels_run)
+                want = ["wy"] + gates + ["wy"]
+            else:
+                # the inverses X, then W and U in two pieces of one chunk, each followed on
+                # the side stream by the walk of the shard's state from zero over it (and,
+                # but on rank 0 from zero, of its transition from the identity)
+                side = ["walk/side"]
+                if not (rank == 0 and name.endswith("/zero")):
+                    side.append("walk/eye/side")
+                want = ["wy"] + gates + ["wy"] + side + ["wy"] + ["walk/side"] * len(side)
+            assert kernels_run == want + ["walk"], (rank, name, kernels_run)
 
 
 def _two_rank_scan_world(group):

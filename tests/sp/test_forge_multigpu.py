@@ -10,7 +10,7 @@ from tests.torchrun_workers import ROOT, run_workers
 
 CHECKS = ["available", "chains_identity", "chains_scalar", "chains_diagonal", "chains_dense",
           "chains_dense_K64_V96", "op_linear_attn", "op_simple_gla", "op_gla",
-          "op_gated_delta_rule", "op_hgrn", "plans", "hgrn_mixed", "back_to_back", "no_host_sync_forge",
+          "op_gated_delta_rule", "op_hgrn", "plans", "plans_delta", "hgrn_mixed", "back_to_back", "no_host_sync_forge",
           "no_host_sync_lasp2", "no_host_sync_serial", "no_host_sync_pipelined",
           "signature_on_device", "timeout",
           "scan_chains_identity", "scan_chains_scalar", "scan_chains_diagonal", "scan_chains_dense",
