@@ -34,9 +34,11 @@ takes no fused maps).  A role may be *shared*: where a variant has up to two mor
 trailing dim than the template has roles of it, one role's prologue may read several of
 them together (a decay summed from two gates, ``logsigmoid(a) + logsigmoid(b)``); such a
 prologue runs as PyTorch ops; a per-head scalar may join a role of another trailing dim,
-broadcast over it (``k * sigmoid(i)[..., None]``, an input gate).  An output gate is an
-*epilogue*: a ``merge_mode`` that returns the template's outputs times an elementwise map of
-an input no other phase reads (``o * sigmoid(z)``) lowers with the template's outputs
+broadcast over it (``k * sigmoid(i)[..., None]``, an input gate); and where the maps on
+their own inputs fail to validate, a role's map may also read other roles' inputs (RG-LRU's
+``sqrt(1 - a^2) * sigmoid(i) * x`` reads the decay's ``r`` and ``lam``; PyTorch ops too).
+An output gate is an *epilogue*: a ``merge_mode`` that returns the template's outputs times
+an elementwise map of an input no other phase reads (``o * sigmoid(z)``) lowers with the template's outputs
 multiplied by that map after the call (PyTorch ops; validated the same way).  A scalar
 decay no input carries (RetNet's per-head constant, computed from shapes) is read from the
 program's own transition for each head count it is called with and checked there
@@ -69,7 +71,8 @@ from .roles import (MAX_CANDIDATES, assignments, describe_roles, hint, is_delta_
 
 _ELEMENTWISE_FUNCS = {torch.relu, torch.sigmoid, torch.exp, torch.tanh, torch.abs, torch.neg,
                       operator.neg, F.relu, F.elu, F.silu, F.softplus, F.logsigmoid, F.gelu,
-                      torch.sqrt, torch.square, torch.log, torch.rsqrt, torch.reciprocal}
+                      torch.sqrt, torch.square, torch.log, torch.rsqrt, torch.reciprocal,
+                      torch.expm1, torch.log1p}
 _ELEMENTWISE_METHODS = {"relu", "sigmoid", "exp", "tanh", "abs", "neg", "sqrt", "square"}
 _ARITH = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.mul,
           torch.sub, operator.gt, operator.ge, operator.lt, operator.le}
@@ -121,44 +124,52 @@ def _ancestry(node: fx.Node, within: Optional[set] = None) -> set:
     return found
 
 
-def _dag(gms: List[fx.GraphModule], names) -> List[fx.Node]:
+def _dag(gms: List[fx.GraphModule], names, borrow: Tuple[str, ...] = ()) -> List[fx.Node]:
     """The elementwise DAG on input ``names`` (one name, or the names a shared role reads
     together, :func:`.roles.names_of`) in the first phase that reads them all (merge_mode,
     then chunk_mode: the delta rule's merge reads v and beta only through cached WY
     factors): ``[placeholder, ..., node, ...]`` (the inputs' placeholders first, in
-    ``names`` order) in graph order, ending with the prologue's value.
+    ``names`` order, then those of ``borrow`` it reads) in graph order, ending with the
+    prologue's value.
 
     The value is the latest node ``f`` of the inputs' elementwise closure through which
-    everything the phase does with them passes (every other node of ``f``'s ancestry is
-    used only inside it) and that depends on every one of them.  A lone placeholder
-    (identity prologue) when there is none for a single input, or when no phase reads it;
-    for several inputs without such a node, their placeholders (no prologue: the lowering
-    fails to validate)."""
+    everything the phase does with them passes (every other node of ``f``'s ancestry that
+    depends on one of them is used only inside it) and that depends on every one of them.
+    ``borrow``: inputs of other roles the value may also read (RG-LRU's input scaling
+    ``sqrt(1 - a^2)`` reads the decay's inputs); what the phase does with them elsewhere is
+    their roles' business.  A lone placeholder (identity prologue) when there is none for a
+    single input, or when no phase reads it; for several inputs without such a node, their
+    placeholders (no prologue: the lowering fails to validate)."""
     names = names_of(names)
     found = None
     for gm in gms:
         ph = {n.target: n for n in gm.graph.nodes
-              if n.op == "placeholder" and n.target in names and n.users}
-        if len(ph) == len(names):
-            found = gm, [ph[n] for n in names]
+              if n.op == "placeholder" and n.target in names + borrow and n.users}
+        if all(n in ph for n in names):
+            found = gm, [ph[n] for n in names], [ph[n] for n in borrow if n in ph]
             break
     if found is None:
         g = fx.Graph()
         return [g.placeholder(n) for n in names]
-    gm, nodes = found
-    closure, order = set(nodes), list(nodes)
+    gm, nodes, lent = found
+    closure, order = set(nodes + lent), list(nodes + lent)
+    own = set(nodes)  # nodes computed from the role's own inputs
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method") and n not in closure \
                 and _is_elementwise(n, closure):
             closure.add(n)
             order.append(n)
+            if any(a in own for a in n.all_input_nodes):
+                own.add(n)
     for f in reversed(order):
+        if f not in own:
+            continue
         ancestry = _ancestry(f, closure)
         if len(nodes) > 1 and not all(p in ancestry for p in nodes):
             continue  # a shared role's value reads every one of its inputs
         if f.op == "call_function" and f.target is operator.getitem:
             continue  # x[..., None] only broadcasts inside a prologue, never ends one
-        if all(set(a.users) <= ancestry for a in ancestry if a is not f):
+        if all(set(a.users) <= ancestry for a in ancestry if a is not f and a in own):
             return [n for n in order if n in ancestry]
     return list(nodes)
 
@@ -224,21 +235,36 @@ def _first_match(v, template: str, candidates, mine, probes, fuse: bool, epilogu
     template; ``constant``: the template's g read from the program (``None`` when the
     program's decay is not a per-head constant)."""
     for roles in candidates:
-        dags = {r: _dag([v.merge.gm, v.chunk.gm], n) for r, n in roles.items()}
-        prologues, texts = {}, {}
-        for r, dag in dags.items():
-            prologues[r], texts[r] = _prologue(dag)
-        for mode in ("user", "one"):
-            low = Lowering(template, roles, prologues, texts, mode, epilogue=epilogue)
-            if constant:
-                low.constant_g = _ConstantDecay(v, template, low)
-                try:
-                    low.constant_g.log_decay(PROBE["H"])
-                except DSLError:
-                    return None
-            if _matches(mine, low, probes):
-                return _with_kernels(low, dags, fuse)
+        tried = []
+        for borrow in (False, True):  # prologues on their own inputs first
+            dags = {r: _dag([v.merge.gm, v.chunk.gm], n, _others(v, n) if borrow else ())
+                    for r, n in roles.items()}
+            if dags in tried:
+                continue
+            tried.append(dags)
+            prologues, texts = {}, {}
+            for r, dag in dags.items():
+                prologues[r], texts[r] = _prologue(dag)
+            reads_by_role = {r: tuple(p.target for p in dag[:_inputs_of(dag)])
+                             for r, dag in dags.items()}
+            for mode in ("user", "one"):
+                low = Lowering(template, roles, prologues, texts, mode, epilogue=epilogue,
+                               reads=reads_by_role)
+                if constant:
+                    low.constant_g = _ConstantDecay(v, template, low)
+                    try:
+                        low.constant_g.log_decay(PROBE["H"])
+                    except DSLError:
+                        return None
+                if _matches(mine, low, probes):
+                    return _with_kernels(low, dags, fuse)
     return None
+
+
+def _others(v, names) -> Tuple[str, ...]:
+    """The variant's inputs outside ``names`` (a role's), which its prologue may borrow."""
+    mine = names_of(names)
+    return tuple(n for n in v.input_names if n not in mine)
 
 
 class _Without:
@@ -255,8 +281,8 @@ class _Without:
 
 def _epilogue(v) -> Optional[Tuple[str, Callable, str]]:
     """An output gate: ``merge_mode`` returns ``main * f(z)`` (or ``f(z) * main``), ``f`` an
-    elementwise DAG of one input ``z`` that no other phase reads and nothing else in the
-    merge uses.  ``(z, f, text)``, or ``None``."""
+    elementwise DAG of one input ``z`` (or none: ``main * z``) that no other phase reads and
+    nothing else in the merge uses.  ``(z, f, text)``, or ``None``."""
     if v.vector:
         return None
     gm = v.merge.gm
@@ -274,7 +300,7 @@ def _epilogue(v) -> Optional[Tuple[str, Callable, str]]:
         z = inputs[0]
         if where is None:
             where = reads(v)
-        if where[z.target] != {"merge"} or not set(z.users) <= ancestry:
+        if where[z.target] != {"merge"} or not set(z.users) <= ancestry | {out}:
             continue
         body = [n for n in gm.graph.nodes if n in ancestry and n is not z]
         inside = {z}
@@ -284,10 +310,14 @@ def _epilogue(v) -> Optional[Tuple[str, Callable, str]]:
                 ok = False
                 break
             inside.add(n)
-        if ok and body and all(set(n.users) <= ancestry | {out} for n in body):
+        if ok and all(set(n.users) <= ancestry | {out} for n in body):
             fn, text = _prologue([z] + body)
-            return z.target, fn, text
+            return z.target, fn or _same, text  # (no body: the outputs times z itself)
     return None
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _inputs_of(chain: List[fx.Node]) -> int:
@@ -339,6 +369,9 @@ class Lowering:
     # a decay no input carries: the program's per-head constant log decay, read from it for
     # each head count (:class:`_ConstantDecay`); the template's g role
     constant_g: Optional["_ConstantDecay"] = None
+    # role -> the inputs its prologue reads, in order, where they are more than the role's
+    # own (a prologue that borrows another role's inputs, :func:`_dag`)
+    reads: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
 
     def gate_outputs(self, o: torch.Tensor, part: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The variant's outputs from the template's ``o [B, T, H, V]``: multiplied by the
@@ -377,7 +410,7 @@ class Lowering:
                 "prologue " + ("; ".join(maps) if maps else "none") + epi)
 
     def _read(self, part, role: str) -> List[torch.Tensor]:
-        return [part[n] for n in names_of(self.roles[role])]
+        return [part[n] for n in self.reads.get(role) or names_of(self.roles[role])]
 
     def mapped(self, part: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The template's inputs by role from the user's inputs by name (PyTorch maps)."""
@@ -448,6 +481,9 @@ def lower(v, fuse: bool = False) -> Decision:
     # (epilogue, role assignments, why none) in the order tried: the program as a template,
     # the program as a template followed by its output gate
     forms = [(None, *_candidates(template, v))]
+    if is_delta_rule(template) and "g" in roles_of(template, v):
+        # two per-head scalars may also both feed beta, with no gate (a shared role)
+        forms.append((None, *_candidates(template, v, without=("g",))))
     if epilogue is not None:
         forms.append((epilogue, *_candidates(template, _Without(v, epilogue[0]))))
     constant = _constant_candidates(v, template)
@@ -477,18 +513,18 @@ def lower(v, fuse: bool = False) -> Decision:
     return Decision(None, reason, hint(v, template, reason))
 
 
-def _candidates(template: str, v):
+def _candidates(template: str, v, without: Tuple[str, ...] = ()):
     """:func:`.roles.assignments`, best first, without those whose shared roles' inputs never
     meet in one elementwise value (their prologue cannot exist), then capped at
     :data:`.roles.MAX_CANDIDATES`: the cap never drops a viable assignment for hopeless
-    ones."""
-    got, reason = assignments(template, v, limit=None)
+    ones.  ``without``: template roles no input fills (the delta rule's optional gate)."""
+    got, reason = assignments(template, v, limit=None, without=without)
 
     def viable(roles):
         for ns in roles.values():
             names = names_of(ns)
             if len(names) > 1:
-                dag = _dag([v.merge.gm, v.chunk.gm], names)
+                dag = _dag([v.merge.gm, v.chunk.gm], names, _others(v, names))
                 if len(dag) == _inputs_of(dag):  # only the placeholders: they never meet
                     return False
         return True

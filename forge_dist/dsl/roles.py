@@ -193,16 +193,16 @@ def hint(v, template: str, reason: str) -> str:
                 f"output after the call) or fold it into another input before the call")
     if is_delta_rule(template) and n_extra < 0:
         return f"the {template} template needs a per-head beta input (the step size)"
-    if "trailing dims" in reason:
+    if "template takes inputs with trailing dims" in reason:
         if "g" in roles and roles["g"] not in v.inputs.values():
             return (f"pass the log decay as an input (trailing dims: "
                     f"{roles['g'] or 'per-head scalar'}) instead of computing it inside the "
                     f"phases, so that the {template} template has its g")
         return f"declare inputs with the template's trailing dims {_dims_text(roles)}"
-    return ("write each input's transform as an elementwise function of that input alone "
-            "(feature maps, gate activations) around the template's chunk form; anything "
-            "read from two inputs at once, or computed from shapes (a constant decay per "
-            "head), has no template")
+    return ("write what each of the template's inputs gets as an elementwise function of "
+            "the variant's inputs (feature maps, gate activations, scalings; no reduction "
+            "over the feature dim such as a softmax or a norm) around the template's chunk "
+            "form, or apply such a reduction to the input before the call")
 
 
 def describe_roles(assignment: Dict[str, object]) -> Optional[str]:

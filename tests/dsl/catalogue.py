@@ -198,6 +198,10 @@ def _outgate_merge(state, q, k, v, a, z, scale):
     return _retention(q, k, v, F.logsigmoid(a).cumsum(-1), state, scale) * torch.sigmoid(z)
 
 
+def _linear_outgate_merge(state, q, k, v, a, z, scale):
+    return _retention(q, k, v, F.logsigmoid(a).cumsum(-1), state, scale) * z
+
+
 def _ingate_chunk(k, v, a, i):
     return _chunk_state(k * torch.sigmoid(i)[..., None], v, F.logsigmoid(a).cumsum(-1))
 
@@ -261,6 +265,10 @@ SCALAR = [
           "template:simple_gla", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"])},
           post=lambda o, x: o * torch.sigmoid(x["z"])),
+    Entry("output_gate_linear", (_sg_a_chunk, _sg_a_decay, _linear_outgate_merge),
+          {**QKV, "a": "", "z": "V"}, "template:simple_gla", "simple_gla",
+          lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"])},
+          post=lambda o, x: o * x["z"]),
     Entry("input_gate", (_ingate_chunk, _sg_a_decay, _ingate_merge), {**QKV, "a": "", "i": ""},
           "template:simple_gla", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"] * torch.sigmoid(x["i"])[..., None], "v": x["v"],
@@ -376,6 +384,10 @@ def _delta_chunk(k, v, lr):
     return T(k) @ u
 
 
+def _delta_two_rates_chunk(k, v, a, b):  # a step size from two per-head gates, no decay
+    return _delta_chunk(k, v, torch.sigmoid(a) * torch.sigmoid(b))
+
+
 def _delta_decay(state, chunk_state, k, w):
     return state - T(k) @ (w @ state) + chunk_state
 
@@ -393,6 +405,11 @@ DELTA = [
           "template:gated_delta_rule", "gated_delta_rule",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "beta": x["lr"]},
           prepare={"k": unit, "lr": torch.sigmoid}),
+    Entry("deltanet_two_rates", (_delta_two_rates_chunk, _delta_decay, _delta_merge),
+          {**QKV, "a": "", "b": ""}, "template:gated_delta_rule", "gated_delta_rule",
+          lambda x: {"q": x["q"], "k": x["k"], "v": x["v"],
+                     "beta": torch.sigmoid(x["a"]) * torch.sigmoid(x["b"])},
+          prepare={"k": unit}),
     Entry("gated_delta_output_gate", (_gdn_chunk, _gdn_decay, _gdn_outgate_merge),
           {**QKV, "a": "", "b": "", "z": "V"}, "template:gated_delta_rule",
           "gated_delta_rule",
@@ -440,12 +457,30 @@ def _lru_mapped(x):
     return {"x": u, "g": log_a}
 
 
+# forget gates normalised over the channels: a decay that is no elementwise map of an input
+def _norm_chunk(u, f):
+    h = dsl.cache("h", (segsum_exp_vec(F.log_softmax(f, -1).cumsum(-2))
+                        * u[..., None, :, :]).sum(-2))
+    return h[..., -1, :]
+
+
+def _norm_decay(state, chunk_state, f):
+    return state * F.log_softmax(f, -1).sum(-2).exp() + chunk_state
+
+
+def _norm_merge(state, h, f):
+    return h + F.log_softmax(f, -1).cumsum(-2).exp() * state[..., None, :]
+
+
 VECTOR = [
     Entry("hgrn_u_f", (_hgrn_chunk, _hgrn_decay, _hgrn_merge), {"u": "D", "f": "D"},
           "template:hgrn", "hgrn", lambda x: {"x": x["u"], "g": F.logsigmoid(x["f"])},
           state="vector"),
     Entry("rg_lru", (_lru_chunk, _lru_decay, _lru_merge),
-          {"x": "D", "r": "D", "i": "D", "lam": "D"}, "generated", "hgrn", _lru_mapped,
+          {"x": "D", "r": "D", "i": "D", "lam": "D"}, "template:hgrn", "hgrn", _lru_mapped,
+          state="vector"),
+    Entry("hgrn_softmax_gate", (_norm_chunk, _norm_decay, _norm_merge), {"u": "D", "f": "D"},
+          "generated", "hgrn", lambda x: {"x": x["u"], "g": F.log_softmax(x["f"], -1)},
           state="vector"),
 ]
 

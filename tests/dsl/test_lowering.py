@@ -18,9 +18,30 @@ def test_lowering_decisions():
     # RetNet's fixed decay per head: simple_gla with the decay read from the program
     assert library.retnet.lowering.template == "simple_gla"
     assert library.retnet.lowering.constant_g is not None
-    v = library.rg_lru  # not one of the five templates
-    assert v.lowering is None and v.lowering_reason
-    assert "graph executor" in v.describe()
+    # RG-LRU: hgrn, its input scaling sqrt(1 - a^2) borrowing the decay's inputs r, lam
+    low = library.rg_lru.lowering
+    assert low.template == "hgrn" and low.roles == {"x": ("x", "i"), "g": ("r", "lam")}
+    assert low.reads["x"] == ("x", "i", "r", "lam") and low.reads["g"] == ("r", "lam")
+    # forget gates normalised over the channels: no elementwise map, not lowered
+    v = dsl.variant("softmax_gates", chunk_mode=_softmax_chunk, decay_mode=_softmax_decay,
+                    merge_mode=_softmax_merge, state="vector", inputs=("x", "f"),
+                    chunk_size=16)
+    assert v.lowering is None and "validation failed" in v.lowering_reason
+    assert "graph executor" in v.describe() and "softmax" in v.describe()
+
+
+def _softmax_chunk(x, f):
+    h = dsl.cache("h", (dsl.helpers.segsum_exp_vec(F.log_softmax(f, -1).cumsum(-2))
+                        * x[..., None, :, :]).sum(-2))
+    return h[..., -1, :]
+
+
+def _softmax_decay(state, chunk_state, f):
+    return state * F.log_softmax(f, -1).sum(-2).exp() + chunk_state
+
+
+def _softmax_merge(state, h, f):
+    return h + F.log_softmax(f, -1).cumsum(-2).exp() * state[..., None, :]
 
 
 def test_dense_and_vector_programs_that_are_not_the_template_are_not_lowered():
@@ -76,18 +97,20 @@ def triton_on_cpu(monkeypatch):
 
 
 # case -> (catalogue entry, what its lowering must be): a decay shared by two gates, an
-# input gate broadcast onto the keys, an output gate as an epilogue, RetNet's per-head
-# constant decay computed from shapes
+# input gate broadcast onto the keys, an output gate as an epilogue (a map of z, or z
+# itself), RetNet's per-head constant decay computed from shapes
 LOWERED_ENTRIES = {
     "shared": ("second_decay", lambda low: low.roles["g"] == ("a", "b")),
     "broadcast": ("input_gate", lambda low: low.roles["k"] == ("k", "i")),
     "epilogue": ("output_gate", lambda low: low.epilogue[0] == "z"),
+    "identity_epilogue": ("output_gate_linear",
+                          lambda low: low.epilogue[0] == "z" and low.epilogue[2] == "z"),
     "constant_decay": ("retnet_head_decay", lambda low: low.constant_g is not None),
 }
 
 
 @pytest.mark.parametrize("case", ["elu", "gla", "gated_delta_rule", "hgrn", "hgrn-runner",
-                                  *LOWERED_ENTRIES])
+                                  "rg_lru", *LOWERED_ENTRIES])
 def test_triton_template_path(triton_on_cpu, case, monkeypatch):
     """Forward and gradients through the template's kernels.  hgrn differentiates through
     its cached plan (the ops' short path); with plans off, through the runner's works.
@@ -114,6 +137,15 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
         mref = [t.detach().double().requires_grad_() for t in leaves]
         o_r, s_r = ref.gated_delta_rule_ref(*mref[:5], initial_state=mref[5],
                                             output_final_state=True)
+    elif case == "rg_lru":  # hgrn's plan on prologues that read several inputs each
+        x, r, i = (torch.randn(B, T, 24, requires_grad=True) for _ in range(3))
+        lam = (torch.randn(B, T, 24) + 2).requires_grad_()
+        h0 = torch.randn(B, 24, requires_grad=True)
+        o, s = library.rg_lru(x, r, i, lam, initial_state=h0, output_final_state=True)
+        leaves = [x, r, i, lam, h0]
+        mref = [t.detach().double().requires_grad_() for t in leaves]
+        o_r, s_r = references.rg_lru_ref(*mref[:4], initial_state=mref[4],
+                                         output_final_state=True)
     elif case.startswith("hgrn"):
         x = torch.randn(B, T, 24, requires_grad=True)
         g = torch.nn.functional.logsigmoid(torch.randn(B, T, 24) + 2).requires_grad_()
@@ -150,7 +182,7 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
         leaves = [q, k, v, g, h0]
         mref = [t.detach().double().requires_grad_() for t in leaves]
         o_r, s_r = ref.gla_ref(*mref[:4], initial_state=mref[4], output_final_state=True)
-    if case == "hgrn":
+    if case in ("hgrn", "rg_lru"):
         assert cache.stats()["misses"] == 1 and not triton_on_cpu  # a plan, not the runner
     else:
         assert triton_on_cpu and all(u is not None and u.endswith("Work")
