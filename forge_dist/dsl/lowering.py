@@ -32,11 +32,13 @@ on an H200 the walk, which is latency bound, lost more per chunk step than the p
 for run as PyTorch ops (``describe()`` says how each runs; the gated_delta_rule template
 takes no fused maps).  A role may be *shared*: where a variant has up to two more inputs of a
 trailing dim than the template has roles of it, one role's prologue may read several of
-them together (a decay summed from two gates, ``logsigmoid(a) + logsigmoid(b)``); such a
-prologue runs as PyTorch ops; a per-head scalar may join a role of another trailing dim,
-broadcast over it (``k * sigmoid(i)[..., None]``, an input gate); and where the maps on
-their own inputs fail to validate, a role's map may also read other roles' inputs (RG-LRU's
-``sqrt(1 - a^2) * sigmoid(i) * x`` reads the decay's ``r`` and ``lam``; PyTorch ops too).
+them together (a decay summed from two gates, ``logsigmoid(a) + logsigmoid(b)``); a
+per-head scalar may join a role of another trailing dim, broadcast over it
+(``k * sigmoid(i)[..., None]``, an input gate); and where the maps on their own inputs fail
+to validate, a role's map may also read other roles' inputs (RG-LRU's
+``sqrt(1 - a^2) * sigmoid(i) * x`` reads the decay's ``r`` and ``lam``).  A map of several
+inputs of one trailing dim runs as one generated kernel too (at most ``MAX_INPUTS``
+inputs, never fused into the walks); one with a broadcast scalar runs as PyTorch ops.
 An output gate is an *epilogue*: a ``merge_mode`` that returns the template's outputs times
 an elementwise map of an input no other phase reads (``o * sigmoid(z)``) lowers with the template's outputs
 multiplied by that map after the call (PyTorch ops; validated the same way).  A scalar
@@ -57,7 +59,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import MAPPABLE
-from ..kernels.prologue import ElementwisePrologue, kernel_prologue
+from ..kernels.prologue import MAX_INPUTS, ElementwisePrologue, kernel_prologue
 from ..kernels.work import InputMap
 from ..ops import planned
 from ..ops.runner import needs_grad
@@ -257,7 +259,7 @@ def _first_match(v, template: str, candidates, mine, probes, fuse: bool, epilogu
                     except DSLError:
                         return None
                 if _matches(mine, low, probes):
-                    return _with_kernels(low, dags, fuse)
+                    return _with_kernels(low, dags, fuse, v.inputs)
     return None
 
 
@@ -531,18 +533,22 @@ def _candidates(template: str, v, without: Tuple[str, ...] = ()):
     return [a for a in got if viable(a)][:MAX_CANDIDATES], reason
 
 
-def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool) -> Lowering:
+def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool,
+                  dims: Dict[str, str]) -> Lowering:
     """The validated lowering with its prologues as generated Triton: fused into the
-    template's kernels (``fuse``, inputs it can map) or one elementwise kernel per input
-    for prologues of at least :data:`PROLOGUE_KERNEL_MIN_OPS` ops."""
+    template's kernels (``fuse``, inputs it can map) or one elementwise kernel per role
+    for prologues of at least :data:`PROLOGUE_KERNEL_MIN_OPS` ops (``dims``: the inputs'
+    trailing dims; a map over inputs of several is a broadcast, left to PyTorch)."""
     for r, dag in dags.items():
-        if _inputs_of(dag) > 1:
-            continue  # a shared role's prologue (several inputs) runs as PyTorch ops
-        got = (codegen.triton_map(dag) if fuse and r in MAPPABLE.get(low.template, ())
-               else None)
+        k = _inputs_of(dag)
+        if k > MAX_INPUTS or len({dims.get(p.target) for p in dag[:k]}) > 1:
+            continue  # more inputs than one generated map takes, or a broadcast: PyTorch
+        # (a map of several inputs, a shared role's, is never fused into the walks)
+        got = (codegen.triton_map(dag) if fuse and k == 1
+               and r in MAPPABLE.get(low.template, ()) else None)
         if got is not None:
             low.fused[r] = InputMap(got[0], low.prologues[r])
-        elif len(dag) - 1 >= PROLOGUE_KERNEL_MIN_OPS:  # one generated pass for the DAG
+        elif len(dag) - k >= PROLOGUE_KERNEL_MIN_OPS:  # one generated pass for the DAG
             low.prologues[r] = kernel_prologue(codegen.triton_map(dag),
                                                codegen.triton_map_grad(dag),
                                                low.prologues[r], use_kernels) or low.prologues[r]

@@ -448,17 +448,19 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
                     summary: str = NO_SUMMARY) -> Program:
     """The launches of :meth:`DeltaRuleWork.finish` as a :class:`~.ir.Program`:
     :func:`.walker_launches.matrix_buffers`, ``g [B, T, H]`` (``gate_dtype``, ``gated``)
-    and ``beta [B, T, H]`` (``beta_dtype``, default ``gate_dtype``); the WY factors
-    (workspaces ``w, u, xs`` and the walk's in-chunk attention ``a``), the gates' chunk
-    sums (``gated``), then one fused walk.  Only the fused schedule exists, and no fused
-    prologues.  ``tiles`` overrides entries of :func:`fused_config`.
+    and ``beta [B, T, H]`` (``beta_dtype``, default ``gate_dtype``); the WY inverses X
+    (workspace ``xs``), the gates' chunk sums (``gated``), the launch forming W and U
+    (workspaces ``w, u``) and the walk's in-chunk attention ``a``, then one fused walk.
+    Only the fused schedule exists, and no fused prologues.  ``tiles`` overrides entries
+    of :func:`fused_config`.
 
     ``summary``: what a sequence-parallel rank keeps for the state pass, from walks
-    launched between the WY factors and the output walk (always the last launch, so the
-    pass goes before it): ``"state"``, the shard's state from a zero start in workspace
-    ``delta [B, H, K, V]`` fp32 (rank 0 without an initial state, whose transition nobody
-    needs); ``"folded"``, also its dense transition ``M [B, H, K, K]`` fp32 (a walk with no
-    values from the identity).  Both walks use the forward's operands and WY factors (the
+    launched before the output walk (always the last launch, so the pass goes before it):
+    the W and U launch goes in :func:`summary_pieces` and each piece's summary walks follow
+    it on the side stream (``ir.SIDE``).  ``"state"``: the shard's state from a zero start
+    in workspace ``delta [B, H, K, V]`` fp32 (rank 0 without an initial state, whose
+    transition nobody needs); ``"folded"``: also its dense transition ``M [B, H, K, K]``
+    fp32 (a walk with no values from the identity).  Both walks use the forward's operands and WY factors (the
     default ``FORGE_DIST_DENSE_SUMMARY=input`` of :class:`DeltaRuleWork`)."""
     if execution not in (None, "auto", scheduler.FUSED):
         raise ValueError(f"execution={execution!r}: gated_delta_rule has only the fused "
@@ -571,7 +573,8 @@ PIECE_MIN_CHUNKS = 128
 def summary_pieces(T: int) -> List[Tuple[int, int]]:
     """``[(first chunk, chunks)]`` of a summary's pieces over a shard of ``T`` tokens:
     near-equal runs of ``WY_BT``-token chunks, ``SUMMARY_PIECES`` of at least
-    ``PIECE_MIN_CHUNKS`` (one piece below that), or ``FORGE_DIST_DENSE_SUMMARY_PIECES``."""
+    ``PIECE_MIN_CHUNKS`` (one piece below that), or ``FORGE_DIST_DENSE_SUMMARY_PIECES`` (a
+    tuning switch read when a program is built: a cached plan keeps its pieces)."""
     n_chunks = -(-T // WY_BT)
     wanted = env_positive_int("FORGE_DIST_DENSE_SUMMARY_PIECES")
     if wanted is None:

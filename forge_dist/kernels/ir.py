@@ -93,7 +93,8 @@ class Launch:
 
     ``stream``: ``MAIN`` (the caller's stream) or ``SIDE``.  A side launch reads what the
     main launches before it wrote and runs after the side launches before it; the main
-    launches after it neither wait for it nor touch what it writes, and the caller's stream
+    launches after it neither wait for it nor read what it writes nor write what it reads,
+    and the caller's stream
     waits for every side launch at the end of the launches run together (a whole program,
     or :meth:`~forge_dist.runtime.executor.Executor.run_range`'s range).  So a GPU executor
     may run it concurrently with the main launches after it (the delta rule's summary walks

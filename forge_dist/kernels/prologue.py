@@ -6,7 +6,9 @@ kernels (``elu(q) + 1``, ``logsigmoid(g)``; :mod:`forge_dist.dsl.lowering` extra
 ``elu(x) + 1`` is two passes over the tensor forward and more backward; here it is one read
 and one write: ``_map_kernel`` applies the generated map, ``_map_grad_kernel`` its generated
 vector-Jacobian product ``dy * f'(x)`` (the forward values recomputed in registers, nothing
-saved but ``x``).  Both compute in fp32 and round once to the tensor's dtype.
+saved but ``x``).  Both compute in fp32 and round once to the tensor's dtype.  A map of
+several inputs of one shape (a shared role's) runs the same way through ``_map_n_kernel``
+and ``_map_n_grad_kernel``.
 
 Measured on an H200 (``scaling_benchmarks/results/dsl_prologue_*``): a map applied here before
 the template beats both the PyTorch ops and applying the map to every tile inside the walk
@@ -14,6 +16,7 @@ the template beats both the PyTorch ops and applying the map to every tile insid
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -49,6 +52,56 @@ if HAVE_TRITON:
         tl.store(dx + o, GRAD(b, d).to(dx.dtype.element_ty), mask=m)
 
 
+    # a map of several inputs (a shared role's, ``f(x0, x1, ...)``), up to MAX_INPUTS:
+    # unused pointer slots repeat x0 and are not read
+    @triton.jit
+    def _map_n_kernel(x0, x1, x2, x3, y, N, MAP: tl.constexpr, NIN: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """``y = MAP(x0, ..., x{NIN-1})`` over ``N`` contiguous elements of each."""
+        o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = o < N
+        b0 = tl.load(x0 + o, mask=m, other=0.0)
+        b1 = tl.load(x1 + o, mask=m, other=0.0)
+        if NIN == 2:
+            v = MAP(b0, b1)
+        else:
+            b2 = tl.load(x2 + o, mask=m, other=0.0)
+            if NIN == 3:
+                v = MAP(b0, b1, b2)
+            else:
+                v = MAP(b0, b1, b2, tl.load(x3 + o, mask=m, other=0.0))
+        tl.store(y + o, v.to(y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _store_grad(dx, o, m, g):
+        tl.store(dx + o, g.to(dx.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _map_n_grad_kernel(x0, x1, x2, x3, dy, dx0, dx1, dx2, dx3, N, GRAD: tl.constexpr,
+                           NIN: tl.constexpr, BLOCK: tl.constexpr):
+        """``dx_i = GRAD(x0, ..., dy)[i]`` (``dy * d MAP / d x_i``) for ``i < NIN``."""
+        o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = o < N
+        d = tl.load(dy + o, mask=m, other=0.0)
+        b0 = tl.load(x0 + o, mask=m, other=0.0)
+        b1 = tl.load(x1 + o, mask=m, other=0.0)
+        if NIN == 2:
+            g0, g1 = GRAD(b0, b1, d)
+        else:
+            b2 = tl.load(x2 + o, mask=m, other=0.0)
+            if NIN == 3:
+                g0, g1, g2 = GRAD(b0, b1, b2, d)
+            else:
+                g0, g1, g2, g3 = GRAD(b0, b1, b2, tl.load(x3 + o, mask=m, other=0.0), d)
+                _store_grad(dx3, o, m, g3)
+            _store_grad(dx2, o, m, g2)
+        _store_grad(dx0, o, m, g0)
+        _store_grad(dx1, o, m, g1)
+
+
+MAX_INPUTS = 4  # inputs of one generated map (RG-LRU's input scaling reads four)
+
+
 def _launch(kernel, fn, *tensors: Tensor) -> None:
     n = tensors[0].numel()
     if n:
@@ -73,6 +126,34 @@ class _MapFn(torch.autograd.Function):
         return dx, None, None
 
 
+class _MapNFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fmap: Callable, fgrad: Callable, *xs: Tensor) -> Tensor:
+        xs = tuple(x.contiguous() for x in xs)
+        dtype = functools.reduce(torch.promote_types, (x.dtype for x in xs))
+        y = torch.empty(xs[0].shape, dtype=dtype, device=xs[0].device)
+        n = y.numel()
+        if n:
+            pad = xs + (xs[0],) * (MAX_INPUTS - len(xs))
+            _map_n_kernel[(cdiv(n, BLOCK),)](*pad, y, n, fmap, NIN=len(xs), BLOCK=BLOCK,
+                                             num_warps=NUM_WARPS)
+        ctx.save_for_backward(*xs)
+        ctx.fgrad = fgrad
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        xs = ctx.saved_tensors
+        dxs = tuple(torch.empty_like(x) for x in xs)
+        n = dy.numel()
+        if n:
+            pad = MAX_INPUTS - len(xs)
+            _map_n_grad_kernel[(cdiv(n, BLOCK),)](
+                *xs, *(xs[:1] * pad), dy.contiguous(), *dxs, *(dxs[:1] * pad), n,
+                ctx.fgrad, NIN=len(xs), BLOCK=BLOCK, num_warps=NUM_WARPS)
+        return (None, None) + dxs
+
+
 def apply_map(x: Tensor, fmap: Callable, fgrad: Callable) -> Tensor:
     """``fmap`` applied to every element of ``x`` (any shape, a floating dtype), in
     ``x``'s dtype; differentiable through ``fgrad`` (``dy * fmap'(x)``)."""
@@ -85,9 +166,11 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class ElementwisePrologue:
-    """An input's prologue as generated kernels: called on a 16- or 32-bit float tensor on a
-    device the kernels take (``use_kernels(device)``), it runs :func:`apply_map`; otherwise
-    ``torch_fn`` (the same chain as PyTorch ops; fp64, such as the lowering's probes).
+    """An input's prologue as generated kernels: called on 16- or 32-bit float tensors on a
+    device the kernels take (``use_kernels(device)``), it runs :func:`apply_map` (one input)
+    or the map of several inputs of one shape (a shared role's, at most ``MAX_INPUTS``, in
+    their promoted dtype); otherwise ``torch_fn`` (the same DAG as PyTorch ops; fp64, such
+    as the lowering's probes, and inputs of other shapes).
 
     Args:
         fmap, fgrad: the jitted map and its vector-Jacobian product
@@ -101,11 +184,18 @@ class ElementwisePrologue:
         self.fmap, self.fgrad, self.torch_fn = fmap, fgrad, torch_fn
         self.use_kernels = use_kernels
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, *xs: Tensor) -> Tensor:
         # the maps compute in fp32: fp64 (the lowering's validation probes) stays exact
-        if HAVE_TRITON and x.dtype in _KERNEL_DTYPES and self.use_kernels(x.device):
+        x = xs[0]
+        if not (HAVE_TRITON and all(t.dtype in _KERNEL_DTYPES for t in xs)
+                and self.use_kernels(x.device)):
+            return self.torch_fn(*xs)
+        if len(xs) == 1:
             return apply_map(x, self.fmap, self.fgrad)
-        return self.torch_fn(x)
+        if len(xs) <= MAX_INPUTS and all(t.shape == x.shape and t.device == x.device
+                                         for t in xs):
+            return _MapNFn.apply(self.fmap, self.fgrad, *xs)
+        return self.torch_fn(*xs)  # inputs of other shapes (a broadcast per-head scalar)
 
 
 def kernel_prologue(chain_map, chain_grad, torch_fn, use_kernels) -> Optional[ElementwisePrologue]:

@@ -66,9 +66,12 @@ class Executor:
         self._specialise_pending = specialise
         self._fast: Optional[Callable[[Dict[str, Tensor]], None]] = None
         # launches on a second stream (ir.SIDE): on a GPU they run there, forked from the
-        # caller's stream before each run of them and joined at the end of a range
+        # caller's stream before each run of them and joined at the end of a range; not
+        # where a dispatcher sends the launches to a stream of its own (the fork and join
+        # events are recorded on the caller's stream)
         self.on_side = [ln.stream == SIDE for ln in program.launches]
-        self._side_used = device.type == "cuda" and any(self.on_side)
+        self._side_used = (device.type == "cuda" and any(self.on_side)
+                           and getattr(dispatcher, "stream_fn", None) is None)
         self._side: Optional[Tuple[Any, Any, Any]] = None
 
     def __call__(self, tensors: Dict[str, Tensor]) -> None:

@@ -249,6 +249,11 @@ def specialise(plan) -> Optional[Callable]:
         # raises or runs the whole program.
         group = [(j, c) for j, c in pending if c[1] in read[i]] + (unread if i == 0 else [])
         pending = [(j, c) for j, c in pending if (j, c) not in group]
+        if i == split or group or any(b in read[i] and b not in ptr_of for b in ("o", "ht")):
+            # a check or an out= that can send the call to the general path, or the state
+            # pass: never with side launches still forked (the general path would run the
+            # program again beside them)
+            join()
         if group:
             check(group)
             for _, (n, buffer, *_) in group:
@@ -259,7 +264,6 @@ def specialise(plan) -> Optional[Callable]:
         # pass (o's included): a rank that passed its state must not run the program again
         allocate(read[i])
         if i == split:
-            join()  # the range before the state pass ends joined, as run_range's does
             state_pass()
         side_switch(on_side[i])
         if not _emit_launch(i, ln, kind, slots, ptr_of, env, body,

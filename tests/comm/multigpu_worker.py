@@ -316,8 +316,6 @@ def plan_delta_check(group, device):
 
     r, P = dist.get_rank(group), dist.get_world_size(group)
     B, T_local, H, D = 2, 1000, 4, 64
-    # the summary walks in 4 pieces on the side stream, as from 32K tokens by default
-    os.environ["FORGE_DIST_DENSE_SUMMARY_PIECES"] = "4"
     full = op_inputs("gated_delta_rule", B, T_local * P, H, D, 13, device)
     mine = slice(r * T_local, (r + 1) * T_local)
     h0 = torch.randn(B, H, D, D, generator=torch.Generator().manual_seed(3)).to(device)
@@ -330,9 +328,14 @@ def plan_delta_check(group, device):
         ref = ref[:, mine].float()
         outs = {}
         for strategy in ("forge", "serial", "lasp2", "pipelined"):
-            p = plan("gated_delta_rule", B=B, T=T_local, H=H, K=D, V=D, dtype=dtype,
-                     device=device, group=group, strategy=strategy,
-                     initial_state=with_h0 and r == 0)
+            # the summary walks in 4 pieces on the side stream, as from 32K tokens by default
+            os.environ["FORGE_DIST_DENSE_SUMMARY_PIECES"] = "4"
+            try:
+                p = plan("gated_delta_rule", B=B, T=T_local, H=H, K=D, V=D, dtype=dtype,
+                         device=device, group=group, strategy=strategy,
+                         initial_state=with_h0 and r == 0)
+            finally:
+                del os.environ["FORGE_DIST_DENSE_SUMMARY_PIECES"]
             for _ in range(3):  # repeated runs: the steady state, fresh epochs
                 o, _ = p.run(*[x[n][:, mine].contiguous() for n in p.input_names],
                              initial_state=h0 if with_h0 and r == 0 else None)
@@ -341,7 +344,6 @@ def plan_delta_check(group, device):
             errs[f"{dtype}/{'h0' if with_h0 else 'zero'}/{strategy}"] = rel(o, ref)
         errs[f"{dtype}/{'h0' if with_h0 else 'zero'}/forge-vs-serial"] = rel(
             outs["forge"], outs["serial"])
-    del os.environ["FORGE_DIST_DENSE_SUMMARY_PIECES"]
     sp.flush()
     # bf16: the output's own rounding (the single-GPU op is bf16 too)
     bad = {k: v for k, v in errs.items() if not v < (2e-2 if "bfloat16" in k else 1e-4)}

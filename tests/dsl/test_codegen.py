@@ -51,6 +51,10 @@ CASES = {
     "gelu": lambda x: F.gelu(x),
     "gelu tanh": lambda x: F.gelu(x, approximate="tanh"),
     "constants on both sides": lambda x: 2.0 - (3.0 / (x * x + 1.0)) * 0.5,
+    "expm1": lambda x: torch.expm1(x * 0.1),
+    "expm1 near 0": lambda x: torch.expm1(x * 1e-5),
+    "log1p": lambda x: torch.log1p(torch.abs(x) * 0.01),
+    "log1p near 0": lambda x: torch.log1p(x * 1e-5),
     "torch.add/mul/sub": lambda x: torch.sub(torch.mul(torch.add(x, 1.0), 2.0), 0.25),
 }
 
@@ -124,3 +128,43 @@ def test_one_function_per_source():
     assert a[0] is b[0] and a[1] == b[1]  # the kernels' compile caches see one constexpr
     assert c[0] is not a[0]
     assert operator.contains(a[1], "tl.exp")
+
+
+def _rg_lru_input(x, i, r, lam):  # RG-LRU's scaled input: a map of four inputs
+    log_a = -8.0 * F.softplus(-lam) * torch.sigmoid(r)
+    return torch.sqrt(-torch.expm1(2.0 * log_a)) * (torch.sigmoid(i) * x)
+
+
+@pytest.mark.parametrize("f", [lambda a, b: F.logsigmoid(a) + F.logsigmoid(b),
+                               lambda a, b, c: a * torch.sigmoid(b) - c * c,
+                               _rg_lru_input], ids=["two", "three", "rg_lru"])
+def test_maps_of_several_inputs_and_their_gradients(f):
+    """A shared role's map of several inputs (``x0, x1, ...``) as one generated kernel
+    (kernels.prologue: ElementwisePrologue over inputs of one shape, bf16 and fp32 mixed:
+    the result in their promoted dtype) and its generated gradient for every input, against
+    PyTorch in fp64."""
+    from forge_dist.kernels.prologue import ElementwisePrologue
+
+    nodes = chain(f)
+    fmap, fgrad = codegen.triton_map(nodes), codegen.triton_map_grad(nodes)
+    assert fmap is not None and fgrad is not None
+    k = len([n for n in nodes if n.op == "placeholder"])
+    assert fmap[1].startswith(f"def forge_prologue_") and f"x{k - 1}" in fmap[1]
+    pro = ElementwisePrologue(fmap[0], fgrad[0], f, lambda device: True)
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(3, 37, generator=gen) + (2.0 if j == k - 1 else 0.0) for j in range(k)]
+    ins = [x.to(DEV, torch.bfloat16 if j == 0 else torch.float32).requires_grad_()
+           for j, x in enumerate(xs)]
+    y = pro(*ins)
+    assert y.dtype == torch.float32 and y.shape == xs[0].shape
+    ref = [x.to(DEV, torch.bfloat16 if j == 0 else torch.float32).double().requires_grad_()
+           for j, x in enumerate(xs)]
+    want = f(*ref)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    dy = torch.randn(want.shape, generator=gen).to(DEV)
+    got = torch.autograd.grad(y, ins, dy)
+    exp = torch.autograd.grad(want, ref, dy.double())
+    for j, (a, b) in enumerate(zip(got, exp)):
+        assert a.dtype == ins[j].dtype
+        tol = 1e-2 if a.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)

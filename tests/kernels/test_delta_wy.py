@@ -157,15 +157,18 @@ def test_summary_pieces_cover_the_shard(monkeypatch):
     assert len(delta.summary_pieces(1 << 20)) == delta.SUMMARY_PIECES
     for T in (96, 1000, 32768, 32768 + 5):
         for env in (None, "3", "64"):
-            if env is not None:
+            if env is None:
+                monkeypatch.delenv("FORGE_DIST_DENSE_SUMMARY_PIECES", raising=False)
+            else:
                 monkeypatch.setenv("FORGE_DIST_DENSE_SUMMARY_PIECES", env)
             pieces = delta.summary_pieces(T)
             n = -(-T // delta.WY_BT)
             assert pieces[0][0] == 0 and sum(c for _, c in pieces) == n
             assert all(lo + c == nxt for (lo, c), (nxt, _) in zip(pieces, pieces[1:]))
             assert min(c for _, c in pieces) >= 1
-            if env is not None:
-                assert len(pieces) == min(int(env), n)
+            want = (min(int(env), n) if env is not None else
+                    max(1, min(delta.SUMMARY_PIECES, n // delta.PIECE_MIN_CHUNKS)))
+            assert len(pieces) == want
     monkeypatch.setenv("FORGE_DIST_DENSE_SUMMARY_PIECES", "0")
     with pytest.raises(ValueError, match="FORGE_DIST_DENSE_SUMMARY_PIECES.*'0'"):
         delta.summary_pieces(1024)

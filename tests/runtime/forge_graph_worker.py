@@ -59,9 +59,11 @@ def delta_rule_replays(rank, device):
         return [q, k, v, torch.nn.functional.logsigmoid(r(B, T, H_d) + 4),
                 torch.sigmoid(r(B, T, H_d))]
     os.environ["FORGE_DIST_DENSE_SUMMARY_PIECES"] = "4"  # as from 32K tokens by default
-    p = plan("gated_delta_rule", B=B, T=T, H=H_d, K=K, V=K, dtype=torch.bfloat16,
-             device=device, group=dist.group.WORLD, strategy="forge")
-    del os.environ["FORGE_DIST_DENSE_SUMMARY_PIECES"]
+    try:
+        p = plan("gated_delta_rule", B=B, T=T, H=H_d, K=K, V=K, dtype=torch.bfloat16,
+                 device=device, group=dist.group.WORLD, strategy="forge")
+    finally:
+        del os.environ["FORGE_DIST_DENSE_SUMMARY_PIECES"]
     sets = [draw(s) for s in range(3)]
     refs = [ops.gated_delta_rule(*x[:4], beta=x[4], group=dist.group.WORLD,
                                  strategy="serial")[0] for x in sets]

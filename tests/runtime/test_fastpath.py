@@ -278,8 +278,10 @@ class _SideEvent:
 def test_side_launches_go_to_the_side_stream_forked_and_joined(built, monkeypatch):
     """A launch the program puts on the side stream (ir.SIDE; the delta rule's pieced
     summary walks on a GPU) is issued on the executor's side stream after a fork from the
-    caller's, and the run joins the side stream back before it returns, as the general
-    path does (tests/runtime/test_executor.py)."""
+    caller's, and the run joins the side stream back before anything that can send the
+    call to the general path (here the output's allocation and out= check before the output
+    walk; for a sequence-parallel plan also its state pass), as the general path joins at
+    the end of its range (tests/runtime/test_executor.py)."""
     from types import SimpleNamespace
 
     p, drv = _static_plan(built, execution="decoupled")
@@ -296,9 +298,11 @@ def test_side_launches_go_to_the_side_stream_forked_and_joined(built, monkeypatc
     assert "FORK.wait(SIDE)" in run.__source__ and "JOIN.wait(main_stream)" in run.__source__
     run(*_inputs())
     order = [x if len(x) == 2 else ("launch", x[4]) for x in log]
-    assert order == ([("fork.record", "main"), ("fork.wait", 88), ("launch", 88)]
-                     + [("launch", 77)] * (n - 1)
-                     + [("join.record", 88), ("join.wait", "main")])
+    assert order == ([("fork.record", "main"), ("fork.wait", 88), ("launch", 88),
+                      ("join.record", 88), ("join.wait", "main")]
+                     + [("launch", 77)] * (n - 1))
+    src = run.__source__
+    assert src.index("JOIN.wait") < src.index("if out is None")  # joined before the check
 
 
 def _record_allocations(monkeypatch):
