@@ -34,7 +34,8 @@ import torch.nn.functional as F
 _UNARY_METHODS = {"relu": torch.relu, "sigmoid": torch.sigmoid, "exp": torch.exp,
                   "tanh": torch.tanh, "abs": torch.abs, "sqrt": torch.sqrt,
                   "square": torch.square, "log": torch.log, "rsqrt": torch.rsqrt,
-                  "reciprocal": torch.reciprocal, "neg": operator.neg}
+                  "reciprocal": torch.reciprocal, "neg": operator.neg, "expm1": torch.expm1,
+                  "log1p": torch.log1p}
 _BINARY_METHODS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
                    "div": operator.truediv, "pow": operator.pow, "gt": operator.gt,
                    "ge": operator.ge, "lt": operator.lt, "le": operator.le,

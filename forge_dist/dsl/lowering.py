@@ -75,7 +75,8 @@ _ELEMENTWISE_FUNCS = {torch.relu, torch.sigmoid, torch.exp, torch.tanh, torch.ab
                       operator.neg, F.relu, F.elu, F.silu, F.softplus, F.logsigmoid, F.gelu,
                       torch.sqrt, torch.square, torch.log, torch.rsqrt, torch.reciprocal,
                       torch.expm1, torch.log1p}
-_ELEMENTWISE_METHODS = {"relu", "sigmoid", "exp", "tanh", "abs", "neg", "sqrt", "square"}
+_ELEMENTWISE_METHODS = {"relu", "sigmoid", "exp", "tanh", "abs", "neg", "sqrt", "square",
+                        "expm1", "log1p"}
 _ARITH = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.mul,
           torch.sub, operator.gt, operator.ge, operator.lt, operator.le}
 _GATES = ("g", "beta")  # roles passed to the kernels in their own dtype (fp32 gates)
@@ -236,14 +237,17 @@ def _first_match(v, template: str, candidates, mine, probes, fuse: bool, epilogu
     the program on the probes, with its kernels; ``epilogue``: an output gate after the
     template; ``constant``: the template's g read from the program (``None`` when the
     program's decay is not a per-head constant)."""
-    for roles in candidates:
-        tried = []
-        for borrow in (False, True):  # prologues on their own inputs first
-            dags = {r: _dag([v.merge.gm, v.chunk.gm], n, _others(v, n) if borrow else ())
-                    for r, n in roles.items()}
-            if dags in tried:
-                continue
-            tried.append(dags)
+    # the maps on each role's own inputs for every assignment first; then maps that may
+    # borrow other roles' inputs (_dag)
+    gms = [v.merge.gm, v.chunk.gm]
+    own = [{r: _dag(gms, n) for r, n in roles.items()} for roles in candidates]
+    for borrow in (False, True):
+        for roles, own_dags in zip(candidates, own):
+            dags = own_dags
+            if borrow:
+                dags = {r: _dag(gms, n, _others(v, n)) for r, n in roles.items()}
+                if dags == own_dags:
+                    continue  # no role borrows: validated in the first pass
             prologues, texts = {}, {}
             for r, dag in dags.items():
                 prologues[r], texts[r] = _prologue(dag)
@@ -371,8 +375,8 @@ class Lowering:
     # a decay no input carries: the program's per-head constant log decay, read from it for
     # each head count (:class:`_ConstantDecay`); the template's g role
     constant_g: Optional["_ConstantDecay"] = None
-    # role -> the inputs its prologue reads, in order, where they are more than the role's
-    # own (a prologue that borrows another role's inputs, :func:`_dag`)
+    # role -> the inputs its prologue reads, in order: the role's own, then any it borrows
+    # from other roles (:func:`_dag`)
     reads: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
 
     def gate_outputs(self, o: torch.Tensor, part: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -483,14 +487,14 @@ def lower(v, fuse: bool = False) -> Decision:
     # (epilogue, role assignments, why none) in the order tried: the program as a template,
     # the program as a template followed by its output gate
     forms = [(None, *_candidates(template, v))]
-    if is_delta_rule(template) and "g" in roles_of(template, v):
-        # two per-head scalars may also both feed beta, with no gate (a shared role)
-        forms.append((None, *_candidates(template, v, without=("g",))))
     if epilogue is not None:
         forms.append((epilogue, *_candidates(template, _Without(v, epilogue[0]))))
+    reason = forms[-1][2]  # (why the last form has no assignment, where none has one)
+    if is_delta_rule(template) and "g" in roles_of(template, v):
+        # two per-head scalars may also both feed beta, with no gate (a shared role)
+        forms.insert(1, (None, *_candidates(template, v, without=("g",))))
     constant = _constant_candidates(v, template)
     tried = [c for _, c, _ in forms if c]
-    reason = forms[-1][2]  # (why the last form has no assignment, where none has one)
     if not tried and not constant:
         return Decision(None, reason, hint(v, template, reason))
     probes = _probes(v)
@@ -522,15 +526,18 @@ def _candidates(template: str, v, without: Tuple[str, ...] = ()):
     ones.  ``without``: template roles no input fills (the delta rule's optional gate)."""
     got, reason = assignments(template, v, limit=None, without=without)
 
-    def viable(roles):
+    def viable(roles, borrow: bool):
         for ns in roles.values():
             names = names_of(ns)
             if len(names) > 1:
-                dag = _dag([v.merge.gm, v.chunk.gm], names, _others(v, names))
+                dag = _dag([v.merge.gm, v.chunk.gm], names, _others(v, names) if borrow else ())
                 if len(dag) == _inputs_of(dag):  # only the placeholders: they never meet
                     return False
         return True
-    return [a for a in got if viable(a)][:MAX_CANDIDATES], reason
+    # those viable on their own inputs before those viable only by borrowing (_dag)
+    own = [a for a in got if viable(a, False)]
+    lent = [a for a in got if a not in own and viable(a, True)]
+    return (own + lent)[:MAX_CANDIDATES], reason
 
 
 def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool,

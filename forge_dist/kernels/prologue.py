@@ -7,7 +7,8 @@ kernels (``elu(q) + 1``, ``logsigmoid(g)``; :mod:`forge_dist.dsl.lowering` extra
 and one write: ``_map_kernel`` applies the generated map, ``_map_grad_kernel`` its generated
 vector-Jacobian product ``dy * f'(x)`` (the forward values recomputed in registers, nothing
 saved but ``x``).  Both compute in fp32 and round once to the tensor's dtype.  A map of
-several inputs of one shape (a shared role's) runs the same way through ``_map_n_kernel``
+several inputs of one shape (a shared role's, or one that borrows another role's inputs)
+runs the same way through ``_map_n_kernel``
 and ``_map_n_grad_kernel``.
 
 Measured on an H200 (``scaling_benchmarks/results/dsl_prologue_*``): a map applied here before
@@ -52,8 +53,8 @@ if HAVE_TRITON:
         tl.store(dx + o, GRAD(b, d).to(dx.dtype.element_ty), mask=m)
 
 
-    # a map of several inputs (a shared role's, ``f(x0, x1, ...)``), up to MAX_INPUTS:
-    # unused pointer slots repeat x0 and are not read
+    # a map of several inputs (a shared or borrowing role's, ``f(x0, x1, ...)``), up to
+    # MAX_INPUTS: unused pointer slots repeat x0 and are not read
     @triton.jit
     def _map_n_kernel(x0, x1, x2, x3, y, N, MAP: tl.constexpr, NIN: tl.constexpr,
                       BLOCK: tl.constexpr):
@@ -168,9 +169,9 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class ElementwisePrologue:
     """An input's prologue as generated kernels: called on 16- or 32-bit float tensors on a
     device the kernels take (``use_kernels(device)``), it runs :func:`apply_map` (one input)
-    or the map of several inputs of one shape (a shared role's, at most ``MAX_INPUTS``, in
-    their promoted dtype); otherwise ``torch_fn`` (the same DAG as PyTorch ops; fp64, such
-    as the lowering's probes, and inputs of other shapes).
+    or the map of several inputs of one shape (a shared or borrowing role's, at most
+    ``MAX_INPUTS``, in their promoted dtype); otherwise ``torch_fn`` (the same DAG as
+    PyTorch ops; fp64, such as the lowering's probes, and inputs of other shapes).
 
     Args:
         fmap, fgrad: the jitted map and its vector-Jacobian product

@@ -27,7 +27,7 @@ def test_lowering_decisions():
                     merge_mode=_softmax_merge, state="vector", inputs=("x", "f"),
                     chunk_size=16)
     assert v.lowering is None and "validation failed" in v.lowering_reason
-    assert "graph executor" in v.describe() and "softmax" in v.describe()
+    assert "graph executor" in v.describe()
 
 
 def _softmax_chunk(x, f):
