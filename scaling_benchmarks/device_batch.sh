@@ -72,6 +72,8 @@
 #                                                     #   rounds: GPU checks, then hgrn fwd / 16K scan cells (~8 min)
 #   bash scaling_benchmarks/device_batch.sh lo-base   # 1 GPU: launch_overhead at BASE, then here (~4 min)
 #   bash scaling_benchmarks/device_batch.sh sd-base   # 1 GPU: single_device (SD_T) at BASE, then here (~4 min)
+#   bash scaling_benchmarks/device_batch.sh pieces-dsl # 2 GPUs: the delta rule's summary pieces checked
+#                                                     #   on GPUs, the newly lowered DSL entries (~9 min)
 #   OP=hgrn TOKENS=32768 bash scaling_benchmarks/device_batch.sh spprof # 2 GPUs: traces and host
 #                                                     #   profile of one op's sequence-parallel call (~4 min)
 #   bash scaling_benchmarks/device_batch.sh hgrn-verify # 2 GPUs: hgrn's GPU checks as they stand (~7 min)
@@ -436,6 +438,21 @@ case "$stage" in
     step fla_sp_prefill 330 env FORGE_DIST_TEST_FIRST_CONFIG=1 python3 -m pytest -v \
       -p no:cacheprovider -m multigpu tests/nn/test_fla_models_gpu.py
     reap ;;
+  pieces-dsl)  # 2 GPUs, after the thirteenth session: the delta rule's summary pieces on the
+    # side stream (plans_delta and the CUDA-graph test force 4 pieces), then one card: the DSL
+    # entries that newly lower (and the new generated one) compiled, against the built-ins
+    reap
+    step pieces_checks 330 env FORGE_MG_CHECKS=available,plans_delta,no_host_sync_forge \
+      python3 -m pytest -v -p no:cacheprovider -m multigpu tests/sp/test_forge_multigpu.py
+    reap
+    step pieces_graph 150 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py -k forge_graph
+    reap
+    ( export CUDA_VISIBLE_DEVICES="$(echo "${CUDA_VISIBLE_DEVICES:-0}" | cut -d, -f1)"
+      step dsl_new_gpu 240 python3 -m pytest -v -p no:cacheprovider -m gpu \
+        tests/dsl/test_catalogue.py -k "rg_lru or hgrn_softmax_gate or second_decay"
+      step dsl_new_bench 240 python3 -m scaling_benchmarks.dsl_variants --budget-s 200 \
+        --variants rg_lru,second_decay,input_gate,output_gate_linear,deltanet_two_rates,hgrn_softmax_gate \
+        --out "$OUT" --tag s13-new ) ;;
   wscell)  # 2 GPUs: one weak-scaling cell, OP MODE (fwd or fwdbwd) B TOKENS TAG STRATEGIES LIMIT,
     # e.g. OP=hgrn MODE=fwd TOKENS=32768 TAG=b1h32-32k-hgrn
     reap
