@@ -205,10 +205,15 @@ def _partials(n: fx.Node, env: Dict[fx.Node, str], y: str) -> Optional[List[Tupl
     return None if d is None else [(got[1], d)]
 
 
+def inputs_of(chain: List[fx.Node]) -> int:
+    """How many of a DAG's leading nodes are its inputs' placeholders."""
+    return next((i for i, n in enumerate(chain) if n.op != "placeholder"), len(chain))
+
+
 def _input_names(nodes: List[fx.Node]) -> List[str]:
     """The map's argument names: ``x`` for one input (a chain or DAG on it), ``x0, x1, ...``
     for the leading placeholders of a DAG on several (a shared role's)."""
-    k = next((i for i, n in enumerate(nodes) if n.op != "placeholder"), len(nodes))
+    k = inputs_of(nodes)
     return ["x"] if k == 1 else [f"x{i}" for i in range(k)]
 
 
@@ -304,14 +309,15 @@ def grad_source(chain: List[fx.Node]) -> Optional[str]:
     return "\n".join(lines + [f"    return {result}"])
 
 
-def _jit(kind: str, args: str, body: str) -> Tuple[Callable, str]:
-    """The jitted function ``forge_<kind>_<hash>(<args>)`` of ``body`` (one per source)."""
+def _jit(kind: str, inputs: List[str], body: str, grad: bool = False) -> Tuple[Callable, str]:
+    """The jitted function ``forge_<kind>_<hash>(<inputs>[, dy])`` of ``body`` (one per
+    source), its inputs cast to fp32 first (``dy``, with ``grad``, as it comes)."""
     import triton  # optional: the gpu extra (callers check _have_triton)
     import triton.language as tl
 
+    args = ", ".join(inputs + (["dy"] if grad else []))
     digest = hashlib.sha256(f"{kind}({args})\n{body}".encode()).hexdigest()[:16]
     name = f"forge_{kind}_{digest}"
-    inputs = [a.strip() for a in args.split(",") if a.strip() != "dy"]
     casts = "".join(f"    {a} = {a}.to(tl.float32)\n" for a in inputs)
     text = f"def {name}({args}):\n{casts}{body}\n"
     fn = _FUNCTIONS.get(digest)
@@ -343,7 +349,7 @@ def triton_map(chain: List[fx.Node]) -> Optional[Tuple[Callable, str]]:
     body = source(chain)
     if body is None or not _have_triton():
         return None
-    return _jit("prologue", ", ".join(names), body)
+    return _jit("prologue", names, body)
 
 
 def triton_map_grad(chain: List[fx.Node]) -> Optional[Tuple[Callable, str]]:
@@ -356,4 +362,4 @@ def triton_map_grad(chain: List[fx.Node]) -> Optional[Tuple[Callable, str]]:
     body = grad_source(chain)
     if body is None or not _have_triton():
         return None
-    return _jit("prologue_grad", ", ".join(names + ["dy"]), body)
+    return _jit("prologue_grad", names, body, grad=True)

@@ -40,8 +40,9 @@ to validate, a role's map may also read other roles' inputs (RG-LRU's
 inputs of one trailing dim runs as one generated kernel too (at most ``MAX_INPUTS``
 inputs, never fused into the walks); one with a broadcast scalar runs as PyTorch ops.
 An output gate is an *epilogue*: a ``merge_mode`` that returns the template's outputs times
-an elementwise map of an input no other phase reads (``o * sigmoid(z)``) lowers with the template's outputs
-multiplied by that map after the call (PyTorch ops; validated the same way).  A scalar
+an elementwise map of an input no other phase reads (``o * sigmoid(z)``), or the input
+itself, lowers with the template's outputs multiplied by that map after the call (PyTorch
+ops; validated the same way).  A scalar
 decay no input carries (RetNet's per-head constant, computed from shapes) is read from the
 program's own transition for each head count it is called with and checked there
 (:class:`_ConstantDecay`).  Not lowered: programs that are none of the five templates up to
@@ -251,7 +252,7 @@ def _first_match(v, template: str, candidates, mine, probes, fuse: bool, epilogu
             prologues, texts = {}, {}
             for r, dag in dags.items():
                 prologues[r], texts[r] = _prologue(dag)
-            reads_by_role = {r: tuple(p.target for p in dag[:_inputs_of(dag)])
+            reads_by_role = {r: tuple(p.target for p in dag[:codegen.inputs_of(dag)])
                              for r, dag in dags.items()}
             for mode in ("user", "one"):
                 low = Lowering(template, roles, prologues, texts, mode, epilogue=epilogue,
@@ -326,16 +327,11 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _inputs_of(chain: List[fx.Node]) -> int:
-    """How many of a DAG's leading nodes are its inputs' placeholders."""
-    return next((i for i, n in enumerate(chain) if n.op != "placeholder"), len(chain))
-
-
 def _prologue(chain: List[fx.Node]) -> Tuple[Optional[Callable], str]:
     """A callable running the prologue DAG on tensors of one shape (elementwise: layout
     does not matter; a shared role's takes its inputs in order), or ``None`` for the
     identity (no call at run time)."""
-    k = _inputs_of(chain)
+    k = codegen.inputs_of(chain)
     if len(chain) == 1:
         return None, chain[0].target
     g = fx.Graph()
@@ -525,13 +521,14 @@ def _candidates(template: str, v, without: Tuple[str, ...] = ()):
     :data:`.roles.MAX_CANDIDATES`: the cap never drops a viable assignment for hopeless
     ones.  ``without``: template roles no input fills (the delta rule's optional gate)."""
     got, reason = assignments(template, v, limit=None, without=without)
+    gms = [v.merge.gm, v.chunk.gm]
 
     def viable(roles, borrow: bool):
         for ns in roles.values():
             names = names_of(ns)
             if len(names) > 1:
-                dag = _dag([v.merge.gm, v.chunk.gm], names, _others(v, names) if borrow else ())
-                if len(dag) == _inputs_of(dag):  # only the placeholders: they never meet
+                dag = _dag(gms, names, _others(v, names) if borrow else ())
+                if len(dag) == codegen.inputs_of(dag):  # the inputs never meet
                     return False
         return True
     # those viable on their own inputs before those viable only by borrowing (_dag)
@@ -547,7 +544,7 @@ def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool,
     for prologues of at least :data:`PROLOGUE_KERNEL_MIN_OPS` ops (``dims``: the inputs'
     trailing dims; a map over inputs of several is a broadcast, left to PyTorch)."""
     for r, dag in dags.items():
-        k = _inputs_of(dag)
+        k = codegen.inputs_of(dag)
         if k > MAX_INPUTS or len({dims.get(p.target) for p in dag[:k]}) > 1:
             continue  # more inputs than one generated map takes, or a broadcast: PyTorch
         # (a map of several inputs, a shared role's, is never fused into the walks)

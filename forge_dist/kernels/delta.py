@@ -460,8 +460,9 @@ def forward_program(*, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtyp
     it on the side stream (``ir.SIDE``).  ``"state"``: the shard's state from a zero start
     in workspace ``delta [B, H, K, V]`` fp32 (rank 0 without an initial state, whose
     transition nobody needs); ``"folded"``: also its dense transition ``M [B, H, K, K]``
-    fp32 (a walk with no values from the identity).  Both walks use the forward's operands and WY factors (the
-    default ``FORGE_DIST_DENSE_SUMMARY=input`` of :class:`DeltaRuleWork`)."""
+    fp32 (a walk with no values from the identity).  Both walks use the forward's operands
+    and WY factors (the default ``FORGE_DIST_DENSE_SUMMARY=input`` of
+    :class:`DeltaRuleWork`)."""
     if execution not in (None, "auto", scheduler.FUSED):
         raise ValueError(f"execution={execution!r}: gated_delta_rule has only the fused "
                          "kernels")

@@ -94,9 +94,9 @@ class Launch:
     ``stream``: ``MAIN`` (the caller's stream) or ``SIDE``.  A side launch reads what the
     main launches before it wrote and runs after the side launches before it; the main
     launches after it neither wait for it nor read what it writes nor write what it reads,
-    and the caller's stream
-    waits for every side launch at the end of the launches run together (a whole program,
-    or :meth:`~forge_dist.runtime.executor.Executor.run_range`'s range).  So a GPU executor
+    and the caller's stream waits for every side launch at the end of the launches run
+    together (a whole program, or :meth:`~forge_dist.runtime.executor.Executor.run_range`'s
+    range).  So a GPU executor
     may run it concurrently with the main launches after it (the delta rule's summary walks
     behind its WY factors, docs/design.md section 3), and running every launch in order on
     one stream, as the eager and CPU paths do, gives the same result.

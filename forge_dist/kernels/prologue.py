@@ -8,8 +8,7 @@ and one write: ``_map_kernel`` applies the generated map, ``_map_grad_kernel`` i
 vector-Jacobian product ``dy * f'(x)`` (the forward values recomputed in registers, nothing
 saved but ``x``).  Both compute in fp32 and round once to the tensor's dtype.  A map of
 several inputs of one shape (a shared role's, or one that borrows another role's inputs)
-runs the same way through ``_map_n_kernel``
-and ``_map_n_grad_kernel``.
+runs the same way through ``_map_n_kernel`` and ``_map_n_grad_kernel``.
 
 Measured on an H200 (``scaling_benchmarks/results/dsl_prologue_*``): a map applied here before
 the template beats both the PyTorch ops and applying the map to every tile inside the walk
