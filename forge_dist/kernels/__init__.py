@@ -38,7 +38,6 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..variants import registry
-from ..variants.transitions import Kind
 from .compat import HAVE_TRITON, interpreting
 from .ir import Program
 
@@ -305,14 +304,6 @@ def sp_summary_variants() -> tuple:
     :func:`.delta.forward_program`; hgrn's from its segment scan,
     :func:`.vector_state.forward_program`)."""
     return variants()
-
-
-def sp_train_variants() -> tuple:
-    """:func:`sp_summary_variants` whose plans also train across ranks
-    (``forge_dist/runtime/sp_train.py``): identity, scalar or diagonal transitions, hgrn's
-    among them.  The delta rule trains through one autograd node per rank
-    (``forge_dist/ops/shard_call.py``)."""
-    return tuple(n for n in variants() if registry.get(n).kind is not Kind.DENSE)
 
 
 def backward_program(variant: str, *, B: int, T: int, dtype: torch.dtype, has_h0: bool,

@@ -14,12 +14,10 @@ took 1.5-2.7 ms through the runner and 0.48-1.2 ms planned, against 0.09-0.82 ms
 (``scaling_benchmarks/results/train_overhead_*_s28-front.json``).
 
 With a group, every op (:func:`forge_dist.runtime.sp_setup.sp_variants`) takes the same
-path for a forward: it runs the rank's plan; a call with gradients of the ops with training
-plans (:func:`~forge_dist.runtime.sp_setup.sp_train_variants`) runs the plan's training run
-and backward (:mod:`forge_dist.runtime.sp_train`).
+path for a forward: it runs the rank's plan; a call with gradients runs the plan's training
+run and backward (:mod:`forge_dist.runtime.sp_train`).
 
-Anything else (training calls with a group of the delta rule, which
-:mod:`.shard_call` runs, varlen, fp16 and fp64 inputs, non-contiguous
+Anything else (varlen, fp16 and fp64 inputs, non-contiguous
 tensors, the DSL's fused prologues with gradients, ``FORGE_DIST_CHECK_FINITE=1``, head dims
 outside the kernels' range) takes the general path, as does a call the planner refuses.  Plans are
 cached per CUDA stream and per thread (a plan's workspaces and launch parameter buffers are
@@ -55,7 +53,7 @@ from torch import Tensor
 from ..kernels import summary_precision
 from ..runtime import cache as plan_cache
 from ..runtime.plan import PlanError
-from ..runtime.sp_setup import sp_train_variants, sp_variants
+from ..runtime.sp_setup import sp_variants
 from ..sp.agreement import group_key
 from ..variants import registry
 from ..variants.transitions import Kind
@@ -386,11 +384,9 @@ def matrix_call(op: str, q: Tensor, k: Tensor, v: Tensor, gates: Dict[str, Optio
     if {t.dtype for t in present.values()} - {torch.float32, q.dtype}:
         return None
     inputs = {"q": q, "k": k, "v": v, **present}
-    # the delta rule trains across ranks through shard_call (no training plan), and its
-    # plans walk the summary in the inputs' dtype: FORGE_DIST_DENSE_SUMMARY=fp32 (fp32
-    # copies) takes the general path
-    sp_plan = not maps and op in (sp_train_variants() if needs_grad(inputs, initial_state)
-                                  else sp_variants())
+    # the delta rule's plans walk the summary in the inputs' dtype:
+    # FORGE_DIST_DENSE_SUMMARY=fp32 (fp32 copies) takes the general path
+    sp_plan = not maps and op in sp_variants()
     if (sp_plan and registry.get(op).kind is Kind.DENSE and q.dtype != torch.float32
             and summary_precision() == "fp32"):
         sp_plan = False

@@ -113,10 +113,6 @@ def plan(op: str, *, B: int, T: int, H: Optional[int] = None, K: Optional[int] =
         if not (backend == "static" and dispatcher is not None):
             raise PlanError(f"backend={backend!r}: tensors on {device} need CUDA, or "
                             "TRITON_INTERPRET=1 set before Triton is imported")
-    if train and size > 1 and op not in sp_setup.sp_train_variants():
-        raise PlanError(f"train: sequence-parallel training plans cover "
-                        f"{kernels.sp_train_variants()}; forge_dist.ops.{op} trains {op} "
-                        "across ranks")
     if train and size == 1:
         raise PlanError("train: a sequence-parallel plan option (give a group of more "
                         "than one rank); one-device plans differentiate with run_backward")

@@ -18,14 +18,9 @@ from .plan import Plan, PlanError
 
 
 def sp_variants() -> Tuple[str, ...]:
-    """The ops with sequence-parallel plans: every op (training plans:
-    :func:`sp_train_variants`)."""
+    """The ops with sequence-parallel plans, for inference and training (``train=True``,
+    :mod:`.sp_train`): every op."""
     return kernels.sp_summary_variants()
-
-
-def sp_train_variants() -> Tuple[str, ...]:
-    """The ops whose sequence-parallel plans also train (``train=True``, :mod:`.sp_train`)."""
-    return kernels.sp_train_variants()
 
 
 def summary_form(op: str, rank: int, initial_state: bool, train: bool, strategy_obj) -> str:

@@ -33,6 +33,12 @@ reverse scan over segments, the walk that writes ``dx, dg``): ``lam_own`` is the
 alone on copies of the segments' gradients (the walk before it is the program's own
 first launch, so it costs one small scan), and the last rank's whole ``lam`` is its
 program's scan with the final-state gradient it already has.
+
+The delta rule (a dense transition ``M [B, H, K, K]``, kept as a copy: the plan's next
+forward rewrites its workspace) forms its WY factors first on every rank. The last rank
+then runs its reverse state walk, which reads only those factors and the inputs, and sends
+its ``dh0``. Rank 0 runs its chunk-state walk while the chain waits. A rank between them
+runs its ``lam_own`` walk on the factors it already formed, then the chain, then the rest.
 """
 from __future__ import annotations
 
@@ -82,6 +88,8 @@ def forward(p, tensors: Dict[str, Tensor], h0: Optional[Tensor], o: Tensor
         # a strategy's kept buffer (scan's rounds) is rewritten by the plan's next forward,
         # which may come before this run's backward (two layers on one plan)
         S_in = S_in.clone()
+    if M is not None and M is exe.workspaces.get("M"):
+        M = M.clone()  # the delta rule's transition is a workspace: the same holds for it
     if rank > 0 or h0 is not None:
         tensors["h0"] = S_in
     exe.run_range(tensors, split, len(exe.program.launches))
@@ -89,32 +97,51 @@ def forward(p, tensors: Dict[str, Tensor], h0: Optional[Tensor], o: Tensor
 
 
 def _state_grad_exec(p, has_dht: bool) -> Executor:
+    """``lam_own``'s program (:func:`forge_dist.kernels.state_grad_program`).  The delta
+    rule's reads the WY factor ``w`` that the rank's first part of the backward already
+    formed (its own WY launches cut off), so a rank forms the factors once."""
     exe = p._state_grad_execs.get(has_dht)
     if exe is None:
         B, T, H, K = p.shapes["q"]
         prog = kernels.state_grad_program(p.op, B=B, T=T, H=H, K=K, V=p.out_shape[-1],
                                           dtype=p.out_dtype, has_dht=has_dht,
                                           gated="g" in p.shapes, scale=p.scale,
-                                          interp=p._interp, sms=kernels.sm_count(p.device))
+                                          interp=p._interp, sms=kernels.sm_count(p.device),
+                                          beta_dtype=p.dtypes.get("beta", torch.float32))
+        if Kind(p.kind) is Kind.DENSE:  # the reverse walk alone, w an input
+            n = len(prog.launches)
+            prog = prog.parts([list(range(n - 1)), [n - 1]])[1]
         exe = p._state_grad_execs[has_dht] = Executor(prog, p.device, None)
     return exe
 
 
-def _backward_parts(p, has_dht: bool, last: bool) -> Tuple[Executor, Executor]:
-    """The one-device backward program of ``p`` cut around the reverse chain: the last rank
-    runs its reverse state walk first (its ``dh0`` is all of its ``lam``, which the chain
-    sends on), every other rank its forward chunk-state walk (which needs no ``lam(r+1)``,
-    so it runs while the chain waits)."""
-    key = (has_dht, last)
+# The launches of a rank's first part of the backward, before the reverse chain, by kernel
+# name; the rest run after it.  The last rank runs its reverse state walk there (its dh0 is
+# all of its lam); rank 0 the forward chunk-state walk (it needs no lam(r+1), so it runs
+# while the chain waits); a rank between them, of the delta rule, only the WY factors, whose
+# w its own state gradient reads, so that lam(r) leaves as soon as lam(r+1) comes.
+_FIRST_PART = {("scalar", "last"): ("chunk_states_bwd",),
+               ("scalar", "first"): ("chunk_states",), ("scalar", "middle"): ("chunk_states",),
+               ("dense", "last"): ("wy", "delta_dstates"),
+               ("dense", "first"): ("wy", "gate_cumsum", "walk"),
+               ("dense", "middle"): ("wy",)}
+
+
+def _backward_parts(p, has_dht: bool, role: str) -> Tuple[Executor, Executor]:
+    """The one-device backward program of ``p`` cut around the reverse chain, the first
+    part's launches those :data:`_FIRST_PART` names for the rank's ``role`` (``"last"``,
+    ``"first"``: rank 0, ``"middle"``)."""
+    key = (has_dht, role)
     parts = p._backward_part_execs.get(key)
     if parts is None:
         prog = p._backward_exec(has_dht).program
-        names = [ln.kernel for ln in prog.launches]
-        first = names.index("chunk_states_bwd" if last else "chunk_states")
-        rest = [i for i in range(len(names)) if i != first]
+        family = "dense" if Kind(p.kind) is Kind.DENSE else "scalar"
+        names = _FIRST_PART[family, role]
+        first = [i for i, ln in enumerate(prog.launches) if ln.kernel in names]
+        rest = [i for i in range(len(prog.launches)) if i not in first]
         parts = p._backward_part_execs[key] = tuple(
             Executor(part, p.device, p._dispatcher, specialise=True)
-            for part in prog.parts([[first], rest]))
+            for part in prog.parts([first, rest]))
     return parts
 
 
@@ -235,26 +262,31 @@ def backward(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tensor], kep
     if rank > 0 or p.initial_state:
         given["h0"] = kept.S_in
     if last:
-        # the whole backward has its final gradient already: its reverse state walk (the
-        # first part) leaves the whole lam(r) in dh0 for the chain, the rest runs after
+        # the whole backward has its final gradient already: its reverse state walk (in
+        # the first part) leaves the whole lam(r) in dh0 for the chain, the rest runs after
         if dht is not None:
             given["dht"] = dht
-        walk, rest = _backward_parts(p, dht is not None, last=True)
-        _run_part(walk, given, p.device)
+        first, rest = _backward_parts(p, dht is not None, "last")
+        _run_part(first, given, p.device)
         lam_own = given.pop("dh0")
     else:
-        walk, rest = _backward_parts(p, True, last=False)
+        first, rest = _backward_parts(p, True, "middle" if rank > 0 else "first")
+        dense = Kind(p.kind) is Kind.DENSE
+        if dense:  # the WY factors first: the state gradient below reads their w
+            _run_part(first, given, p.device)
         if rank > 0:  # 1. this shard's own share of lam(r), before the chain needs it
             lam_own = torch.empty(p.state_shape, dtype=torch.float32, device=p.device)
-            own = {"q": given["q"], "do": do, "dh0": lam_own}
-            if "g" in given:
-                own["g"] = given["g"]
+            exe = _state_grad_exec(p, dht is not None)
+            own = {n: given[n] for n, buf in exe.program.buffers.items()
+                   if buf.role == "input" and n != "dht"}
+            own["dh0"] = lam_own
             if dht is not None:
                 own["dht"] = dht
-            _state_grad_exec(p, dht is not None)(own)
+            exe(own)
         else:  # rank 0 sends nothing back: its lam(0) comes from step 3
             lam_own = p.zeros
-        _run_part(walk, given, p.device)  # the chunk states: no lam(r+1) needed
+        if not dense:
+            _run_part(first, given, p.device)  # the chunk states: no lam(r+1) needed
     with phases.BACKWARD_CHAIN:  # 2. lam(r+1) in, lam(r) out
         # (lam_next may be a kept buffer of the strategy: read in step 3, before any other
         # backward of this plan)
@@ -268,5 +300,7 @@ def backward(p, given: Dict[str, Tensor], do: Tensor, dht: Optional[Tensor], kep
     grads = [given["dq"], given["dk"], given["dv"]]
     if g is not None:
         grads.append(given["dg"].to(g.dtype))
+    if "beta" in p.input_names:
+        grads.append(given["dbeta"].to(p.dtypes["beta"]))
     dS0 = given.get("dh0") if rank == 0 and need_initial_grad else None
     return (*grads, dS0)

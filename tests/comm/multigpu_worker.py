@@ -164,7 +164,7 @@ def op_check(name, group, device, strategies=("forge", "serial", "lasp2")):
     r, P = dist.get_rank(group), dist.get_world_size(group)
     B, T_local, H, D = 2, 64, 2, 32
     full = op_inputs(name, B, T_local * P, H, D, 5, device)
-    results, w_full = {}, None
+    results, w_full, nodes = {}, None, {}
     for strategy in ("single",) + tuple(strategies):
         if strategy == "single":
             inp = {k: v.clone().requires_grad_(True) for k, v in full.items()}
@@ -179,6 +179,7 @@ def op_check(name, group, device, strategies=("forge", "serial", "lasp2")):
                             strategy=strategy)
             sl = slice(None)
             w = w_full[:, r * T_local:(r + 1) * T_local]
+        nodes[strategy] = type(o.grad_fn).__name__  # a training plan's, or the general path's
         loss = (o * w).sum()
         loss.backward()
         torch.cuda.synchronize()
@@ -194,7 +195,7 @@ def op_check(name, group, device, strategies=("forge", "serial", "lasp2")):
             + [rel(results["forge"][1][k], results["serial"][1][k]) for k in base_g])
     if max(errs.values()) > 1e-4:
         raise AssertionError(f"{name}: relative errors {errs}")
-    return " ".join(f"{k}={v:.1e}" for k, v in errs.items())
+    return " ".join(f"{k}={v:.1e}" for k, v in errs.items()) + f" autograd nodes {nodes}"
 
 
 def hgrn_mixed_check(group, device):

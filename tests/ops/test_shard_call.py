@@ -1,6 +1,6 @@
 """A rank's sequence-parallel call as one autograd node (forge_dist/ops/shard_call.py): the
-calls with gradients that have no training plan (the delta rule, fp16 inputs,
-non-contiguous tensors, hgrn's among them), on concurrent gloo ranks under Triton's
+calls with gradients that have no training plan (fp16 inputs, non-contiguous tensors,
+hgrn's and the delta rule's among them), on concurrent gloo ranks under Triton's
 interpreter, against the fp64 recurrence in one process: output, final state and every
 gradient."""
 from __future__ import annotations
@@ -94,11 +94,12 @@ def test_shard_calls_match_fp64_over_gloo():
     twice (``retain_graph``)."""
     from tests.sp.distributed import run_world
 
-    # the delta rule with and without g under forge; one form under each other strategy
-    cases = ([("gated_delta_rule", "forge", gated, "fp32") for gated in (True, False)]
-             + [("gated_delta_rule", "serial", True, "fp32"),
-                ("gated_delta_rule", "lasp2", False, "fp32"),
-                ("gated_delta_rule", "pipelined", True, "fp32"),
+    # the delta rule (its fp32 calls take training plans, tests/runtime/test_sp_train.py)
+    # strided with and without g under forge; one form under each other strategy
+    cases = ([("gated_delta_rule", "forge", gated, "strided") for gated in (True, False)]
+             + [("gated_delta_rule", "serial", True, "fp16"),
+                ("gated_delta_rule", "lasp2", False, "strided"),
+                ("gated_delta_rule", "pipelined", True, "strided"),
                 ("simple_gla", "forge", True, "fp16"), ("simple_gla", "lasp2", True, "strided"),
                 ("linear_attn", "serial", False, "strided")]
              + [("hgrn", s, True, "strided") for s in ("forge", "serial")])

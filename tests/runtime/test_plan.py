@@ -406,8 +406,6 @@ def test_validation_errors():
     (dict(group=SimWorld(2)[0], op="hgrn", D=16, T=2, train=True),
      "backward of a 2-token shard is one segment"),
     (dict(op="hgrn", D=16, train=True), "a sequence-parallel plan option"),
-    (dict(group=SimWorld(2)[0], op="gated_delta_rule", train=True),
-     "sequence-parallel training plans cover"),
     (dict(group=SimWorld(2)[0], strategy="lasp2"), "a SimRank group runs only 'forge'"),
     (dict(group=SimWorld(2)[0], backend="torch"), "single-rank"),
 ])

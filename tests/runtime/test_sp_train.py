@@ -21,6 +21,13 @@ def _inputs(op, T, seed, gated=True):
         return {"x": r(B, T, K),
                 "g": -torch.rand(B, T, K, generator=g, dtype=torch.float64) * 0.2}
     d = {"q": r(B, T, H, K), "k": r(B, T, H, K) * 0.5, "v": r(B, T, H, V)}
+    if op == "gated_delta_rule":
+        d["k"] = torch.nn.functional.normalize(d["k"], dim=-1)
+        # weak decays and small betas: a shard's transition M stays far from zero, so that
+        # a wrong one (another call's) shows in rank 0's gradients
+        d["g"] = (-torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.02
+                  if gated else None)  # (positional: beta follows g)
+        d["beta"] = torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.3
     if op == "simple_gla" and gated:
         d["g"] = -torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.2
     if op == "gla":
@@ -34,7 +41,7 @@ def _two_layers(op, gated, strategy, group, rank, P, mine) -> float:
     from forge_dist import ops
 
     def call(seed):
-        x = {n: t[:, mine].float().contiguous().requires_grad_(True)
+        x = {n: None if t is None else t[:, mine].float().contiguous().requires_grad_(True)
              for n, t in _inputs(op, P * TL, seed=seed, gated=gated).items()}
         o, _ = getattr(ops, op)(*x.values(), group=group, strategy=strategy)
         return x, (o * (1 + seed)).sum()
@@ -47,7 +54,7 @@ def _two_layers(op, gated, strategy, group, rank, P, mine) -> float:
     lb.backward()
     la.backward()
     return max(float((x[n].grad - y[n].grad).norm() / y[n].grad.norm())
-               for x, y in zip((xa, xb), alone) for n in x)
+               for x, y in zip((xa, xb), alone) for n in x if x[n] is not None)
 
 
 def _train_world(group, cases):
@@ -72,7 +79,7 @@ def _train_world(group, cases):
                 h0 = dht = None
             ref = reference(op, full, h0, do, dht, P, TL)
             # this rank's shard, fp32, through the kernels and the group
-            x = {n: t[:, mine].float().contiguous().requires_grad_(True)
+            x = {n: None if t is None else t[:, mine].float().contiguous().requires_grad_(True)
                  for n, t in full.items()}
             s0 = h0.float().requires_grad_(True) if rank == 0 and h0 is not None else None
             # serial's calls: a second backward through the kept graph (retain_graph)
@@ -80,7 +87,7 @@ def _train_world(group, cases):
                                    twice=strategy == "serial")
             planned &= type(o_r.grad_fn).__name__ == "_PlannedSequenceParallelBackward"
             worst = max(worst, *errors(ref, rank, P, TL, o_r, ht_r, x, s0))
-            if strategy == "scan" and step == 2:
+            if step == 2 and (strategy == "scan" or op == "gated_delta_rule"):
                 # two calls on one plan before either backward (two layers of one shape):
                 # the first backward must see its own incoming state, not the second's
                 worst = max(worst, _two_layers(op, gated, strategy, group, rank, P, mine))
@@ -95,7 +102,9 @@ def test_training_plans_of_every_strategy_match_fp64_over_gloo():
     """3 concurrent ranks (forge through the simulated transport with random delays):
     every chain strategy for linear_attn, simple_gla with and without its gate and gla,
     hgrn under forge and scan (its own backward is the same under every chain; the
-    baselines' chains are the matrix ops' above) (scan: the gated ops); the gradients
+    baselines' chains are the matrix ops' above) (scan: the gated ops); the delta rule
+    with and without its gate under forge, gated under serial, lasp2 and scan (two layers
+    on one plan: its kept transition); the gradients
     of the initial state (rank 0) and of every rank's returned final state flow through the
     reverse chain; serial's calls run their backward twice (``retain_graph``)."""
     from tests.sp.distributed import run_world
@@ -107,6 +116,9 @@ def test_training_plans_of_every_strategy_match_fp64_over_gloo():
     cases += [("simple_gla", "scan", True), ("gla", "scan", True)]
     # hgrn (a vector state: the scan of its backward's segments, sp_train._backward_vector)
     cases += [("hgrn", s, True) for s in ("forge", "scan")]
+    # the delta rule (a dense transition: every part of its backward's cut, three roles)
+    cases += [("gated_delta_rule", "forge", gated) for gated in (True, False)]
+    cases += [("gated_delta_rule", s, True) for s in ("serial", "lasp2", "scan")]
     everyone = run_world(3, _train_world, cases,
                          env={"TRITON_INTERPRET": "1", "FORGE_DIST_KERNELS": "triton",
                               "FORGE_DIST_SIM_JITTER_MS": "3", "FORGE_DIST_TIMEOUT": "120"})
