@@ -148,8 +148,19 @@ def _operand(x, env: Dict[fx.Node, str]) -> Optional[str]:
     return _num(x)
 
 
+def is_broadcast(n: fx.Node) -> bool:
+    """Whether ``n`` is ``x[..., None]``: a per-head scalar broadcast over the trailing dim
+    of the map's other inputs.  In a map of a flat tile, where the kernel loads such an
+    input once per element of the output (:mod:`forge_dist.kernels.prologue`), it is the
+    identity; the lowering checks that only such inputs reach one."""
+    return (n.op == "call_function" and n.target is operator.getitem and len(n.args) == 2
+            and isinstance(n.args[0], fx.Node) and n.args[1] == (Ellipsis, None))
+
+
 def _node_expr(n: fx.Node, env: Dict[fx.Node, str]) -> Optional[str]:
     """The ``tl`` expression of node ``n`` of the map, its operands' variables in ``env``."""
+    if is_broadcast(n):
+        return env.get(n.args[0])
     if n.op == "call_function" and not n.kwargs and len(n.args) == 2 and (
             n.target in _ARITH or n.target in _COMPARE):
         x, y = (_operand(a, env) for a in n.args)
@@ -179,6 +190,8 @@ def _partials(n: fx.Node, env: Dict[fx.Node, str], y: str) -> Optional[List[Tupl
     """``[(operand node, d n / d operand)]`` for node ``n`` (value in ``y``); ``[]`` for
     comparisons (no gradient), ``None`` when there is no translation."""
     a = n.args
+    if is_broadcast(n):
+        return [(a[0], "1.0")]
     if n.op == "call_function" and n.target in _COMPARE:
         return []
     if n.op == "call_function" and n.target in _ARITH:

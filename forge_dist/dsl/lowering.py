@@ -429,7 +429,12 @@ class Lowering:
         out = {}
         for r, p in self.prologues.items():
             ts = self._read(part, r)
-            t = ts[0] if p is None or r in self.fused else p(*ts)
+            if p is None or r in self.fused:
+                t = ts[0]
+            elif isinstance(p, ElementwisePrologue) and r not in _GATES:
+                t = p(*ts, out_dtype=dtype)  # written once in the kernels' dtype
+            else:
+                t = p(*ts)
             out[r] = t if r in _GATES else t.to(dtype)
         if self.constant_g is not None:
             out["g"] = self.constant_g.gates(out["q"], torch.float32)
@@ -537,15 +542,42 @@ def _candidates(template: str, v, without: Tuple[str, ...] = ()):
     return (own + lent)[:MAX_CANDIDATES], reason
 
 
+def _broadcast_is_flat(dag: List[fx.Node], dims: Dict[str, str]) -> bool:
+    """Whether a map over inputs of several trailing dims runs as a flat kernel that loads
+    each per-head scalar once per output element: its inputs are per-head scalars (``""``)
+    and one feature dim, every scalar reaches the feature values only through
+    ``x[..., None]`` (:func:`.codegen.is_broadcast`, the identity there), and its value
+    has the feature dim."""
+    k = codegen.inputs_of(dag)
+    if len({dims.get(p.target) for p in dag[:k]} - {""}) != 1:
+        return False
+    wide = {p: dims.get(p.target) != "" for p in dag[:k]}  # node -> has the feature dim
+    for n in dag[k:]:
+        operands = [a for a in n.args if isinstance(a, fx.Node)]
+        if codegen.is_broadcast(n):
+            if wide[n.args[0]]:
+                return False
+            wide[n] = True
+            continue
+        kinds = {wide.get(a) for a in operands}
+        if None in kinds or len(kinds) > 1:  # a scalar meets a feature value directly
+            return False
+        wide[n] = kinds.pop() if kinds else False
+    return wide[dag[-1]]
+
+
 def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool,
                   dims: Dict[str, str]) -> Lowering:
     """The validated lowering with its prologues as generated Triton: fused into the
     template's kernels (``fuse``, inputs it can map) or one elementwise kernel per role
     for prologues of at least :data:`PROLOGUE_KERNEL_MIN_OPS` ops (``dims``: the inputs'
-    trailing dims; a map over inputs of several is a broadcast, left to PyTorch)."""
+    trailing dims; a map over per-head scalars and one feature dim runs as one kernel where
+    :func:`_broadcast_is_flat`, others over several dims as PyTorch ops)."""
     for r, dag in dags.items():
         k = codegen.inputs_of(dag)
-        if k > MAX_INPUTS or len({dims.get(p.target) for p in dag[:k]}) > 1:
+        broadcast = (len({dims.get(p.target) for p in dag[:k]}) > 1
+                     or any(codegen.is_broadcast(n) for n in dag))
+        if k > MAX_INPUTS or (broadcast and not _broadcast_is_flat(dag, dims)):
             continue  # more inputs than one generated map takes, or a broadcast: PyTorch
         # (a map of several inputs, a shared role's, is never fused into the walks)
         got = (codegen.triton_map(dag) if fuse and k == 1

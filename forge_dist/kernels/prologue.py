@@ -52,24 +52,35 @@ if HAVE_TRITON:
         tl.store(dx + o, GRAD(b, d).to(dx.dtype.element_ty), mask=m)
 
 
+    @triton.jit
+    def _load_rep(x, o, m, R: tl.constexpr):
+        """Element ``o`` of the output as input ``x`` gives it: its own element (``R = 1``,
+        the output's shape), or element ``o // R`` of a per-head scalar broadcast over the
+        output's trailing dim of ``R``."""
+        if R == 1:
+            return tl.load(x + o, mask=m, other=0.0)
+        return tl.load(x + o // R, mask=m, other=0.0)
+
     # a map of several inputs (a shared or borrowing role's, ``f(x0, x1, ...)``), up to
-    # MAX_INPUTS: unused pointer slots repeat x0 and are not read
+    # MAX_INPUTS: unused pointer slots repeat x0 and are not read.  R0..R3: each input's
+    # repeat (:func:`_load_rep`)
     @triton.jit
     def _map_n_kernel(x0, x1, x2, x3, y, N, MAP: tl.constexpr, NIN: tl.constexpr,
-                      BLOCK: tl.constexpr):
-        """``y = MAP(x0, ..., x{NIN-1})`` over ``N`` contiguous elements of each."""
+                      BLOCK: tl.constexpr, R0: tl.constexpr = 1, R1: tl.constexpr = 1,
+                      R2: tl.constexpr = 1, R3: tl.constexpr = 1):
+        """``y = MAP(x0, ..., x{NIN-1})`` over the ``N`` contiguous elements of ``y``."""
         o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = o < N
-        b0 = tl.load(x0 + o, mask=m, other=0.0)
-        b1 = tl.load(x1 + o, mask=m, other=0.0)
+        b0 = _load_rep(x0, o, m, R0)
+        b1 = _load_rep(x1, o, m, R1)
         if NIN == 2:
             v = MAP(b0, b1)
         else:
-            b2 = tl.load(x2 + o, mask=m, other=0.0)
+            b2 = _load_rep(x2, o, m, R2)
             if NIN == 3:
                 v = MAP(b0, b1, b2)
             else:
-                v = MAP(b0, b1, b2, tl.load(x3 + o, mask=m, other=0.0))
+                v = MAP(b0, b1, b2, _load_rep(x3, o, m, R3))
         tl.store(y + o, v.to(y.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -78,21 +89,23 @@ if HAVE_TRITON:
 
     @triton.jit
     def _map_n_grad_kernel(x0, x1, x2, x3, dy, dx0, dx1, dx2, dx3, N, GRAD: tl.constexpr,
-                           NIN: tl.constexpr, BLOCK: tl.constexpr):
-        """``dx_i = GRAD(x0, ..., dy)[i]`` (``dy * d MAP / d x_i``) for ``i < NIN``."""
+                           NIN: tl.constexpr, BLOCK: tl.constexpr, R0: tl.constexpr = 1,
+                           R1: tl.constexpr = 1, R2: tl.constexpr = 1, R3: tl.constexpr = 1):
+        """``dx_i = GRAD(x0, ..., dy)[i]`` (``dy * d MAP / d x_i``) for ``i < NIN``, every
+        ``dx_i`` of ``dy``'s ``N`` elements (a repeated input's summed by the caller)."""
         o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = o < N
         d = tl.load(dy + o, mask=m, other=0.0)
-        b0 = tl.load(x0 + o, mask=m, other=0.0)
-        b1 = tl.load(x1 + o, mask=m, other=0.0)
+        b0 = _load_rep(x0, o, m, R0)
+        b1 = _load_rep(x1, o, m, R1)
         if NIN == 2:
             g0, g1 = GRAD(b0, b1, d)
         else:
-            b2 = tl.load(x2 + o, mask=m, other=0.0)
+            b2 = _load_rep(x2, o, m, R2)
             if NIN == 3:
                 g0, g1, g2 = GRAD(b0, b1, b2, d)
             else:
-                g0, g1, g2, g3 = GRAD(b0, b1, b2, tl.load(x3 + o, mask=m, other=0.0), d)
+                g0, g1, g2, g3 = GRAD(b0, b1, b2, _load_rep(x3, o, m, R3), d)
                 _store_grad(dx3, o, m, g3)
             _store_grad(dx2, o, m, g2)
         _store_grad(dx0, o, m, g0)
@@ -126,32 +139,45 @@ class _MapFn(torch.autograd.Function):
         return dx, None, None
 
 
+def _repeats(shape: torch.Size, xs) -> dict:
+    """The kernels' ``R0..R3``: ``shape[-1]`` for an input of ``shape[:-1]`` (a per-head
+    scalar broadcast over the trailing dim), else 1."""
+    return {f"R{i}": shape[-1] if x.dim() < len(shape) else 1 for i, x in enumerate(xs)}
+
+
 class _MapNFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fmap: Callable, fgrad: Callable, *xs: Tensor) -> Tensor:
+    def forward(ctx, fmap: Callable, fgrad: Callable, out_dtype: Optional[torch.dtype],
+                shape: torch.Size, *xs: Tensor) -> Tensor:
         xs = tuple(x.contiguous() for x in xs)
-        dtype = functools.reduce(torch.promote_types, (x.dtype for x in xs))
-        y = torch.empty(xs[0].shape, dtype=dtype, device=xs[0].device)
+        dtype = out_dtype or functools.reduce(torch.promote_types, (x.dtype for x in xs))
+        y = torch.empty(shape, dtype=dtype, device=xs[0].device)
         n = y.numel()
         if n:
             pad = xs + (xs[0],) * (MAX_INPUTS - len(xs))
             _map_n_kernel[(cdiv(n, BLOCK),)](*pad, y, n, fmap, NIN=len(xs), BLOCK=BLOCK,
-                                             num_warps=NUM_WARPS)
+                                             num_warps=NUM_WARPS, **_repeats(shape, xs))
         ctx.save_for_backward(*xs)
-        ctx.fgrad = fgrad
+        ctx.fgrad, ctx.shape = fgrad, shape
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        xs = ctx.saved_tensors
-        dxs = tuple(torch.empty_like(x) for x in xs)
+        xs, shape = ctx.saved_tensors, ctx.shape
+        reps = _repeats(shape, xs)
+        # a repeated input's gradient per output element (fp32), summed over its repeats
+        full = tuple(torch.empty_like(x) if reps[f"R{i}"] == 1 else
+                     torch.empty(shape, dtype=torch.float32, device=x.device)
+                     for i, x in enumerate(xs))
         n = dy.numel()
         if n:
             pad = MAX_INPUTS - len(xs)
             _map_n_grad_kernel[(cdiv(n, BLOCK),)](
-                *xs, *(xs[:1] * pad), dy.contiguous(), *dxs, *(dxs[:1] * pad), n,
-                ctx.fgrad, NIN=len(xs), BLOCK=BLOCK, num_warps=NUM_WARPS)
-        return (None, None) + dxs
+                *xs, *(xs[:1] * pad), dy.contiguous(), *full, *(full[:1] * pad), n,
+                ctx.fgrad, NIN=len(xs), BLOCK=BLOCK, num_warps=NUM_WARPS, **reps)
+        dxs = tuple(d if reps[f"R{i}"] == 1 else d.sum(-1).to(x.dtype)
+                    for i, (x, d) in enumerate(zip(xs, full)))
+        return (None, None, None, None) + dxs
 
 
 def apply_map(x: Tensor, fmap: Callable, fgrad: Callable) -> Tensor:
@@ -168,9 +194,11 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class ElementwisePrologue:
     """An input's prologue as generated kernels: called on 16- or 32-bit float tensors on a
     device the kernels take (``use_kernels(device)``), it runs :func:`apply_map` (one input)
-    or the map of several inputs of one shape (a shared or borrowing role's, at most
-    ``MAX_INPUTS``, in their promoted dtype); otherwise ``torch_fn`` (the same DAG as
-    PyTorch ops; fp64, such as the lowering's probes, and inputs of other shapes).
+    or the map of several inputs (a shared or borrowing role's, at most ``MAX_INPUTS``, of
+    one shape ``[..., D]``, or of its ``[...]``: per-head scalars broadcast over ``D``, as
+    the map's ``x[..., None]`` writes it) in ``out_dtype``, by default their promoted
+    dtype; otherwise ``torch_fn`` (the same DAG as PyTorch ops; fp64, such as the
+    lowering's probes, and inputs of other shapes).
 
     Args:
         fmap, fgrad: the jitted map and its vector-Jacobian product
@@ -184,7 +212,7 @@ class ElementwisePrologue:
         self.fmap, self.fgrad, self.torch_fn = fmap, fgrad, torch_fn
         self.use_kernels = use_kernels
 
-    def __call__(self, *xs: Tensor) -> Tensor:
+    def __call__(self, *xs: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
         # the maps compute in fp32: fp64 (the lowering's validation probes) stays exact
         x = xs[0]
         if not (HAVE_TRITON and all(t.dtype in _KERNEL_DTYPES for t in xs)
@@ -192,10 +220,11 @@ class ElementwisePrologue:
             return self.torch_fn(*xs)
         if len(xs) == 1:
             return apply_map(x, self.fmap, self.fgrad)
-        if len(xs) <= MAX_INPUTS and all(t.shape == x.shape and t.device == x.device
-                                         for t in xs):
-            return _MapNFn.apply(self.fmap, self.fgrad, *xs)
-        return self.torch_fn(*xs)  # inputs of other shapes (a broadcast per-head scalar)
+        shape = max((t.shape for t in xs), key=len)
+        if len(xs) <= MAX_INPUTS and all(
+                t.device == x.device and t.shape in (shape, shape[:-1]) for t in xs):
+            return _MapNFn.apply(self.fmap, self.fgrad, out_dtype, shape, *xs)
+        return self.torch_fn(*xs)  # inputs of other shapes
 
 
 def kernel_prologue(chain_map, chain_grad, torch_fn, use_kernels) -> Optional[ElementwisePrologue]:

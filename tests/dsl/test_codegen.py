@@ -170,3 +170,39 @@ def test_maps_of_several_inputs_and_their_gradients(f):
         assert a.dtype == ins[j].dtype
         tol = 1e-2 if a.dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("D", [16, 96])
+def test_a_per_head_scalar_broadcast_in_one_map(D):
+    """``k * sigmoid(i)[..., None]`` (an input gate: ``i [B, T, H]`` onto ``k [B, T, H,
+    D]``) as one generated kernel that loads ``i`` once per element of ``k`` (the
+    ``[..., None]`` is the identity there), the result written in the dtype asked for, and
+    ``i``'s gradient summed over ``D``, against PyTorch in fp64."""
+    from forge_dist.kernels.prologue import ElementwisePrologue
+
+    def f(k, i):
+        return k * torch.sigmoid(i)[..., None] - 0.5 * i[..., None]
+    nodes = chain(f)
+    fmap, fgrad = codegen.triton_map(nodes), codegen.triton_map_grad(nodes)
+    pro = ElementwisePrologue(fmap[0], fgrad[0], f, lambda device: True)
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 21, 3, D, generator=gen).to(DEV, torch.bfloat16).requires_grad_()
+    i = torch.randn(2, 21, 3, generator=gen).to(DEV).requires_grad_()
+    y = pro(k, i, out_dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and y.shape == k.shape
+    assert pro(k, i).dtype == torch.float32  # promoted, by default
+    kd, idd = (t.detach().double().requires_grad_() for t in (k, i))
+    want = f(kd, idd)
+    torch.testing.assert_close(y.double(), want, rtol=1e-2, atol=1e-2)
+    dy = torch.randn(k.shape, generator=gen).to(DEV, torch.bfloat16)
+    dk, di = torch.autograd.grad(y, (k, i), dy)
+    wk, wi = torch.autograd.grad(want, (kd, idd), dy.double())
+    assert dk.dtype == torch.bfloat16 and di.dtype == torch.float32 and di.shape == i.shape
+    torch.testing.assert_close(dk.double(), wk, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(di.double(), wi, rtol=1e-5, atol=1e-4)
+    # inputs of shapes that are neither the output's nor its per-head scalars: PyTorch
+    calls = []
+    slow = ElementwisePrologue(fmap[0], fgrad[0], lambda *xs: calls.append(1) or f(*xs),
+                               lambda device: True)
+    slow(k.detach()[:, :, :1], i.detach())
+    assert calls == [1]

@@ -316,6 +316,29 @@ def test_prologues_are_fused_into_the_templates(monkeypatch):
     assert "q: q -> silu (Triton kernel)" in v.describe()
 
 
+def test_a_broadcast_input_gate_runs_as_one_kernel():
+    """The input gate ``k * sigmoid(i)[..., None]`` (a per-head scalar onto the keys) runs
+    as one generated kernel; a map where a scalar meets the keys without ``[..., None]``
+    would broadcast another way and is never one (lowering._broadcast_is_flat)."""
+    if not kernels.HAVE_TRITON:
+        pytest.skip("needs triton")
+    from tests.dsl.catalogue import CATALOGUE
+
+    v = CATALOGUE["input_gate"].variant
+    assert v.lowering.roles["k"] == ("k", "i") and v.lowering.how("k") == "Triton kernel"
+    assert "(Triton kernel)" in v.describe()
+    from forge_dist.dsl import lowering
+
+    def g(k, i):
+        return k * torch.sigmoid(i)[..., None]
+
+    def h(k, i):  # i meets k directly: PyTorch would align i's H with k's trailing dim
+        return k * torch.sigmoid(i)
+    for fn, flat in ((g, True), (h, False)):
+        nodes = [n for n in torch.fx.symbolic_trace(fn).graph.nodes if n.op != "output"]
+        assert lowering._broadcast_is_flat(nodes, {"k": "K", "i": ""}) is flat
+
+
 @pytest.mark.parametrize("case", ["simple_gla", "hgrn"])
 @pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("fuse", [True, False], ids=["in-template", "prologue-kernels"])
