@@ -78,6 +78,11 @@ _ELEMENTWISE_FUNCS = {torch.relu, torch.sigmoid, torch.exp, torch.tanh, torch.ab
                       torch.expm1, torch.log1p}
 _ELEMENTWISE_METHODS = {"relu", "sigmoid", "exp", "tanh", "abs", "neg", "sqrt", "square",
                         "expm1", "log1p"}
+# token-local reductions over the trailing dim (a softmax or a norm of one token's features,
+# or of its heads' scalars): they never mix tokens, so they may end or sit inside a prologue,
+# which then runs as PyTorch ops (the codegen writes elementwise maps only)
+_TOKEN_LOCAL_FUNCS = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, F.normalize}
+_TOKEN_LOCAL_METHODS = {"softmax", "log_softmax"}
 _ARITH = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.mul,
           torch.sub, operator.gt, operator.ge, operator.lt, operator.le}
 _GATES = ("g", "beta")  # roles passed to the kernels in their own dtype (fp32 gates)
@@ -89,13 +94,28 @@ _GATES = ("g", "beta")  # roles passed to the kernels in their own dtype (fp32 g
 PROLOGUE_KERNEL_MIN_OPS = 2
 
 
+def _over_trailing_dim(n: fx.Node) -> bool:
+    """``n`` is one of the token-local reductions (``_TOKEN_LOCAL_*``) over dim ``-1``, the
+    trailing dim whatever the input's rank, with no ``out=``."""
+    try:
+        local = (n.op == "call_function" and n.target in _TOKEN_LOCAL_FUNCS) or (
+            n.op == "call_method" and n.target in _TOKEN_LOCAL_METHODS)
+    except TypeError:  # an unhashable target
+        return False
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    return local and dim == -1 and n.kwargs.get("out") is None
+
+
 def _is_elementwise(n: fx.Node, inside: set) -> bool:
-    """``n`` is an elementwise op whose tensor operands are all in ``inside`` (and at least
-    one is), its other operands numbers."""
+    """``n`` is a token-local op whose tensor operands are all in ``inside`` (and at least
+    one is): an elementwise op, its other operands numbers, or a reduction over the
+    trailing dim (:func:`_over_trailing_dim`)."""
     nodes = []
     fx.node.map_arg((n.args, n.kwargs), nodes.append)
     if not nodes or not all(a in inside for a in nodes):
         return False
+    if _over_trailing_dim(n):
+        return isinstance(n.args[0], fx.Node) and len(nodes) == 1
     numbers = all(isinstance(a, (fx.Node, int, float)) or a is None for a in n.args)
     if n.op == "call_function":
         if n.target in (torch.add, torch.sub):  # alpha= (the canonical form has none)
@@ -539,6 +559,10 @@ def _candidates(template: str, v, without: Tuple[str, ...] = ()):
     # those viable on their own inputs before those viable only by borrowing (_dag)
     own = [a for a in got if viable(a, False)]
     lent = [a for a in got if a not in own and viable(a, True)]
+    if got and not own + lent:
+        reason = (f"the {template} template has fewer roles than the variant has inputs, and "
+                  f"the inputs one role would have to read together never meet in one "
+                  f"elementwise expression")
     return (own + lent)[:MAX_CANDIDATES], reason
 
 

@@ -199,10 +199,10 @@ def hint(v, template: str, reason: str) -> str:
                     f"{roles['g'] or 'per-head scalar'}) instead of computing it inside the "
                     f"phases, so that the {template} template has its g")
         return f"declare inputs with the template's trailing dims {_dims_text(roles)}"
-    return ("write what each of the template's inputs gets as an elementwise function of "
-            "the variant's inputs (feature maps, gate activations, scalings; no reduction "
-            "over the feature dim such as a softmax or a norm) around the template's chunk "
-            "form, or apply such a reduction to the input before the call")
+    return ("write what each of the template's inputs gets as a function of each token's "
+            "own inputs (feature maps, gate activations, scalings, a softmax or a norm over "
+            "the trailing dim; nothing that mixes tokens) around the template's chunk form, "
+            "and anything the template's outputs do not give (an added term) after the call")
 
 
 def describe_roles(assignment: Dict[str, object]) -> Optional[str]:

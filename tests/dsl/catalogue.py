@@ -202,6 +202,10 @@ def _linear_outgate_merge(state, q, k, v, a, z, scale):
     return _retention(q, k, v, F.logsigmoid(a).cumsum(-1), state, scale) * z
 
 
+def _d_skip_merge(state, q, k, v, a, d, scale):  # Mamba2's skip: y = SSD(x) + D x
+    return _retention(q, k, v, F.logsigmoid(a).cumsum(-1), state, scale) + v * d[..., None]
+
+
 def _ingate_chunk(k, v, a, i):
     return _chunk_state(k * torch.sigmoid(i)[..., None], v, F.logsigmoid(a).cumsum(-1))
 
@@ -269,6 +273,12 @@ SCALAR = [
           {**QKV, "a": "", "z": "V"}, "template:simple_gla", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"])},
           post=lambda o, x: o * x["z"]),
+    # an additive term after the template's outputs: no template and no epilogue form (an
+    # output gate multiplies), so it takes the generated path
+    Entry("mamba2_d_skip", (_sg_a_chunk, _sg_a_decay, _d_skip_merge), {**QKV, "a": "", "d": ""},
+          "generated", "simple_gla",
+          lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"])},
+          post=lambda o, x: o + x["v"] * x["d"][..., None]),
     Entry("input_gate", (_ingate_chunk, _sg_a_decay, _ingate_merge), {**QKV, "a": "", "i": ""},
           "template:simple_gla", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"] * torch.sigmoid(x["i"])[..., None], "v": x["v"],
@@ -480,7 +490,7 @@ VECTOR = [
           {"x": "D", "r": "D", "i": "D", "lam": "D"}, "template:hgrn", "hgrn", _lru_mapped,
           state="vector"),
     Entry("hgrn_softmax_gate", (_norm_chunk, _norm_decay, _norm_merge), {"u": "D", "f": "D"},
-          "generated", "hgrn", lambda x: {"x": x["u"], "g": F.log_softmax(x["f"], -1)},
+          "template:hgrn", "hgrn", lambda x: {"x": x["u"], "g": F.log_softmax(x["f"], -1)},
           state="vector"),
 ]
 

@@ -89,7 +89,7 @@ WORLD3 = RUNNABLE if os.environ.get("FORGE_DIST_TEST_FULL_CATALOGUE") == "1" els
     "relu_times_relu", "renamed_linear_attn", "gate_named_a", "second_decay", "input_gate",
     "output_gate",
     "retnet_head_decay", "gla_gate_gk", "gla_output_gate", "gated_delta_a_b", "deltanet_lr",
-    "gated_delta_output_gate", "hgrn_u_f", "rg_lru", "hgrn_softmax_gate"]
+    "gated_delta_output_gate", "hgrn_u_f", "rg_lru", "hgrn_softmax_gate", "mamba2_d_skip"]
 
 
 def _world3_rows(group, names):
@@ -172,11 +172,12 @@ def test_compiled_graphs_are_torch_compile_of_the_traced_ones(monkeypatch):
 
 def test_warns_once_per_variant_off_the_templates(monkeypatch):
     cuda = torch.device("cuda")
-    v = CATALOGUE["hgrn_softmax_gate"].variant
+    v = CATALOGUE["mamba2_d_skip"].variant
     v._warned_path = False
-    with pytest.warns(UserWarning, match=r"'hgrn_softmax_gate' runs on CUDA through the "
-                                         r"Inductor-compiled .*no reduction over the feature "
-                                         r"dim such as a softmax") as record:
+    with pytest.warns(UserWarning, match=r"'mamba2_d_skip' runs on CUDA through the "
+                                         r"Inductor-compiled .*fewer roles than the variant "
+                                         r"has inputs.*To lower it: the simple_gla template has "
+                                         r"roles q, k, v, g only") as record:
         generated.warn_once(v, cuda, v.path(cuda))
         generated.warn_once(v, cuda, v.path(cuda))
     assert len(record) == 1
@@ -192,7 +193,7 @@ def test_warns_once_per_variant_off_the_templates(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["relu_pow2", "gla_gate_gk", "gated_delta_a_b", "hgrn_u_f",
                                   "second_decay", "gla_output_gate", "rg_lru",
-                                  "hgrn_softmax_gate"])
+                                  "hgrn_softmax_gate", "mamba2_d_skip", "input_gate"])
 def test_catalogue_on_cuda(name):
     """On CUDA: template entries through their Triton kernels, the others through the
     Inductor-compiled generated path (with its one warning), fp32 against fp64, forward and

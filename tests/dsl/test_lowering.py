@@ -22,26 +22,29 @@ def test_lowering_decisions():
     low = library.rg_lru.lowering
     assert low.template == "hgrn" and low.roles == {"x": ("x", "i"), "g": ("r", "lam")}
     assert low.reads["x"] == ("x", "i", "r", "lam") and low.reads["g"] == ("r", "lam")
-    # forget gates normalised over the channels: no elementwise map, not lowered
-    v = dsl.variant("softmax_gates", chunk_mode=_softmax_chunk, decay_mode=_softmax_decay,
-                    merge_mode=_softmax_merge, state="vector", inputs=("x", "f"),
-                    chunk_size=16)
+    # forget gates normalised over each token's channels: a token-local prologue (PyTorch)
+    v = _softmax_gates(-1)
+    assert v.lowering.template == "hgrn" and v.lowering.texts["g"] == "f -> log_softmax"
+    assert "g: f -> log_softmax (PyTorch)" in v.describe()
+    # normalised over the chunk's tokens instead: that mixes tokens, never a prologue
+    v = _softmax_gates(-2)
     assert v.lowering is None and "validation failed" in v.lowering_reason
     assert "graph executor" in v.describe()
 
 
-def _softmax_chunk(x, f):
-    h = dsl.cache("h", (dsl.helpers.segsum_exp_vec(F.log_softmax(f, -1).cumsum(-2))
-                        * x[..., None, :, :]).sum(-2))
-    return h[..., -1, :]
+def _softmax_gates(dim: int):
+    def chunk(x, f):
+        h = dsl.cache("h", (dsl.helpers.segsum_exp_vec(F.log_softmax(f, dim).cumsum(-2))
+                            * x[..., None, :, :]).sum(-2))
+        return h[..., -1, :]
 
+    def decay(state, chunk_state, f):
+        return state * F.log_softmax(f, dim).sum(-2).exp() + chunk_state
 
-def _softmax_decay(state, chunk_state, f):
-    return state * F.log_softmax(f, -1).sum(-2).exp() + chunk_state
-
-
-def _softmax_merge(state, h, f):
-    return h + F.log_softmax(f, -1).cumsum(-2).exp() * state[..., None, :]
+    def merge(state, h, f):
+        return h + F.log_softmax(f, dim).cumsum(-2).exp() * state[..., None, :]
+    return dsl.variant(f"softmax_gates{dim}", chunk_mode=chunk, decay_mode=decay,
+                       merge_mode=merge, state="vector", inputs=("x", "f"), chunk_size=16)
 
 
 def test_dense_and_vector_programs_that_are_not_the_template_are_not_lowered():
@@ -110,7 +113,7 @@ LOWERED_ENTRIES = {
 
 
 @pytest.mark.parametrize("case", ["elu", "gla", "gated_delta_rule", "hgrn", "hgrn-runner",
-                                  "rg_lru", *LOWERED_ENTRIES])
+                                  "rg_lru", "softmax_gate", *LOWERED_ENTRIES])
 def test_triton_template_path(triton_on_cpu, case, monkeypatch):
     """Forward and gradients through the template's kernels.  hgrn differentiates through
     its cached plan (the ops' short path); with plans off, through the runner's works.
@@ -146,6 +149,18 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
         mref = [t.detach().double().requires_grad_() for t in leaves]
         o_r, s_r = references.rg_lru_ref(*mref[:4], initial_state=mref[4],
                                          output_final_state=True)
+    elif case == "softmax_gate":  # hgrn's plan on a token-local reduction (PyTorch)
+        from tests.dsl.catalogue import CATALOGUE
+
+        entry = CATALOGUE["hgrn_softmax_gate"]
+        assert entry.variant.lowering.texts["g"] == "f -> log_softmax"
+        u, f, h0 = (torch.randn(*s, requires_grad=True) for s in ((B, T, 24), (B, T, 24),
+                                                                   (B, 24)))
+        o, s = entry.variant(u, f, initial_state=h0, output_final_state=True)
+        leaves = [u, f, h0]
+        mref = [t.detach().double().requires_grad_() for t in leaves]
+        o_r, s_r = ref.hgrn_ref(mref[0], F.log_softmax(mref[1], -1), initial_state=mref[2],
+                                output_final_state=True)
     elif case.startswith("hgrn"):
         x = torch.randn(B, T, 24, requires_grad=True)
         g = torch.nn.functional.logsigmoid(torch.randn(B, T, 24) + 2).requires_grad_()
@@ -182,7 +197,7 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
         leaves = [q, k, v, g, h0]
         mref = [t.detach().double().requires_grad_() for t in leaves]
         o_r, s_r = ref.gla_ref(*mref[:4], initial_state=mref[4], output_final_state=True)
-    if case in ("hgrn", "rg_lru"):
+    if case in ("hgrn", "rg_lru", "softmax_gate"):
         assert cache.stats()["misses"] == 1 and not triton_on_cpu  # a plan, not the runner
     else:
         assert triton_on_cpu and all(u is not None and u.endswith("Work")
