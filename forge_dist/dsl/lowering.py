@@ -1,8 +1,9 @@
 """Lowering onto the Triton templates of :mod:`forge_dist.kernels` (a real, narrow path).
 
 What is lowered: variants whose phases are one of the five templates' chunk forms applied to
-*elementwise prologues* of their inputs (feature maps, gate activations, scalings), whatever
-the inputs are called.  Steps (the graphs are canonical already, :mod:`.canonical`):
+*prologues* of their inputs (feature maps, gate activations, scalings: elementwise, or a
+softmax or a norm over each token's trailing dim, nothing that mixes tokens), whatever the
+inputs are called.  Steps (the graphs are canonical already, :mod:`.canonical`):
 
 1. template selection by state and classified kind: identity -> ``linear_attn`` walker,
    scalar -> ``simple_gla`` (GATE=1), diagonal -> ``gla`` (GATE=2), dense ->
@@ -38,7 +39,9 @@ per-head scalar may join a role of another trailing dim, broadcast over it
 to validate, a role's map may also read other roles' inputs (RG-LRU's
 ``sqrt(1 - a^2) * sigmoid(i) * x`` reads the decay's ``r`` and ``lam``).  A map of several
 inputs of one trailing dim runs as one generated kernel too (at most ``MAX_INPUTS``
-inputs, never fused into the walks); one with a broadcast scalar runs as PyTorch ops.
+inputs, never fused into the walks), also where per-head scalars join it through
+``x[..., None]`` (each loaded once per element of the map's value); a prologue with a
+reduction runs as PyTorch ops.
 An output gate is an *epilogue*: a ``merge_mode`` that returns the template's outputs times
 an elementwise map of an input no other phase reads (``o * sigmoid(z)``), or the input
 itself, lowers with the template's outputs multiplied by that map after the call (PyTorch
