@@ -12,7 +12,7 @@ inputs are called.  Steps (the graphs are canonical already, :mod:`.canonical`):
 2. role assignment (:mod:`.roles`): the user's inputs are matched to the template's roles by
    declared trailing dim and by which phases read them, never by name;
 3. prologue extraction (graph analysis): in ``merge_mode`` (else ``chunk_mode``), the
-   elementwise DAG on each input up to the one node everything else the phase does with
+   token-local DAG on each input up to the one node everything else the phase does with
    the input goes through (``relu(x) ** 2``, ``x * sigmoid(x)``, ``elu(x) + 1`` ...);
 4. translation validation: on random fp64 probes the user's program must equal the template
    applied to the prologue outputs (outputs and final state, ragged length, nonzero initial
@@ -43,7 +43,7 @@ inputs, never fused into the walks), also where per-head scalars join it through
 ``x[..., None]`` (each loaded once per element of the map's value); a prologue with a
 reduction runs as PyTorch ops.
 An output gate is an *epilogue*: a ``merge_mode`` that returns the template's outputs times
-an elementwise map of an input no other phase reads (``o * sigmoid(z)``), or the input
+a token-local map of an input no other phase reads (``o * sigmoid(z)``), or the input
 itself, lowers with the template's outputs multiplied by that map after the call (PyTorch
 ops; validated the same way).  A scalar
 decay no input carries (RetNet's per-head constant, computed from shapes) is read from the
@@ -81,9 +81,10 @@ _ELEMENTWISE_FUNCS = {torch.relu, torch.sigmoid, torch.exp, torch.tanh, torch.ab
                       torch.expm1, torch.log1p}
 _ELEMENTWISE_METHODS = {"relu", "sigmoid", "exp", "tanh", "abs", "neg", "sqrt", "square",
                         "expm1", "log1p"}
-# token-local reductions over the trailing dim (a softmax or a norm of one token's features,
-# or of its heads' scalars): they never mix tokens, so they may end or sit inside a prologue,
-# which then runs as PyTorch ops (the codegen writes elementwise maps only)
+# token-local reductions over the trailing dim (a softmax or a norm of one token's
+# features): they never mix tokens, so they may end or sit inside a prologue, which then
+# runs as PyTorch ops (the codegen writes elementwise maps only).  (A per-head scalar's
+# trailing dim in the phases is the chunk's tokens: such a reduction there never validates.)
 _TOKEN_LOCAL_FUNCS = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, F.normalize}
 _TOKEN_LOCAL_METHODS = {"softmax", "log_softmax"}
 _ARITH = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.mul,
@@ -109,7 +110,7 @@ def _over_trailing_dim(n: fx.Node) -> bool:
     return local and dim == -1 and n.kwargs.get("out") is None
 
 
-def _is_elementwise(n: fx.Node, inside: set) -> bool:
+def _is_token_local(n: fx.Node, inside: set) -> bool:
     """``n`` is a token-local op whose tensor operands are all in ``inside`` (and at least
     one is): an elementwise op, its other operands numbers, or a reduction over the
     trailing dim (:func:`_over_trailing_dim`)."""
@@ -131,8 +132,7 @@ def _is_elementwise(n: fx.Node, inside: set) -> bool:
             return numbers and not n.kwargs
         if n.target is operator.getitem:  # x[..., None]: a per-head scalar broadcast over
             #                              the trailing dim of the role it joins
-            return (isinstance(n.args[0], fx.Node) and not n.kwargs
-                    and n.args[1] == (Ellipsis, None))
+            return codegen.is_broadcast(n) and not n.kwargs
         try:
             return n.target in _ELEMENTWISE_FUNCS and isinstance(n.args[0], fx.Node)
         except TypeError:
@@ -152,14 +152,14 @@ def _ancestry(node: fx.Node, within: Optional[set] = None) -> set:
 
 
 def _dag(gms: List[fx.GraphModule], names, borrow: Tuple[str, ...] = ()) -> List[fx.Node]:
-    """The elementwise DAG on input ``names`` (one name, or the names a shared role reads
+    """The token-local DAG (:func:`_is_token_local`) on input ``names`` (one name, or the names a shared role reads
     together, :func:`.roles.names_of`) in the first phase that reads them all (merge_mode,
     then chunk_mode: the delta rule's merge reads v and beta only through cached WY
     factors): ``[placeholder, ..., node, ...]`` (the inputs' placeholders first, in
     ``names`` order, then those of ``borrow`` it reads) in graph order, ending with the
     prologue's value.
 
-    The value is the latest node ``f`` of the inputs' elementwise closure through which
+    The value is the latest node ``f`` of the inputs' token-local closure through which
     everything the phase does with them passes (every other node of ``f``'s ancestry that
     depends on one of them is used only inside it) and that depends on every one of them.
     ``borrow``: inputs of other roles the value may also read (RG-LRU's input scaling
@@ -183,7 +183,7 @@ def _dag(gms: List[fx.GraphModule], names, borrow: Tuple[str, ...] = ()) -> List
     own = set(nodes)  # nodes computed from the role's own inputs
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method") and n not in closure \
-                and _is_elementwise(n, closure):
+                and _is_token_local(n, closure):
             closure.add(n)
             order.append(n)
             if any(a in own for a in n.all_input_nodes):
@@ -311,7 +311,7 @@ class _Without:
 
 def _epilogue(v) -> Optional[Tuple[str, Callable, str]]:
     """An output gate: ``merge_mode`` returns ``main * f(z)`` (or ``f(z) * main``), ``f`` an
-    elementwise DAG of one input ``z`` (or none: ``main * z``) that no other phase reads and
+    token-local DAG of one input ``z`` (or none: ``main * z``) that no other phase reads and
     nothing else in the merge uses.  ``(z, f, text)``, or ``None``."""
     if v.vector:
         return None
@@ -336,7 +336,7 @@ def _epilogue(v) -> Optional[Tuple[str, Callable, str]]:
         inside = {z}
         ok = True
         for n in body:
-            if not _is_elementwise(n, inside):
+            if not _is_token_local(n, inside):
                 ok = False
                 break
             inside.add(n)
@@ -351,9 +351,10 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 
 def _prologue(chain: List[fx.Node]) -> Tuple[Optional[Callable], str]:
-    """A callable running the prologue DAG on tensors of one shape (elementwise: layout
-    does not matter; a shared role's takes its inputs in order), or ``None`` for the
-    identity (no call at run time)."""
+    """A callable running the prologue DAG on its inputs' token tensors (the ops are
+    elementwise or reduce the trailing dim, so any layout with the features last will do;
+    a shared role's takes its inputs in order), or ``None`` for the identity (no call at
+    run time)."""
     k = codegen.inputs_of(chain)
     if len(chain) == 1:
         return None, chain[0].target
@@ -383,12 +384,12 @@ class Lowering:
     # template role (q, k, v, g, beta; hgrn x, g) -> the user's input (a tuple of inputs
     # for a shared role, whose prologue reads them together)
     roles: Dict[str, Any]
-    prologues: Dict[str, Optional[Callable]]  # role -> elementwise map (None: identity)
+    prologues: Dict[str, Optional[Callable]]  # role -> token-local map (None: identity)
     texts: Dict[str, str]
     scale_mode: str  # "user" (the call's scale) or "one"
     # role -> InputMap: prologues the template's kernels apply as they load (codegen)
     fused: Dict[str, Any] = field(default_factory=dict)
-    # an output gate: (input name, elementwise map of it, text); the outputs of the template
+    # an output gate: (input name, token-local map of it, text); the outputs of the template
     # are multiplied by the map of that input (PyTorch ops)
     epilogue: Optional[Tuple[str, Callable, str]] = None
     # a decay no input carries: the program's per-head constant log decay, read from it for
@@ -537,7 +538,7 @@ def lower(v, fuse: bool = False) -> Decision:
     if not tried:
         return Decision(None, reason, hint(v, template, reason))
     names = ", ".join(n for ns in tried[-1][0].values() for n in names_of(ns))
-    reason = (f"the program is not the {template} template's chunk form on elementwise "
+    reason = (f"the program is not the {template} template's chunk form on token-local "
               f"prologues of its inputs ({names}, in every role assignment their trailing "
               f"dims allow; translation validation failed)")
     return Decision(None, reason, hint(v, template, reason))
@@ -545,7 +546,7 @@ def lower(v, fuse: bool = False) -> Decision:
 
 def _candidates(template: str, v, without: Tuple[str, ...] = ()):
     """:func:`.roles.assignments`, best first, without those whose shared roles' inputs never
-    meet in one elementwise value (their prologue cannot exist), then capped at
+    meet in one token-local value (their prologue cannot exist), then capped at
     :data:`.roles.MAX_CANDIDATES`: the cap never drops a viable assignment for hopeless
     ones.  ``without``: template roles no input fills (the delta rule's optional gate)."""
     got, reason = assignments(template, v, limit=None, without=without)
@@ -565,7 +566,7 @@ def _candidates(template: str, v, without: Tuple[str, ...] = ()):
     if got and not own + lent:
         reason = (f"the {template} template has fewer roles than the variant has inputs, and "
                   f"the inputs one role would have to read together never meet in one "
-                  f"elementwise expression")
+                  f"token-local expression")
     return (own + lent)[:MAX_CANDIDATES], reason
 
 

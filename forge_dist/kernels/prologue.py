@@ -7,8 +7,9 @@ kernels (``elu(q) + 1``, ``logsigmoid(g)``; :mod:`forge_dist.dsl.lowering` extra
 and one write: ``_map_kernel`` applies the generated map, ``_map_grad_kernel`` its generated
 vector-Jacobian product ``dy * f'(x)`` (the forward values recomputed in registers, nothing
 saved but ``x``).  Both compute in fp32 and round once to the tensor's dtype.  A map of
-several inputs of one shape (a shared role's, or one that borrows another role's inputs)
-runs the same way through ``_map_n_kernel`` and ``_map_n_grad_kernel``.
+several inputs (a shared role's, or one that borrows another role's inputs) of one shape,
+or per-head scalars broadcast onto it, runs the same way through ``_map_n_kernel`` and
+``_map_n_grad_kernel``.
 
 Measured on an H200 (``scaling_benchmarks/results/dsl_prologue_*``): a map applied here before
 the template beats both the PyTorch ops and applying the map to every tile inside the walk
@@ -197,7 +198,8 @@ class ElementwisePrologue:
     or the map of several inputs (a shared or borrowing role's, at most ``MAX_INPUTS``, of
     one shape ``[..., D]``, or of its ``[...]``: per-head scalars broadcast over ``D``, as
     the map's ``x[..., None]`` writes it) in ``out_dtype``, by default their promoted
-    dtype; otherwise ``torch_fn`` (the same DAG as PyTorch ops; fp64, such as the
+    dtype (one input's map keeps its dtype; callers cast where they need another);
+    otherwise ``torch_fn`` (the same DAG as PyTorch ops; fp64, such as the
     lowering's probes, and inputs of other shapes).
 
     Args:

@@ -18,7 +18,7 @@ r's backward is the one-device backward of its shard started from ``S_in(r)`` wi
    ``dht = lam(r+1)`` (plus the returned final state's gradient).
 
 The same steps as a training plan's (:mod:`forge_dist.runtime.sp_train`), for the calls
-that have no plan: the delta rule, fp16 inputs, non-contiguous tensors (hgrn's too).  hgrn's
+that have no plan: fp16 inputs and non-contiguous tensors, of every op (hgrn's too).  hgrn's
 backward is its segments' reverse summaries (which need no ``lam(r+1)``), a reverse scan
 over them, then the walk that writes the gradients
 (:class:`forge_dist.kernels.vector_state.HgrnBackward`): ``lam_own`` is the scan alone, so

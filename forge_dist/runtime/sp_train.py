@@ -20,11 +20,12 @@ Its backward on rank ``r`` (``lam(r)``: the gradient of the loss with respect to
    gradient of the returned final state): every gradient of this rank's inputs, and on
    rank 0 the initial state's (its ``dh0`` is ``lam(0)``).  Its forward chunk-state walk
    needs no ``lam(r+1)``: it runs before the chain, while the chain waits
-   (:meth:`forge_dist.kernels.ir.Program.parts`).
+   (:meth:`forge_dist.kernels.ir.Program.parts`; the delta rule's ranks between the first
+   and the last run it after, below).
 
 A rank thus runs the one-device backward of its shard plus one state-gradient walk (which
-reads q, do and the gates once), and waits only for the chain, never for another rank's
-whole backward.  The general path's backward instead differentiates the summary
+reads q, do and the gates once; the delta rule's also k and its WY factor w), and waits
+only for the chain, never for another rank's whole backward.  The general path's backward instead differentiates the summary
 separately, which reads k and v again and writes their gradients twice.
 
 hgrn (a vector state, :func:`_backward_vector`) follows the same three steps on its
@@ -88,7 +89,7 @@ def forward(p, tensors: Dict[str, Tensor], h0: Optional[Tensor], o: Tensor
         # a strategy's kept buffer (scan's rounds) is rewritten by the plan's next forward,
         # which may come before this run's backward (two layers on one plan)
         S_in = S_in.clone()
-    if M is not None and M is exe.workspaces.get("M"):
+    if M is not None and Kind(p.kind) is Kind.DENSE:
         M = M.clone()  # the delta rule's transition is a workspace: the same holds for it
     if rank > 0 or h0 is not None:
         tensors["h0"] = S_in
@@ -106,11 +107,11 @@ def _state_grad_exec(p, has_dht: bool) -> Executor:
         prog = kernels.state_grad_program(p.op, B=B, T=T, H=H, K=K, V=p.out_shape[-1],
                                           dtype=p.out_dtype, has_dht=has_dht,
                                           gated="g" in p.shapes, scale=p.scale,
-                                          interp=p._interp, sms=kernels.sm_count(p.device),
-                                          beta_dtype=p.dtypes.get("beta", torch.float32))
+                                          interp=p._interp, sms=kernels.sm_count(p.device))
         if Kind(p.kind) is Kind.DENSE:  # the reverse walk alone, w an input
-            n = len(prog.launches)
-            prog = prog.parts([list(range(n - 1)), [n - 1]])[1]
+            walk = [i for i, ln in enumerate(prog.launches) if ln.kernel == "delta_dstates"]
+            wy = [i for i in range(len(prog.launches)) if i not in walk]
+            prog = prog.parts([wy, walk])[1]
         exe = p._state_grad_execs[has_dht] = Executor(prog, p.device, None)
     return exe
 
@@ -120,8 +121,9 @@ def _state_grad_exec(p, has_dht: bool) -> Executor:
 # all of its lam); rank 0 the forward chunk-state walk (it needs no lam(r+1), so it runs
 # while the chain waits); a rank between them, of the delta rule, only the WY factors, whose
 # w its own state gradient reads, so that lam(r) leaves as soon as lam(r+1) comes.
-_FIRST_PART = {("scalar", "last"): ("chunk_states_bwd",),
-               ("scalar", "first"): ("chunk_states",), ("scalar", "middle"): ("chunk_states",),
+_FIRST_PART = {("diagonal", "last"): ("chunk_states_bwd",),
+               ("diagonal", "first"): ("chunk_states",),
+               ("diagonal", "middle"): ("chunk_states",),
                ("dense", "last"): ("wy", "delta_dstates"),
                ("dense", "first"): ("wy", "gate_cumsum", "walk"),
                ("dense", "middle"): ("wy",)}
@@ -130,13 +132,14 @@ _FIRST_PART = {("scalar", "last"): ("chunk_states_bwd",),
 def _backward_parts(p, has_dht: bool, role: str) -> Tuple[Executor, Executor]:
     """The one-device backward program of ``p`` cut around the reverse chain, the first
     part's launches those :data:`_FIRST_PART` names for the rank's ``role`` (``"last"``,
-    ``"first"``: rank 0, ``"middle"``)."""
-    key = (has_dht, role)
+    ``"first"``: rank 0, ``"middle"``; the identity, scalar and diagonal kinds' parts are
+    the same for both)."""
+    family = "dense" if Kind(p.kind) is Kind.DENSE else "diagonal"
+    names = _FIRST_PART[family, role]
+    key = (has_dht, names)
     parts = p._backward_part_execs.get(key)
     if parts is None:
         prog = p._backward_exec(has_dht).program
-        family = "dense" if Kind(p.kind) is Kind.DENSE else "scalar"
-        names = _FIRST_PART[family, role]
         first = [i for i, ln in enumerate(prog.launches) if ln.kernel in names]
         rest = [i for i in range(len(prog.launches)) if i not in first]
         parts = p._backward_part_execs[key] = tuple(

@@ -89,7 +89,7 @@ def _world(group, cases):
 
 def test_shard_calls_match_fp64_over_gloo():
     """3 concurrent ranks (forge through the simulated transport with random delays): the
-    delta rule with and without its gate over every strategy, the decay ops' calls that
+    delta rule with and without its gate under forge, serial, lasp2 and pipelined, the decay ops' calls that
     take no plan (fp16, a strided q and v, hgrn's strided x); serial's calls run their backward
     twice (``retain_graph``)."""
     from tests.sp.distributed import run_world
