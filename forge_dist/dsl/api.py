@@ -69,7 +69,7 @@ class Variant:
         self.merge = trace_phase(merge_mode, "merge_mode")
         self.inputs = self._input_dims(inputs)
         self.input_names = list(self.inputs)
-        self.chunk_size = int(chunk_size or (32 if self.vector else 32))
+        self.chunk_size = int(chunk_size or 32)
         self._check_and_classify()
         self.spec = VariantSpec(name, self.kind, vector_state=self.vector)
         self.fingerprint = zlib.crc32("|".join(
