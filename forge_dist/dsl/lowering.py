@@ -152,12 +152,12 @@ def _ancestry(node: fx.Node, within: Optional[set] = None) -> set:
 
 
 def _dag(gms: List[fx.GraphModule], names, borrow: Tuple[str, ...] = ()) -> List[fx.Node]:
-    """The token-local DAG (:func:`_is_token_local`) on input ``names`` (one name, or the names a shared role reads
-    together, :func:`.roles.names_of`) in the first phase that reads them all (merge_mode,
-    then chunk_mode: the delta rule's merge reads v and beta only through cached WY
-    factors): ``[placeholder, ..., node, ...]`` (the inputs' placeholders first, in
-    ``names`` order, then those of ``borrow`` it reads) in graph order, ending with the
-    prologue's value.
+    """The token-local DAG (:func:`_is_token_local`) on input ``names`` (one name, or the
+    names a shared role reads together, :func:`.roles.names_of`) in the first phase that
+    reads them all (merge_mode, then chunk_mode: the delta rule's merge reads v and beta
+    only through cached WY factors): ``[placeholder, ..., node, ...]`` (the inputs'
+    placeholders first, in ``names`` order, then those of ``borrow`` it reads) in graph
+    order, ending with the prologue's value.
 
     The value is the latest node ``f`` of the inputs' token-local closure through which
     everything the phase does with them passes (every other node of ``f``'s ancestry that

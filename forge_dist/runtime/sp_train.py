@@ -25,8 +25,9 @@ Its backward on rank ``r`` (``lam(r)``: the gradient of the loss with respect to
 
 A rank thus runs the one-device backward of its shard plus one state-gradient walk (which
 reads q, do and the gates once; the delta rule's also k and its WY factor w), and waits
-only for the chain, never for another rank's whole backward.  The general path's backward instead differentiates the summary
-separately, which reads k and v again and writes their gradients twice.
+only for the chain, never for another rank's whole backward.  The general path's backward
+instead differentiates the summary separately, which reads k and v again and writes their
+gradients twice.
 
 hgrn (a vector state, :func:`_backward_vector`) follows the same three steps on its
 decoupled backward program (each segment's outgoing gradient from a zero start, the
