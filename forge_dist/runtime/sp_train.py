@@ -133,8 +133,8 @@ _FIRST_PART = {("diagonal", "last"): ("chunk_states_bwd",),
 def _backward_parts(p, has_dht: bool, role: str) -> Tuple[Executor, Executor]:
     """The one-device backward program of ``p`` cut around the reverse chain, the first
     part's launches those :data:`_FIRST_PART` names for the rank's ``role`` (``"last"``,
-    ``"first"``: rank 0, ``"middle"``; the identity, scalar and diagonal kinds' parts are
-    the same for both)."""
+    ``"first"``: rank 0, ``"middle"``; for the identity, scalar and diagonal kinds rank 0
+    and the middle ranks cut at the same launch, and share the executors)."""
     family = "dense" if Kind(p.kind) is Kind.DENSE else "diagonal"
     names = _FIRST_PART[family, role]
     key = (has_dht, names)
