@@ -259,8 +259,8 @@ class Variant:
                        B=B, T_local=T, initial_state=init, output_final_state=output_final_state,
                        cu=cu, group=group, strategy=strat, out_dtype=dtype,
                        compute_dtype=compute, device=device, word=word)
-        if path == generated.TEMPLATE:  # the template's outputs, gated where it has one
-            o = self.lowering.gate_outputs(o, inputs)
+        if path == generated.TEMPLATE:  # the template's outputs, then its epilogue
+            o = self.lowering.apply_epilogue(o, inputs)
         if self.vector and final is not None:
             final = final.reshape(-1, K)
         return o, final
@@ -311,7 +311,7 @@ class Variant:
                 work = self.lowering.make_work(part, scale, need_M, out_dtype=out_dtype)
                 if work is not None:
                     return work
-                if self.lowering.epilogue is not None:  # (its outputs are gated after)
+                if self.lowering.epilogue is not None:  # (the epilogue runs after)
                     return ChunkFormWork(lambda need: self.lowering.reference_summary(
                         part, scale, need, chunk_size), need_M)
             return ChunkFormWork(lambda need: self.summarize(part, scale, need, chunk_size,

@@ -42,10 +42,11 @@ inputs of one trailing dim runs as one generated kernel too (at most ``MAX_INPUT
 inputs, never fused into the walks), also where per-head scalars join it through
 ``x[..., None]`` (each loaded once per element of the map's value); a prologue with a
 reduction runs as PyTorch ops.
-An output gate is an *epilogue*: a ``merge_mode`` that returns the template's outputs times
-a token-local map of an input no other phase reads (``o * sigmoid(z)``), or the input
-itself, lowers with the template's outputs multiplied by that map after the call (PyTorch
-ops; validated the same way).  A scalar
+A ``merge_mode`` that returns a token-local map of the template's outputs and of inputs
+has an *epilogue* (:class:`Epilogue`): an output gate ``o * sigmoid(z)``, Mamba2's skip term
+``o + v * d[..., None]`` (its ``v`` the template's too), or both.  It lowers as the template
+followed by that map, one generated elementwise kernel over ``o`` and the inputs (PyTorch
+ops for a single op or a map the codegen does not translate), validated the same way.  A scalar
 decay no input carries (RetNet's per-head constant, computed from shapes) is read from the
 program's own transition for each head count it is called with and checked there
 (:class:`_ConstantDecay`).  Not lowered: programs that are none of the five templates up to
@@ -258,8 +259,8 @@ def _constant_candidates(v, template: str) -> List[Dict[str, object]]:
 def _first_match(v, template: str, candidates, mine, probes, fuse: bool, epilogue=None,
                  constant: bool = False) -> Optional["Lowering"]:
     """The first role assignment of ``candidates`` (and scale mode) whose lowering equals
-    the program on the probes, with its kernels; ``epilogue``: an output gate after the
-    template; ``constant``: the template's g read from the program (``None`` when the
+    the program on the probes, with its kernels; ``epilogue``: the map after the template
+    (:class:`Epilogue`); ``constant``: the template's g read from the program (``None`` when the
     program's decay is not a per-head constant)."""
     # the maps on each role's own inputs for every assignment first; then maps that may
     # borrow other roles' inputs (_dag)
@@ -298,56 +299,108 @@ def _others(v, names) -> Tuple[str, ...]:
 
 
 class _Without:
-    """A variant seen without one of its inputs (an epilogue's), for the role assignment."""
+    """A variant seen without some of its inputs (an epilogue's own), for the role
+    assignment."""
 
-    def __init__(self, v, name: str):
+    def __init__(self, v, names: Tuple[str, ...]):
         self._v = v
-        self.inputs = {n: d for n, d in v.inputs.items() if n != name}
-        self.input_names = [n for n in v.input_names if n != name]
+        self.inputs = {n: d for n, d in v.inputs.items() if n not in names}
+        self.input_names = [n for n in v.input_names if n not in names]
 
     def __getattr__(self, attr):
         return getattr(self._v, attr)
 
 
-def _epilogue(v) -> Optional[Tuple[str, Callable, str]]:
-    """An output gate: ``merge_mode`` returns ``main * f(z)`` (or ``f(z) * main``), ``f`` an
-    token-local DAG of one input ``z`` (or none: ``main * z``) that no other phase reads and
-    nothing else in the merge uses.  ``(z, f, text)``, or ``None``."""
+@dataclass
+class Epilogue:
+    """What ``merge_mode`` does to the template's outputs: ``out = fn(o, *inputs)``, a
+    token-local map of the template's ``o`` and of the inputs ``reads`` (an output gate
+    ``o * sigmoid(z)``, Mamba2's skip ``o + v * d[..., None]``, ...).
+
+    ``only``: those of ``reads`` no other phase reads (no template role takes them).
+    ``fn``: a generated elementwise kernel over ``o`` and the inputs (one read of each and
+    one write, its derivative generated too; :class:`~forge_dist.kernels.prologue.ElementwisePrologue`),
+    or PyTorch ops where the codegen has no translation or the map is a single op."""
+
+    reads: Tuple[str, ...]
+    only: Tuple[str, ...]
+    fn: Callable
+    text: str
+
+    def apply(self, o: torch.Tensor, part: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The variant's outputs from the template's ``o [B, T, H, V]`` and this rank's
+        inputs ``part`` (token tensors by name), in ``o``'s dtype."""
+        xs = [part[n] for n in self.reads]
+        if isinstance(self.fn, ElementwisePrologue):
+            return self.fn(o, *xs, out_dtype=o.dtype)
+        return self.fn(o, *xs).to(o.dtype)
+
+    def how(self) -> str:
+        return "Triton kernel" if isinstance(self.fn, ElementwisePrologue) else "PyTorch"
+
+
+_O = "__o"  # the epilogue map's placeholder for the template's outputs
+
+
+def _epilogue(v) -> Optional[Epilogue]:
+    """The epilogue of ``merge_mode``, or ``None``: from its output, down through token-local
+    ops (:func:`_is_token_local`) each with exactly one operand that is not a token-local
+    function of the inputs alone, to the first node that is not such an op (the
+    template's part, ``main``); the epilogue is the map of ``main`` and the inputs those
+    ops read."""
     if v.vector:
         return None
     gm = v.merge.gm
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    if not (isinstance(out, fx.Node) and out.op == "call_function"
-            and out.target in (operator.mul, torch.mul) and len(out.args) == 2
-            and not out.kwargs and all(isinstance(a, fx.Node) for a in out.args)):
+    if not isinstance(out, fx.Node):
         return None
-    where = None
-    for side in out.args:
-        ancestry = _ancestry(side)
-        inputs = [n for n in ancestry if n.op == "placeholder"]
-        if len(inputs) != 1 or inputs[0].target not in v.inputs:
-            continue
-        z = inputs[0]
-        if where is None:
-            where = reads(v)
-        if where[z.target] != {"merge"} or not set(z.users) <= ancestry | {out}:
-            continue
-        body = [n for n in gm.graph.nodes if n in ancestry and n is not z]
-        inside = {z}
-        ok = True
-        for n in body:
-            if not _is_token_local(n, inside):
-                ok = False
-                break
-            inside.add(n)
-        if ok and all(set(n.users) <= ancestry | {out} for n in body):
-            fn, text = _prologue([z] + body)
-            return z.target, fn or _same, text  # (no body: the outputs times z itself)
-    return None
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+    local = {n for n in gm.graph.nodes if n.op == "placeholder" and n.target in v.inputs}
+    for n in gm.graph.nodes:  # values computed token by token from the inputs alone
+        if n.op in ("call_function", "call_method") and n not in local \
+                and _is_token_local(n, local):
+            local.add(n)
+    main, body = out, []
+    while main not in local:
+        outside = [a for a in main.all_input_nodes if a not in local]
+        if len(outside) != 1 or not _is_token_local(main, local | set(outside)) \
+                or (body and set(main.users) != {body[-1]}):
+            break
+        body.append(main)
+        main = outside[0]
+    if not body or main in local:  # no map after the template's part, or no such part
+        return None
+    used = set(body)
+    for n in body:
+        for a in n.all_input_nodes:
+            if a is not main:
+                used |= _ancestry(a, local)
+    nodes = [n for n in gm.graph.nodes if n in used]
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    order = {name: i for i, name in enumerate(v.input_names)}
+    inputs.sort(key=lambda p: order[p.target])
+    where = reads(v)
+    only = tuple(p.target for p in inputs
+                 if where[p.target] == {"merge"} and set(p.users) <= used)
+    g = fx.Graph()
+    env = {main: g.placeholder(_O)}
+    env.update((p, g.placeholder(p.target)) for p in inputs)
+    for n in nodes:
+        if n.op != "placeholder":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[out])
+    chain = [n for n in g.nodes if n.op != "output"]
+    fn = fx.GraphModule(torch.nn.Module(), g)
+    names = ["o"] + [p.target for p in inputs]
+    text = f"({', '.join(names)}) -> {{{', '.join(_op_text(n) for n in chain[len(names):])}}}"
+    dims = {_O: "V", **v.inputs}
+    k = len(names)
+    broadcast = (len({dims[p.target] for p in chain[:k]}) > 1
+                 or any(codegen.is_broadcast(n) for n in chain))
+    if len(chain) - k >= PROLOGUE_KERNEL_MIN_OPS and k <= MAX_INPUTS and (
+            not broadcast or _broadcast_is_flat(chain, dims)):
+        fn = kernel_prologue(codegen.triton_map(chain), codegen.triton_map_grad(chain), fn,
+                             use_kernels) or fn
+    return Epilogue(tuple(p.target for p in inputs), only, fn, text)
 
 
 def _prologue(chain: List[fx.Node]) -> Tuple[Optional[Callable], str]:
@@ -389,9 +442,9 @@ class Lowering:
     scale_mode: str  # "user" (the call's scale) or "one"
     # role -> InputMap: prologues the template's kernels apply as they load (codegen)
     fused: Dict[str, Any] = field(default_factory=dict)
-    # an output gate: (input name, token-local map of it, text); the outputs of the template
-    # are multiplied by the map of that input (PyTorch ops)
-    epilogue: Optional[Tuple[str, Callable, str]] = None
+    # a token-local map of the template's outputs and inputs after the template (an
+    # output gate, an additive skip term)
+    epilogue: Optional[Epilogue] = None
     # a decay no input carries: the program's per-head constant log decay, read from it for
     # each head count (:class:`_ConstantDecay`); the template's g role
     constant_g: Optional["_ConstantDecay"] = None
@@ -399,13 +452,10 @@ class Lowering:
     # from other roles (:func:`_dag`)
     reads: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
 
-    def gate_outputs(self, o: torch.Tensor, part: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """The variant's outputs from the template's ``o [B, T, H, V]``: multiplied by the
-        epilogue's map of its input (this rank's tokens), where there is one."""
-        if self.epilogue is None:
-            return o
-        name, fn, _ = self.epilogue
-        return (o * fn(part[name])).to(o.dtype)
+    def apply_epilogue(self, o: torch.Tensor, part: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The variant's outputs from the template's ``o [B, T, H, V]``: the epilogue's map
+        of ``o`` and this rank's inputs ``part``, where there is one."""
+        return o if self.epilogue is None else self.epilogue.apply(o, part)
 
     def reference_summary(self, part, scale: float, need_M: bool, chunk_size=None):
         """The template's PyTorch chunk form on the prologue outputs (what a part whose
@@ -429,7 +479,7 @@ class Lowering:
         maps = [f"{k}: {t} ({self.how(k)})" for k, t in self.texts.items() if "->" in t]
         renamed = describe_roles(self.roles)
         epi = ("" if self.epilogue is None else
-               f"; epilogue: outputs times {self.epilogue[2]} (PyTorch)")
+               f"; epilogue: {self.epilogue.text} ({self.epilogue.how()})")
         if self.constant_g is not None:
             epi += "; g: the program's per-head constant log decay, read once per head count"
         return ((f"roles {renamed}; " if renamed else "") +
@@ -491,7 +541,7 @@ class Lowering:
                                       **common)
         if got is None:
             return None
-        return self.gate_outputs(got[0], inputs), got[1]
+        return self.apply_epilogue(got[0], inputs), got[1]
 
 
 @dataclass
@@ -513,7 +563,7 @@ def lower(v, fuse: bool = False) -> Decision:
     # the program as a template followed by its output gate
     forms = [(None, *_candidates(template, v))]
     if epilogue is not None:
-        forms.append((epilogue, *_candidates(template, _Without(v, epilogue[0]))))
+        forms.append((epilogue, *_candidates(template, _Without(v, epilogue.only))))
     reason = forms[-1][2]  # (why the last form has no assignment, where none has one)
     if is_delta_rule(template) and "g" in roles_of(template, v):
         # two per-head scalars may also both feed beta, with no gate (a shared role)
@@ -678,7 +728,7 @@ def _matches(mine, low: Lowering, probes) -> bool:
             theirs = _total(_reference(low.template, low.mapped(probes),
                                        0.7 if low.scale_mode == "user" else 1.0),
                             probes["__S0"])
-            theirs = (low.gate_outputs(theirs[0], probes), theirs[1])
+            theirs = (low.apply_epilogue(theirs[0], probes), theirs[1])
     except Exception:  # noqa: BLE001 - any failure means "not this template"
         return False
     return all(a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=1e-12)

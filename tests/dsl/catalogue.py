@@ -35,7 +35,7 @@ class Entry:
     path: str  # "template:<name>", "generated" or "refused"
     builtin: str  # nearest built-in op (linear_attn, simple_gla, gla, gated_delta_rule, hgrn)
     mapped: Callable  # token inputs -> the built-in's inputs (q, k, v[, g][, beta] / x, g)
-    post: Optional[Callable] = None  # (o, token inputs) -> the variant's o
+    post: Optional[Callable] = None  # (o, token inputs, scale) -> the variant's o
     prepare: Dict[str, Callable] = field(default_factory=dict)  # raw randn -> realistic input
     state: str = "matrix"
 
@@ -85,7 +85,7 @@ class Entry:
         else:
             o, s = getattr(ref, self.builtin + "_ref")(m["q"], m["k"], m["v"], m["g"],
                                                        scale=scale, **kw)
-        return (o if self.post is None else self.post(o, x)), s
+        return (o if self.post is None else self.post(o, x, scale)), s
 
 
 unit = functools.partial(F.normalize, dim=-1)  # delta-rule keys (the data, not the program)
@@ -206,6 +206,12 @@ def _d_skip_merge(state, q, k, v, a, d, scale):  # Mamba2's skip: y = SSD(x) + D
     return _retention(q, k, v, F.logsigmoid(a).cumsum(-1), state, scale) + v * d[..., None]
 
 
+def _strict_merge(state, q, k, v, a, scale):  # each token reads the state before its own key
+    G = F.logsigmoid(a).cumsum(-1)
+    return scale * (((q @ T(k)) * segsum_exp(G, strict=True)) @ v
+                    + (q * G.exp()[..., None]) @ state)
+
+
 def _ingate_chunk(k, v, a, i):
     return _chunk_state(k * torch.sigmoid(i)[..., None], v, F.logsigmoid(a).cumsum(-1))
 
@@ -268,17 +274,22 @@ SCALAR = [
                                                                       "z": "V"},
           "template:simple_gla", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"])},
-          post=lambda o, x: o * torch.sigmoid(x["z"])),
+          post=lambda o, x, s: o * torch.sigmoid(x["z"])),
     Entry("output_gate_linear", (_sg_a_chunk, _sg_a_decay, _linear_outgate_merge),
           {**QKV, "a": "", "z": "V"}, "template:simple_gla", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"])},
-          post=lambda o, x: o * x["z"]),
-    # an additive term after the template's outputs: no template and no epilogue form (an
-    # output gate multiplies), so it takes the generated path
+          post=lambda o, x, s: o * x["z"]),
+    # an additive term after the template's outputs (an epilogue that also reads v)
     Entry("mamba2_d_skip", (_sg_a_chunk, _sg_a_decay, _d_skip_merge), {**QKV, "a": "", "d": ""},
+          "template:simple_gla", "simple_gla",
+          lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"])},
+          post=lambda o, x, s: o + x["v"] * x["d"][..., None]),
+    # a strictly causal readout (token t reads the state before its own key, decayed to t):
+    # inside the intra-chunk product, so no template and no epilogue fits; generated path
+    Entry("strict_readout", (_sg_a_chunk, _sg_a_decay, _strict_merge), {**QKV, "a": ""},
           "generated", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"])},
-          post=lambda o, x: o + x["v"] * x["d"][..., None]),
+          post=lambda o, x, s: o - s * (x["q"] * x["k"]).sum(-1, keepdim=True) * x["v"]),
     Entry("input_gate", (_ingate_chunk, _sg_a_decay, _ingate_merge), {**QKV, "a": "", "i": ""},
           "template:simple_gla", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"] * torch.sigmoid(x["i"])[..., None], "v": x["v"],
@@ -345,7 +356,7 @@ DIAGONAL = [
     Entry("gla_output_gate", (_gla_chunk, _gla_decay, _gla_outgate_merge),
           {**QKV, "gk": "K", "z": "V"}, "template:gla", "gla",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": _gk(x["gk"])},
-          post=lambda o, x: o * F.silu(x["z"])),
+          post=lambda o, x, s: o * F.silu(x["z"])),
 ]
 
 
@@ -425,7 +436,7 @@ DELTA = [
           "gated_delta_rule",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"]),
                      "beta": torch.sigmoid(x["b"])},
-          post=lambda o, x: o * torch.sigmoid(x["z"]), prepare={"k": unit}),
+          post=lambda o, x, s: o * torch.sigmoid(x["z"]), prepare={"k": unit}),
 ]
 
 

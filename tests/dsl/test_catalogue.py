@@ -89,7 +89,8 @@ WORLD3 = RUNNABLE if os.environ.get("FORGE_DIST_TEST_FULL_CATALOGUE") == "1" els
     "relu_times_relu", "renamed_linear_attn", "gate_named_a", "second_decay", "input_gate",
     "output_gate",
     "retnet_head_decay", "gla_gate_gk", "gla_output_gate", "gated_delta_a_b", "deltanet_lr",
-    "gated_delta_output_gate", "hgrn_u_f", "rg_lru", "hgrn_softmax_gate", "mamba2_d_skip"]
+    "gated_delta_output_gate", "hgrn_u_f", "rg_lru", "hgrn_softmax_gate", "mamba2_d_skip",
+    "strict_readout"]
 
 
 def _world3_rows(group, names):
@@ -172,12 +173,11 @@ def test_compiled_graphs_are_torch_compile_of_the_traced_ones(monkeypatch):
 
 def test_warns_once_per_variant_off_the_templates(monkeypatch):
     cuda = torch.device("cuda")
-    v = CATALOGUE["mamba2_d_skip"].variant
+    v = CATALOGUE["strict_readout"].variant
     v._warned_path = False
-    with pytest.warns(UserWarning, match=r"'mamba2_d_skip' runs on CUDA through the "
-                                         r"Inductor-compiled .*fewer roles than the variant "
-                                         r"has inputs.*To lower it: the simple_gla template has "
-                                         r"roles q, k, v, g only") as record:
+    with pytest.warns(UserWarning, match=r"'strict_readout' runs on CUDA through the "
+                                         r"Inductor-compiled .*translation validation failed"
+                                         r".*To lower it: ") as record:
         generated.warn_once(v, cuda, v.path(cuda))
         generated.warn_once(v, cuda, v.path(cuda))
     assert len(record) == 1
@@ -193,7 +193,8 @@ def test_warns_once_per_variant_off_the_templates(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["relu_pow2", "gla_gate_gk", "gated_delta_a_b", "hgrn_u_f",
                                   "second_decay", "gla_output_gate", "rg_lru",
-                                  "hgrn_softmax_gate", "mamba2_d_skip", "input_gate"])
+                                  "hgrn_softmax_gate", "mamba2_d_skip", "strict_readout",
+                                  "input_gate"])
 def test_catalogue_on_cuda(name):
     """On CUDA: template entries through their Triton kernels, the others through the
     Inductor-compiled generated path (with its one warning), fp32 against fp64, forward and
@@ -311,12 +312,12 @@ def _template_rows(group, names):
 
 def test_shared_roles_and_epilogues_run_their_template_across_ranks():
     """second_decay (a shared decay), input_gate (a broadcast input gate), the output
-    gates (epilogues) and RetNet's constant decay on two ranks through the template's
-    Triton kernels."""
+    gates and Mamba2's skip term (epilogues) and RetNet's constant decay on two ranks
+    through the template's Triton kernels."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
     names = ["second_decay", "input_gate", "output_gate", "gla_output_gate",
-             "gated_delta_output_gate", "retnet_head_decay"]
+             "gated_delta_output_gate", "retnet_head_decay", "mamba2_d_skip"]
     rows = run_world(2, _template_rows, names, env={"FORGE_DIST_DSL_TRITON": "1",
                                                     "FORGE_DIST_TIMEOUT": "120"})
     for n in names:

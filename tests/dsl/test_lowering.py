@@ -71,7 +71,23 @@ def test_dense_and_vector_programs_that_are_not_the_template_are_not_lowered():
 
 
 def test_not_the_template_is_not_lowered():
-    """Same kind and inputs as simple_gla, but the outputs are gated: validation must refuse."""
+    """Same kind and inputs as simple_gla, but each token reads the state before its own
+    key (a strict mask inside the intra-chunk product): validation must refuse, and no
+    epilogue can be split off (the difference is inside the template's part)."""
+    def merge(state, q, k, v, g, scale):
+        G = g.cumsum(-1)
+        o = ((q @ k.transpose(-1, -2)) * dsl.helpers.segsum_exp(G, strict=True)) @ v + \
+            (q * G.exp()[..., None]) @ state
+        return scale * o
+    v = dsl.variant("strict", chunk_mode=builtins._sg_chunk, decay_mode=builtins._sg_decay,
+                    merge_mode=merge, inputs=("q", "k", "v", "g"))
+    assert v.kind.value == "scalar"
+    assert v.lowering is None and "validation failed" in v.lowering_reason
+
+
+def test_a_gate_on_an_input_the_template_reads_is_an_epilogue():
+    """``o * sigmoid(v)``: the gate reads v, which the template reads too, so v keeps its
+    role and the epilogue reads it as well (it takes no input of its own)."""
     def merge(state, q, k, v, g, scale):
         G = g.cumsum(-1)
         o = ((q @ k.transpose(-1, -2)) * dsl.helpers.segsum_exp(G)) @ v + \
@@ -79,8 +95,10 @@ def test_not_the_template_is_not_lowered():
         return scale * o * torch.sigmoid(v)
     v = dsl.variant("gated_out", chunk_mode=builtins._sg_chunk, decay_mode=builtins._sg_decay,
                     merge_mode=merge, inputs=("q", "k", "v", "g"))
-    assert v.kind.value == "scalar"
-    assert v.lowering is None and "validation failed" in v.lowering_reason
+    low = v.lowering
+    assert low is not None and low.template == "simple_gla"
+    assert (low.epilogue.reads, low.epilogue.only) == (("v",), ())
+    assert "epilogue: (o, v) -> {sigmoid, mul}" in v.describe()
 
 
 @pytest.fixture
@@ -100,14 +118,22 @@ def triton_on_cpu(monkeypatch):
 
 
 # case -> (catalogue entry, what its lowering must be): a decay shared by two gates, an
-# input gate broadcast onto the keys, an output gate as an epilogue (a map of z, or z
-# itself), RetNet's per-head constant decay computed from shapes
+# input gate broadcast onto the keys, an output gate as an epilogue (a map of z as one
+# generated kernel with o, or z itself: one PyTorch op), Mamba2's skip term as an additive
+# epilogue (its v also the template's, d only the epilogue's), RetNet's per-head constant
+# decay computed from shapes
 LOWERED_ENTRIES = {
     "shared": ("second_decay", lambda low: low.roles["g"] == ("a", "b")),
     "broadcast": ("input_gate", lambda low: low.roles["k"] == ("k", "i")),
-    "epilogue": ("output_gate", lambda low: low.epilogue[0] == "z"),
+    "epilogue": ("output_gate", lambda low: low.epilogue.reads == ("z",)
+                 and low.epilogue.how() == "Triton kernel"),
     "identity_epilogue": ("output_gate_linear",
-                          lambda low: low.epilogue[0] == "z" and low.epilogue[2] == "z"),
+                          lambda low: low.epilogue.reads == ("z",)
+                          and low.epilogue.how() == "PyTorch"),
+    "additive_epilogue": ("mamba2_d_skip",
+                          lambda low: (low.epilogue.reads, low.epilogue.only) == (("v", "d"),
+                                                                                  ("d",))
+                          and low.epilogue.how() == "Triton kernel"),
     "constant_decay": ("retnet_head_decay", lambda low: low.constant_g is not None),
 }
 
@@ -120,7 +146,9 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
     shared: a decay summed from two gates (one role, two inputs) on the simple_gla
     template, gradients reaching both gates; broadcast: an input gate, a per-head scalar
     broadcast onto the keys (``k * sigmoid(i)[..., None]``); epilogue: an output gate
-    (``o * sigmoid(z)``) after the template, gradients reaching z."""
+    (``o * sigmoid(z)``) after the template, gradients reaching z; additive_epilogue:
+    ``o + v * d[..., None]``, gradients reaching v through both the template and the
+    epilogue, and d."""
     from forge_dist.runtime import cache
 
     cache.clear()
@@ -184,7 +212,7 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
         m = entry.mapped(x)
         o_r, s_r = ref.simple_gla_ref(m["q"], m["k"], m["v"], m["g"].double(),
                                       initial_state=mref[-1], output_final_state=True)
-        o_r = o_r if entry.post is None else entry.post(o_r, x)
+        o_r = o_r if entry.post is None else entry.post(o_r, x, 1.0 / K ** 0.5)
     elif case == "elu":
         o, s = library.elu_linear_attn(q, k, v, initial_state=h0, output_final_state=True)
         leaves = [q, k, v, h0]
@@ -207,6 +235,38 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
     for a, b in [(o, o_r), (s, s_r)] + [(x.grad, y.grad) for x, y in zip(leaves, mref)]:
         err = ((a.double() - b).norm() / b.norm()).item()
         assert err < 1e-4, err
+
+
+def test_gate_and_skip_term_in_one_epilogue(triton_on_cpu):
+    """``o * sigmoid(z) + v * d[..., None]``: one epilogue of four inputs (o, v, z, d) as one
+    generated kernel, z and d its own; forward and every gradient against fp64."""
+    def merge(state, q, k, v, g, z, d, scale):
+        G = g.cumsum(-1)
+        o = ((q @ k.transpose(-1, -2)) * dsl.helpers.segsum_exp(G)) @ v + \
+            (q * G.exp()[..., None]) @ state
+        return scale * o * torch.sigmoid(z) + v * d[..., None]
+    var = dsl.variant("gate_skip", chunk_mode=builtins._sg_chunk,
+                      decay_mode=builtins._sg_decay, merge_mode=merge,
+                      inputs={"q": "K", "k": "K", "v": "V", "g": "", "z": "V", "d": ""})
+    epi = var.lowering.epilogue
+    assert (epi.reads, epi.only, epi.how()) == (("v", "z", "d"), ("z", "d"), "Triton kernel")
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 1, 19, 2, 16, 16
+    shapes = {"q": (B, T, H, K), "k": (B, T, H, K), "v": (B, T, H, V), "g": (B, T, H),
+              "z": (B, T, H, V), "d": (B, T, H)}
+    x = {n: torch.randn(*s, generator=gen) for n, s in shapes.items()}
+    x["g"] = F.logsigmoid(x["g"] + 2)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, _ = var(**leaves)
+    mref = {n: t.double().requires_grad_() for n, t in x.items()}
+    o_r, _ = ref.simple_gla_ref(mref["q"], mref["k"], mref["v"], mref["g"])
+    o_r = o_r * torch.sigmoid(mref["z"]) + mref["v"] * mref["d"][..., None]
+    assert triton_on_cpu and all(u is not None and u.endswith("Work") for u in triton_on_cpu)
+    up = torch.randn(o.shape, generator=gen)
+    (o * up).sum().backward()
+    (o_r * up.double()).sum().backward()
+    for a, b in [(o, o_r)] + [(leaves[n].grad, mref[n].grad) for n in shapes]:
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-4
 
 
 @pytest.mark.parametrize("case", ["elu", "simple_gla", "gated_delta_rule", "hgrn"])
