@@ -264,7 +264,10 @@ def main(argv=None):
     sp.add_argument("--tokens-per-gpu", type=int, default=None,
                     help=f"tokens per rank (default {T}; with --cpu 32)")
     sp.add_argument("--repeats", type=int, default=None, help="timed calls (default 20)")
-    sp.add_argument("--cpu", action="store_true", help="gloo processes on the CPU, fp32")
+    sp.add_argument("--cpu", action="store_true",
+                    help="gloo processes on the CPU (fp32 unless --cpu-dtype)")
+    sp.add_argument("--cpu-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="with --cpu: the layers' dtype (bfloat16 adds the fp32 comparisons)")
     sp.add_argument("--world", type=int, default=1,
                     help="with --cpu: ranks to spawn when not launched by torchrun")
     args = ap.parse_args(argv)

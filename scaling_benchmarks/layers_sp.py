@@ -1,8 +1,8 @@
 """Every layer of :mod:`forge_dist.nn` sequence-parallel, against the same layer on one shard.
 
 Run by ``layers.py --sp`` under torchrun (one GPU per rank, NCCL), or on the CPU with
-``--cpu --world N`` (gloo processes, fp32, tiny shards: a check of the code path, not a
-timing).  Each rank holds the same layer (seeded initialisation) and the same global input
+``--cpu --world N`` (gloo processes, fp32 or ``--cpu-dtype bfloat16``, tiny shards: a check
+of the code path, not a timing).  Each rank holds the same layer (seeded initialisation) and the same global input
 ``x [B, P * tokens_per_gpu, hidden]``, and takes its shard of the sequence.  Per layer and
 pass (``fwd`` under ``torch.no_grad``; ``fwdbwd``: forward + backward of ``(o * w).sum()``):
 
@@ -11,7 +11,12 @@ pass (``fwd`` under ``torch.no_grad``; ``fwdbwd``: forward + backward of ``(o * 
 * ``ratio = ms / shard_ms`` (the issue's target: <= 1.2 at 8192 tokens per GPU);
 * ``max_rel_err``: the sequence-parallel output against the same layer on the whole
   sequence on one device (``max |a - b| / max |b|``), and for ``fwdbwd`` also over ``dx`` and
-  every parameter gradient (summed over the ranks).
+  every parameter gradient (the ranks' partial gradients summed in fp32, as
+  :func:`forge_dist.nn.sum_gradients` does, so the sum adds no rounding of its own); the
+  worst tensor, and the worst ``||a - b|| / ||b||`` as ``rms_rel_err``;
+* with a 16-bit dtype, the same metric of both against the layer in fp32 (the same weights,
+  the whole sequence, one device): ``sp_vs_fp32`` and ``one_device_vs_fp32``, the latter the
+  noise the dtype itself leaves in one device's result, the floor the first is held to.
 
 Times as in ``weak_scaling.py``: a barrier before every call, CUDA events, the slowest rank per
 repeat, the median over repeats.  Rows go to JSON as they complete, then a PNG.
@@ -52,6 +57,27 @@ def _worst(errs):
     return float("nan") if any(e != e for e in errs) else max(errs)
 
 
+def _rms_rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _tensors(layer, x, out, grad):
+    """``{name: tensor}`` a pass is judged on: the output, then (``grad``) ``dx`` and every
+    parameter's gradient, detached copies."""
+    got = {"out": out.detach()}
+    if grad:
+        got["dx"] = x.grad.detach().clone()
+        got.update((f"d{n}", p.grad.detach().clone()) for n, p in sorted(layer.named_parameters())
+                   if p.grad is not None)
+    return got
+
+
+def _errors(got, ref, metric):
+    """``metric`` of each tensor of ``got`` against ``ref`` (the names both have)."""
+    return {n: metric(t, ref[n]) for n, t in got.items() if n in ref}
+
+
 def run_layer(name, pas, *, group, strategy, device, dtype, B, tokens, warmup, repeats):
     """The row of one layer and pass (rank 0's copy is the one written)."""
     import torch.distributed as dist
@@ -64,28 +90,43 @@ def run_layer(name, pas, *, group, strategy, device, dtype, B, tokens, warmup, r
     w_full = torch.randn(B, P * tokens, hidden, device=device, generator=gen)
     sl = slice(r * tokens, (r + 1) * tokens)
     grad = pas == "fwdbwd"
-    x_full.requires_grad_(grad)
-    x = x_full.detach()[:, sl].clone().requires_grad_(grad)
+    x = x_full[:, sl].clone().requires_grad_(grad)
     w = w_full[:, sl]
 
-    ref = lb._run(layer, x_full, w_full, pas, group=None)().detach()[:, sl]
-    ref_grads = None
-    if grad:
-        ref_grads = [None if g is None else g.detach().clone()
-                     for g in lb._grads(layer, x_full)]
-        ref_grads[0] = ref_grads[0][:, sl]
-    x_full = w_full = None
+    def whole(model, xs):  # the layer on the whole sequence, on this device alone
+        xs = xs.detach().clone().requires_grad_(grad)
+        out = lb._run(model, xs, w_full, pas, group=None)()
+        got = _tensors(model, xs, out, grad)
+        for n in ("out", "dx"):
+            if n in got:
+                got[n] = got[n][:, sl]
+        return got
 
-    out = lb._run(layer, x, w, pas, group=group)().detach()
-    errs = [lb._max_rel(out, ref)]
-    if grad:
-        got = [None if g is None else g.detach().clone() for g in lb._grads(layer, x)]
-        for g in got[1:]:
-            if g is not None:
-                dist.all_reduce(g, group=group)
-        errs += [lb._max_rel(a, b) for a, b in zip(got, ref_grads)
-                 if a is not None and b is not None]
-    ref = ref_grads = out = None
+    ref = whole(layer, x_full)
+    ref32 = None
+    if dtype in (torch.bfloat16, torch.float16):  # the dtype's own noise on one device
+        wide = build(name, device, torch.float32, None, strategy)
+        wide.load_state_dict(layer.state_dict())  # the same weights, widened
+        ref32 = whole(wide, x_full.float())
+        wide = None
+    x_full = None
+
+    out = lb._run(layer, x, w, pas, group=group)()
+    got = _tensors(layer, x, out, grad)
+    for n, t in got.items():
+        if n not in ("out", "dx"):  # a parameter's partial gradient: summed in fp32
+            t32 = t.float()
+            dist.all_reduce(t32, group=group)
+            got[n] = t32
+    errs = _errors(got, ref, lb._max_rel)
+    worst = max(errs, key=lambda n: (errs[n] != errs[n], errs[n]))
+    extra = {"worst_tensor": worst, "rms_rel_err": _worst(list(_errors(got, ref, _rms_rel)
+                                                               .values()))}
+    if ref32 is not None:
+        extra["sp_vs_fp32"] = _worst(list(_errors(got, ref32, lb._max_rel).values()))
+        extra["one_device_vs_fp32"] = _worst(list(_errors(ref, ref32, lb._max_rel).values()))
+    errs = list(errs.values())
+    ref = ref32 = out = got = None
 
     clock = ws.Clock(device)
 
@@ -96,11 +137,15 @@ def run_layer(name, pas, *, group, strategy, device, dtype, B, tokens, warmup, r
         mine = ws.timed(lambda _clock, run=run: run(), clock, warmup=warmup, repeats=repeats,
                         group=group, device=device)
         timings[label] = ws.reduce_ranks(ws._gather(mine, group))
-    err = _worst(ws._gather(_worst(errs), group))
+    mine = dict(extra, max_rel_err=_worst(errs))
+    ranks = ws._gather(mine, group)
+    # every error the worst over the ranks; the worst tensor that of the worst rank
+    row_errs = {k: _worst([r[k] for r in ranks]) for k in mine if k != "worst_tensor"}
+    row_errs["worst_tensor"] = max(ranks, key=lambda r: r["max_rel_err"])["worst_tensor"]
     row = {"layer": name, "pass": pas, "impl": "forge_dist", "strategy": layer.strategy,
            "world_size": P, "tokens_per_gpu": tokens, "ms": timings["sp"]["ms"],
            "ms_min": timings["sp"]["ms_min"], "shard_ms": timings["shard"]["ms"],
-           "ratio": timings["sp"]["ms"] / timings["shard"]["ms"], "max_rel_err": err,
+           "ratio": timings["sp"]["ms"] / timings["shard"]["ms"], **row_errs,
            "peak_mib": timings["sp"]["peak_mib"], "per_rank": timings["sp"]["per_rank"]}
     return row
 
@@ -114,7 +159,7 @@ def worker(args) -> int:
     info = launch_env.detect(use_mpi4py=False)
     cpu = args.cpu or not torch.cuda.is_available()
     if cpu:
-        device, dtype, backend = torch.device("cpu"), torch.float32, "gloo"
+        device, dtype, backend = torch.device("cpu"), getattr(torch, args.cpu_dtype), "gloo"
     else:
         local = info.local_rank
         torch.cuda.set_device(local)

@@ -12,6 +12,7 @@ gradients is the gradient of that global loss (:func:`sum_gradients`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -204,16 +205,19 @@ def sum_gradients(params: Sequence[nn.Parameter], group) -> None:
 
     Summing is right for :class:`ForgeLM`'s global-mean loss: each rank's gradient holds the
     contribution of its own tokens (cross-rank terms arrive through the ops' backward), so the
-    full gradient is the sum over sequence- and data-parallel ranks alike.
+    full gradient is the sum over sequence- and data-parallel ranks alike.  The sum runs in
+    fp32 (fp64 where a gradient is): 16-bit gradients are rounded once, after it, not at
+    every partial sum.
     """
     if group is None or dist.get_world_size(group) == 1:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    acc = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
+    flat = torch.cat([g.reshape(-1).to(acc) for g in grads])
     dist.all_reduce(flat, group=group)
     offset = 0
     for p, g in zip(params, grads):
         n = g.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
+        p.grad = flat[offset:offset + n].view_as(p).to(g.dtype, copy=True)
         offset += n
 

@@ -72,3 +72,19 @@ def test_a_failed_row_is_recorded_and_the_next_runs(tmp_path):
     assert [r["layer"] for r in rows] == ["gdn", "gla"]
     assert "convolution halo" in rows[0]["skipped"], rows[0]
     assert "skipped" not in rows[1] and rows[1]["max_rel_err"] < 1e-4, rows[1]
+
+
+def test_bf16_rows_hold_the_sequence_parallel_error_to_one_devices(tmp_path):
+    # bf16: the errors against the same weights in fp32 on the whole sequence; the
+    # sequence-parallel result must be as exact as one device's (a state or a gradient sum
+    # rounded to bf16 on the way between ranks would add its own error on top)
+    proc = _run(tmp_path, "--world", "2", "--layers", "gdn", "--passes", "fwdbwd",
+                "--repeats", "1", "--cpu-dtype", "bfloat16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(next(tmp_path.glob("layers_sp_*.json")).read_text())
+    assert data["config"]["dtype"] == "bfloat16"
+    (row,) = data["rows"]
+    assert "skipped" not in row, row
+    assert 0 < row["one_device_vs_fp32"] < 3e-2, row  # bf16's own noise, not an O(1) error
+    assert row["sp_vs_fp32"] <= 1.5 * row["one_device_vs_fp32"], row
+    assert row["rms_rel_err"] < row["max_rel_err"] < 3e-2 and row["worst_tensor"], row

@@ -289,3 +289,27 @@ def test_ddp_and_fsdp2_on_dp_with_sp_match_single_process():
     for key in ("ddp", "fsdp2"):
         loss_err, grad_err = res[key]
         assert loss_err < 1e-12 and grad_err < 1e-12, (key, res[key])
+
+
+def _bf16_sum(group):
+    rank = dist.get_rank(group)
+    # partial gradients whose bf16 sums round differently from their exact sum
+    w = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    w.grad = torch.tensor([1.0, 1.0 + 2 ** -7, 3.0], dtype=torch.bfloat16) * (1 + 2 ** -7 * rank)
+    b = nn.Parameter(torch.zeros(2))  # an fp32 parameter beside it, with no gradient
+    mine = [w.grad.double().tolist()]
+    fnn.sum_gradients([w, b], group)
+    parts = [None, None, None]
+    dist.all_gather_object(parts, mine, group=group)
+    exact = torch.tensor([p[0] for p in parts], dtype=torch.float64).sum(0)
+    return {"got": w.grad.double().tolist(), "dtype": str(w.grad.dtype),
+            "want": exact.to(torch.bfloat16).double().tolist(),
+            "b": b.grad.tolist(), "b_dtype": str(b.grad.dtype)}
+
+
+def test_sum_gradients_rounds_16_bit_gradients_once():
+    """The sum over ranks runs in fp32: a bf16 gradient is the exact sum rounded once, and
+    keeps its dtype; a parameter with no gradient gets zeros."""
+    res = run_world(3, _bf16_sum)
+    assert res["dtype"] == "torch.bfloat16" and res["got"] == res["want"], res
+    assert res["b"] == [0.0, 0.0] and res["b_dtype"] == "torch.float32"
