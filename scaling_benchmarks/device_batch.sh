@@ -456,14 +456,15 @@ case "$stage" in
         --variants rg_lru,second_decay,input_gate,output_gate_linear,deltanet_two_rates,hgrn_softmax_gate \
         --out "$OUT" --tag s13-new ) ;;
   epilogues)  # 1 GPU, after the fifteenth session: the DSL's epilogues as generated kernels
-    # (output gates, Mamba2's skip term) and the new generated entry, checked on CUDA against
-    # fp64, then timed against the built-ins; then the layers' bf16 errors against fp32
-    # (2 GPUs where there are 2)
+    # (output gates, Mamba2's skip term), a strict readout on simple_gla with its chunk-local
+    # residual (Inductor) and the delta rule's on the generated path, checked on CUDA
+    # against fp64, then timed against the built-ins; then the layers' bf16 errors against
+    # fp32 (2 GPUs where there are 2)
     ( export CUDA_VISIBLE_DEVICES="$(echo "${CUDA_VISIBLE_DEVICES:-0}" | cut -d, -f1)"
       step dsl_epilogue_gpu 240 python3 -m pytest -v -p no:cacheprovider -m gpu \
         tests/dsl/test_catalogue.py -k "output_gate or mamba2_d_skip or strict_readout"
       step dsl_epilogue_bench 240 python3 -m scaling_benchmarks.dsl_variants --budget-s 200 \
-        --variants mamba2_d_skip,output_gate,output_gate_linear,gla_output_gate,gated_delta_output_gate,strict_readout \
+        --variants mamba2_d_skip,output_gate,output_gate_linear,gla_output_gate,gated_delta_output_gate,strict_readout,gated_delta_strict_readout \
         --out "$OUT" --tag s15-epilogues )
     if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
       reap

@@ -30,7 +30,7 @@ from __future__ import annotations
 import builtins
 import operator
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -392,6 +392,66 @@ def linear_part(phase: Phase, dependent: set) -> fx.GraphModule:
                 env[n] = env[y] if cat == "add" else g.call_function(operator.neg, (env[y],))
                 continue
         env[n] = g.node_copy(n, lambda a: env[a])
+    g.eliminate_dead_code()
+    return fx.GraphModule(phase.gm, g)
+
+
+# ops that map a zero state-dependent operand to zero (the analysis admits only linear uses
+# of the state: a factor times it, its sums, views, masks)
+_ZERO_TO_ZERO = {"mul", "div", "matmul", "neg", "cast", "sum", "transpose", "permute",
+                 "unsqueeze", "expand", "mask", "view", "getitem", "where", "masked_fill",
+                 "einsum"}
+
+
+def offset_part(phase: Phase, dependent: set) -> Optional[fx.GraphModule]:
+    """The graph of ``S -> f(0)``: every state-dependent term dropped (same parameters; the
+    state's is unused), or ``None`` where that value is not a graph of the other inputs (an
+    offset that is a bare number, an op the table above does not cover, a result that is
+    zero)."""
+    g = fx.Graph()
+    env: Dict[fx.Node, Any] = {}
+    zero = object()  # a state-dependent value at S = 0 whose value is 0
+
+    def value(a):
+        return env[a] if isinstance(a, fx.Node) else a
+
+    for n in phase.gm.graph.nodes:
+        if n.op == "output":
+            out = value(n.args[0])
+            if not isinstance(out, fx.Node):
+                return None
+            g.output(out)
+            continue
+        if n.op == "placeholder":
+            node = g.node_copy(n)
+            env[n] = zero if n.name in dependent else node
+            continue
+        if n.name not in dependent:
+            env[n] = g.node_copy(n, lambda a: env[a])
+            continue
+        cat = _category(n)
+        args = [value(a) for a in n.args]
+        if cat in ("add", "sub") and len(args) == 2 and not n.kwargs:
+            x, y = args
+            if x is zero and y is zero:
+                env[n] = zero
+            elif not all(isinstance(a, fx.Node) or a is zero for a in (x, y)):
+                return None  # an offset that is a bare number
+            elif y is zero:
+                env[n] = x
+            elif x is zero:
+                env[n] = y if cat == "add" else g.call_function(operator.neg, (y,))
+            else:
+                env[n] = g.node_copy(n, lambda a: env[a])
+        elif cat in _ZERO_TO_ZERO:
+            operands = []
+            fx.node.map_arg((n.args, n.kwargs), operands.append)
+            # linear in its one state-dependent operand: zero where that is (else the op
+            # applies to the operand's offset, as in ``scale * (intra + q @ S)``)
+            env[n] = zero if any(env[a] is zero for a in operands) else \
+                g.node_copy(n, lambda a: env[a])
+        else:
+            return None
     g.eliminate_dead_code()
     return fx.GraphModule(phase.gm, g)
 

@@ -155,6 +155,8 @@ class Variant:
         # decay_mode(0) is this argument as it comes (``... + chunk_state``), or None
         self.decay_offset = analysis.offset_parameter(self.decay, dec.dependent)
         self.merge_linear = mer.linear
+        # merge_mode at a zero chunk-start state (the intra-chunk outputs), or None
+        self.merge_offset = analysis.offset_part(self.merge, mer.dependent)
         check_numerically(self)
 
     # -- info ---------------------------------------------------------------------------------
@@ -238,8 +240,13 @@ class Variant:
             state_rows = (H, K, V)
             scale_v = checks.scale(scale, K)
         checks.strategy(strategy)
-        path = self.path(device)
-        generated.warn_once(self, device, path)
+        path, why = self.path(device), ""
+        if path == generated.TEMPLATE and cu_seqlens is not None and \
+                self.lowering.residual is not None:
+            path = generated.unlowered_path(device)
+            why = ("packed sequences (cu_seqlens) and a chunk-local residual, whose chunks "
+                   "would straddle the sequences' starts")
+        generated.warn_once(self, device, path, why)
         if path == generated.TEMPLATE and group is None and cu_seqlens is None:
             short = self.lowering.planned_call(inputs, scale_v, initial_state,
                                                output_final_state)
@@ -259,8 +266,8 @@ class Variant:
                        B=B, T_local=T, initial_state=init, output_final_state=output_final_state,
                        cu=cu, group=group, strategy=strat, out_dtype=dtype,
                        compute_dtype=compute, device=device, word=word)
-        if path == generated.TEMPLATE:  # the template's outputs, then its epilogue
-            o = self.lowering.apply_epilogue(o, inputs)
+        if path == generated.TEMPLATE:  # the template's outputs, then what runs after
+            o = self.lowering.finish(o, inputs, scale_v, chunk_size)
         if self.vector and final is not None:
             final = final.reshape(-1, K)
         return o, final
@@ -311,7 +318,7 @@ class Variant:
                 work = self.lowering.make_work(part, scale, need_M, out_dtype=out_dtype)
                 if work is not None:
                     return work
-                if self.lowering.epilogue is not None:  # (the epilogue runs after)
+                if self.lowering.runs_after:  # (the residual, the epilogue: after)
                     return ChunkFormWork(lambda need: self.lowering.reference_summary(
                         part, scale, need, chunk_size), need_M)
             return ChunkFormWork(lambda need: self.summarize(part, scale, need, chunk_size,

@@ -83,6 +83,31 @@ def transitions(compiled, args: dict, like: Tensor, lin=None) -> Optional[Tensor
     return M[..., 0, 0] if kind is Kind.SCALAR else M[..., :, 0]
 
 
+def _pieces(L: int, C: int) -> List[Tuple[int, int, int]]:
+    """``(lo, hi, chunk length)``: the whole chunks of ``L`` tokens, then the ragged tail as
+    one chunk of its own length."""
+    pieces = [(0, (L // C) * C, C)] if L // C else []
+    if L % C:
+        pieces.append(((L // C) * C, L, L % C))
+    return pieces
+
+
+def chunk_offsets(compiled, gm, part: Dict[str, Tensor], scale: float, C: int) -> Tensor:
+    """``gm``, a ``merge_mode`` graph that reads no state (its offset part,
+    :func:`.analysis.offset_part`) and no caches, on chunks of ``C`` tokens of ``part``
+    (token tensors by input name, ``[B, L, H, *]``): the outputs every chunk gives from a
+    zero chunk-start state, ``[B, L, H, V]`` in the compute dtype."""
+    first = part[compiled.input_names[0]]
+    dtype = ck.compute_dtype(first)
+    L = first.shape[1]
+    out = []
+    for lo, hi, Cp in _pieces(L, C):
+        args = chunk_inputs(compiled, part, lo, hi, Cp, dtype)
+        args.update(scale=scale, state=None)
+        out.append(ck.from_chunks(_call(gm, compiled.merge.params, args), hi - lo))
+    return torch.cat(out, dim=1) if len(out) > 1 else out[0]
+
+
 def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: bool,
               chunk_size: Optional[int] = None, graphs=None) -> SegmentSummary:
     """The :class:`SegmentSummary` of one segment (see module docstring).
@@ -98,11 +123,7 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
     dtype = ck.compute_dtype(first)
     L = first.shape[1]
     C = chunk_size or compiled.chunk_size
-    pieces: List[Tuple[int, int, int]] = []
-    if L // C:
-        pieces.append((0, (L // C) * C, C))
-    if L % C:
-        pieces.append(((L // C) * C, L, L % C))
+    pieces = _pieces(L, C)
 
     args_list, Ms, bs = [], [], []
     for lo, hi, Cp in pieces:

@@ -70,23 +70,31 @@ def path_for(v, device: torch.device) -> str:
     on); the ``executor`` (the eager graphs) elsewhere."""
     if v.lowering is not None and use_kernels(device):
         return TEMPLATE
+    return unlowered_path(device)
+
+
+def unlowered_path(device: torch.device) -> str:
+    """The path of a call that takes no template: ``generated`` on CUDA (when compilation is
+    on), the ``executor`` elsewhere."""
     if device.type == "cuda" and compile_enabled() and \
             os.environ.get("FORGE_DIST_KERNELS", "auto") != "torch":
         return GENERATED
     return EXECUTOR
 
 
-def warn_once(v, device: torch.device, path: str) -> None:
+def warn_once(v, device: torch.device, path: str, why: str = "") -> None:
     """One ``UserWarning`` per variant when a CUDA call runs through anything but a
-    template: which path, why no template fits, and the change that would let it lower."""
+    template: which path, why no template fits (or ``why`` this call takes none), and the
+    change that would let it lower."""
     if device.type != "cuda" or path == TEMPLATE or getattr(v, "_warned_path", False):
         return
     v._warned_path = True
     how = ("Inductor-compiled graph executor (generated path)" if path == GENERATED else
            "eager PyTorch graph executor")
+    tail = (f"{why}." if why else
+            f"{v.lowering_reason}. To lower it: {v.lowering_hint}.")
     warnings.warn(f"dsl variant {v.name!r} runs on CUDA through the {how}, not a Triton "
-                  f"template: {v.lowering_reason}. To lower it: {v.lowering_hint}.",
-                  UserWarning, stacklevel=3)
+                  f"template: {tail}", UserWarning, stacklevel=3)
 
 
 def describe(v) -> str:

@@ -70,7 +70,7 @@ from ..ops import planned
 from ..ops.runner import needs_grad
 from ..variants import decay_attention, delta_rule, vector_state
 from ..variants.transitions import Kind
-from . import codegen
+from . import codegen, executor, generated
 from .placement import use_kernels
 from .trace import DSLError
 from .roles import (MAX_CANDIDATES, assignments, describe_roles, hint, is_delta_rule,
@@ -257,11 +257,12 @@ def _constant_candidates(v, template: str) -> List[Dict[str, object]]:
 
 
 def _first_match(v, template: str, candidates, mine, probes, fuse: bool, epilogue=None,
-                 constant: bool = False) -> Optional["Lowering"]:
+                 constant: bool = False, residual=None) -> Optional["Lowering"]:
     """The first role assignment of ``candidates`` (and scale mode) whose lowering equals
     the program on the probes, with its kernels; ``epilogue``: the map after the template
     (:class:`Epilogue`); ``constant``: the template's g read from the program (``None`` when the
-    program's decay is not a per-head constant)."""
+    program's decay is not a per-head constant); ``residual``: the variant's chunk-local
+    difference from the template, added to its outputs (:class:`Residual`)."""
     # the maps on each role's own inputs for every assignment first; then maps that may
     # borrow other roles' inputs (_dag)
     gms = [v.merge.gm, v.chunk.gm]
@@ -280,7 +281,8 @@ def _first_match(v, template: str, candidates, mine, probes, fuse: bool, epilogu
                              for r, dag in dags.items()}
             for mode in ("user", "one"):
                 low = Lowering(template, roles, prologues, texts, mode, epilogue=epilogue,
-                               reads=reads_by_role)
+                               reads=reads_by_role, residual=residual,
+                               chunk_size=v.chunk_size)
                 if constant:
                     low.constant_g = _ConstantDecay(v, template, low)
                     try:
@@ -431,6 +433,56 @@ def _op_text(n: fx.Node) -> str:
     return getattr(n.target, "__name__", n.name)
 
 
+# templates whose merge_mode reads only the inputs (no chunk caches): the residual form
+# needs their zero-state outputs as a graph of the inputs alone
+RESIDUAL_TEMPLATES = ("linear_attn", "simple_gla", "gla")
+
+
+class Residual:
+    """What a variant adds to a template's outputs inside each chunk: on chunks of ``C``
+    tokens from a zero chunk-start state, the variant's ``merge_mode`` on its inputs minus
+    the template's on the prologue outputs (their offset parts,
+    :func:`.analysis.offset_part`).  Where the variant's states, transitions and readout of
+    the incoming state are the template's (the validation checks the whole sum), the
+    variant's outputs are the template's plus this, for any chunking: so the template's
+    kernels carry the state and only chunk-local work is left (a strict mask inside the
+    chunk, a bonus for the current token).  It runs as PyTorch graphs, compiled by Inductor
+    on CUDA (:func:`.generated.compile_enabled`)."""
+
+    def __init__(self, v, template: str):
+        from .builtins import BUILTINS  # (builtins compiles variants, which lower: a cycle)
+
+        self.variant, self.template = v, BUILTINS[template]
+        self._compiled = None
+
+    def _difference(self, part, mapped, scale: float, template_scale: float, C: int):
+        return (executor.chunk_offsets(self.variant, self.variant.merge_offset, part, scale, C)
+                - executor.chunk_offsets(self.template, self.template.merge_offset, mapped,
+                                         template_scale, C))
+
+    def __call__(self, part: Dict[str, torch.Tensor], mapped: Dict[str, torch.Tensor],
+                 scale: float, template_scale: float, C: int) -> torch.Tensor:
+        """``[B, T, H, V]`` in the compute dtype: ``part`` the variant's token inputs by
+        name, ``mapped`` the template's by role."""
+        fn = self._difference
+        if part[self.variant.input_names[0]].is_cuda and generated.compile_enabled():
+            if self._compiled is None:
+                self._compiled = torch.compile(self._difference, dynamic=True)
+            fn = self._compiled
+        return fn(part, mapped, scale, template_scale, C)
+
+
+def _residual(v, template: str) -> Optional[Residual]:
+    """The residual form's parts, or ``None`` where it cannot apply: a template whose
+    merge reads caches, a variant whose merge does, or a merge with no offset graph."""
+    if template not in RESIDUAL_TEMPLATES or v.vector or v.merge_offset is None:
+        return None
+    if not set(v.merge.params) <= set(v.input_names) | {"state", "scale"}:
+        return None
+    res = Residual(v, template)
+    return res if res.template.merge_offset is not None else None
+
+
 @dataclass
 class Lowering:
     template: str  # kernels variant name
@@ -451,11 +503,26 @@ class Lowering:
     # role -> the inputs its prologue reads, in order: the role's own, then any it borrows
     # from other roles (:func:`_dag`)
     reads: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+    # the variant's outputs minus the template's inside each chunk, added to the template's
+    # (:class:`Residual`; the variant's own chunk size)
+    residual: Optional[Residual] = None
+    chunk_size: int = 32
 
-    def apply_epilogue(self, o: torch.Tensor, part: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """The variant's outputs from the template's ``o [B, T, H, V]``: the epilogue's map
-        of ``o`` and this rank's inputs ``part``, where there is one."""
+    def finish(self, o: torch.Tensor, part: Dict[str, torch.Tensor], scale: float,
+               chunk_size: Optional[int] = None) -> torch.Tensor:
+        """The variant's outputs from the template's ``o [B, T, H, V]`` on this rank's
+        inputs ``part`` (``scale``: the call's): plus the residual, then the epilogue's map,
+        where there are."""
+        if self.residual is not None:
+            s = scale if self.scale_mode == "user" else 1.0
+            r = self.residual(part, self.mapped(part), scale, s, chunk_size or self.chunk_size)
+            o = (o + r).to(o.dtype)
         return o if self.epilogue is None else self.epilogue.apply(o, part)
+
+    @property
+    def runs_after(self) -> bool:
+        """Whether anything runs after the template (a residual, an epilogue)."""
+        return self.residual is not None or self.epilogue is not None
 
     def reference_summary(self, part, scale: float, need_M: bool, chunk_size=None):
         """The template's PyTorch chunk form on the prologue outputs (what a part whose
@@ -482,6 +549,9 @@ class Lowering:
                f"; epilogue: {self.epilogue.text} ({self.epilogue.how()})")
         if self.constant_g is not None:
             epi += "; g: the program's per-head constant log decay, read once per head count"
+        if self.residual is not None:
+            epi += ("; plus a chunk-local residual (the variant's outputs from a zero "
+                    "chunk-start state minus the template's; PyTorch graphs, Inductor on CUDA)")
         return ((f"roles {renamed}; " if renamed else "") +
                 "prologue " + ("; ".join(maps) if maps else "none") + epi)
 
@@ -541,7 +611,7 @@ class Lowering:
                                       **common)
         if got is None:
             return None
-        return self.apply_epilogue(got[0], inputs), got[1]
+        return self.finish(got[0], inputs, scale), got[1]
 
 
 @dataclass
@@ -585,6 +655,11 @@ def lower(v, fuse: bool = False) -> Decision:
     low = _first_match(v, template, constant, mine, probes, fuse, constant=True)
     if low is not None:
         return Decision(low)
+    residual = _residual(v, template)
+    if residual is not None and forms[0][1]:
+        low = _first_match(v, template, forms[0][1], mine, probes, fuse, residual=residual)
+        if low is not None:
+            return Decision(low)
     if not tried:
         return Decision(None, reason, hint(v, template, reason))
     names = ", ".join(n for ns in tried[-1][0].values() for n in names_of(ns))
@@ -728,7 +803,7 @@ def _matches(mine, low: Lowering, probes) -> bool:
             theirs = _total(_reference(low.template, low.mapped(probes),
                                        0.7 if low.scale_mode == "user" else 1.0),
                             probes["__S0"])
-            theirs = (low.apply_epilogue(theirs[0], probes), theirs[1])
+            theirs = (low.finish(theirs[0], probes, 0.7, chunk_size=4), theirs[1])
     except Exception:  # noqa: BLE001 - any failure means "not this template"
         return False
     return all(a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=1e-12)

@@ -32,12 +32,17 @@ class Entry:
     name: str
     phases: Tuple[Callable, Callable, Callable]  # chunk_mode, decay_mode, merge_mode
     inputs: Dict[str, str]  # name -> trailing dim, in call order
-    path: str  # "template:<name>", "generated" or "refused"
+    # "template:<name>", "residual:<name>" (the template's kernels plus a chunk-local
+    # residual), "generated" or "refused"
+    path: str
     builtin: str  # nearest built-in op (linear_attn, simple_gla, gla, gated_delta_rule, hgrn)
     mapped: Callable  # token inputs -> the built-in's inputs (q, k, v[, g][, beta] / x, g)
     post: Optional[Callable] = None  # (o, token inputs, scale) -> the variant's o
     prepare: Dict[str, Callable] = field(default_factory=dict)  # raw randn -> realistic input
     state: str = "matrix"
+    # the variant's own fp64 token recurrence ``(x, h0, scale) -> (o, final state)`` where
+    # no built-in and ``post`` give it (``mapped`` then only feeds the benchmark's built-in)
+    ref: Optional[Callable] = None
 
     @functools.cached_property
     def variant(self) -> dsl.Variant:
@@ -73,6 +78,8 @@ class Entry:
 
     def reference(self, x, h0, scale):
         """fp64 token recurrence of the built-in on the mapped inputs (then ``post``)."""
+        if self.ref is not None:
+            return self.ref(x, h0, scale)
         m = self.mapped(x)
         kw = dict(initial_state=h0, output_final_state=True)
         if self.builtin == "hgrn":
@@ -285,9 +292,10 @@ SCALAR = [
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"])},
           post=lambda o, x, s: o + x["v"] * x["d"][..., None]),
     # a strictly causal readout (token t reads the state before its own key, decayed to t):
-    # inside the intra-chunk product, so no template and no epilogue fits; generated path
+    # inside the intra-chunk product, so no template and no epilogue fits; the template's
+    # kernels carry the state and a chunk-local residual the difference
     Entry("strict_readout", (_sg_a_chunk, _sg_a_decay, _strict_merge), {**QKV, "a": ""},
-          "generated", "simple_gla",
+          "residual:simple_gla", "simple_gla",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"])},
           post=lambda o, x, s: o - s * (x["q"] * x["k"]).sum(-1, keepdim=True) * x["v"]),
     Entry("input_gate", (_ingate_chunk, _sg_a_decay, _ingate_merge), {**QKV, "a": "", "i": ""},
@@ -393,6 +401,27 @@ def _gdn_merge(state, q, k, a, u, w, scale):
     return _gdn_out(state, q, k, F.logsigmoid(a).cumsum(-1), u, w, scale)
 
 
+def _gdn_strict_merge(state, q, k, a, u, w, scale):  # before each token's own update
+    G = F.logsigmoid(a).cumsum(-1)
+    A = (q @ T(k)) * segsum_exp(G, strict=True)
+    return scale * (A @ (u - w @ state) + (q * G.exp()[..., None]) @ state)
+
+
+def _gdn_strict_ref(x, h0, scale):
+    """fp64 token recurrence: ``S <- a_t S``; ``o_t = scale q_t^T S``; then the delta
+    update ``S <- S + beta_t k_t (v_t - S^T k_t)^T``."""
+    q, k, v = (x[n].double() for n in "qkv")
+    a, beta = torch.sigmoid(x["a"].double()), torch.sigmoid(x["b"].double())
+    S = h0.double().clone()
+    o = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        S = S * a[:, t, :, None, None]
+        o[:, t] = scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+        err = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        S = S + beta[:, t, :, None, None] * k[:, t, :, :, None] * err[:, :, None, :]
+    return o, S
+
+
 def _gdn_outgate_merge(state, q, k, a, z, u, w, scale):
     return _gdn_out(state, q, k, F.logsigmoid(a).cumsum(-1), u, w, scale) * torch.sigmoid(z)
 
@@ -437,6 +466,13 @@ DELTA = [
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"]),
                      "beta": torch.sigmoid(x["b"])},
           post=lambda o, x, s: o * torch.sigmoid(x["z"]), prepare={"k": unit}),
+    # the delta rule read before each token's own update: its merge reads the WY caches, so
+    # no residual form either; the generated path
+    Entry("gated_delta_strict_readout", (_gdn_chunk, _gdn_decay, _gdn_strict_merge),
+          {**QKV, "a": "", "b": ""}, "generated", "gated_delta_rule",
+          lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"]),
+                     "beta": torch.sigmoid(x["b"])}, prepare={"k": unit},
+          ref=_gdn_strict_ref),
 ]
 
 

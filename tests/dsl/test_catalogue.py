@@ -24,7 +24,7 @@ CHUNK = 4  # small chunks: several per rank and a ragged tail at these lengths
 def test_catalogue_size_and_kinds():
     assert len(CATALOGUE) >= 20
     paths = [e.path for e in CATALOGUE.values()]
-    assert {"generated", "refused"} <= set(paths)
+    assert {"generated", "refused", "residual:simple_gla"} <= set(paths)
     assert {p for p in paths if p.startswith("template:")} == {
         "template:linear_attn", "template:simple_gla", "template:gla",
         "template:gated_delta_rule", "template:hgrn"}
@@ -40,10 +40,12 @@ def test_describe_reports_the_expected_path(name):
     v = entry.variant
     text = v.describe()
     cuda = torch.device("cuda")
-    if entry.path.startswith("template:"):
-        template = entry.path.split(":")[1]
+    if entry.path.startswith(("template:", "residual:")):
+        form, template = entry.path.split(":")
         assert v.lowering is not None and v.lowering.template == template, v.lowering_reason
         assert f"Triton template {template!r} on CUDA" in text
+        assert (v.lowering.residual is not None) == (form == "residual")
+        assert ("chunk-local residual" in text) == (form == "residual")
         assert v.path(cuda) == "template"
     else:
         assert v.lowering is None and v.lowering_reason and v.lowering_hint
@@ -90,7 +92,7 @@ WORLD3 = RUNNABLE if os.environ.get("FORGE_DIST_TEST_FULL_CATALOGUE") == "1" els
     "output_gate",
     "retnet_head_decay", "gla_gate_gk", "gla_output_gate", "gated_delta_a_b", "deltanet_lr",
     "gated_delta_output_gate", "hgrn_u_f", "rg_lru", "hgrn_softmax_gate", "mamba2_d_skip",
-    "strict_readout"]
+    "strict_readout", "gated_delta_strict_readout"]
 
 
 def _world3_rows(group, names):
@@ -173,11 +175,11 @@ def test_compiled_graphs_are_torch_compile_of_the_traced_ones(monkeypatch):
 
 def test_warns_once_per_variant_off_the_templates(monkeypatch):
     cuda = torch.device("cuda")
-    v = CATALOGUE["strict_readout"].variant
+    v = CATALOGUE["gated_delta_strict_readout"].variant
     v._warned_path = False
-    with pytest.warns(UserWarning, match=r"'strict_readout' runs on CUDA through the "
-                                         r"Inductor-compiled .*translation validation failed"
-                                         r".*To lower it: ") as record:
+    with pytest.warns(UserWarning, match=r"'gated_delta_strict_readout' runs on CUDA "
+                                         r"through the Inductor-compiled .*translation "
+                                         r"validation failed.*To lower it: ") as record:
         generated.warn_once(v, cuda, v.path(cuda))
         generated.warn_once(v, cuda, v.path(cuda))
     assert len(record) == 1
@@ -194,7 +196,7 @@ def test_warns_once_per_variant_off_the_templates(monkeypatch):
 @pytest.mark.parametrize("name", ["relu_pow2", "gla_gate_gk", "gated_delta_a_b", "hgrn_u_f",
                                   "second_decay", "gla_output_gate", "rg_lru",
                                   "hgrn_softmax_gate", "mamba2_d_skip", "strict_readout",
-                                  "input_gate"])
+                                  "gated_delta_strict_readout", "input_gate"])
 def test_catalogue_on_cuda(name):
     """On CUDA: template entries through their Triton kernels, the others through the
     Inductor-compiled generated path (with its one warning), fp32 against fp64, forward and
@@ -312,12 +314,13 @@ def _template_rows(group, names):
 
 def test_shared_roles_and_epilogues_run_their_template_across_ranks():
     """second_decay (a shared decay), input_gate (a broadcast input gate), the output
-    gates and Mamba2's skip term (epilogues) and RetNet's constant decay on two ranks
-    through the template's Triton kernels."""
+    gates and Mamba2's skip term (epilogues), RetNet's constant decay and a strict readout
+    (a chunk-local residual) on two ranks through the template's Triton kernels."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
     names = ["second_decay", "input_gate", "output_gate", "gla_output_gate",
-             "gated_delta_output_gate", "retnet_head_decay", "mamba2_d_skip"]
+             "gated_delta_output_gate", "retnet_head_decay", "mamba2_d_skip",
+             "strict_readout"]
     rows = run_world(2, _template_rows, names, env={"FORGE_DIST_DSL_TRITON": "1",
                                                     "FORGE_DIST_TIMEOUT": "120"})
     for n in names:

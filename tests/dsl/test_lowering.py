@@ -71,9 +71,23 @@ def test_dense_and_vector_programs_that_are_not_the_template_are_not_lowered():
 
 
 def test_not_the_template_is_not_lowered():
-    """Same kind and inputs as simple_gla, but each token reads the state before its own
-    key (a strict mask inside the intra-chunk product): validation must refuse, and no
-    epilogue can be split off (the difference is inside the template's part)."""
+    """The delta rule read before each token's own update (a strict mask inside the chunk):
+    no template, no epilogue, and no residual form (its merge reads the WY caches)."""
+    def merge(state, q, k, g, u, w, scale):
+        G = g.cumsum(-1)
+        A = (q @ k.transpose(-1, -2)) * dsl.helpers.segsum_exp(G, strict=True)
+        return scale * (A @ (u - w @ state) + (q * G.exp()[..., None]) @ state)
+    v = dsl.variant("strict_gdn", chunk_mode=builtins._gdn_chunk,
+                    decay_mode=builtins._gdn_decay, merge_mode=merge,
+                    inputs=("q", "k", "v", "g", "beta"))
+    assert v.kind.value == "dense"
+    assert v.lowering is None and "validation failed" in v.lowering_reason
+
+
+def test_a_strict_readout_lowers_with_a_residual():
+    """Same states and readout as simple_gla, but each token reads the state before its own
+    key: the template's kernels carry the state, and a chunk-local residual (the program's
+    outputs from a zero chunk-start state minus the template's) adds the difference."""
     def merge(state, q, k, v, g, scale):
         G = g.cumsum(-1)
         o = ((q @ k.transpose(-1, -2)) * dsl.helpers.segsum_exp(G, strict=True)) @ v + \
@@ -81,8 +95,9 @@ def test_not_the_template_is_not_lowered():
         return scale * o
     v = dsl.variant("strict", chunk_mode=builtins._sg_chunk, decay_mode=builtins._sg_decay,
                     merge_mode=merge, inputs=("q", "k", "v", "g"))
-    assert v.kind.value == "scalar"
-    assert v.lowering is None and "validation failed" in v.lowering_reason
+    low = v.lowering
+    assert low is not None and low.template == "simple_gla" and low.residual is not None
+    assert low.epilogue is None and "chunk-local residual" in v.describe()
 
 
 def test_a_gate_on_an_input_the_template_reads_is_an_epilogue():
@@ -130,6 +145,7 @@ LOWERED_ENTRIES = {
     "identity_epilogue": ("output_gate_linear",
                           lambda low: low.epilogue.reads == ("z",)
                           and low.epilogue.how() == "PyTorch"),
+    "residual": ("strict_readout", lambda low: low.residual is not None),
     "additive_epilogue": ("mamba2_d_skip",
                           lambda low: (low.epilogue.reads, low.epilogue.only) == (("v", "d"),
                                                                                   ("d",))
@@ -235,6 +251,32 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
     for a, b in [(o, o_r), (s, s_r)] + [(x.grad, y.grad) for x, y in zip(leaves, mref)]:
         err = ((a.double() - b).norm() / b.norm()).item()
         assert err < 1e-4, err
+
+
+def test_a_residual_with_packed_sequences_takes_the_unlowered_path(triton_on_cpu):
+    """With ``cu_seqlens`` a residual's chunks would straddle the sequences' starts, so the
+    call runs the program itself (the executor on the CPU): each packed sequence equals the
+    same variant on that sequence alone (through the template and its residual)."""
+    from tests.dsl.catalogue import CATALOGUE
+
+    entry = CATALOGUE["strict_readout"]
+    x, _ = entry.problem(26, K=16, V=16, seed=5)
+    x = {n: t.float() for n, t in x.items()}
+    cu = torch.tensor([0, 11, 26])
+    seen = []
+    real = entry.variant.lowering.residual.__class__.__call__
+    entry.variant.lowering.residual.__class__.__call__ = \
+        lambda self, *a: seen.append(1) or real(self, *a)
+    try:
+        o, _ = entry.variant(**x, cu_seqlens=cu)
+        assert not seen  # the packed call ran no residual
+        parts = [entry.variant(**{n: t[:, lo:hi] for n, t in x.items()})[0]
+                 for lo, hi in ((0, 11), (11, 26))]
+        assert len(seen) == 2  # each sequence alone: the template and its residual
+    finally:
+        entry.variant.lowering.residual.__class__.__call__ = real
+    want = torch.cat(parts, dim=1)
+    assert ((o - want).norm() / want.norm()).item() < 1e-5
 
 
 def test_gate_and_skip_term_in_one_epilogue(triton_on_cpu):

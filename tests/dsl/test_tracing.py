@@ -178,3 +178,32 @@ def test_cross_checks_arguments():
         library.retnet(q, q, torch.randn(1, 9, 2, 3))
     with pytest.raises(TypeError, match="missing input"):
         library.retnet(q, q)
+
+
+@pytest.mark.parametrize("name", ["linear_attn", "simple_gla", "gla", "gated_delta_rule"])
+def test_merge_offset_is_the_merge_at_a_zero_state(name):
+    """``merge_offset`` (the merge with its state-dependent terms dropped, the state unused)
+    equals ``merge_mode`` at a zero state, with the offsets that pass through later ops
+    (``scale * (intra + q @ S)``) kept."""
+    from forge_dist.dsl import builtins
+
+    v = builtins.BUILTINS[name]
+    gen = torch.Generator().manual_seed(0)
+    B, H, NT, C, K, V = 1, 2, 3, 4, 5, 6
+    dims = {"q": K, "k": K, "v": V, "u": V, "w": K, "g": K if name == "gla" else None}
+    args = {p: torch.randn(B, H, NT, C, *((dims[p],) if dims.get(p) else ()), generator=gen,
+                           dtype=torch.float64) for p in v.merge.params if p in dims}
+    args["scale"] = 0.3
+    zero = dict(args, state=torch.zeros(B, H, NT, K, V, dtype=torch.float64))
+    want = v.merge.gm(*[zero[p] for p in v.merge.params])
+    got = v.merge_offset(*[dict(args, state=None)[p] for p in v.merge.params])
+    assert want.abs().max() > 0.1 and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_merge_offset_of_a_bare_number_is_none():
+    def merge(state, q, k, v, scale):
+        return scale * (q @ state) + 1.0
+    v = dsl.variant("offset_number", chunk_mode=lambda k, v: k.transpose(-1, -2) @ v,
+                    decay_mode=lambda state, chunk_state: state + chunk_state,
+                    merge_mode=merge, inputs=("q", "k", "v"), lower=False)
+    assert v.merge_offset is None
