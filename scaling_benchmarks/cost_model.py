@@ -41,8 +41,11 @@ Calibration (``--calibrate FILES``, results files of weak_scaling.py and state_p
 ``m_extra`` from rank 0's local phase minus the ideal's (rank 0 never waits); the argument
 check from ``check_ms``; link parameters by least squares ``us = a + bytes / bw`` over the
 state-pass-alone rows per strategy (one state size fixes the bandwidth at the default
-latency); ``tile_host_us`` from pipelined rows; forge's ``overlap_frac`` and FLA's extra local
-work from their op rows.  A 2-GPU chain that is fully hidden only bounds ``overlap_frac`` from
+latency); ``tile_host_us`` from pipelined rows; what a further hop of forge's chain and a
+further round of scan cost beyond their modelled put and combine (``hop_skew_us``,
+``round_skew_us``: the waiting program's latency and the ranks' skew) from the growth of
+their op rows between 2 and more ranks, each row over its own file's shard time; forge's
+``overlap_frac`` and FLA's extra local work from their op rows.  A 2-GPU chain that is fully hidden only bounds ``overlap_frac`` from
 below; the fit then takes the smallest value consistent with the data (conservative).  Inter-node (IB) parameters cannot be calibrated from one node and
 keep their documented defaults.
 
@@ -110,7 +113,10 @@ DEFAULTS: Dict[str, Any] = {
     # InfiniBand NDR, one 400 Gb/s NIC per GPU: assumed, not measured here.
     "ib": {"p2p_latency_us": 12.0, "p2p_GBps": 40.0, "coll_latency_us": 15.0,
            "coll_GBps": 40.0, "dev_latency_us": 15.0, "dev_GBps": 35.0},
-    "forge": {"tile_kib": 16.0, "overlap_frac": 0.0, "design_overlap_frac": 0.5},
+    # hop_skew_us / round_skew_us: what each of forge's hops / scan's and hier's rounds
+    # after the first costs beyond its put and combine (configs/cost_model.toml)
+    "forge": {"tile_kib": 16.0, "overlap_frac": 0.0, "design_overlap_frac": 0.5,
+              "hop_skew_us": 0.0, "round_skew_us": 0.0},
     # auto's time at the largest P over its time at P = 2 that counts as flat (the
     # scaling issue: 1.15 at B=1 and 16K tokens per GPU, 1.05 at B=4 and 32K)
     "flat_target": 1.15,
@@ -199,14 +205,15 @@ class Model:
             payload = S + (Mb if direction == "fwd" else 0.0)
             return self.allgather_us(P, payload) + (P - 1) * comb
         if strategy == "forge":
-            return self._tile_stream_us(hops, S, comb)
+            return self._tile_stream_us(hops, S, comb, self.p["forge"]["hop_skew_us"])
         if strategy in ("scan", "hier"):
             # A round composes whole summaries (M with the state, unless M is the identity)
             # and keeps two (the exclusive prefix and the inclusive one it sends on): twice a
             # chain combine, plus M's own product for dense transitions.
             B, H, K, V = self.dims(op)
             comb2 = 2 * comb * (1.0 + (K / V if KIND[op] == "dense" else 0.0))
-            return self._tile_stream_us(self.rounds(strategy, P), S + Mb, comb2)
+            return self._tile_stream_us(self.rounds(strategy, P), S + Mb, comb2,
+                                        self.p["forge"]["round_skew_us"])
         raise ValueError(f"unknown strategy {strategy!r}")
 
     def rounds(self, strategy: str, P: int) -> List[Dict[str, float]]:
@@ -227,10 +234,12 @@ class Model:
         return inside + [ib] * math.ceil(math.log2(math.ceil(P / G))) + [nv]
 
     def _tile_stream_us(self, links: List[Dict[str, float]], nbytes: float,
-                        comb: float) -> float:
+                        comb: float, skew: float = 0.0) -> float:
         """``nbytes`` cut into tiles that flow through ``links`` one after another, each
         link's step a GPU-initiated put and the tile's share of ``comb`` (tiles cut through:
-        the latencies add up, the bytes cross the slowest link once)."""
+        the latencies add up, the bytes cross the slowest link once), plus ``skew`` for each
+        step after the first (what a further step costs beyond that: calibrated on the
+        growth from 2 ranks, whose one step the overlap fit already covers)."""
         if not links:
             return 0.0
         hw = self.p["hardware"]
@@ -242,7 +251,12 @@ class Model:
         return (hw["kernel_launch_us"]
                 + sum(h["dev_latency_us"] + tile / (h["dev_GBps"] * 1e3) + tile_comb
                       for h in links)
+                + skew * (len(links) - 1)
                 + (nbytes - tile) / (slowest * 1e3))
+
+    def steps(self, strategy: str, P: int) -> int:
+        """The hops (forge) or rounds (scan, hier) the last rank's incoming state waits for."""
+        return P - 1 if strategy == "forge" else len(self.rounds(strategy, P))
 
     # -- compute (milliseconds) ----------------------------------------------------------
     def ideal_ms(self, op: str, pass_: str, impl: str = "forge_dist") -> float:
@@ -400,6 +414,54 @@ def _state_points(results: List[Dict[str, Any]]):
     return out
 
 
+def _overheads(results: List[Dict[str, Any]], strategy: str = "forge"
+               ) -> Dict[Tuple[str, str], Dict[int, List[float]]]:
+    """``{(op, pass): {P: [ms over the same file's shard, ...]}}`` of ``strategy``'s op rows."""
+    out: Dict[Tuple[str, str], Dict[int, List[float]]] = {}
+    for res in results:
+        rows = res["rows"]
+        for r in rows:
+            if r.get("measure") != "op" or r.get("strategy") != strategy \
+                    or r.get("impl") != "forge_dist" or "ms" not in r:
+                continue
+            ideal = [x["ms"] for x in rows if x.get("measure") == "ideal"
+                     and x.get("op") == r["op"] and x.get("pass") == r["pass"]
+                     and x.get("impl") == "forge_dist" and "ms" in x]
+            if ideal:
+                out.setdefault((r["op"], r["pass"]), {}).setdefault(
+                    int(r["world_size"]), []).append(r["ms"] - _median(ideal))
+    return out
+
+
+def _step_skews(model: "Model", results: List[Dict[str, Any]], strategy: str) -> List[float]:
+    """Per op and pass with ``strategy``'s rows at 2 ranks and at ``P > 2`` (within one
+    node): the overhead's growth per extra step (a hop of the chain, a round of scan),
+    less the modelled steps' puts and combines, ``[(over(P) - over(2)) - (chain(P) -
+    chain(2))] / (steps(P) - steps(2))`` (twice as many steps for ``fwdbwd``: the forward
+    and the reverse pass)."""
+    out = []
+    G = int(model.p["gpus_per_node"])
+    bare = copy.deepcopy(model.p)
+    bare["forge"]["hop_skew_us"] = bare["forge"]["round_skew_us"] = 0.0
+    bare = Model(bare)
+
+    def chain(op, pass_, P):
+        us = bare.chain_us(strategy, op, P, "fwd")
+        return us + (bare.chain_us(strategy, op, P, "bwd") if pass_ == "fwdbwd" else 0.0)
+
+    for (op, pass_), by_p in _overheads(results, strategy).items():
+        if 2 not in by_p:
+            continue
+        base = _median(by_p[2])
+        passes = 2 if pass_ == "fwdbwd" else 1
+        for P, overs in by_p.items():
+            extra = bare.steps(strategy, P) - bare.steps(strategy, 2)
+            if 2 < P <= G and extra > 0:
+                grown = (_median(overs) - base) * 1e3 - (chain(op, pass_, P) - chain(op, pass_, 2))
+                out.append(grown / (extra * passes))
+    return out
+
+
 def calibrate(params: Dict[str, Any], results: List[Dict[str, Any]]
               ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Parameters fitted to measured results; returns ``(params, what was fitted from what)``."""
@@ -498,7 +560,16 @@ def calibrate(params: Dict[str, Any], results: List[Dict[str, Any]]
         host["tile_host_us"] = max(0.0, _median(pip))
         fitted["host.tile_host_us"] = f"pipelined state-pass rows ({len(pip)})"
 
-    # 4. forge's overlap and FLA's extra work, from their op rows (P = 2)
+    # 4. what a hop or a round costs beyond its put, from op rows at 2 and at more ranks
+    # (each over its own file's shard time: the files may come from different machines)
+    for strategy, key in (("forge", "hop_skew_us"), ("scan", "round_skew_us")):
+        skews = _step_skews(Model(p), ws, strategy)
+        if skews:
+            p["forge"][key] = max(0.0, _median(skews))
+            fitted[f"forge.{key}"] = (f"{strategy} op rows at 2 and more ranks "
+                                      f"({len(skews)} increments, each over its file's shard)")
+
+    # 5. forge's overlap and FLA's extra work, from their op rows (P = 2)
     model = Model(p)
     ov = []
     for r in dist_rows:

@@ -193,6 +193,44 @@ def test_calibration_recovers_parameters_from_synthetic_data():
     assert max(abs(v["rel_err"]) for v in doc["validation"]) < 1e-6
 
 
+def test_calibration_recovers_the_cost_of_further_hops_and_rounds():
+    """forge and scan rows at 2 ranks in one file and at 4 in another, from a machine whose
+    shard is 0.05 ms slower: the skews of a further hop and round come back, each file's
+    rows taken over its own shard."""
+    truth = _truth()
+    truth["forge"].update(hop_skew_us=40.0, round_skew_us=90.0)
+    m = cm.Model(truth)
+    files = []
+    for P, shift in ((2, 0.0), (4, 0.05)):
+        rows = []
+        for op in ("simple_gla", "gated_delta_rule"):
+            for ps in cm.PASSES:
+                ideal = truth["ideal_ms"][op][ps] + shift
+                rows.append({"op": op, "pass": ps, "impl": "forge_dist", "strategy": "ideal",
+                             "world_size": 1, "measure": "ideal", "ms": ideal})
+                for s in ("forge", "scan"):
+                    rows.append({"op": op, "pass": ps, "impl": "forge_dist", "strategy": s,
+                                 "world_size": P, "measure": "op",
+                                 "ms": m.predict(op, s, ps, P)["ms"] + shift})
+        files.append({"benchmark": "weak_scaling", "device": "synthetic",
+                      "config": dict(truth["workload"]), "rows": rows})
+    start = copy.deepcopy(truth)  # the links as the truth has them: the skew is the rest
+    start["forge"].update(hop_skew_us=0.0, round_skew_us=0.0)
+    fitted_p, fitted = cm.calibrate(start, files)
+    assert fitted_p["forge"]["hop_skew_us"] == pytest.approx(40.0, rel=1e-6)
+    assert fitted_p["forge"]["round_skew_us"] == pytest.approx(90.0, rel=1e-6)
+    assert "each over its file's shard" in fitted["forge.hop_skew_us"]
+    # the first hop carries no skew: 2 ranks predict the same with or without it
+    bare = cm.Model(params())
+    skewed = cm.Model(params(forge__hop_skew_us=40.0, forge__round_skew_us=90.0))
+    for s in ("forge", "scan"):
+        assert skewed.chain_us(s, "simple_gla", 2) == bare.chain_us(s, "simple_gla", 2)
+    assert skewed.chain_us("forge", "simple_gla", 5) == pytest.approx(
+        bare.chain_us("forge", "simple_gla", 5) + 3 * 40.0)
+    assert skewed.chain_us("scan", "simple_gla", 8) == pytest.approx(
+        bare.chain_us("scan", "simple_gla", 8) + 2 * 90.0)
+
+
 def test_fully_hidden_chain_gives_the_smallest_consistent_overlap():
     truth = _truth()
     truth["forge"]["overlap_frac"] = 0.5  # the 2-GPU chain disappears entirely
