@@ -113,8 +113,9 @@ DEFAULTS: Dict[str, Any] = {
     # InfiniBand NDR, one 400 Gb/s NIC per GPU: assumed, not measured here.
     "ib": {"p2p_latency_us": 12.0, "p2p_GBps": 40.0, "coll_latency_us": 15.0,
            "coll_GBps": 40.0, "dev_latency_us": 15.0, "dev_GBps": 35.0},
-    # hop_skew_us / round_skew_us: what each of forge's hops / scan's and hier's rounds
-    # after the first costs beyond its put and combine (configs/cost_model.toml)
+    # hop_skew_us / round_skew_us: what each hop of a chain (forge's, and the host-driven
+    # serial and pipelined) / each round of scan and hier after the first costs beyond its
+    # transfer and combine (configs/cost_model.toml)
     "forge": {"tile_kib": 16.0, "overlap_frac": 0.0, "design_overlap_frac": 0.5,
               "hop_skew_us": 0.0, "round_skew_us": 0.0},
     # auto's time at the largest P over its time at P = 2 that counts as flat (the
@@ -193,14 +194,17 @@ class Model:
         comb = self.combine_us(op)
         host = self.p["host"]
         hops = self.hops(P)
+        # every chain's hop after the first also waits on the previous rank's program and skew
+        # (forge's rows calibrate it; host-driven chains pay it too)
+        skew = self.p["forge"]["hop_skew_us"] * (P - 2)
         if strategy == "serial":
             return sum(host["launch_us"] + h["p2p_latency_us"] + S / (h["p2p_GBps"] * 1e3)
-                       for h in hops) + (P - 1) * comb
+                       for h in hops) + (P - 1) * comb + skew
         if strategy == "pipelined":
             n = max(1, int(host["pipeline_tiles"]))
             stages = [host["tile_host_us"] + h["p2p_latency_us"] + S / n / (h["p2p_GBps"] * 1e3)
                       + comb / n for h in hops]
-            return sum(stages) + (n - 1) * max(stages)
+            return sum(stages) + (n - 1) * max(stages) + skew
         if strategy in ("lasp2", "fla_cp"):
             payload = S + (Mb if direction == "fwd" else 0.0)
             return self.allgather_us(P, payload) + (P - 1) * comb

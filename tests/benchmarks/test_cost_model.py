@@ -225,8 +225,9 @@ def test_calibration_recovers_the_cost_of_further_hops_and_rounds():
     skewed = cm.Model(params(forge__hop_skew_us=40.0, forge__round_skew_us=90.0))
     for s in ("forge", "scan"):
         assert skewed.chain_us(s, "simple_gla", 2) == bare.chain_us(s, "simple_gla", 2)
-    assert skewed.chain_us("forge", "simple_gla", 5) == pytest.approx(
-        bare.chain_us("forge", "simple_gla", 5) + 3 * 40.0)
+    for s in ("forge", "serial", "pipelined"):  # every chain's hop pays it
+        assert skewed.chain_us(s, "simple_gla", 5) == pytest.approx(
+            bare.chain_us(s, "simple_gla", 5) + 3 * 40.0)
     assert skewed.chain_us("scan", "simple_gla", 8) == pytest.approx(
         bare.chain_us("scan", "simple_gla", 8) + 2 * 90.0)
 
