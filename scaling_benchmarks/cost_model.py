@@ -626,6 +626,7 @@ def validate(model: Model, results: List[Dict[str, Any]], fitted: Dict[str, Any]
                 else:
                     pred = model.predict(r["op"], strat, r["pass"], P)["ms"]
                     basis = "fit" if (strat == "forge" and "forge.overlap_frac" in fitted) \
+                        or (strat == "scan" and P > 2 and "forge.round_skew_us" in fitted) \
                         or strat == "fla_cp" else "composition"
                 out.append({"what": "op" if r["measure"] == "op" else "ideal", "op": r["op"],
                             "pass": r["pass"], "impl": r["impl"], "strategy": r["strategy"],
