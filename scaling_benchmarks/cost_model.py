@@ -117,7 +117,7 @@ DEFAULTS: Dict[str, Any] = {
     # serial and pipelined) / each round of scan and hier after the first costs beyond its
     # transfer and combine (configs/cost_model.toml)
     "forge": {"tile_kib": 16.0, "overlap_frac": 0.0, "design_overlap_frac": 0.5,
-              "hop_skew_us": 0.0, "round_skew_us": 0.0},
+              "hop_skew_us": 43.3, "round_skew_us": 95.4},
     # auto's time at the largest P over its time at P = 2 that counts as flat (the
     # scaling issue: 1.15 at B=1 and 16K tokens per GPU, 1.05 at B=4 and 32K)
     "flat_target": 1.15,

@@ -450,7 +450,7 @@ class Residual:
     on CUDA (:func:`.generated.compile_enabled`)."""
 
     def __init__(self, v, template: str):
-        from .builtins import BUILTINS  # (builtins compiles variants, which lower: a cycle)
+        from .builtins import BUILTINS  # lazy: builtins compiles variants, which lower
 
         self.variant, self.template = v, BUILTINS[template]
         self._compiled = None

@@ -13,10 +13,12 @@ up, the bytes cross the slowest link once.
 * ``hier``: ``ceil(log2 L)`` rounds in the node, ``ceil(log2 N)`` across, one back in.
 
 A log-depth round composes whole summaries (the state and its transition), twice a chain's
-combine, plus the ``K x K`` product per head for dense transitions.  The link parameters are
-the cost model's defaults (``configs/cost_model.toml``; a test keeps the two equal): the
-in-node ones measured on 2 x H200 (an NVSHMEM put of 8 MiB in 29.5 us), the network's
-assumed for InfiniBand NDR (one 400 Gb/s NIC per GPU), not measured here.
+combine, plus the ``K x K`` product per head for dense transitions.  Every hop or round
+after the first also waits for its partner's program (the ranks' skew), which the 4-rank
+runs measured at about 43 us a hop and 95 us a round.  The parameters are the cost model's
+defaults (``configs/cost_model.toml``; a test keeps the two equal): the in-node ones
+measured on 2 and 4 x H200 (an NVSHMEM put of 8 MiB in 29.5 us), the network's assumed for
+InfiniBand NDR (one 400 Gb/s NIC per GPU), not measured here.
 """
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ FP32_TFLOPS = 50.0      # dense transitions' products (hardware.fp32_tflops)
 KERNEL_LAUNCH_US = 5.0  # (hardware.kernel_launch_us)
 N_SMS = 132             # tiles combined in parallel (hardware.n_sms)
 TILE_BYTES = 16 * 1024  # forge's tile (forge.tile_kib)
+# what each hop of the chain / each round of scan and hier after the first costs beyond its
+# put and combine: the waiting program's latency and the ranks' skew, fitted on the growth
+# from 2 to 4 x H200 (forge.hop_skew_us, forge.round_skew_us)
+HOP_SKEW_US = 43.3
+ROUND_SKEW_US = 95.4
 
 PASSES = ("forge", "scan", "hier")
 
@@ -94,8 +101,10 @@ def pass_us(strategy: str, layout: Sequence[Sequence[int]], kind: Kind, B: int, 
     n_tiles = max(1.0, nbytes / tile)
     tile_comb = (comb - KERNEL_LAUNCH_US) * min(n_tiles, N_SMS) / n_tiles
     slowest = min(link.GBps for link in links)
+    skew = HOP_SKEW_US if strategy == "forge" else ROUND_SKEW_US
     return (KERNEL_LAUNCH_US
             + sum(link.latency_us + tile / (link.GBps * 1e3) + tile_comb for link in links)
+            + skew * (len(links) - 1)
             + (nbytes - tile) / (slowest * 1e3))
 
 

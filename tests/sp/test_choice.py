@@ -32,20 +32,33 @@ def test_routes_count_the_links_each_pass_crosses():
 
 
 @pytest.mark.parametrize("kind", list(Kind))
-def test_the_chain_on_a_node_the_log_depth_passes_across_many(kind):
+@pytest.mark.parametrize("state", [B1, B4])
+def test_the_chain_up_to_four_ranks_a_log_depth_pass_beyond(kind, state):
+    # every further hop or round waits for its partner (the measured skews): the chain's
+    # 3 hops still beat scan's 2 rounds at 4 ranks, its 7 hops lose to 3 rounds at 8
     for P in (2, 4):
-        assert choice.pick(_nodes(P, 8), kind, *B1)[0] == "forge"
-    for P in (64, 1024):
-        best, times = choice.pick(_nodes(P, 8), kind, *B1)
-        assert best == "hier", times
+        assert choice.pick(_nodes(P, 8), kind, *state)[0] == "forge"
+    for P in (8, 64, 1024):
+        best, times = choice.pick(_nodes(P, 8), kind, *state)
+        assert best == "scan", times
         # the chain grows with P, the pick with log P
-        assert times["forge"] > 1.4 * times["hier"]
+        assert times["forge"] > (1.0 if P == 8 else 1.4) * times["scan"]
+    # across nodes scan's 10 rounds beat hier's 11 (3 in the node, 7 across, 1 back): a
+    # further round costs more than what hier's NVLink rounds save
+    times = choice.pick(_nodes(1024, 8), kind, *state)[1]
+    assert times["scan"] < times["hier"]
 
 
-def test_a_bigger_state_moves_the_crossover_earlier_on_a_node():
-    # B=4: four times the bytes per hop; the log-depth rounds win inside an 8-GPU node
+def test_with_puts_alone_a_bigger_state_moves_the_crossover_and_hier_wins_across_nodes(
+        monkeypatch):
+    # the model without the measured skews: B=4 (four times the bytes per hop) takes the
+    # log-depth rounds inside an 8-GPU node where B=1 keeps the chain; across nodes hier's
+    # NVLink rounds beat scan's InfiniBand ones
+    monkeypatch.setattr(choice, "HOP_SKEW_US", 0.0)
+    monkeypatch.setattr(choice, "ROUND_SKEW_US", 0.0)
     assert choice.pick(_nodes(8, 8), Kind.SCALAR, *B4)[0] == "scan"
     assert choice.pick(_nodes(8, 8), Kind.SCALAR, *B1)[0] == "forge"
+    assert choice.pick(_nodes(1024, 8), Kind.SCALAR, *B1)[0] == "hier"
 
 
 def test_link_parameters_are_the_cost_models():
@@ -60,6 +73,8 @@ def test_link_parameters_are_the_cost_models():
     assert (choice.HBM_GBPS, choice.FP32_TFLOPS, choice.KERNEL_LAUNCH_US, choice.N_SMS) == \
         (hw["hbm_GBps"], hw["fp32_tflops"], hw["kernel_launch_us"], hw["n_sms"])
     assert choice.TILE_BYTES == DEFAULTS["forge"]["tile_kib"] * 1024
+    assert (choice.HOP_SKEW_US, choice.ROUND_SKEW_US) == \
+        (DEFAULTS["forge"]["hop_skew_us"], DEFAULTS["forge"]["round_skew_us"])
 
 
 def _auto(group):
@@ -74,12 +89,17 @@ def _auto(group):
     os.environ["FORGE_DIST_NODE"] = str(dist.get_rank(group))  # one rank per node
     layout.forget()
     base._forge_for_auto = lambda device, group: True  # as for CUDA tensors of the whole job
+    # the model with puts alone, where 4 nodes of one rank and one node of 4 differ
+    choice.HOP_SKEW_US = choice.ROUND_SKEW_US = 0.0
     got = sp.resolve("auto", torch.device("cpu"), group, kind=Kind.SCALAR, state=B1).name
     return {"got": got, "nodes": layout.nodes(group)}
 
 
-def test_auto_takes_the_models_pick_for_the_groups_layout():
+def test_auto_takes_the_models_pick_for_the_groups_layout(monkeypatch):
     out = run_world(4, _auto)
+    monkeypatch.setattr(choice, "HOP_SKEW_US", 0.0)
+    monkeypatch.setattr(choice, "ROUND_SKEW_US", 0.0)
     want, _ = choice.pick(out["nodes"], Kind.SCALAR, *B1)
     assert out["nodes"] == [[0], [1], [2], [3]] and want != "forge"
+    assert choice.pick([[0, 1, 2, 3]], Kind.SCALAR, *B1)[0] == "forge"
     assert out["got"] == want

@@ -196,6 +196,10 @@ def test_auto_picks_forge_for_cuda_tensors_on_one_node(monkeypatch):
     from forge_dist.variants.transitions import Kind as K
 
     state = (1, 32, 128, 128)
+    from forge_dist.sp import choice  # (the model with puts alone: the two layouts differ)
+
+    monkeypatch.setattr(choice, "HOP_SKEW_US", 0.0)
+    monkeypatch.setattr(choice, "ROUND_SKEW_US", 0.0)
     for nodes, want in (([[0, 1, 2, 3]], "forge"), ([[0], [1], [2], [3]], "scan")):
         layout.forget()
         monkeypatch.setattr(layout, "nodes", lambda group, nodes=nodes: nodes)
