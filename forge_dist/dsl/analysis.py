@@ -407,7 +407,8 @@ def offset_part(phase: Phase, dependent: set) -> Optional[fx.GraphModule]:
     """The graph of ``S -> f(0)``: every state-dependent term dropped (same parameters; the
     state's is unused), or ``None`` where that value is not a graph of the other inputs (an
     offset that is a bare number, an op the table above does not cover, a result that is
-    zero)."""
+    zero, a read of the state's dtype or shape).  Compilation checks it against ``f(0)``
+    (:mod:`.validate`)."""
     g = fx.Graph()
     env: Dict[fx.Node, Any] = {}
     zero = object()  # a state-dependent value at S = 0 whose value is 0
@@ -427,6 +428,10 @@ def offset_part(phase: Phase, dependent: set) -> Optional[fx.GraphModule]:
             env[n] = zero if n.name in dependent else node
             continue
         if n.name not in dependent:
+            operands = []
+            fx.node.map_arg((n.args, n.kwargs), operands.append)
+            if any(env[a] is zero for a in operands):
+                return None  # reads the state's metadata (dtype, shape): no state-free graph
             env[n] = g.node_copy(n, lambda a: env[a])
             continue
         cat = _category(n)

@@ -249,7 +249,7 @@ class Variant:
         generated.warn_once(self, device, path, why)
         if path == generated.TEMPLATE and group is None and cu_seqlens is None:
             short = self.lowering.planned_call(inputs, scale_v, initial_state,
-                                               output_final_state)
+                                               output_final_state, chunk_size)
             if short is not None:  # one GPU: the template's cached plan (and epilogue)
                 return short
         grad = needs_grad(dict(inputs), initial_state)

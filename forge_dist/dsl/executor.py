@@ -40,7 +40,8 @@ def chunk_inputs(compiled, part: Dict[str, Tensor], lo: int, hi: int, C: int,
     return out
 
 
-def _call(gm, params, args):
+def call(gm, params, args):
+    """``gm`` on the arguments it takes, by parameter name."""
     return gm(*[args[p] for p in params])
 
 
@@ -65,47 +66,31 @@ def transitions(compiled, args: dict, like: Tensor, lin=None) -> Optional[Tensor
     if kind is Kind.DENSE:
         B, H, NT, K, _ = like.shape
         eye = torch.eye(K, dtype=like.dtype, device=like.device).expand(B, H, NT, K, K)
-        return _call(lin, params, {**args, "state": eye})
+        return call(lin, params, {**args, "state": eye})
     if not compiled.vector:
         # rows are scaled by factors constant along V (the analysis checked it): one column
         # of ones gives them without a K x V product per chunk; anything shape-bound falls
         # back to the full state
         ones = like.new_ones(()).expand(like.shape[:-1] + (1,))
         try:
-            M = _call(lin, params, {**args, "state": ones})
+            M = call(lin, params, {**args, "state": ones})
         except Exception:  # noqa: BLE001 - a program that needs the state's V size
             M = None
         if M is not None and M.shape[:-1] == like.shape[:-1]:
             return M[..., 0, 0] if kind is Kind.SCALAR else M[..., :, 0]
-    M = _call(lin, params, {**args, "state": torch.ones_like(like)})
+    M = call(lin, params, {**args, "state": torch.ones_like(like)})
     if compiled.vector:  # [B, NT, D] -> [B, 1, NT(, D)]
         return (M[..., 0] if kind is Kind.SCALAR else M)[:, None]
     return M[..., 0, 0] if kind is Kind.SCALAR else M[..., :, 0]
 
 
-def _pieces(L: int, C: int) -> List[Tuple[int, int, int]]:
+def pieces(L: int, C: int) -> List[Tuple[int, int, int]]:
     """``(lo, hi, chunk length)``: the whole chunks of ``L`` tokens, then the ragged tail as
     one chunk of its own length."""
-    pieces = [(0, (L // C) * C, C)] if L // C else []
+    out = [(0, (L // C) * C, C)] if L // C else []
     if L % C:
-        pieces.append(((L // C) * C, L, L % C))
-    return pieces
-
-
-def chunk_offsets(compiled, gm, part: Dict[str, Tensor], scale: float, C: int) -> Tensor:
-    """``gm``, a ``merge_mode`` graph that reads no state (its offset part,
-    :func:`.analysis.offset_part`) and no caches, on chunks of ``C`` tokens of ``part``
-    (token tensors by input name, ``[B, L, H, *]``): the outputs every chunk gives from a
-    zero chunk-start state, ``[B, L, H, V]`` in the compute dtype."""
-    first = part[compiled.input_names[0]]
-    dtype = ck.compute_dtype(first)
-    L = first.shape[1]
-    out = []
-    for lo, hi, Cp in _pieces(L, C):
-        args = chunk_inputs(compiled, part, lo, hi, Cp, dtype)
-        args.update(scale=scale, state=None)
-        out.append(ck.from_chunks(_call(gm, compiled.merge.params, args), hi - lo))
-    return torch.cat(out, dim=1) if len(out) > 1 else out[0]
+        out.append(((L // C) * C, L, L % C))
+    return out
 
 
 def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: bool,
@@ -123,13 +108,13 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
     dtype = ck.compute_dtype(first)
     L = first.shape[1]
     C = chunk_size or compiled.chunk_size
-    pieces = _pieces(L, C)
+    parts = pieces(L, C)
 
     args_list, Ms, bs = [], [], []
-    for lo, hi, Cp in pieces:
+    for lo, hi, Cp in parts:
         args = chunk_inputs(compiled, part, lo, hi, Cp, dtype)
         args["scale"] = scale
-        out = _call(graphs.chunk, compiled.chunk.params, args)
+        out = call(graphs.chunk, compiled.chunk.params, args)
         out = out if isinstance(out, tuple) else (out,)
         dS = out[0]
         args.update(zip(compiled.chunk.cached, out[1:]))
@@ -138,7 +123,7 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
             b = args[compiled.decay_offset]  # decay_mode(0): its offset argument
         else:
             zero = dS.new_zeros(()).expand(dS.shape)  # no memory: a stride-0 view
-            b = _call(graphs.decay, compiled.decay.params, {**args, "state": zero})
+            b = call(graphs.decay, compiled.decay.params, {**args, "state": zero})
         Ms.append(transitions(compiled, args, dS, graphs.decay_linear))
         bs.append(to_internal(compiled, b))
         args_list.append(args)
@@ -150,11 +135,11 @@ def summarize(compiled, part: Dict[str, Tensor], scale: float, need_transition: 
 
     def outputs(gm, states: Tensor) -> Tensor:
         o, nt0 = [], 0
-        for (lo, hi, Cp), args in zip(pieces, args_list):
+        for (lo, hi, Cp), args in zip(parts, args_list):
             nt = (hi - lo) // Cp
             S = to_user(compiled, states[:, :, nt0:nt0 + nt])
             nt0 += nt
-            oc = _call(gm, compiled.merge.params, {**args, "state": S})
+            oc = call(gm, compiled.merge.params, {**args, "state": S})
             if compiled.vector:  # [B, NT, C, D] -> [B, L, D]
                 o.append(oc.reshape(oc.shape[0], -1, oc.shape[-1]))
             else:

@@ -68,7 +68,7 @@ from ..kernels.prologue import MAX_INPUTS, ElementwisePrologue, kernel_prologue
 from ..kernels.work import InputMap
 from ..ops import planned
 from ..ops.runner import needs_grad
-from ..variants import decay_attention, delta_rule, vector_state
+from ..variants import chunked as ck, decay_attention, delta_rule, vector_state
 from ..variants.transitions import Kind
 from . import codegen, executor, generated
 from .placement import use_kernels
@@ -394,14 +394,9 @@ def _epilogue(v) -> Optional[Epilogue]:
     fn = fx.GraphModule(torch.nn.Module(), g)
     names = ["o"] + [p.target for p in inputs]
     text = f"({', '.join(names)}) -> {{{', '.join(_op_text(n) for n in chain[len(names):])}}}"
-    dims = {_O: "V", **v.inputs}
-    k = len(names)
-    broadcast = (len({dims[p.target] for p in chain[:k]}) > 1
-                 or any(codegen.is_broadcast(n) for n in chain))
-    if len(chain) - k >= PROLOGUE_KERNEL_MIN_OPS and k <= MAX_INPUTS and (
-            not broadcast or _broadcast_is_flat(chain, dims)):
-        fn = kernel_prologue(codegen.triton_map(chain), codegen.triton_map_grad(chain), fn,
-                             use_kernels) or fn
+    if len(chain) - len(names) >= PROLOGUE_KERNEL_MIN_OPS and \
+            _runs_as_one_map(chain, {_O: "V", **v.inputs}):
+        fn = _as_kernel(chain, fn)
     return Epilogue(tuple(p.target for p in inputs), only, fn, text)
 
 
@@ -447,7 +442,8 @@ class Residual:
     variant's outputs are the template's plus this, for any chunking: so the template's
     kernels carry the state and only chunk-local work is left (a strict mask inside the
     chunk, a bonus for the current token).  It runs as PyTorch graphs, compiled by Inductor
-    on CUDA (:func:`.generated.compile_enabled`)."""
+    on CUDA where the generated path would be (:func:`.generated.unlowered_path`), one
+    compiled function for every chunk length (the ragged tail is a chunk of its own)."""
 
     def __init__(self, v, template: str):
         from .builtins import BUILTINS  # lazy: builtins compiles variants, which lower
@@ -455,32 +451,51 @@ class Residual:
         self.variant, self.template = v, BUILTINS[template]
         self._compiled = None
 
-    def _difference(self, part, mapped, scale: float, template_scale: float, C: int):
-        return (executor.chunk_offsets(self.variant, self.variant.merge_offset, part, scale, C)
-                - executor.chunk_offsets(self.template, self.template.merge_offset, mapped,
-                                         template_scale, C))
+    def _chunks(self, part, mapped, C: int, scale: float, template_scale: float):
+        """The difference on ``part``'s tokens, a whole number of chunks of ``C``:
+        ``[B, H, NT, C, V]``."""
+        dtype = ck.compute_dtype(part[self.variant.input_names[0]])
+        L = part[self.variant.input_names[0]].shape[1]
+        mine = executor.chunk_inputs(self.variant, part, 0, L, C, dtype)
+        theirs = executor.chunk_inputs(self.template, mapped, 0, L, C, dtype)
+        mine.update(scale=scale, state=None)
+        theirs.update(scale=template_scale, state=None)
+        return (executor.call(self.variant.merge_offset, self.variant.merge.params, mine)
+                - executor.call(self.template.merge_offset, self.template.merge.params, theirs))
 
     def __call__(self, part: Dict[str, torch.Tensor], mapped: Dict[str, torch.Tensor],
                  scale: float, template_scale: float, C: int) -> torch.Tensor:
         """``[B, T, H, V]`` in the compute dtype: ``part`` the variant's token inputs by
         name, ``mapped`` the template's by role."""
-        fn = self._difference
-        if part[self.variant.input_names[0]].is_cuda and generated.compile_enabled():
+        first = part[self.variant.input_names[0]]
+        fn = self._chunks
+        if first.is_cuda and generated.unlowered_path(first.device) == generated.GENERATED:
             if self._compiled is None:
-                self._compiled = torch.compile(self._difference, dynamic=True)
+                self._compiled = torch.compile(self._chunks, dynamic=True)
             fn = self._compiled
-        return fn(part, mapped, scale, template_scale, C)
+        out = []
+        for lo, hi, Cp in executor.pieces(first.shape[1], C):
+            cut = lambda ts: {n: t[:, lo:hi] for n, t in ts.items()}  # noqa: E731
+            out.append(ck.from_chunks(fn(cut(part), cut(mapped), Cp, scale, template_scale),
+                                      hi - lo))
+        return torch.cat(out, dim=1) if len(out) > 1 else out[0]
 
 
-def _residual(v, template: str) -> Optional[Residual]:
-    """The residual form's parts, or ``None`` where it cannot apply: a template whose
+def _residual(v, template: str) -> Tuple[Optional[Residual], str]:
+    """The residual form's parts, or ``None`` and why it cannot apply: a template whose
     merge reads caches, a variant whose merge does, or a merge with no offset graph."""
-    if template not in RESIDUAL_TEMPLATES or v.vector or v.merge_offset is None:
-        return None
-    if not set(v.merge.params) <= set(v.input_names) | {"state", "scale"}:
-        return None
+    if template not in RESIDUAL_TEMPLATES or v.vector:
+        return None, (f"the {template} template's merge_mode reads its chunk caches"
+                      if not is_vector(template) else "a vector state")
+    if v.merge_offset is None:
+        return None, "merge_mode has no graph at a zero state"
+    cached = sorted(set(v.merge.params) - set(v.input_names) - {"state", "scale"})
+    if cached:
+        return None, f"merge_mode reads chunk caches ({', '.join(cached)})"
     res = Residual(v, template)
-    return res if res.template.merge_offset is not None else None
+    if res.template.merge_offset is None:
+        return None, f"the {template} template has no graph at a zero state"
+    return res, ""
 
 
 @dataclass
@@ -511,11 +526,11 @@ class Lowering:
     def finish(self, o: torch.Tensor, part: Dict[str, torch.Tensor], scale: float,
                chunk_size: Optional[int] = None) -> torch.Tensor:
         """The variant's outputs from the template's ``o [B, T, H, V]`` on this rank's
-        inputs ``part`` (``scale``: the call's): plus the residual, then the epilogue's map,
-        where there are."""
+        inputs ``part`` (``scale``: the call's): plus the residual, or the epilogue's map of
+        them, where there is one (a lowering has at most one of the two)."""
         if self.residual is not None:
-            s = scale if self.scale_mode == "user" else 1.0
-            r = self.residual(part, self.mapped(part), scale, s, chunk_size or self.chunk_size)
+            r = self.residual(part, self.mapped(part), scale, self.template_scale(scale),
+                              chunk_size or self.chunk_size)
             o = (o + r).to(o.dtype)
         return o if self.epilogue is None else self.epilogue.apply(o, part)
 
@@ -524,13 +539,18 @@ class Lowering:
         """Whether anything runs after the template (a residual, an epilogue)."""
         return self.residual is not None or self.epilogue is not None
 
+    def template_scale(self, scale: float) -> float:
+        """The scale the template runs with: the call's, or 1 (``scale_mode``)."""
+        return scale if self.scale_mode == "user" else 1.0
+
     def reference_summary(self, part, scale: float, need_M: bool, chunk_size=None):
         """The template's PyTorch chunk form on the prologue outputs (what a part whose
-        shapes the template's kernels do not cover runs), without the epilogue."""
-        s = scale if self.scale_mode == "user" else 1.0
+        shapes the template's kernels do not cover runs), without what runs after it (the
+        residual, the epilogue: :meth:`finish`)."""
         if chunk_size is None and is_delta_rule(self.template):
             chunk_size = 32  # (the delta rule's chunk form takes no default from None)
-        return _reference(self.template, self.mapped(part), s, need_M, chunk_size)
+        return _reference(self.template, self.mapped(part), self.template_scale(scale), need_M,
+                          chunk_size)
 
     def how(self, role: str) -> str:
         """How role ``role``'s prologue runs: ``fused`` into the template's kernels, a
@@ -585,15 +605,17 @@ class Lowering:
         return out
 
     def make_work(self, part, scale: float, need_M: bool, *, out_dtype=None):
-        s = scale if self.scale_mode == "user" else 1.0
-        return kernels.make_work(self.template, self._template_inputs(part), s, need_M,
-                                 out_dtype=out_dtype, maps=self.fused)
+        return kernels.make_work(self.template, self._template_inputs(part),
+                                 self.template_scale(scale), need_M, out_dtype=out_dtype,
+                                 maps=self.fused)
 
-    def planned_call(self, inputs, scale: float, initial_state, output_final_state):
+    def planned_call(self, inputs, scale: float, initial_state, output_final_state,
+                     chunk_size: Optional[int] = None):
         """The ops' short path (:mod:`forge_dist.ops.planned`: a cached plan, for a call on
-        one GPU; with gradients for the hgrn template only) on the prologue outputs, or
-        ``None`` when the call is not eligible.  ``initial_state`` and the returned state in
-        the ops' layouts."""
+        one GPU; with gradients for the hgrn template only) on the prologue outputs, then
+        :meth:`finish` (``chunk_size``: the call's, for a residual), or ``None`` when the
+        call is not eligible.  ``initial_state`` and the returned state in the ops'
+        layouts."""
         if (not is_vector(self.template) or self.fused) and needs_grad(inputs, initial_state):
             # matrix-state gradients, and hgrn's with a fused prologue (its planned backward
             # takes the mapped gates): the runner (skip the prologue here)
@@ -605,13 +627,12 @@ class Lowering:
         if is_vector(self.template):
             got = planned.hgrn_call(x["x"], x["g"], **common)
         else:
-            s = scale if self.scale_mode == "user" else 1.0
             got = planned.matrix_call(self.template, x["q"], x["k"], x["v"],
-                                      {"g": x.get("g"), "beta": x.get("beta")}, scale=s,
-                                      **common)
+                                      {"g": x.get("g"), "beta": x.get("beta")},
+                                      scale=self.template_scale(scale), **common)
         if got is None:
             return None
-        return self.finish(got[0], inputs, scale), got[1]
+        return self.finish(got[0], inputs, scale, chunk_size), got[1]
 
 
 @dataclass
@@ -630,7 +651,7 @@ def lower(v, fuse: bool = False) -> Decision:
     template = template_for(v)
     epilogue = _epilogue(v)
     # (epilogue, role assignments, why none) in the order tried: the program as a template,
-    # the program as a template followed by its output gate
+    # the program as a template followed by its epilogue (:class:`Epilogue`)
     forms = [(None, *_candidates(template, v))]
     if epilogue is not None:
         forms.append((epilogue, *_candidates(template, _Without(v, epilogue.only))))
@@ -655,7 +676,7 @@ def lower(v, fuse: bool = False) -> Decision:
     low = _first_match(v, template, constant, mine, probes, fuse, constant=True)
     if low is not None:
         return Decision(low)
-    residual = _residual(v, template)
+    residual, no_residual = _residual(v, template)
     if residual is not None and forms[0][1]:
         low = _first_match(v, template, forms[0][1], mine, probes, fuse, residual=residual)
         if low is not None:
@@ -666,6 +687,8 @@ def lower(v, fuse: bool = False) -> Decision:
     reason = (f"the program is not the {template} template's chunk form on token-local "
               f"prologues of its inputs ({names}, in every role assignment their trailing "
               f"dims allow; translation validation failed)")
+    if no_residual:  # nor its kernels plus a chunk-local residual
+        reason += f"; no residual form: {no_residual}"
     return Decision(None, reason, hint(v, template, reason))
 
 
@@ -719,6 +742,24 @@ def _broadcast_is_flat(dag: List[fx.Node], dims: Dict[str, str]) -> bool:
     return wide[dag[-1]]
 
 
+def _runs_as_one_map(dag: List[fx.Node], dims: Dict[str, str]) -> bool:
+    """Whether one generated map kernel takes the DAG's inputs: at most
+    :data:`MAX_INPUTS`, and inputs of several trailing dims only as a flat broadcast
+    (:func:`_broadcast_is_flat`)."""
+    k = codegen.inputs_of(dag)
+    broadcast = (len({dims.get(p.target) for p in dag[:k]}) > 1
+                 or any(codegen.is_broadcast(n) for n in dag))
+    return k <= MAX_INPUTS and (not broadcast or _broadcast_is_flat(dag, dims))
+
+
+def _as_kernel(dag: List[fx.Node], fallback: Callable) -> Callable:
+    """The DAG as one generated elementwise kernel with its generated gradient
+    (:class:`ElementwisePrologue`, ``fallback`` where the kernels do not run), or
+    ``fallback`` where the codegen has no translation."""
+    return kernel_prologue(codegen.triton_map(dag), codegen.triton_map_grad(dag), fallback,
+                           use_kernels) or fallback
+
+
 def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool,
                   dims: Dict[str, str]) -> Lowering:
     """The validated lowering with its prologues as generated Triton: fused into the
@@ -727,20 +768,16 @@ def _with_kernels(low: Lowering, dags: Dict[str, List[fx.Node]], fuse: bool,
     trailing dims; a map over per-head scalars and one feature dim runs as one kernel where
     :func:`_broadcast_is_flat`, others over several dims as PyTorch ops)."""
     for r, dag in dags.items():
-        k = codegen.inputs_of(dag)
-        broadcast = (len({dims.get(p.target) for p in dag[:k]}) > 1
-                     or any(codegen.is_broadcast(n) for n in dag))
-        if k > MAX_INPUTS or (broadcast and not _broadcast_is_flat(dag, dims)):
+        if not _runs_as_one_map(dag, dims):
             continue  # more inputs than one generated map takes, or a broadcast: PyTorch
+        k = codegen.inputs_of(dag)
         # (a map of several inputs, a shared role's, is never fused into the walks)
         got = (codegen.triton_map(dag) if fuse and k == 1
                and r in MAPPABLE.get(low.template, ()) else None)
         if got is not None:
             low.fused[r] = InputMap(got[0], low.prologues[r])
         elif len(dag) - k >= PROLOGUE_KERNEL_MIN_OPS:  # one generated pass for the DAG
-            low.prologues[r] = kernel_prologue(codegen.triton_map(dag),
-                                               codegen.triton_map_grad(dag),
-                                               low.prologues[r], use_kernels) or low.prologues[r]
+            low.prologues[r] = _as_kernel(dag, low.prologues[r])
     return low
 
 
@@ -801,8 +838,7 @@ def _matches(mine, low: Lowering, probes) -> bool:
     try:
         with torch.no_grad():
             theirs = _total(_reference(low.template, low.mapped(probes),
-                                       0.7 if low.scale_mode == "user" else 1.0),
-                            probes["__S0"])
+                                       low.template_scale(0.7)), probes["__S0"])
             theirs = (low.finish(theirs[0], probes, 0.7, chunk_size=4), theirs[1])
     except Exception:  # noqa: BLE001 - any failure means "not this template"
         return False

@@ -2,8 +2,9 @@
 
 On small random fp64 probes (tiny shapes, the CPU), the traced graphs must satisfy what the
 analysis concluded: ``decay_mode`` and ``merge_mode`` are affine in ``state`` (their linear
-parts are linear and differ from them by a state-free offset), and the extracted transition
-of the classified kind reproduces the linear part of ``decay_mode``.  A failure means the
+parts are linear and differ from them by a state-free offset), the extracted transition
+of the classified kind reproduces the linear part of ``decay_mode``, and ``merge_mode``'s
+offset graph (``merge_offset``) is its value at a zero state (else it is dropped).  A failure means the
 program does something the analysis did not understand; it is reported, never ignored.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ def check_numerically(v) -> None:
     args = {n: rnd(v.chunk_dims(n)) for n in v.input_names}
     args["scale"] = 0.5
     with torch.no_grad():
-        out = executor._call(v.chunk.gm, v.chunk.params, args)
+        out = executor.call(v.chunk.gm, v.chunk.params, args)
         out = out if isinstance(out, tuple) else (out,)
         args.update(zip(v.chunk.cached, out[1:]))
         args["chunk_state"] = out[0]
@@ -46,8 +47,8 @@ def check_numerically(v) -> None:
         for name, full, lin, params in (
                 ("decay_mode", v.decay.gm, v.decay_linear, v.decay.params),
                 ("merge_mode", v.merge.gm, v.merge_linear, v.merge.params)):
-            f = lambda S, gm=full: executor._call(gm, params, {**args, "state": S})  # noqa: E731
-            g = lambda S, gm=lin: executor._call(gm, params, {**args, "state": S})  # noqa: E731
+            f = lambda S, gm=full: executor.call(gm, params, {**args, "state": S})  # noqa: E731
+            g = lambda S, gm=lin: executor.call(gm, params, {**args, "state": S})  # noqa: E731
             f0, f1, g1, g2, g12 = f(zero), f(S1), g(S1), g(S2), g(S1 + S2)
             if not all(torch.isfinite(t).all() for t in (f0, f1, g1, g2, g12)):
                 v.numeric_check = "skipped (random probes gave non-finite values)"
@@ -60,8 +61,12 @@ def check_numerically(v) -> None:
                 raise DSLError(f"{name}: numerical check failed: the result is not its linear "
                                f"part plus a state-free offset")
             checks.append(name)
+            if name == "merge_mode" and v.merge_offset is not None:
+                off = executor.call(v.merge_offset, params, {**args, "state": None})
+                if not _close(off, f0):  # an offset graph the analysis got wrong: not used
+                    v.merge_offset = None
         M = executor.transitions(v, args, out[0])
-        want = executor.to_internal(v, executor._call(v.decay_linear, v.decay.params,
+        want = executor.to_internal(v, executor.call(v.decay_linear, v.decay.params,
                                                       {**args, "state": S1}))
         got = tr.apply(v.kind, M, executor.to_internal(v, S1))
         if not _close(got, want):

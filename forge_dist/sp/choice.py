@@ -45,8 +45,8 @@ KERNEL_LAUNCH_US = 5.0  # (hardware.kernel_launch_us)
 N_SMS = 132             # tiles combined in parallel (hardware.n_sms)
 TILE_BYTES = 16 * 1024  # forge's tile (forge.tile_kib)
 # what each hop of the chain / each round of scan and hier after the first costs beyond its
-# put and combine: the waiting program's latency and the ranks' skew, fitted on the growth
-# from 2 to 4 x H200 (forge.hop_skew_us, forge.round_skew_us)
+# put and combine: the waiting program's latency and the ranks' skew, fitted on one growth,
+# simple_gla's forward from 2 to 4 x H200 (forge.hop_skew_us, forge.round_skew_us)
 HOP_SKEW_US = 43.3
 ROUND_SKEW_US = 95.4
 

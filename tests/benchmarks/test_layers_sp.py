@@ -87,4 +87,4 @@ def test_bf16_rows_hold_the_sequence_parallel_error_to_one_devices(tmp_path):
     assert "skipped" not in row, row
     assert 0 < row["one_device_vs_fp32"] < 3e-2, row  # bf16's own noise, not an O(1) error
     assert row["sp_vs_fp32"] <= 1.5 * row["one_device_vs_fp32"], row
-    assert row["rms_rel_err"] < row["max_rel_err"] < 3e-2 and row["worst_tensor"], row
+    assert row["max_rel_err"] < 3e-2 and row["rms_rel_err"] < 3e-2 and row["worst_tensor"], row

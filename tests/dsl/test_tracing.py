@@ -207,3 +207,19 @@ def test_merge_offset_of_a_bare_number_is_none():
                     decay_mode=lambda state, chunk_state: state + chunk_state,
                     merge_mode=merge, inputs=("q", "k", "v"), lower=False)
     assert v.merge_offset is None
+
+
+@pytest.mark.parametrize("read", ["dtype", "shape"])
+def test_a_merge_that_reads_the_states_metadata_compiles_without_an_offset_graph(read):
+    """``q.to(state.dtype)`` / ``state.shape[-1]``: state-free values that read the state
+    compile and lower as before; the offset graph, which has no state, is not made."""
+    from forge_dist.dsl import builtins
+
+    def merge(state, q, k, v, g, scale):
+        q = q.to(state.dtype) if read == "dtype" else q * (state.shape[-1] / state.shape[-1])
+        return builtins._sg_merge(state, q, k, v, g, scale)
+    var = dsl.variant(f"meta_{read}", chunk_mode=builtins._sg_chunk,
+                      decay_mode=builtins._sg_decay, merge_mode=merge,
+                      inputs=("q", "k", "v", "g"))
+    assert var.merge_offset is None
+    assert var.lowering is not None and var.lowering.template == "simple_gla"
