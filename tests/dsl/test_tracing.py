@@ -223,3 +223,25 @@ def test_a_merge_that_reads_the_states_metadata_compiles_without_an_offset_graph
                       inputs=("q", "k", "v", "g"))
     assert var.merge_offset is None
     assert var.lowering is not None and var.lowering.template == "simple_gla"
+
+
+def test_an_offset_graph_that_disagrees_with_the_merge_at_zero_is_dropped(monkeypatch):
+    """Compilation checks ``merge_offset`` against ``merge_mode`` at a zero state; one that
+    disagrees (here: the right graph's values doubled) is not used."""
+    from forge_dist.dsl import analysis, builtins
+
+    real = analysis.offset_part
+
+    def wrong(phase, dependent):
+        gm = real(phase, dependent)
+        return None if gm is None else (lambda *a: 2 * gm(*a))
+    monkeypatch.setattr(analysis, "offset_part", wrong)
+    var = dsl.variant("wrong_offset", chunk_mode=builtins._sg_chunk,
+                      decay_mode=builtins._sg_decay, merge_mode=builtins._sg_merge,
+                      inputs=("q", "k", "v", "g"), lower=False)
+    assert var.merge_offset is None
+    monkeypatch.setattr(analysis, "offset_part", real)
+    var = dsl.variant("right_offset", chunk_mode=builtins._sg_chunk,
+                      decay_mode=builtins._sg_decay, merge_mode=builtins._sg_merge,
+                      inputs=("q", "k", "v", "g"), lower=False)
+    assert var.merge_offset is not None
