@@ -462,9 +462,9 @@ case "$stage" in
     # fp32 (2 GPUs where there are 2)
     ( export CUDA_VISIBLE_DEVICES="$(echo "${CUDA_VISIBLE_DEVICES:-0}" | cut -d, -f1)"
       step dsl_epilogue_gpu 240 python3 -m pytest -v -p no:cacheprovider -m gpu \
-        tests/dsl/test_catalogue.py -k "output_gate or mamba2_d_skip or strict_readout"
+        tests/dsl/test_catalogue.py -k "output_gate or mamba2_d_skip or strict_readout or gated_delta_bonus"
       step dsl_epilogue_bench 240 python3 -m scaling_benchmarks.dsl_variants --budget-s 200 \
-        --variants mamba2_d_skip,output_gate,output_gate_linear,gla_output_gate,gated_delta_output_gate,strict_readout,gated_delta_strict_readout \
+        --variants mamba2_d_skip,output_gate,output_gate_linear,gla_output_gate,gated_delta_output_gate,strict_readout,gated_delta_bonus,gated_delta_strict_readout \
         --out "$OUT" --tag s15-epilogues )
     if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
       reap

@@ -46,7 +46,11 @@ A ``merge_mode`` that returns a token-local map of the template's outputs and of
 has an *epilogue* (:class:`Epilogue`): an output gate ``o * sigmoid(z)``, Mamba2's skip term
 ``o + v * d[..., None]`` (its ``v`` the template's too), or both.  It lowers as the template
 followed by that map, one generated elementwise kernel over ``o`` and the inputs (PyTorch
-ops for a single op or a map the codegen does not translate), validated the same way.  A scalar
+ops for a single op or a map the codegen does not translate), validated the same way.
+Where none of that fits but the program's states, transitions and readout of the incoming
+state are a matrix-state template's (its outputs inside a chunk differ: a strict mask, a
+bonus for the current token), the template's kernels carry the state and a chunk-local
+*residual* adds the difference (:class:`Residual`).  A scalar
 decay no input carries (RetNet's per-head constant, computed from shapes) is read from the
 program's own transition for each head count it is called with and checked there
 (:class:`_ConstantDecay`).  Not lowered: programs that are none of the five templates up to
@@ -428,9 +432,9 @@ def _op_text(n: fx.Node) -> str:
     return getattr(n.target, "__name__", n.name)
 
 
-# templates whose merge_mode reads only the inputs (no chunk caches): the residual form
-# needs their zero-state outputs as a graph of the inputs alone
-RESIDUAL_TEMPLATES = ("linear_attn", "simple_gla", "gla")
+# templates with a matrix state: the residual form runs their chunk_mode (the delta rule's
+# WY factors, which its merge_mode reads) and merge_mode at a zero state as graphs
+RESIDUAL_TEMPLATES = ("linear_attn", "simple_gla", "gla", "gated_delta_rule")
 
 
 class Residual:
@@ -451,17 +455,25 @@ class Residual:
         self.variant, self.template = v, BUILTINS[template]
         self._compiled = None
 
+    @staticmethod
+    def _offsets(v, part, C: int, dtype, scale: float):
+        """``v``'s ``merge_mode`` at a zero chunk-start state on ``part``'s tokens (a whole
+        number of chunks of ``C``), its chunk caches computed first where it reads them."""
+        L = part[v.input_names[0]].shape[1]
+        args = executor.chunk_inputs(v, part, 0, L, C, dtype)
+        args["scale"] = scale
+        if set(v.chunk.cached) & set(v.merge.params):
+            out = executor.call(v.chunk.gm, v.chunk.params, args)
+            args.update(zip(v.chunk.cached, out[1:]))
+        args["state"] = None
+        return executor.call(v.merge_offset, v.merge.params, args)
+
     def _chunks(self, part, mapped, C: int, scale: float, template_scale: float):
         """The difference on ``part``'s tokens, a whole number of chunks of ``C``:
         ``[B, H, NT, C, V]``."""
         dtype = ck.compute_dtype(part[self.variant.input_names[0]])
-        L = part[self.variant.input_names[0]].shape[1]
-        mine = executor.chunk_inputs(self.variant, part, 0, L, C, dtype)
-        theirs = executor.chunk_inputs(self.template, mapped, 0, L, C, dtype)
-        mine.update(scale=scale, state=None)
-        theirs.update(scale=template_scale, state=None)
-        return (executor.call(self.variant.merge_offset, self.variant.merge.params, mine)
-                - executor.call(self.template.merge_offset, self.template.merge.params, theirs))
+        return (self._offsets(self.variant, part, C, dtype, scale)
+                - self._offsets(self.template, mapped, C, dtype, template_scale))
 
     def __call__(self, part: Dict[str, torch.Tensor], mapped: Dict[str, torch.Tensor],
                  scale: float, template_scale: float, C: int) -> torch.Tensor:
@@ -482,16 +494,12 @@ class Residual:
 
 
 def _residual(v, template: str) -> Tuple[Optional[Residual], str]:
-    """The residual form's parts, or ``None`` and why it cannot apply: a template whose
-    merge reads caches, a variant whose merge does, or a merge with no offset graph."""
+    """The residual form's parts, or ``None`` and why it cannot apply: a vector state, or
+    a merge with no graph at a zero state."""
     if template not in RESIDUAL_TEMPLATES or v.vector:
-        return None, (f"the {template} template's merge_mode reads its chunk caches"
-                      if not is_vector(template) else "a vector state")
+        return None, "a vector state"
     if v.merge_offset is None:
         return None, "merge_mode has no graph at a zero state"
-    cached = sorted(set(v.merge.params) - set(v.input_names) - {"state", "scale"})
-    if cached:
-        return None, f"merge_mode reads chunk caches ({', '.join(cached)})"
     res = Residual(v, template)
     if res.template.merge_offset is None:
         return None, f"the {template} template has no graph at a zero state"

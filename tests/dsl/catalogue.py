@@ -401,6 +401,11 @@ def _gdn_merge(state, q, k, a, u, w, scale):
     return _gdn_out(state, q, k, F.logsigmoid(a).cumsum(-1), u, w, scale)
 
 
+def _gdn_bonus_merge(state, q, k, v, a, u, w, scale):  # plus a bonus for the current token
+    return _gdn_merge(state, q, k, a, u, w, scale) + \
+        scale * (q * k).sum(-1, keepdim=True) * v
+
+
 def _gdn_strict_merge(state, q, k, a, u, w, scale):  # before each token's own update
     G = F.logsigmoid(a).cumsum(-1)
     A = (q @ T(k)) * segsum_exp(G, strict=True)
@@ -466,8 +471,16 @@ DELTA = [
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"]),
                      "beta": torch.sigmoid(x["b"])},
           post=lambda o, x, s: o * torch.sigmoid(x["z"]), prepare={"k": unit}),
-    # the delta rule read before each token's own update: its merge reads the WY caches, so
-    # no residual form either; the generated path
+    # a bonus for the current token (as RWKV's): inside the chunk, not token-local in the
+    # lowering's sense (a sum over the features), so a chunk-local residual on the template
+    Entry("gated_delta_bonus", (_gdn_chunk, _gdn_decay, _gdn_bonus_merge),
+          {**QKV, "a": "", "b": ""}, "residual:gated_delta_rule", "gated_delta_rule",
+          lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"]),
+                     "beta": torch.sigmoid(x["b"])}, prepare={"k": unit},
+          post=lambda o, x, s: o + s * (x["q"] * x["k"]).sum(-1, keepdim=True) * x["v"]),
+    # the delta rule read before each token's own update: the difference from the template
+    # depends on the state (the diagonal of the intra-chunk product meets the state's
+    # correction of each value), so no residual form either; the generated path
     Entry("gated_delta_strict_readout", (_gdn_chunk, _gdn_decay, _gdn_strict_merge),
           {**QKV, "a": "", "b": ""}, "generated", "gated_delta_rule",
           lambda x: {"q": x["q"], "k": x["k"], "v": x["v"], "g": F.logsigmoid(x["a"]),

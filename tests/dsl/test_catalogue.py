@@ -24,7 +24,8 @@ CHUNK = 4  # small chunks: several per rank and a ragged tail at these lengths
 def test_catalogue_size_and_kinds():
     assert len(CATALOGUE) >= 20
     paths = [e.path for e in CATALOGUE.values()]
-    assert {"generated", "refused", "residual:simple_gla"} <= set(paths)
+    assert {"generated", "refused", "residual:simple_gla",
+            "residual:gated_delta_rule"} <= set(paths)
     assert {p for p in paths if p.startswith("template:")} == {
         "template:linear_attn", "template:simple_gla", "template:gla",
         "template:gated_delta_rule", "template:hgrn"}
@@ -92,7 +93,7 @@ WORLD3 = RUNNABLE if os.environ.get("FORGE_DIST_TEST_FULL_CATALOGUE") == "1" els
     "output_gate",
     "retnet_head_decay", "gla_gate_gk", "gla_output_gate", "gated_delta_a_b", "deltanet_lr",
     "gated_delta_output_gate", "hgrn_u_f", "rg_lru", "hgrn_softmax_gate", "mamba2_d_skip",
-    "strict_readout", "gated_delta_strict_readout"]
+    "strict_readout", "gated_delta_bonus", "gated_delta_strict_readout"]
 
 
 def _world3_rows(group, names):
@@ -197,7 +198,8 @@ def test_warns_once_per_variant_off_the_templates(monkeypatch):
                                   "second_decay", "output_gate", "output_gate_linear",
                                   "gla_output_gate", "gated_delta_output_gate", "rg_lru",
                                   "hgrn_softmax_gate", "mamba2_d_skip", "strict_readout",
-                                  "gated_delta_strict_readout", "input_gate"])
+                                  "gated_delta_bonus", "gated_delta_strict_readout",
+                                  "input_gate"])
 def test_catalogue_on_cuda(name):
     """On CUDA: template entries through their Triton kernels, the others through the
     Inductor-compiled generated path (with its one warning), fp32 against fp64, forward and
@@ -321,7 +323,7 @@ def test_shared_roles_and_epilogues_run_their_template_across_ranks():
         pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
     names = ["second_decay", "input_gate", "output_gate", "gla_output_gate",
              "gated_delta_output_gate", "retnet_head_decay", "mamba2_d_skip",
-             "strict_readout"]
+             "strict_readout", "gated_delta_bonus"]
     rows = run_world(2, _template_rows, names, env={"FORGE_DIST_DSL_TRITON": "1",
                                                     "FORGE_DIST_TIMEOUT": "120"})
     for n in names:

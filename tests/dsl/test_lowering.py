@@ -253,6 +253,33 @@ def test_triton_template_path(triton_on_cpu, case, monkeypatch):
         assert err < 1e-4, err
 
 
+@pytest.mark.parametrize("name", ["strict_readout", "gated_delta_bonus"])
+def test_a_residual_form_through_the_templates_kernels(triton_on_cpu, name):
+    """A template's kernels (simple_gla; the delta rule, whose residual runs the WY factors
+    of both programs) plus the chunk-local residual: outputs, final state and every
+    gradient against the variant's fp64 recurrence, on a ragged length."""
+    from tests.dsl.catalogue import CATALOGUE
+
+    entry = CATALOGUE[name]
+    assert entry.variant.lowering.residual is not None
+    x, h0 = entry.problem(21, K=16, V=16, seed=6)
+    leaves = {n: t.float().requires_grad_() for n, t in x.items()}
+    h0f = h0.float().requires_grad_()
+    o, s = entry.variant(**leaves, scale=0.3, initial_state=h0f, output_final_state=True)
+    assert triton_on_cpu and all(u is not None and u.endswith("Work") for u in triton_on_cpu)
+    master = {n: t.clone().requires_grad_() for n, t in x.items()}
+    h0m = h0.clone().requires_grad_()
+    o_r, s_r = entry.reference(master, h0m, 0.3)
+    gen = torch.Generator().manual_seed(7)
+    up = torch.randn(o_r.shape, generator=gen, dtype=torch.float64)
+    ((o * up.float()).sum() + (s * s).sum()).backward()
+    ((o_r * up).sum() + (s_r * s_r).sum()).backward()
+    pairs = [(o, o_r), (s, s_r), (h0f.grad, h0m.grad)] + \
+        [(leaves[n].grad, master[n].grad) for n in x]
+    for a, b in pairs:
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-4
+
+
 def test_a_residual_with_packed_sequences_takes_the_unlowered_path(triton_on_cpu):
     """With ``cu_seqlens`` a residual's chunks would straddle the sequences' starts, so the
     call runs the program itself (the executor on the CPU): each packed sequence equals the
