@@ -15,6 +15,12 @@ with ``error`` / ``skipped``.  The JSON is rewritten after every row; the PNG at
 
     python -m scaling_benchmarks.dsl_variants [--variants a,b] [--path template|generated]
         [--T 16384] [--out DIR] [--tag X] [--budget-s 420]
+
+With ``--sp`` each variant and its built-in run sequence-parallel against one shard
+(:mod:`scaling_benchmarks.dsl_variants_sp`; issue 36: with 2 ranks a variant costs no more
+over its one-shard time than the built-in does):
+
+    torchrun --nproc-per-node 2 -m scaling_benchmarks.dsl_variants --sp --T 16384
 """
 from __future__ import annotations
 
@@ -74,6 +80,16 @@ def _bench(fn, device: str, warmup: int, rep: int) -> float:
     return (time.perf_counter() - t0) / 2 * 1e3
 
 
+def path_label(v) -> str:
+    """The path a CUDA call of variant ``v`` takes: ``template:<name>``, ``residual:<name>``
+    (the template's kernels plus a chunk-local residual) or ``generated``."""
+    kind = v.path(torch.device("cuda"))
+    if kind != "template":
+        return kind
+    form = "residual" if v.lowering.residual is not None else "template"
+    return f"{form}:{v.lowering.template}"
+
+
 def _fwd(fn, kwargs):
     def run():
         with torch.no_grad():
@@ -89,7 +105,7 @@ def plot(result, png):
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(rows)), 4.2))
-    colors = {"template": "tab:blue", "generated": "tab:orange"}
+    colors = {"template": "tab:blue", "generated": "tab:orange", "residual": "tab:green"}
     ax.bar(range(len(rows)), [r["ratio"] for r in rows],
            color=[colors[r["path"].split(":")[0]] for r in rows])
     for kind, y in TARGET.items():
@@ -121,6 +137,15 @@ def main(argv=None) -> int:
                          "--heads; its timings mean nothing)")
     ap.add_argument("--heads", type=int, default=H)
     ap.add_argument("--dim", type=int, default=D, help="vector-state width")
+    sp = ap.add_argument_group("sequence parallel (--sp: each variant and its built-in, "
+                               "sequence-parallel against one shard; dsl_variants_sp.py)")
+    sp.add_argument("--sp", action="store_true",
+                    help="under torchrun, or with --device cpu --world N; --T is then the "
+                         "tokens per rank")
+    sp.add_argument("--strategy", default="forge")
+    sp.add_argument("--repeats", type=int, default=20, help="timed calls")
+    sp.add_argument("--world", type=int, default=1,
+                    help="with --device cpu: ranks to spawn when not launched by torchrun")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("dsl_variants: needs a CUDA device (--device cpu for a smoke run)",
@@ -138,6 +163,11 @@ def main(argv=None) -> int:
         print(f"dsl_variants: --variants: unknown or not runnable {unknown}; choose from "
               f"{RUNNABLE}", file=sys.stderr)
         return 2
+    if args.sp:
+        from scaling_benchmarks import dsl_variants_sp
+
+        args.names = names
+        return dsl_variants_sp.main(args)
     result = results_io.header("dsl_variants", {"B": B, "H": args.heads, "K": K, "V": V,
                                                 "D_vector": args.dim,
                                                 "T": args.T, "dtype": "bfloat16",
@@ -161,10 +191,7 @@ def main(argv=None) -> int:
             continue
         try:
             v = entry.variant
-            kind = v.path(torch.device("cuda"))  # the path a CUDA call takes
-            residual = kind == "template" and v.lowering.residual is not None
-            label = (f"{'residual' if residual else 'template'}:{v.lowering.template}"
-                     if kind == "template" else kind)
+            label = path_label(v)  # the path a CUDA call takes
             x = _inputs(entry, args.T, args.device, args.heads, args.dim)
             fn, kw = _builtin(entry, x)
             builtin_ms = _bench(_fwd(fn, kw), args.device, 10, 50)
@@ -179,7 +206,7 @@ def main(argv=None) -> int:
             ratio = ms / builtin_ms
             # (a residual: the template's kernels plus generated chunk-local work, for a
             # program no template fits: the generated path's target)
-            target = TARGET["template" if kind == "template" and not residual else "generated"]
+            target = TARGET["template" if label.startswith("template:") else "generated"]
             emit(dict(base, impl="dsl", path=label, ms=ms, builtin_ms=builtin_ms,
                       ratio=ratio, target=target, meets_target=ratio <= target,
                       first_call_s=first_s, describe=v.describe()))
