@@ -72,8 +72,10 @@
 #                                                     #   rounds: GPU checks, then hgrn fwd / 16K scan cells (~8 min)
 #   bash scaling_benchmarks/device_batch.sh lo-base   # 1 GPU: launch_overhead at BASE, then here (~4 min)
 #   bash scaling_benchmarks/device_batch.sh sd-base   # 1 GPU: single_device (SD_T) at BASE, then here (~4 min)
-#   bash scaling_benchmarks/device_batch.sh epilogues  # 1-2 GPUs: the DSL's epilogue kernels checked
-#                                                     #   and timed, the layers' errors against fp32 (~9 min)
+#   bash scaling_benchmarks/device_batch.sh epilogues  # 1 GPU: the DSL's epilogue kernels and
+#                                                     #   residual form checked and timed (~9 min)
+#   bash scaling_benchmarks/device_batch.sh sp-errors  # 2 GPUs: the layers' errors against fp32, the
+#                                                     #   DSL catalogue sequence-parallel (~9 min)
 #   bash scaling_benchmarks/device_batch.sh pieces-dsl # 2 GPUs: the delta rule's summary pieces checked
 #                                                     #   on GPUs, the newly lowered DSL entries (~9 min)
 #   OP=hgrn TOKENS=32768 bash scaling_benchmarks/device_batch.sh spprof # 2 GPUs: traces and host
@@ -131,7 +133,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab|stages3|abtiles|final10|pieces-dsl|epilogues) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab|stages3|abtiles|final10|pieces-dsl|epilogues|sp-errors) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -456,23 +458,27 @@ case "$stage" in
         --variants rg_lru,second_decay,input_gate,output_gate_linear,deltanet_two_rates,hgrn_softmax_gate \
         --out "$OUT" --tag s13-new ) ;;
   epilogues)  # 1 GPU, after the fifteenth session: the DSL's epilogues as generated kernels
-    # (output gates, Mamba2's skip term), a strict readout on simple_gla with its chunk-local
-    # residual (Inductor) and the delta rule's on the generated path, checked on CUDA
-    # against fp64, then timed against the built-ins; then the layers' bf16 errors against
-    # fp32 (2 GPUs where there are 2)
+    # (output gates, Mamba2's skip term), the residual form (a strict readout on simple_gla, a
+    # current-token bonus on the delta rule; Inductor) and the delta rule's strict readout on
+    # the generated path, checked on CUDA against fp64, then timed against the built-ins
     ( export CUDA_VISIBLE_DEVICES="$(echo "${CUDA_VISIBLE_DEVICES:-0}" | cut -d, -f1)"
       step dsl_epilogue_gpu 240 python3 -m pytest -v -p no:cacheprovider -m gpu \
         tests/dsl/test_catalogue.py -k "output_gate or mamba2_d_skip or strict_readout or gated_delta_bonus"
-      step dsl_epilogue_bench 240 python3 -m scaling_benchmarks.dsl_variants --budget-s 200 \
+      step dsl_epilogue_bench 300 python3 -m scaling_benchmarks.dsl_variants --budget-s 250 \
         --variants mamba2_d_skip,output_gate,output_gate_linear,gla_output_gate,gated_delta_output_gate,strict_readout,gated_delta_bonus,gated_delta_strict_readout \
-        --out "$OUT" --tag s15-epilogues )
-    if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
-      reap
-      step layers_sp_errors 300 torchrun --nproc-per-node 2 scaling_benchmarks/layers.py --sp \
-        --layers "${LAYERS:-gdn,gla,linear_attn}" --passes fwdbwd --repeats 5 --out "$OUT" \
-        --tag errors-fp32
-      reap
-    fi ;;
+        --out "$OUT" --tag s15-epilogues ) ;;
+  sp-errors)  # 2 GPUs, after the fifteenth session: the layers' bf16 gradient errors against
+    # fp32 beside one GPU's, then the DSL catalogue sequence-parallel against one shard beside
+    # its built-ins (issue 36's 2-rank target)
+    reap
+    step layers_sp_errors 270 torchrun --nproc-per-node 2 scaling_benchmarks/layers.py --sp \
+      --layers "${LAYERS:-gdn,gla,linear_attn}" --passes fwdbwd --repeats 5 --out "$OUT" \
+      --tag errors-fp32
+    reap
+    step dsl_sp 270 torchrun --nproc-per-node 2 -m scaling_benchmarks.dsl_variants --sp \
+      --T 16384 --repeats 10 --out "$OUT" --tag s15-sp \
+      --variants "${VARIANTS:-gate_named_a,relu_pow2,input_gate,output_gate,mamba2_d_skip,strict_readout,gla_gate_gk,gated_delta_a_b,gated_delta_bonus,hgrn_u_f}"
+    reap ;;
   wscell)  # 2 GPUs: one weak-scaling cell, OP MODE (fwd or fwdbwd) B TOKENS TAG STRATEGIES LIMIT,
     # e.g. OP=hgrn MODE=fwd TOKENS=32768 TAG=b1h32-32k-hgrn
     reap
