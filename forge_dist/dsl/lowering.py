@@ -353,9 +353,7 @@ def _epilogue(v) -> Optional[Epilogue]:
     ops (:func:`_is_token_local`) each with exactly one operand that is not a token-local
     function of the inputs alone, to the first node that is not such an op (the
     template's part, ``main``); the epilogue is the map of ``main`` and the inputs those
-    ops read."""
-    if v.vector:
-        return None
+    ops read.  (A vector state's outputs ``[B, T, D]`` take it the same way.)"""
     gm = v.merge.gm
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     if not isinstance(out, fx.Node):
@@ -399,7 +397,7 @@ def _epilogue(v) -> Optional[Epilogue]:
     names = ["o"] + [p.target for p in inputs]
     text = f"({', '.join(names)}) -> {{{', '.join(_op_text(n) for n in chain[len(names):])}}}"
     if len(chain) - len(names) >= PROLOGUE_KERNEL_MIN_OPS and \
-            _runs_as_one_map(chain, {_O: "V", **v.inputs}):
+            _runs_as_one_map(chain, {_O: "D" if v.vector else "V", **v.inputs}):
         fn = _as_kernel(chain, fn)
     return Epilogue(tuple(p.target for p in inputs), only, fn, text)
 

@@ -503,6 +503,10 @@ def _hgrn_merge(state, h, f):
     return h + F.logsigmoid(f).cumsum(-2).exp() * state[..., None, :]
 
 
+def _hgrn_outgate_merge(state, h, f, z):  # HGRN with its output gated by a third input
+    return _hgrn_merge(state, h, f) * torch.sigmoid(z)
+
+
 def _lru_gates(x, r, i, lam):
     log_a = -8.0 * F.softplus(-lam) * torch.sigmoid(r)
     return log_a, torch.sqrt(-torch.expm1(2.0 * log_a)) * (torch.sigmoid(i) * x)
@@ -546,6 +550,10 @@ VECTOR = [
     Entry("hgrn_u_f", (_hgrn_chunk, _hgrn_decay, _hgrn_merge), {"u": "D", "f": "D"},
           "template:hgrn", "hgrn", lambda x: {"x": x["u"], "g": F.logsigmoid(x["f"])},
           state="vector"),
+    Entry("hgrn_output_gate", (_hgrn_chunk, _hgrn_decay, _hgrn_outgate_merge),
+          {"u": "D", "f": "D", "z": "D"}, "template:hgrn", "hgrn",
+          lambda x: {"x": x["u"], "g": F.logsigmoid(x["f"])},
+          post=lambda o, x, s: o * torch.sigmoid(x["z"]), state="vector"),
     Entry("rg_lru", (_lru_chunk, _lru_decay, _lru_merge),
           {"x": "D", "r": "D", "i": "D", "lam": "D"}, "template:hgrn", "hgrn", _lru_mapped,
           state="vector"),

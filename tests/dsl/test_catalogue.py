@@ -92,7 +92,8 @@ WORLD3 = RUNNABLE if os.environ.get("FORGE_DIST_TEST_FULL_CATALOGUE") == "1" els
     "relu_times_relu", "renamed_linear_attn", "gate_named_a", "second_decay", "input_gate",
     "output_gate",
     "retnet_head_decay", "gla_gate_gk", "gla_output_gate", "gated_delta_a_b", "deltanet_lr",
-    "gated_delta_output_gate", "hgrn_u_f", "rg_lru", "hgrn_softmax_gate", "mamba2_d_skip",
+    "gated_delta_output_gate", "hgrn_u_f", "hgrn_output_gate", "rg_lru", "hgrn_softmax_gate",
+    "mamba2_d_skip",
     "strict_readout", "gated_delta_bonus", "gated_delta_strict_readout"]
 
 
@@ -317,13 +318,13 @@ def _template_rows(group, names):
 
 def test_shared_roles_and_epilogues_run_their_template_across_ranks():
     """second_decay (a shared decay), input_gate (a broadcast input gate), the output
-    gates and Mamba2's skip term (epilogues), RetNet's constant decay and a strict readout
-    (a chunk-local residual) on two ranks through the template's Triton kernels."""
+    gates and Mamba2's skip term (epilogues, also on a vector state), RetNet's constant
+    decay and the residual form on two ranks through the template's Triton kernels."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
     names = ["second_decay", "input_gate", "output_gate", "gla_output_gate",
              "gated_delta_output_gate", "retnet_head_decay", "mamba2_d_skip",
-             "strict_readout", "gated_delta_bonus"]
+             "strict_readout", "gated_delta_bonus", "hgrn_output_gate"]
     rows = run_world(2, _template_rows, names, env={"FORGE_DIST_DSL_TRITON": "1",
                                                     "FORGE_DIST_TIMEOUT": "120"})
     for n in names:

@@ -280,6 +280,33 @@ def test_a_residual_form_through_the_templates_kernels(triton_on_cpu, name):
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-4
 
 
+def test_a_vector_states_epilogue_through_the_hgrn_plan(triton_on_cpu, monkeypatch):
+    """HGRN with its outputs gated by a third input: the hgrn template's plan, then the
+    gate as one generated kernel over ``[B, T, D]``; outputs, final state and every
+    gradient against the fp64 recurrence."""
+    from forge_dist.kernels import prologue
+    from tests.dsl.catalogue import CATALOGUE
+
+    entry = CATALOGUE["hgrn_output_gate"]
+    assert entry.variant.lowering.epilogue.reads == ("z",)
+    ran = []
+    real = prologue._MapNFn.apply
+    monkeypatch.setattr(prologue._MapNFn, "apply", lambda *a: ran.append(1) or real(*a))
+    x, h0 = entry.problem(21, D=24, seed=8)
+    leaves = {n: t.float().requires_grad_() for n, t in x.items()}
+    h0f = h0.float().requires_grad_()
+    o, s = entry.variant(**leaves, initial_state=h0f, output_final_state=True)
+    assert ran  # the epilogue's kernel
+    master = {n: t.clone().requires_grad_() for n, t in x.items()}
+    h0m = h0.clone().requires_grad_()
+    o_r, s_r = entry.reference(master, h0m, 1.0)
+    (o.sum() + (s * s).sum()).backward()
+    (o_r.sum() + (s_r * s_r).sum()).backward()
+    for a, b in [(o, o_r), (s, s_r), (h0f.grad, h0m.grad)] + \
+            [(leaves[n].grad, master[n].grad) for n in x]:
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-4
+
+
 def test_a_residual_with_packed_sequences_takes_the_unlowered_path(triton_on_cpu):
     """With ``cu_seqlens`` a residual's chunks would straddle the sequences' starts, so the
     call runs the program itself (the executor on the CPU): each packed sequence equals the
