@@ -465,7 +465,7 @@ case "$stage" in
       step dsl_epilogue_gpu 240 python3 -m pytest -v -p no:cacheprovider -m gpu \
         tests/dsl/test_catalogue.py -k "output_gate or mamba2_d_skip or strict_readout or gated_delta_bonus"
       step dsl_epilogue_bench 300 python3 -m scaling_benchmarks.dsl_variants --budget-s 250 \
-        --variants mamba2_d_skip,output_gate,output_gate_linear,gla_output_gate,gated_delta_output_gate,strict_readout,gated_delta_bonus,gated_delta_strict_readout \
+        --variants mamba2_d_skip,output_gate,output_gate_linear,gla_output_gate,gated_delta_output_gate,hgrn_output_gate,strict_readout,gated_delta_bonus,gated_delta_strict_readout \
         --out "$OUT" --tag s15-epilogues ) ;;
   sp-errors)  # 2 GPUs, after the fifteenth session: the layers' bf16 gradient errors against
     # fp32 beside one GPU's, then the DSL catalogue sequence-parallel against one shard beside

@@ -197,7 +197,8 @@ def test_warns_once_per_variant_off_the_templates(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["relu_pow2", "gla_gate_gk", "gated_delta_a_b", "hgrn_u_f",
                                   "second_decay", "output_gate", "output_gate_linear",
-                                  "gla_output_gate", "gated_delta_output_gate", "rg_lru",
+                                  "gla_output_gate", "gated_delta_output_gate",
+                                  "hgrn_output_gate", "rg_lru",
                                   "hgrn_softmax_gate", "mamba2_d_skip", "strict_readout",
                                   "gated_delta_bonus", "gated_delta_strict_readout",
                                   "input_gate"])
