@@ -76,6 +76,8 @@
 #                                                     #   residual form checked and timed (~9 min)
 #   bash scaling_benchmarks/device_batch.sh sp-errors  # 2 GPUs: the layers' errors against fp32, the
 #                                                     #   DSL catalogue sequence-parallel (~9 min)
+#   bash scaling_benchmarks/device_batch.sh graphs     # 1 GPU: the layers as CUDA graphs, checked and
+#                                                     #   timed beside FLA's (~10 min)
 #   bash scaling_benchmarks/device_batch.sh pieces-dsl # 2 GPUs: the delta rule's summary pieces checked
 #                                                     #   on GPUs, the newly lowered DSL entries (~9 min)
 #   OP=hgrn TOKENS=32768 bash scaling_benchmarks/device_batch.sh spprof # 2 GPUs: traces and host
@@ -133,7 +135,7 @@ unset TRITON_INTERPRET
 # compiled kernels stay in the (ignored) tree, so a second call on a warm machine skips the cold compile
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 for st in "$@"; do
-  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab|stages3|abtiles|final10|pieces-dsl|epilogues|sp-errors) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
+  case "$st" in tests|kernels|runtime|single|comm|scaling|train|ws4|ws2|segtests|long|bwd|wsbwd|tuned|sp2|sp2b|sp2c|sp2d|sp2e|sumbwd|robust|faults|graph|rt|rt2|onegpu|prolog|prologbench|trainstep|trainstep-kernels|trainhost-tests|trainhost-bench|sptrain|spgdn|sptune|sp4|spfinal|verify-mg|verify-gpu|verify-bench|layers-sp|verify4|layers|scan4|hier4|hier2|scanprof|prof16k|keptplans|pytest|lo-base|sd-base|spprof|wscell|hgrn-verify|fla-verify|suite4|mg4|leanscan|leanscan4|shares|mqar4|sumtiles|fusedscan|mqarab|stages3|abtiles|final10|pieces-dsl|epilogues|sp-errors|graphs) ;; *) sed -n "2,/^# Every step/p" "$0"; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^# Every step/p" "$0"; exit 2; }
 case " $* " in *" pytest "*) [ -n "${PYTEST_ARGS:-}" ] || { echo "pytest: set PYTEST_ARGS" >&2; exit 2; } ;; esac
@@ -467,6 +469,13 @@ case "$stage" in
       step dsl_epilogue_bench 300 python3 -m scaling_benchmarks.dsl_variants --budget-s 250 \
         --variants mamba2_d_skip,output_gate,output_gate_linear,gla_output_gate,gated_delta_output_gate,hgrn_output_gate,strict_readout,gated_delta_bonus,gated_delta_strict_readout \
         --out "$OUT" --tag s15-epilogues ) ;;
+  graphs)  # 1 GPU, after the fifteenth session: every layer captured as CUDA graphs
+    # (forge_dist.nn.graphed) against the eager layer, then timed beside FLA's and the eager
+    # layer (carry .whl for FLA's rows); the lever for host-bound layers
+    ( export CUDA_VISIBLE_DEVICES="$(echo "${CUDA_VISIBLE_DEVICES:-0}" | cut -d, -f1)"
+      step graphed_gpu 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/nn/test_graphed_gpu.py
+      step layers_graphed 330 python3 scaling_benchmarks/layers.py --graphed --no-breakdown \
+        --layers "${LAYERS:-gdn,gla,hgrn,linear_attn,retnet}" --out "$OUT" --tag graphed ) ;;
   sp-errors)  # 2 GPUs, after the fifteenth session: the layers' bf16 gradient errors against
     # fp32 beside one GPU's, then the DSL catalogue sequence-parallel against one shard beside
     # its built-ins (issue 36's 2-rank target)

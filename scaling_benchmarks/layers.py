@@ -7,6 +7,10 @@ input ``x [2, 8192, 1024]`` in bf16:
 * ``fwd`` rows: the forward under ``torch.no_grad``;
 * ``fwdbwd`` rows: forward + backward of ``(o * w).sum()`` for a fixed random ``w``.
 
+With ``--graphed`` each layer also gets ``forge_dist_graphed`` rows: the same layer captured as
+CUDA graphs (:func:`forge_dist.nn.graphed`), its time, host time and error against the eager
+layer.
+
 Our rows record ``max_rel_err`` against FLA (``max |ours - fla| / max |fla|`` over the output,
 and for ``fwdbwd`` also over ``dx`` and every parameter gradient), ``speedup`` (FLA's time over
 ours), and a breakdown: ``gemm_ms`` (the layer's ``nn.Linear`` calls timed alone on inputs of
@@ -149,6 +153,39 @@ def _host_us(fn, calls: int = 10) -> float:
     return 1e6 * host / calls
 
 
+def _graphed_row(layer, name, pas, x0, w, fla_ms, rep):
+    """The row of ``layer`` captured as CUDA graphs (:func:`forge_dist.nn.graphed`): its time,
+    host time and error against the eager layer on the same input."""
+    import copy
+
+    from forge_dist import nn as fnn
+
+    row = {"layer": name, "pass": pas, "impl": "forge_dist_graphed"}
+    try:
+        eager = copy.deepcopy(layer)  # (the capture's warm-up calls touch the layer's grads)
+        step = fnn.graphed(layer, x0.detach().clone().requires_grad_(pas == "fwdbwd"))
+        x = x0.detach().clone().requires_grad_(pas == "fwdbwd")
+        want = _run(eager, x.detach().clone().requires_grad_(pas == "fwdbwd"), w, pas)()
+
+        def run():
+            if pas == "fwd":
+                with torch.no_grad():
+                    return step(x)
+            x.grad = None
+            o = step(x)
+            (o.float() * w).sum().backward()
+            return o
+        row["max_rel_err"] = _max_rel(run().detach(), want.detach())
+        row["ms"] = _bench(run, rep)
+        row["host_us"] = _host_us(run)
+        if fla_ms:
+            row["speedup"] = fla_ms / row["ms"]
+    except Exception as e:  # noqa: BLE001 - a layer that does not capture is a row
+        traceback.print_exc()
+        row["skipped"] = _reason(e)
+    return row
+
+
 def _reason(e: Exception) -> str:
     """An exception as a one-line skip reason."""
     first = str(e).splitlines()[0][:300] if str(e) else ""
@@ -226,13 +263,16 @@ def plot(result, png):
 
     rows = [r for r in result["rows"] if "ms" in r]
     names = list(dict.fromkeys(r["layer"] for r in rows))
+    impls = [i for i in ("fla", "forge_dist", "forge_dist_graphed")
+             if i != "forge_dist_graphed" or any(r["impl"] == i for r in rows)]
+    width = 0.8 / len(impls)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
     for ax, pas in zip(axes[0], ("fwd", "fwdbwd")):
-        for i, impl in enumerate(("fla", "forge_dist")):
+        for i, impl in enumerate(impls):
             ys = [next((r["ms"] for r in rows if r["layer"] == n and r["pass"] == pas
                         and r["impl"] == impl), 0.0) for n in names]
-            ax.bar([j + 0.4 * i for j in range(len(names))], ys, width=0.4, label=impl)
-        ax.set_xticks([j + 0.2 for j in range(len(names))])
+            ax.bar([j + width * i for j in range(len(names))], ys, width=width, label=impl)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
         ax.set_xticklabels(names, rotation=30, fontsize=8)
         ax.set_ylabel("ms")
         ax.set_title(pas)
@@ -250,6 +290,8 @@ def main(argv=None):
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--rep", type=int, default=50, help="do_bench time per measurement, ms")
     ap.add_argument("--no-breakdown", action="store_true", help="skip gemm_ms / op_ms")
+    ap.add_argument("--graphed", action="store_true",
+                    help="also rows of our layer captured as CUDA graphs (forge_dist.nn.graphed)")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile N calls of our layer: device time per kernel "
                          "(kernels_us, the 15 largest) in its row")
@@ -357,6 +399,8 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 add({"layer": name, "pass": pas, "impl": "forge_dist", "skipped": _reason(e)})
+            if args.graphed:
+                add(_graphed_row(ours, name, pas, x0, w, fla_ms, args.rep))
             x = run = ref = ref_grads = None
             torch.cuda.empty_cache()
         ours = theirs = None
