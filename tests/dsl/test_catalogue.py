@@ -289,10 +289,10 @@ def test_calls_on_the_generated_path_run_its_graphs_and_scan(monkeypatch):
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-5
 
 
-def _template_rows(group, names):
+def _template_rows(group, names, strategy="serial"):
     """Entries lowered with shared roles or an epilogue, through their template's kernels
-    (interpreted) on this world's ranks: relative error against the fp64 recurrence, and
-    whether every part ran a kernel work."""
+    (interpreted) on this world's ranks under ``strategy`` (forge: the simulated transport):
+    relative error against the fp64 recurrence, and whether every part ran a kernel work."""
     from forge_dist import kernels
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -306,7 +306,7 @@ def _template_rows(group, names):
         x, h0 = entry.problem(8 * world, K=16, V=16, seed=2)
         xs = {k: t.float() for k, t in _shard(x, rank, 8).items()}
         o, final = entry.variant(**xs, scale=SCALE, initial_state=h0.float(),
-                                 output_final_state=True, group=group, strategy="serial")
+                                 output_final_state=True, group=group, strategy=strategy)
         parts = [torch.empty_like(o) for _ in range(world)]
         dist.all_gather(parts, o.contiguous(), group=group)
         dist.broadcast(final, src=world - 1, group=group)
@@ -328,6 +328,19 @@ def test_shared_roles_and_epilogues_run_their_template_across_ranks():
              "strict_readout", "gated_delta_bonus", "hgrn_output_gate"]
     rows = run_world(2, _template_rows, names, env={"FORGE_DIST_DSL_TRITON": "1",
                                                     "FORGE_DIST_TIMEOUT": "120"})
+    for n in names:
+        err, kernels_ran = rows[n]
+        assert kernels_ran and err < 1e-4, (n, rows[n])
+
+
+def test_epilogues_and_residuals_under_forge_across_three_ranks():
+    """The epilogue and residual forms under forge (the simulated transport carries the
+    template's state) on three ranks: the middle rank both receives and sends."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
+    names = ["mamba2_d_skip", "strict_readout", "gated_delta_bonus", "hgrn_output_gate"]
+    rows = run_world(3, _template_rows, names, "forge",
+                     env={"FORGE_DIST_DSL_TRITON": "1", "FORGE_DIST_TIMEOUT": "120"})
     for n in names:
         err, kernels_ran = rows[n]
         assert kernels_ran and err < 1e-4, (n, rows[n])
