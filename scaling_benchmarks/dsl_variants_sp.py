@@ -19,17 +19,14 @@ the median over repeats.  Rows go to JSON as they complete, then a PNG.
 """
 from __future__ import annotations
 
-import datetime
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaling_benchmarks import dsl_variants as dv, results_io  # noqa: E402
+from scaling_benchmarks import dsl_variants as dv, results_io, spmd  # noqa: E402
 from scaling_benchmarks import weak_scaling as ws  # noqa: E402
 
 CPU_TOKENS, CPU_HEADS, CPU_DIM = 32, 2, 16  # the CPU smoke run's shard and widths
@@ -78,67 +75,25 @@ def run_variant(name: str, *, group, strategy: str, device, tokens: int, heads: 
 
 
 def worker(args) -> int:
-    import torch.distributed as dist
-
-    from forge_dist import launch_env
-    from forge_dist.sp import p2p
-
-    info = launch_env.detect(use_mpi4py=False)
-    cpu = args.device == "cpu" or not torch.cuda.is_available()
-    if cpu:
-        device, backend = torch.device("cpu"), "gloo"
-    else:
-        torch.cuda.set_device(info.local_rank)
-        device, backend = torch.device("cuda", info.local_rank), "nccl"
-    bound = datetime.timedelta(seconds=p2p.timeout_seconds())  # every wait bounded
-    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=bound,
-                            **({"device_id": device} if device.type == "cuda" else {}))
-    control = dist.group.WORLD  # only this loop's agreement on how each variant went
-    group = dist.new_group(list(range(dist.get_world_size())), timeout=bound)
-    P, rank = dist.get_world_size(), dist.get_rank()
-    tokens = args.T if not cpu else min(args.T, CPU_TOKENS)
-    heads, dim = (args.heads, args.dim) if not cpu else (CPU_HEADS, CPU_DIM)
-    warmup, repeats = (1, 2) if cpu else (3, args.repeats)
+    world = spmd.start(args.device == "cpu")
+    tokens = args.T if not world.cpu else min(args.T, CPU_TOKENS)
+    heads, dim = (args.heads, args.dim) if not world.cpu else (CPU_HEADS, CPU_DIM)
+    warmup, repeats = (1, 2) if world.cpu else (3, args.repeats)
     result = results_io.header("dsl_variants_sp", {
         "B": dv.B, "H": heads, "K": dv.K, "V": dv.V, "D_vector": dim, "tokens_per_gpu": tokens,
         "dtype": "bfloat16", "pass": "fwd", "strategy": args.strategy, "warmup": warmup,
-        "repeats": repeats}, world_size=P)
+        "repeats": repeats}, world_size=world.size)
     if args.tag:
         result["tag"] = args.tag
-    out_dir = Path(args.out) if args.out else None
-    path = results_io.results_path(result, out_dir)
-    if rank == 0:
-        path = results_io.write(result, out_dir)
-    for name in args.names:
-        try:
-            rows = run_variant(name, group=group, strategy=args.strategy, device=device,
-                               tokens=tokens, heads=heads, dim=dim, warmup=warmup,
-                               repeats=repeats)
-        except Exception as e:  # noqa: BLE001 - recorded; the next variant runs
-            traceback.print_exc()
-            rows = [{"op": name, "impl": "dsl",
-                     "skipped": f"rank {rank}: {type(e).__name__}: {e}"[:500]}]
-        everyone = [None] * P
-        dist.all_gather_object(everyone, rows, group=control)
-        failed = [rs for rs in everyone if any("skipped" in row for row in rs)]
-        if failed:  # a call raised on some rank and may have left collectives half done
-            rows = failed[0]
-            group = dist.new_group(list(range(P)), timeout=bound)
-        if rank == 0:
-            result["rows"].extend(rows)
-            results_io.write(result, out_dir)
-            for row in rows:
-                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                       if k != "per_rank"}, flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if rank == 0:
-        try:
-            plot(result, path.with_suffix(".png"))
-        except Exception as e:  # noqa: BLE001
-            print(f"plot failed: {e}", file=sys.stderr)
-        print(f"wrote {path}")
-    dist.destroy_process_group()
+
+    def make_rows(name, group):
+        return run_variant(name, group=group, strategy=args.strategy, device=world.device,
+                           tokens=tokens, heads=heads, dim=dim, warmup=warmup, repeats=repeats)
+
+    def failed_row(name, why):
+        return {"op": name, "impl": "dsl", "skipped": why}
+    spmd.run_rows(world, args.names, make_rows, failed_row, result,
+                  Path(args.out) if args.out else None, plot)
     return 0
 
 
@@ -167,30 +122,13 @@ def plot(result, png):
     fig.savefig(png, dpi=120)
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    worker(args)
-
-
 def main(args) -> int:
     """``args``: dsl_variants.py's parsed arguments (``--sp`` and the options it reads)."""
     from forge_dist import launch_env
 
-    if launch_env.detect(use_mpi4py=False).source != "single":
-        return worker(args)
-    if args.device != "cpu" or args.world <= 1:
+    if launch_env.detect(use_mpi4py=False).source == "single" and (
+            args.device != "cpu" or args.world <= 1):
         print("dsl_variants.py --sp: run it under torchrun (one process per GPU), or on the "
               "CPU with --device cpu --world N (N >= 2)", file=sys.stderr)
         return 2
-    import torch.multiprocessing as mp
-
-    from forge_dist.selftest import free_port
-
-    try:
-        mp.start_processes(_spawned, args=(args.world, free_port(), args), nprocs=args.world,
-                           join=True, start_method="spawn")
-    except mp.ProcessExitedException as err:
-        return err.exit_code or 1
-    return 0
+    return spmd.launch(worker, args, args.world)

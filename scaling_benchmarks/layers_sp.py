@@ -23,17 +23,14 @@ repeat, the median over repeats.  Rows go to JSON as they complete, then a PNG.
 """
 from __future__ import annotations
 
-import datetime
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaling_benchmarks import layers as lb, results_io  # noqa: E402
+from scaling_benchmarks import layers as lb, results_io, spmd  # noqa: E402
 from scaling_benchmarks import weak_scaling as ws  # noqa: E402
 
 #: CPU smoke shapes: B, tokens per rank (the layers' widths stay FLA's at hidden 1024)
@@ -151,72 +148,28 @@ def run_layer(name, pas, *, group, strategy, device, dtype, B, tokens, warmup, r
 
 
 def worker(args) -> int:
-    import torch.distributed as dist
-
-    from forge_dist import launch_env
-    from forge_dist.sp import p2p
-
-    info = launch_env.detect(use_mpi4py=False)
-    cpu = args.cpu or not torch.cuda.is_available()
-    if cpu:
-        device, dtype, backend = torch.device("cpu"), getattr(torch, args.cpu_dtype), "gloo"
-    else:
-        local = info.local_rank
-        torch.cuda.set_device(local)
-        device, dtype, backend = torch.device("cuda", local), torch.bfloat16, "nccl"
-    # every wait bounded (a rank that raised where its peers do not wait for it must not
-    # leave them in a collective for NCCL's or gloo's default of 10-30 minutes)
-    bound = datetime.timedelta(seconds=p2p.timeout_seconds())
-    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=bound,
-                            **({"device_id": device} if device.type == "cuda" else {}))
-    control = dist.group.WORLD  # only this loop's agreement on how each row went
-    group = dist.new_group(list(range(dist.get_world_size())), timeout=bound)  # the layers
-    P, rank = dist.get_world_size(), dist.get_rank()
-    B = CPU_B if cpu else lb.B
-    tokens = args.tokens_per_gpu or (CPU_TOKENS if cpu else lb.T)
-    warmup, repeats = (1, args.repeats or 2) if cpu else (3, args.repeats or 20)
+    world = spmd.start(args.cpu)
+    dtype = getattr(torch, args.cpu_dtype) if world.cpu else torch.bfloat16
+    B = CPU_B if world.cpu else lb.B
+    tokens = args.tokens_per_gpu or (CPU_TOKENS if world.cpu else lb.T)
+    warmup, repeats = (1, args.repeats or 2) if world.cpu else (3, args.repeats or 20)
     result = results_io.header("layers_sp", {
         "B": B, "tokens_per_gpu": tokens, "hidden": lb.HIDDEN, "dtype": str(dtype)[6:],
         "strategy": args.strategy, "warmup": warmup, "repeats": repeats,
-        "layers": {n: lb.LAYERS[n][2] for n in lb.LAYERS}}, world_size=P)
+        "layers": {n: lb.LAYERS[n][2] for n in lb.LAYERS}}, world_size=world.size)
     if args.tag:
         result["tag"] = args.tag
-    out_dir = Path(args.out) if args.out else None
-    path = results_io.results_path(result, out_dir)
-    if rank == 0:
-        path = results_io.write(result, out_dir)
+    items = [(name, pas) for name in args.layers.split(",") if name
+             for pas in args.passes.split(",")]
 
-    for name in [n for n in args.layers.split(",") if n]:
-        for pas in args.passes.split(","):
-            try:
-                row = run_layer(name, pas, group=group, strategy=args.strategy, device=device,
-                                dtype=dtype, B=B, tokens=tokens, warmup=warmup,
-                                repeats=repeats)
-            except Exception as e:  # noqa: BLE001 - recorded; the next row runs
-                traceback.print_exc()
-                row = {"layer": name, "pass": pas, "impl": "forge_dist",
-                       "skipped": f"rank {rank}: {lb._reason(e)}"}
-            rows = [None] * P
-            dist.all_gather_object(rows, row, group=control)
-            failed = [r for r in rows if "skipped" in r]
-            if failed:  # a call raised on some rank and may have left collectives half
-                # done: every rank goes on with a new group (README, "Sequence parallelism")
-                row = failed[0]
-                group = dist.new_group(list(range(P)), timeout=bound)
-            if rank == 0:
-                result["rows"].append(row)
-                results_io.write(result, out_dir)
-                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                       if k != "per_rank"}, flush=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    if rank == 0:
-        try:
-            plot(result, path.with_suffix(".png"))
-        except Exception as e:  # noqa: BLE001
-            print(f"plot failed: {e}", file=sys.stderr)
-        print(f"wrote {path}")
-    dist.destroy_process_group()
+    def make_rows(item, group):
+        return [run_layer(*item, group=group, strategy=args.strategy, device=world.device,
+                          dtype=dtype, B=B, tokens=tokens, warmup=warmup, repeats=repeats)]
+
+    def failed_row(item, why):
+        return {"layer": item[0], "pass": item[1], "impl": "forge_dist", "skipped": why}
+    spmd.run_rows(world, items, make_rows, failed_row, result,
+                  Path(args.out) if args.out else None, plot)
     return 0
 
 
@@ -246,13 +199,6 @@ def plot(result, png):
     fig.savefig(png, dpi=120)
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    worker(args)
-
-
 def main(args) -> int:
     """``args``: layers.py's parsed arguments (``--sp`` and the options it reads)."""
     from forge_dist import launch_env
@@ -261,23 +207,13 @@ def main(args) -> int:
     if unknown:
         print(f"--layers: unknown {unknown}; choose from {list(lb.LAYERS)}", file=sys.stderr)
         return 2
-    if launch_env.detect(use_mpi4py=False).source != "single":
-        return worker(args)
-    if args.world <= 1:
-        print("layers.py --sp: run it under torchrun (one process per GPU), or on the CPU "
-              "with --cpu --world N (N >= 2)", file=sys.stderr)
-        return 2
-    if not args.cpu:
-        print("layers.py --sp: --world spawns local processes; use torchrun for GPUs "
-              "(or pass --cpu)", file=sys.stderr)
-        return 2
-    import torch.multiprocessing as mp
-
-    from forge_dist.selftest import free_port
-
-    try:
-        mp.start_processes(_spawned, args=(args.world, free_port(), args), nprocs=args.world,
-                           join=True, start_method="spawn")
-    except mp.ProcessExitedException as err:
-        return err.exit_code or 1
-    return 0
+    if launch_env.detect(use_mpi4py=False).source == "single":
+        if args.world <= 1:
+            print("layers.py --sp: run it under torchrun (one process per GPU), or on the CPU "
+                  "with --cpu --world N (N >= 2)", file=sys.stderr)
+            return 2
+        if not args.cpu:
+            print("layers.py --sp: --world spawns local processes; use torchrun for GPUs "
+                  "(or pass --cpu)", file=sys.stderr)
+            return 2
+    return spmd.launch(worker, args, args.world)
