@@ -155,7 +155,7 @@ step() {  # step NAME SECONDS COMMAND...
 reap() {  # workers that a timed-out step left behind (torchrun starts its own sessions);
   # REAP=0 where another job runs on the other cards (pkill does not know whose workers they are)
   [ "${REAP:-1}" = 1 ] || return 0
-  pkill -9 -f "tests/comm/multigpu_worker.py|tests/sp/kernel_path_worker.py|torch.distributed.run|bin/torchrun|weak_scaling.py|launch/train.py" 2>/dev/null
+  pkill -9 -f "tests/comm/multigpu_worker.py|tests/sp/kernel_path_worker.py|torch.distributed.run|bin/torchrun|weak_scaling.py|launch/train.py|scaling_benchmarks/layers.py|scaling_benchmarks.dsl_variants" 2>/dev/null
   sleep 2
 }
 
@@ -479,6 +479,9 @@ case "$stage" in
   sp-errors)  # 2 GPUs, after the fifteenth session: the layers' bf16 gradient errors against
     # fp32 beside one GPU's, then the DSL catalogue sequence-parallel against one shard beside
     # its built-ins (issue 36's 2-rank target)
+    if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 2 ]; then
+      echo "== sp-errors: skipped, it needs 2 GPUs" | tee -a "$OUT/batch.log"; continue
+    fi
     reap
     step layers_sp_errors 270 torchrun --nproc-per-node 2 scaling_benchmarks/layers.py --sp \
       --layers "${LAYERS:-gdn,gla,linear_attn}" --passes fwdbwd --repeats 5 --out "$OUT" \

@@ -141,7 +141,7 @@ def main(argv=None) -> int:
                                "sequence-parallel against one shard; dsl_variants_sp.py)")
     sp.add_argument("--sp", action="store_true",
                     help="under torchrun, or with --device cpu --world N; --T is then the "
-                         "tokens per rank")
+                         "tokens per rank (--budget-s and --path do not apply)")
     sp.add_argument("--strategy", default="forge")
     sp.add_argument("--repeats", type=int, default=20, help="timed calls")
     sp.add_argument("--world", type=int, default=1,

@@ -2,7 +2,7 @@
 against what the nearest built-in op adds over its own.
 
 Run by ``dsl_variants.py --sp`` under torchrun (one GPU per rank, NCCL), or on the CPU with
-``--cpu --world N`` (gloo processes, tiny shards: a check of the code path, not a timing).
+``--device cpu --world N`` (gloo processes, tiny shards: a check of the code path, not a timing).
 Each rank builds the same global inputs (the catalogue's problem, features bf16, per-head
 scalars fp32) and takes its shard of the sequence.  Per variant, forward under
 ``torch.no_grad``, four timings, every rank at once:

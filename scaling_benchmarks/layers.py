@@ -8,8 +8,8 @@ input ``x [2, 8192, 1024]`` in bf16:
 * ``fwdbwd`` rows: forward + backward of ``(o * w).sum()`` for a fixed random ``w``.
 
 With ``--graphed`` each layer also gets ``forge_dist_graphed`` rows: the same layer captured as
-CUDA graphs (:func:`forge_dist.nn.graphed`), its time, host time and error against the eager
-layer.
+CUDA graphs (:func:`forge_dist.nn.graphed`), its time, host time and ``vs_eager_rel_err``
+(against the eager layer; not with ``--sp``).
 
 Our rows record ``max_rel_err`` against FLA (``max |ours - fla| / max |fla|`` over the output,
 and for ``fwdbwd`` also over ``dx`` and every parameter gradient), ``speedup`` (FLA's time over
@@ -154,28 +154,39 @@ def _host_us(fn, calls: int = 10) -> float:
 
 
 def _graphed_row(layer, name, pas, x0, w, fla_ms, rep):
-    """The row of ``layer`` captured as CUDA graphs (:func:`forge_dist.nn.graphed`): its time,
-    host time and error against the eager layer on the same input."""
+    """The row of ``layer`` captured as CUDA graphs (:func:`forge_dist.nn.graphed`; for
+    ``fwd`` under ``torch.no_grad``, as the eager row runs): its time, host time and
+    ``vs_eager_rel_err``, the largest ``max |a - b| / max |b|`` against the eager layer over
+    the output and, for ``fwdbwd``, ``dx`` and every parameter's gradient."""
     import copy
 
     from forge_dist import nn as fnn
 
     row = {"layer": name, "pass": pas, "impl": "forge_dist_graphed"}
+    grad = pas == "fwdbwd"
     try:
         eager = copy.deepcopy(layer)  # (the capture's warm-up calls touch the layer's grads)
-        step = fnn.graphed(layer, x0.detach().clone().requires_grad_(pas == "fwdbwd"))
-        x = x0.detach().clone().requires_grad_(pas == "fwdbwd")
-        want = _run(eager, x.detach().clone().requires_grad_(pas == "fwdbwd"), w, pas)()
+        x = x0.detach().clone().requires_grad_(grad)
+        xe = x0.detach().clone().requires_grad_(grad)
+        want = _run(eager, xe, w, pas)().detach()
+        with torch.set_grad_enabled(grad):
+            step = fnn.graphed(layer, x0.detach().clone().requires_grad_(grad))
 
         def run():
-            if pas == "fwd":
+            if not grad:
                 with torch.no_grad():
                     return step(x)
             x.grad = None
+            for p in layer.parameters():
+                p.grad = None
             o = step(x)
             (o.float() * w).sum().backward()
             return o
-        row["max_rel_err"] = _max_rel(run().detach(), want.detach())
+        errs = [_max_rel(run().detach(), want)]
+        if grad:
+            errs += [_max_rel(a, b) for a, b in zip(_grads(layer, x), _grads(eager, xe))
+                     if a is not None and b is not None]
+        row["vs_eager_rel_err"] = max(errs)
         row["ms"] = _bench(run, rep)
         row["host_us"] = _host_us(run)
         if fla_ms:
@@ -322,6 +333,10 @@ def main(argv=None):
             plot(data, Path(args.plot).with_suffix(".png"))
         return 0
     if args.sp:
+        if args.graphed:
+            print("layers.py: --graphed times one GPU's layers; it does not go with --sp",
+                  file=sys.stderr)
+            return 2
         from scaling_benchmarks import layers_sp
         return layers_sp.main(args)
     if not torch.cuda.is_available():

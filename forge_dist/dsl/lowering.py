@@ -444,8 +444,10 @@ class Residual:
     variant's outputs are the template's plus this, for any chunking: so the template's
     kernels carry the state and only chunk-local work is left (a strict mask inside the
     chunk, a bonus for the current token).  It runs as PyTorch graphs, compiled by Inductor
-    on CUDA where the generated path would be (:func:`.generated.unlowered_path`), one
-    compiled function for every chunk length (the ragged tail is a chunk of its own)."""
+    on CUDA where the generated path would be (:func:`.generated.unlowered_path`), compiled
+    with dynamic shapes, so whole chunks and the ragged tail share it.  (Every residual
+    shares :meth:`_chunks`'s code: past Dynamo's limit of compiled versions per function,
+    8 by default, further variants, dtypes or scales run it eagerly.)"""
 
     def __init__(self, v, template: str):
         from .builtins import BUILTINS  # lazy: builtins compiles variants, which lower
@@ -494,8 +496,10 @@ class Residual:
 def _residual(v, template: str) -> Tuple[Optional[Residual], str]:
     """The residual form's parts, or ``None`` and why it cannot apply: a vector state, or
     a merge with no graph at a zero state."""
-    if template not in RESIDUAL_TEMPLATES or v.vector:
+    if v.vector:
         return None, "a vector state"
+    if template not in RESIDUAL_TEMPLATES:
+        return None, f"the {template} template has no residual form"
     if v.merge_offset is None:
         return None, "merge_mode has no graph at a zero state"
     res = Residual(v, template)

@@ -88,3 +88,8 @@ def test_bf16_rows_hold_the_sequence_parallel_error_to_one_devices(tmp_path):
     assert 0 < row["one_device_vs_fp32"] < 3e-2, row  # bf16's own noise, not an O(1) error
     assert row["sp_vs_fp32"] <= 1.5 * row["one_device_vs_fp32"], row
     assert row["max_rel_err"] < 3e-2 and row["rms_rel_err"] < 3e-2 and row["worst_tensor"], row
+
+
+def test_graphed_rows_do_not_go_with_sp(tmp_path):
+    proc = _run(tmp_path, "--world", "2", "--graphed")
+    assert proc.returncode == 2 and "--graphed" in proc.stderr

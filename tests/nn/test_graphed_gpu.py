@@ -53,4 +53,22 @@ def test_a_graphed_layer_equals_the_eager_layer(name):
             if pe.grad is not None:
                 assert rel(p.grad, pe.grad) < 2e-2, n
     with pytest.raises(ValueError, match="must match the captured sample"):
-        step(torch.randn(B, T // 2, HIDDEN, device="cuda", dtype=torch.bfloat16))
+        step(torch.randn(B, T // 2, HIDDEN, device="cuda", dtype=torch.bfloat16,
+                         requires_grad=True))
+    with pytest.raises(ValueError, match="must match the captured sample"):
+        step(torch.randn(B, T, HIDDEN, device="cuda", dtype=torch.bfloat16))  # no grad
+
+
+@pytest.mark.parametrize("name", ["GatedDeltaNet", "HGRNAttention", "Mamba2"])
+def test_a_layer_captured_under_no_grad_replays_its_forward(name):
+    torch.manual_seed(0)
+    layer = getattr(fnn, name)(hidden_size=HIDDEN, layer_idx=1, **LAYERS[name])
+    layer = layer.cuda().to(torch.bfloat16).eval()
+    B, T = 2, 1024
+    with torch.no_grad():
+        step = fnn.graphed(layer, torch.randn(B, T, HIDDEN, device="cuda",
+                                              dtype=torch.bfloat16))
+        for seed in (1, 2):
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            x = torch.randn(B, T, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+            assert rel(step(x).clone(), layer(x)[0]) < 1e-2
