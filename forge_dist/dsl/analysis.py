@@ -428,9 +428,7 @@ def offset_part(phase: Phase, dependent: set) -> Optional[fx.GraphModule]:
             env[n] = zero if n.name in dependent else node
             continue
         if n.name not in dependent:
-            operands = []
-            fx.node.map_arg((n.args, n.kwargs), operands.append)
-            if any(env[a] is zero for a in operands):
+            if any(env[a] is zero for a in n.all_input_nodes):
                 return None  # reads the state's metadata (dtype, shape): no state-free graph
             env[n] = g.node_copy(n, lambda a: env[a])
             continue
@@ -449,11 +447,9 @@ def offset_part(phase: Phase, dependent: set) -> Optional[fx.GraphModule]:
             else:
                 env[n] = g.node_copy(n, lambda a: env[a])
         elif cat in _ZERO_TO_ZERO:
-            operands = []
-            fx.node.map_arg((n.args, n.kwargs), operands.append)
             # linear in its one state-dependent operand: zero where that is (else the op
             # applies to the operand's offset, as in ``scale * (intra + q @ S)``)
-            env[n] = zero if any(env[a] is zero for a in operands) else \
+            env[n] = zero if any(env[a] is zero for a in n.all_input_nodes) else \
                 g.node_copy(n, lambda a: env[a])
         else:
             return None
